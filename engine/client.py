@@ -1,0 +1,212 @@
+"""EngineClient: the async client the gateway uses to talk to one worker.
+
+Many requests are multiplexed over one connection. A background reader routes each frame to
+the request (or call) waiting for it. When the connection drops, every in-flight request
+fails with EngineDeadError; the next call reconnects, so a restarted worker is picked up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from engine.protocol import (
+    EngineDeadError,
+    EngineStats,
+    InvalidRequestError,
+    ModelInfo,
+    RequestOutput,
+    SamplingParams,
+)
+from engine.wire import (
+    Abort,
+    Codec,
+    FrameError,
+    GetStats,
+    Hello,
+    Outputs,
+    Ping,
+    Pong,
+    Rejected,
+    StatsReply,
+    Submit,
+    ToClient,
+    parse_address,
+    read_frame,
+)
+
+log = logging.getLogger(__name__)
+
+_Item = RequestOutput | BaseException
+
+
+class EngineClient:
+    def __init__(self, address: str, *, connect_timeout: float = 5.0) -> None:
+        parse_address(address)  # fail fast on a malformed address
+        self.address = address
+        self.connect_timeout = connect_timeout
+        self.info: ModelInfo | None = None
+        self._codec = Codec(ToClient)
+        self._reader_task: asyncio.Task[None] | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._streams: dict[str, asyncio.Queue[_Item]] = {}
+        self._calls: dict[int, asyncio.Future[msgspec.Struct]] = {}
+        self._call_ids = itertools.count()
+        self._connect_lock = asyncio.Lock()
+
+    @property
+    def connected(self) -> bool:
+        return self._writer is not None and not self._writer.is_closing()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def connect(self) -> ModelInfo:
+        """Connect (or reconnect) and return what the worker serves."""
+        async with self._connect_lock:
+            if self.connected and self.info is not None:
+                return self.info
+            kind, host, port = parse_address(self.address)
+            try:
+                async with asyncio.timeout(self.connect_timeout):
+                    if kind == "unix":
+                        reader, writer = await asyncio.open_unix_connection(host)
+                    else:
+                        reader, writer = await asyncio.open_connection(host, port)
+                    body = await read_frame(reader)
+            except (OSError, TimeoutError, FrameError) as exc:
+                raise EngineDeadError(f"cannot reach engine at {self.address}: {exc}") from exc
+            hello = self._codec.decode(body) if body is not None else None
+            if not isinstance(hello, Hello):
+                writer.close()
+                raise EngineDeadError(f"engine at {self.address} did not greet")
+            self.info = hello.info
+            self._writer = writer
+            self._reader_task = asyncio.create_task(self._read_loop(reader))
+            return self.info
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader_task
+        self._fail_all(EngineDeadError("client closed"))
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit and stream outputs until the final one.
+
+        Raises InvalidRequestError if the worker rejects the request and EngineDeadError
+        if the worker goes away. Leaving the iteration early aborts the request.
+        """
+        await self.connect()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        stream: asyncio.Queue[_Item] = asyncio.Queue()
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            self._send(Submit(request_id, list(prompt_token_ids), params, priority))
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self.connected:
+                self._send(Abort([request_id]))
+
+    async def abort(self, request_id: str) -> None:
+        if self.connected:
+            self._send(Abort([request_id]))
+
+    async def stats(self) -> EngineStats:
+        reply = await self._call(GetStats(next(self._call_ids)))
+        assert isinstance(reply, StatsReply)
+        return reply.stats
+
+    async def health(self, timeout: float = 5.0) -> bool:
+        """True when the worker answers a ping within `timeout` seconds."""
+        try:
+            async with asyncio.timeout(timeout):
+                reply = await self._call(Ping(next(self._call_ids)))
+        except (EngineDeadError, TimeoutError):
+            return False
+        return isinstance(reply, Pong) and reply.healthy
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _send(self, msg: msgspec.Struct) -> None:
+        if not self.connected:
+            raise EngineDeadError(f"engine at {self.address} is not connected")
+        assert self._writer is not None
+        self._writer.write(self._codec.encode(msg))
+
+    async def _call(self, msg: GetStats | Ping) -> msgspec.Struct:
+        await self.connect()
+        fut: asyncio.Future[msgspec.Struct] = asyncio.get_running_loop().create_future()
+        self._calls[msg.call_id] = fut
+        try:
+            self._send(msg)
+            return await fut
+        finally:
+            self._calls.pop(msg.call_id, None)
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        reason = "engine worker closed the connection"
+        try:
+            while True:
+                body = await read_frame(reader)
+                if body is None:
+                    break
+                self._route(self._codec.decode(body))
+        except (FrameError, ConnectionError) as exc:
+            reason = f"engine connection failed: {exc}"
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+            self._writer = None
+            self._fail_all(EngineDeadError(reason))
+
+    def _route(self, msg: msgspec.Struct) -> None:
+        if isinstance(msg, Outputs):
+            for out in msg.outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put_nowait(out)
+        elif isinstance(msg, Rejected):
+            stream = self._streams.get(msg.request_id)
+            if stream is not None:
+                stream.put_nowait(InvalidRequestError(msg.message))
+        elif isinstance(msg, StatsReply | Pong):
+            fut = self._calls.get(msg.call_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    def _fail_all(self, exc: EngineDeadError) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(exc)
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        if self._streams:
+            log.warning("%s; failing %d in-flight requests", exc, len(self._streams))

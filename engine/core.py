@@ -1,0 +1,212 @@
+"""EngineCore: the synchronous heart of a worker. add / abort / step, nothing else.
+
+One `step()` schedules, runs one batched forward, samples, appends tokens, applies the stop
+rules that need only token ids (EOS, end-of-turn, stop token ids, max_tokens, context
+length), and returns one `RequestOutput` per request that produced something. Text-level
+work (detokenization, stop strings) belongs to whoever holds the tokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.attention.cpu_native import DecodeKernel, load_decode_kernel
+from engine.block_manager import BlockManager
+from engine.config import AttentionBackendKind, ConfigError, EngineConfig
+from engine.model.llama import LlamaForCausalLM
+from engine.model_runner import ModelRunner
+from engine.protocol import (
+    EngineStats,
+    FinishReason,
+    InvalidRequestError,
+    ModelInfo,
+    RequestOutput,
+    SamplingParams,
+)
+from engine.request import Request
+from engine.scheduler import Scheduler
+from kvstore.base import KVCacheSpec
+from kvstore.device_pool import DeviceKVPool
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: EngineConfig,
+        *,
+        model_id: str,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        mc = model.config
+        self.config = config
+        self.model_id = model_id
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = mc.vocab_size
+        spec = KVCacheSpec(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache.block_size, self.dtype
+        )
+        num_blocks = config.cache.num_blocks or spec.num_blocks_for(
+            config.cache.kv_cache_memory_bytes
+        )
+        if num_blocks < 2:
+            raise ValueError(
+                f"the KV budget fits {num_blocks} blocks of {spec.bytes_per_block} bytes; "
+                "raise kv_cache_memory_bytes"
+            )
+        self.pool = DeviceKVPool(spec, num_blocks, self.device)
+        self.block_manager = BlockManager(num_blocks, spec.block_size)
+        limit = config.scheduler.max_model_len or mc.max_position_embeddings
+        self.max_model_len = min(limit, mc.max_position_embeddings, num_blocks * spec.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.runner = ModelRunner(
+            model,
+            self.pool,
+            self.device,
+            seed=config.seed,
+            decode_kernel=_decode_kernel(config, self.device),
+        )
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request. Raises InvalidRequestError and changes nothing if it is bad."""
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens including at least one generated token"
+            )
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        params.validate(self.vocab_size)
+        request = Request(
+            request_id, prompt_token_ids, params, priority=priority, device=self.device
+        )
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now and free its blocks; None if it is not in flight."""
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish_request(request, FinishReason.ABORT)
+        return self._output(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Advance every schedulable request by one step; returns their new outputs."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        try:
+            result = self.runner.execute(sched)
+        except (RuntimeError, ValueError, IndexError) as exc:
+            # a failed forward cannot be pinned on one request: fail this step's batch only
+            log.exception("model step failed; failing %d requests", len(sched.scheduled))
+            return [self._fail(s.request, f"engine step failed: {exc}") for s in sched.scheduled]
+        self.num_steps += 1
+        self.scheduler.advance(sched)
+        outputs = []
+        for request, token_id, logprob in zip(
+            result.requests, result.token_ids, result.logprobs, strict=True
+        ):
+            request.append_token(token_id)
+            if logprob is not None:
+                request.pending_logprobs.append(logprob)
+            self.num_generated_tokens += 1
+            self.scheduler.check_stop(request, self.eos_token_ids)
+            outputs.append(self._output(request))
+        return outputs
+
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        self.scheduler.finish_request(request, FinishReason.ERROR)
+        out = self._output(request)
+        out.error = message
+        return out
+
+    def _output(self, request: Request) -> RequestOutput:
+        start = request.num_prompt_tokens + request.num_emitted_tokens
+        new_ids = request.all_token_ids[start:]
+        request.num_emitted_tokens += len(new_ids)
+        logprobs = request.pending_logprobs or None
+        request.pending_logprobs = []
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            new_logprobs=logprobs,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    # -- introspection ------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_waiting=self.scheduler.num_waiting,
+            num_running=self.scheduler.num_running,
+            num_kv_blocks_total=bm.num_blocks,
+            num_kv_blocks_used=bm.num_used_blocks,
+            num_kv_blocks_free=bm.num_free_blocks,
+            kv_block_size=bm.block_size,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_generated_tokens=self.num_generated_tokens,
+        )
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(
+            model_id=self.model_id,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=sorted(self.eos_token_ids),
+            kv_block_size=self.block_manager.block_size,
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+        )
+
+    def check_integrity(self) -> None:
+        """Assert the block manager's invariants and that only live requests own blocks."""
+        self.block_manager.check_integrity()
+        live = set(self.scheduler.requests)
+        for rid in self.block_manager.owner_ids():
+            assert rid in live, f"finished request {rid!r} still owns blocks"
+        for req in self.scheduler.running:
+            need = self.block_manager.blocks_for_tokens(req.num_computed_tokens)
+            assert len(self.block_manager.block_table(req.request_id)) >= need
+
+
+def _decode_kernel(config: EngineConfig, device: torch.device) -> DecodeKernel | None:
+    kind = config.attention_backend
+    if kind is AttentionBackendKind.TORCH or device.type != "cpu":
+        return None
+    kernel = load_decode_kernel(config.cache_dir)
+    if kernel is None and kind is AttentionBackendKind.CPU_NATIVE:
+        raise ConfigError("attention backend cpu-native requested but it cannot be built here")
+    return kernel

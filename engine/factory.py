@@ -1,0 +1,82 @@
+"""Builds a ready EngineCore (and its tokenizer) from an EngineConfig."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+import engine.tokenizer
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.loader import Checkpoint, build_model, load_checkpoint
+from engine.tokenizer import Tokenizer, byte_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(checkpoint: Checkpoint, cache_dir: str | None = None) -> Tokenizer:
+    """The checkpoint's own tokenizer; a byte tokenizer for synthetic (random) models.
+
+    A GGUF's tokenizer is rebuilt from its metadata once and kept as `tokenizer.json` under
+    `cache_dir` (parsing the metadata takes seconds; loading the JSON, milliseconds).
+    """
+    source = checkpoint.tokenizer_source
+    if source is None:
+        return byte_tokenizer(checkpoint.config.vocab_size)
+    if not source.endswith(".gguf"):
+        return Tokenizer.from_dir(source)
+    if cache_dir is None:
+        return Tokenizer.from_gguf(source)
+    entry = _tokenizer_cache_entry(cache_dir, source)
+    if entry.is_dir():
+        try:
+            return Tokenizer.from_dir(str(entry))
+        except (OSError, ValueError) as exc:
+            log.warning("discarding corrupt tokenizer cache %s: %s", entry, exc)
+            shutil.rmtree(entry, ignore_errors=True)
+    tokenizer = Tokenizer.from_gguf(source)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=entry.parent)
+        tokenizer.save(tmp)
+        os.replace(tmp, entry)
+    except OSError as exc:
+        log.warning("could not cache the tokenizer at %s: %s", entry, exc)
+    return tokenizer
+
+
+def _tokenizer_cache_entry(cache_dir: str, gguf_path: str) -> Path:
+    # keyed by the file and by the tokenizer code, so a fix to the builder is never masked
+    st = os.stat(gguf_path)
+    digest = hashlib.sha256()
+    digest.update(f"{os.path.realpath(gguf_path)}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    digest.update(Path(engine.tokenizer.__file__).read_bytes())
+    name = Path(gguf_path).stem
+    return Path(cache_dir) / "tokenizers" / f"{name}-{digest.hexdigest()[:12]}"
+
+
+def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[EngineCore, Tokenizer]:
+    """Load weights and tokenizer, size the KV pool, return the engine and tokenizer.
+
+    Raises ModelLoadError / ConfigError with a one-line message on bad input.
+    """
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    checkpoint = load_checkpoint(
+        config.model, config.cache_dir, progress=progress, seed=config.seed
+    )
+    tokenizer = load_tokenizer(checkpoint, config.cache_dir)
+    model = build_model(checkpoint, config.torch_dtype(), config.torch_device())
+    core = EngineCore(
+        model,
+        config,
+        model_id=checkpoint.model_id,
+        eos_token_ids=tokenizer.eos_token_ids,
+    )
+    return core, tokenizer

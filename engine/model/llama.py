@@ -1,0 +1,188 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2).
+
+The model sees flattened tokens and positions plus an opaque attention context; it never sees
+a request. q/k/v and gate/up are fused into one projection each; RoPE tables are built once.
+Attention (including the KV-cache write) is delegated to the backend passed to `forward`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig, RopeScaling
+
+
+class AttentionBackend(Protocol):
+    """Writes a layer's new K/V into the paged cache and attends over each sequence's pages."""
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any
+    ) -> torch.Tensor:
+        """q: [T, num_heads, D], k/v: [T, num_kv_heads, D] -> [T, num_heads * D]."""
+        ...
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in fp64, with llama3/linear scaling applied."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    # llama3: keep high frequencies, divide low ones by `factor`, blend in between.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(mid, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding with cos/sin tables precomputed for every position."""
+
+    cos: torch.Tensor  # [max_pos, D/2] fp32
+    sin: torch.Tensor
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float64)
+        freqs = torch.outer(positions, inv_freq)  # [max_pos, D/2]
+        self.register_buffer("cos", freqs.cos().float(), persistent=False)
+        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] rotated in place of a copy; positions: [T]."""
+        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden]; statistics in fp32 whatever the compute dtype
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.input_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.post_attn_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.intermediate_size = inter
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        attn: AttentionBackend,
+        ctx: Any,
+    ) -> torch.Tensor:
+        # x: [T, hidden]
+        t = x.shape[0]
+        qkv = self.qkv_proj(self.input_norm(x))  # [T, q + 2kv]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = rope(positions, q.view(t, self.num_heads, self.head_dim))
+        k = rope(positions, k.view(t, self.num_kv_heads, self.head_dim))
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        x = x + self.o_proj(attn.forward(self.layer_idx, q, k, v, ctx))
+        gate, up = self.gate_up_proj(self.post_attn_norm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder stack plus LM head. Parameters use Strata's fused names (see `fuse_hf_weights`)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rope = RotaryEmbedding(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, ctx: Any
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, attn, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+
+def fuse_hf_weights(
+    config: ModelConfig, tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Map an HF-named Llama state dict onto Strata's fused parameter names.
+
+    Accepts names with or without the `model.` prefix. Missing `lm_head.weight` is allowed
+    only for tied embeddings. Raises KeyError naming the first missing tensor.
+    """
+
+    def get(name: str) -> torch.Tensor:
+        for key in (f"model.{name}", name):
+            if key in tensors:
+                return tensors[key]
+        raise KeyError(name)
+
+    out: dict[str, torch.Tensor] = {
+        "embed_tokens.weight": get("embed_tokens.weight"),
+        "norm.weight": get("norm.weight"),
+    }
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = tensors.get("lm_head.weight", out["embed_tokens.weight"])
+    for i in range(config.num_layers):
+        p = f"layers.{i}"
+        attn, mlp = f"{p}.self_attn", f"{p}.mlp"
+        out[f"{p}.input_norm.weight"] = get(f"{p}.input_layernorm.weight")
+        out[f"{p}.post_attn_norm.weight"] = get(f"{p}.post_attention_layernorm.weight")
+        out[f"{p}.qkv_proj.weight"] = torch.cat(
+            [get(f"{attn}.{n}_proj.weight") for n in "qkv"], dim=0
+        )
+        if config.attention_bias:
+            out[f"{p}.qkv_proj.bias"] = torch.cat(
+                [get(f"{attn}.{n}_proj.bias") for n in "qkv"], dim=0
+            )
+        out[f"{p}.o_proj.weight"] = get(f"{attn}.o_proj.weight")
+        out[f"{p}.gate_up_proj.weight"] = torch.cat(
+            [get(f"{mlp}.gate_proj.weight"), get(f"{mlp}.up_proj.weight")], dim=0
+        )
+        out[f"{p}.down_proj.weight"] = get(f"{mlp}.down_proj.weight")
+    return out

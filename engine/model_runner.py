@@ -1,0 +1,110 @@
+"""Turns a scheduled step into tensors, runs one batched forward, samples the batch.
+
+The runner owns the model, the attention backend and the engine's random stream. It reads
+requests (token ids, positions, block tables) but never changes scheduling state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.cpu_native import DecodeKernel
+from engine.attention.torch_backend import SeqSlice, TorchAttentionBackend
+from engine.model.llama import LlamaForCausalLM
+from engine.protocol import TokenLogprob
+from engine.request import Request
+from engine.sampler import SamplerOutput, build_sampling_batch, sample
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+from kvstore.device_pool import DeviceKVPool
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """One sampled token (and optional logprobs) per request whose chunk reached its end."""
+
+    requests: list[Request]
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        pool: DeviceKVPool,
+        device: torch.device,
+        seed: int = 0,
+        decode_kernel: DecodeKernel | None = None,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.vocab_size = model.config.vocab_size
+        self.attn = TorchAttentionBackend(pool, model.config.num_heads, decode_kernel=decode_kernel)
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        """Run the forward for every scheduled token; sample where a sequence is complete.
+
+        Mutates only the KV pool (new K/V written) and the runner's random stream.
+        """
+        # decode tokens first: the attention backend batches them without padding
+        order = sorted(step.scheduled, key=lambda s: s.num_new_tokens > 1)
+        input_ids, positions, slices, sample_rows = self._flatten(order)
+        ctx = self.attn.build_context(slices)
+        ids_t = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos_t = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        hidden = self.model(ids_t, pos_t, self.attn, ctx)  # [T, hidden]
+        if not sample_rows:
+            return RunnerOutput([], [], [])
+        sampled = [s.request for s in order if s.completes_sequence]
+        rows = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [S, vocab]
+        batch = build_sampling_batch(sampled, self.vocab_size, self.device)
+        out = sample(logits, batch, self.generator)
+        return RunnerOutput(sampled, out.token_ids.tolist(), self._logprobs(sampled, out))
+
+    def _flatten(
+        self, order: list[ScheduledRequest]
+    ) -> tuple[list[int], list[int], list[SeqSlice], list[int]]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slices: list[SeqSlice] = []
+        sample_rows: list[int] = []
+        for s in order:
+            start = s.request.num_computed_tokens
+            end = start + s.num_new_tokens
+            input_ids.extend(s.request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slices.append(SeqSlice(s.num_new_tokens, start, s.block_table))
+            if s.completes_sequence:
+                sample_rows.append(len(input_ids) - 1)
+        return input_ids, positions, slices, sample_rows
+
+    @staticmethod
+    def _logprobs(requests: list[Request], out: SamplerOutput) -> list[TokenLogprob | None]:
+        if out.logprobs is None:
+            return [None] * len(requests)
+        token_ids = out.token_ids.tolist()
+        lps = out.logprobs.tolist()
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        result: list[TokenLogprob | None] = []
+        for i, req in enumerate(requests):
+            n = req.params.logprobs
+            if n is None:
+                result.append(None)
+                continue
+            result.append(
+                TokenLogprob(
+                    token_id=token_ids[i],
+                    logprob=lps[i],
+                    top_ids=top_ids[i][:n] if top_ids else [],
+                    top_logprobs=top_lps[i][:n] if top_lps else [],
+                )
+            )
+        return result

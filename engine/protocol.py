@@ -1,0 +1,142 @@
+"""Types that cross the engine boundary: sampling parameters, requests, outputs, stats.
+
+Everything here is a msgspec Struct so the same objects travel in-process and as msgpack
+frames between the gateway's `EngineClient` and a worker process.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+MAX_LOGPROBS = 20
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses: bad sampling parameters, too-long prompt, bad token ids."""
+
+    code = "invalid_request"
+
+
+class EngineDeadError(RuntimeError):
+    """The worker died or the connection dropped while the request was in flight."""
+
+    code = "engine_dead"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, end-of-turn, a stop token id, or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # the client went away or asked to stop
+    ERROR = "error"  # the engine failed this request
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Per-request decoding options with OpenAI semantics.
+
+    `temperature == 0` is greedy. `top_k is None` disables top-k. `seed` makes sampling
+    reproducible for this request regardless of what else shares its batch.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+
+        def bad(msg: str) -> InvalidRequestError:
+            return InvalidRequestError(msg)
+
+        if self.max_tokens < 1:
+            raise bad("max_tokens must be at least 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature must be between 0 and 100")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p must be in (0, 1]")
+        if self.top_k is not None and self.top_k < 1:
+            raise bad("top_k must be at least 1 (or omitted)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p must be in [0, 1]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty must be between -2 and 2")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty must be between -2 and 2")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty must be in (0, 10]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad(f"logprobs must be between 0 and {MAX_LOGPROBS}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise bad("seed must fit in 64 bits")
+        if any(not s for s in self.stop):
+            raise bad("stop strings must be non-empty")
+        if any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be valid token ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """The sampled token's logprob and the top-n alternatives (ids and logprobs)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class RequestOutput(msgspec.Struct, kw_only=True, array_like=True):
+    """New tokens for one request since its previous output; final when finish_reason is set."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None  # the stop token id that ended the request, if any
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    num_waiting: int
+    num_running: int
+    num_kv_blocks_total: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    kv_block_size: int
+    num_preemptions: int
+    num_steps: int
+    num_generated_tokens: int
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    """What a worker serves; sent on connect so the client can validate and tokenize."""
+
+    model_id: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    kv_block_size: int
+    dtype: str
+    device: str

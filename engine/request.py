@@ -1,0 +1,85 @@
+"""Per-request state owned by the scheduler.
+
+The single scheduling invariant: each step a request's `num_computed_tokens` catches up with
+`num_tokens` (prompt + generated). Prefill, chunked prefill, recompute after preemption and
+decode are all that one rule.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from engine.protocol import FinishReason, SamplingParams, TokenLogprob
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        assert prompt_token_ids, "empty prompts are rejected before a Request is built"
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | None = None
+        # tokens/logprobs produced since the last RequestOutput was emitted
+        self.num_emitted_tokens = 0
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.generator: torch.Generator | None = None
+        if params.seed is not None and not params.is_greedy:
+            self.generator = torch.Generator(device=device or "cpu")
+            self.generator.manual_seed(params.seed % (1 << 64))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def finish(self, reason: FinishReason, stop_reason: int | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.value})"
+        )

@@ -1,0 +1,191 @@
+"""Batched sampling: every request's own parameters, applied to the whole batch at once.
+
+Order: penalties -> temperature -> top-k -> top-p -> min-p -> draw. Random draws use the
+exponential-race form of the Gumbel trick (argmax p / E, E ~ Exp(1)), with one noise row per
+request; a seeded request draws its row from its own generator, so its samples do not depend
+on its batch mates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling tensors for one step; rows follow the order of sampled requests."""
+
+    temperature: torch.Tensor  # [S] fp32, 0 = greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [S] long, vocab_size where disabled
+    top_p: torch.Tensor | None  # [S] fp32
+    min_p: torch.Tensor | None  # [S] fp32
+    generators: list[torch.Generator | None]
+    frequency_penalty: torch.Tensor | None  # [S, 1]
+    presence_penalty: torch.Tensor | None  # [S, 1]
+    repetition_penalty: torch.Tensor | None  # [S, 1]
+    output_ids: torch.Tensor | None  # [S, max_out] padded with vocab_size
+    prompt_ids: torch.Tensor | None  # [S, max_prompt] padded with vocab_size
+    max_num_logprobs: int | None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [S] long
+    logprobs: torch.Tensor | None  # [S] fp32, the sampled token's logprob
+    top_ids: torch.Tensor | None  # [S, n] long
+    top_logprobs: torch.Tensor | None  # [S, n] fp32
+
+
+def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
+    width = max(1, *(len(r) for r in rows))
+    out = torch.full((len(rows), width), fill, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out.to(device)
+
+
+def build_sampling_batch(
+    requests: list[Request], vocab_size: int, device: torch.device
+) -> SamplingBatch:
+    params = [r.params for r in requests]
+
+    def col(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    temperature = col([p.temperature for p in params])
+    all_greedy = all(p.is_greedy for p in params)
+    sampled = [p for p in params if not p.is_greedy]
+    top_k = top_p = min_p = None
+    if any(p.top_k is not None for p in sampled):
+        top_k = torch.tensor(
+            [min(p.top_k or vocab_size, vocab_size) for p in params], device=device
+        )
+    if any(p.top_p < 1.0 for p in sampled):
+        top_p = col([p.top_p for p in params])
+    if any(p.min_p > 0.0 for p in sampled):
+        min_p = col([p.min_p for p in params])
+
+    freq = pres = rep = out_ids = prompt_ids = None
+    if any(p.frequency_penalty or p.presence_penalty for p in params):
+        freq = col([p.frequency_penalty for p in params])[:, None]
+        pres = col([p.presence_penalty for p in params])[:, None]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        rep = col([p.repetition_penalty for p in params])[:, None]
+        prompt_ids = _pad([r.prompt_token_ids for r in requests], vocab_size, device)
+    if freq is not None or rep is not None:
+        out_ids = _pad([r.output_token_ids for r in requests], vocab_size, device)
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingBatch(
+        temperature=temperature,
+        all_greedy=all_greedy,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        generators=[r.generator for r in requests],
+        frequency_penalty=freq,
+        presence_penalty=pres,
+        repetition_penalty=rep,
+        output_ids=out_ids,
+        prompt_ids=prompt_ids,
+        max_num_logprobs=max(wanted) if wanted else None,
+    )
+
+
+def _token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """ids: [S, N] padded with vocab_size -> counts [S, vocab_size]."""
+    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.float32, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """In place. OpenAI frequency/presence over generated tokens; HF-style repetition
+    penalty over prompt and generated tokens."""
+    vocab = logits.shape[1]
+    if batch.output_ids is None:
+        return
+    out_counts = _token_counts(batch.output_ids, vocab)
+    if batch.repetition_penalty is not None:
+        assert batch.prompt_ids is not None
+        seen = (out_counts > 0) | (_token_counts(batch.prompt_ids, vocab) > 0)
+        rep = batch.repetition_penalty.expand_as(logits)
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits.copy_(torch.where(seen, penalized, logits))
+    if batch.frequency_penalty is not None:
+        assert batch.presence_penalty is not None
+        logits.sub_(batch.frequency_penalty * out_counts)
+        logits.sub_(batch.presence_penalty * (out_counts > 0).float())
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> None:
+    k_max = int(top_k.max())
+    k_max = min(logits.shape[1], k_max)
+    kth = torch.topk(logits, k_max, dim=-1).values.gather(1, (top_k.clamp(max=k_max) - 1)[:, None])
+    logits.masked_fill_(logits < kth, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    rows = torch.nonzero(top_p < 1.0).flatten()
+    if rows.numel() == 0:
+        return
+    sub = logits.index_select(0, rows)
+    sorted_logits, order = sub.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # drop a token once the mass strictly before it already reaches top_p
+    drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p.index_select(0, rows)[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    logits.index_copy_(0, rows, sub.masked_fill(drop, float("-inf")))
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    probs = logits.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
+) -> SamplerOutput:
+    """logits: [S, V] fp32 (mutated in place) -> one token per row.
+
+    Rows without a seed draw their noise from `generator` (the engine's own stream).
+    """
+    raw_logprobs = None
+    if batch.max_num_logprobs is not None:
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    apply_penalties(logits, batch)
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        token_ids = greedy
+    else:
+        temp = batch.temperature
+        logits.div_(torch.where(temp > 0, temp, torch.ones_like(temp))[:, None])
+        if batch.top_k is not None:
+            _apply_top_k(logits, batch.top_k)
+        if batch.top_p is not None:
+            _apply_top_p(logits, batch.top_p)
+        if batch.min_p is not None:
+            _apply_min_p(logits, batch.min_p)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        for row, gen in enumerate(batch.generators):
+            if gen is not None:
+                noise[row].exponential_(generator=gen)
+        sampled = probs.div_(noise).argmax(dim=-1)
+        token_ids = torch.where(temp > 0, sampled, greedy)
+    if raw_logprobs is None:
+        return SamplerOutput(token_ids, None, None, None)
+    n = batch.max_num_logprobs or 0
+    top = torch.topk(raw_logprobs, n, dim=-1) if n else None
+    return SamplerOutput(
+        token_ids=token_ids,
+        logprobs=raw_logprobs.gather(1, token_ids[:, None]).squeeze(1),
+        top_ids=top.indices if top is not None else None,
+        top_logprobs=top.values if top is not None else None,
+    )

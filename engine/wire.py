@@ -1,0 +1,127 @@
+"""Frames between `EngineClient` and a worker: 4-byte big-endian length + msgpack body.
+
+Bodies are a tagged union of msgspec Structs, so one decoder handles every message and an
+unknown or malformed frame is a clean `msgspec.DecodeError`, never a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Any
+
+import msgspec
+
+from engine.protocol import EngineStats, ModelInfo, RequestOutput, SamplingParams
+
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+_HEADER = struct.Struct(">I")
+
+
+# -- client -> worker ----------------------------------------------------------------------
+
+
+class Submit(msgspec.Struct, tag="submit"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class GetStats(msgspec.Struct, tag="get_stats"):
+    call_id: int
+
+
+class Ping(msgspec.Struct, tag="ping"):
+    call_id: int
+
+
+# -- worker -> client ----------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    info: ModelInfo
+
+
+class Outputs(msgspec.Struct, tag="outputs"):
+    outputs: list[RequestOutput]
+
+
+class Rejected(msgspec.Struct, tag="rejected"):
+    request_id: str
+    code: str
+    message: str
+
+
+class StatsReply(msgspec.Struct, tag="stats_reply"):
+    call_id: int
+    stats: EngineStats
+
+
+class Pong(msgspec.Struct, tag="pong"):
+    call_id: int
+    healthy: bool
+    detail: str = ""
+
+
+ToWorker = Submit | Abort | GetStats | Ping
+ToClient = Hello | Outputs | Rejected | StatsReply | Pong
+
+
+class FrameError(Exception):
+    """A frame that is too large or cannot be decoded."""
+
+
+class Codec:
+    """Encoder/decoder pair for one direction of the stream."""
+
+    def __init__(self, incoming: Any) -> None:
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec: msgspec.msgpack.Decoder = msgspec.msgpack.Decoder(incoming)
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        body = self._enc.encode(msg)
+        return _HEADER.pack(len(body)) + body
+
+    def decode(self, body: bytes) -> msgspec.Struct:
+        try:
+            msg: msgspec.Struct = self._dec.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise FrameError(f"bad frame: {exc}") from exc
+        return msg
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
+    """One frame body, or None on a clean EOF between frames."""
+    try:
+        header = await reader.readexactly(_HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise FrameError("connection closed mid-header") from exc
+        return None
+    (size,) = _HEADER.unpack(header)
+    if size > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {size} bytes exceeds the {MAX_FRAME_BYTES} byte limit")
+    try:
+        return await reader.readexactly(size)
+    except asyncio.IncompleteReadError as exc:
+        raise FrameError("connection closed mid-frame") from exc
+
+
+def parse_address(address: str) -> tuple[str, str, int]:
+    """`unix:///path` -> ("unix", path, 0); `tcp://host:port` -> ("tcp", host, port)."""
+    if address.startswith("unix://"):
+        path = address.removeprefix("unix://")
+        if not path:
+            raise ValueError("unix address needs a path: unix:///run/strata/engine.sock")
+        return "unix", path, 0
+    if address.startswith("tcp://"):
+        host, sep, port = address.removeprefix("tcp://").rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"tcp address needs host:port, got {address!r}")
+        return "tcp", host.strip("[]") or "127.0.0.1", int(port)
+    raise ValueError(f"address must start with unix:// or tcp://, got {address!r}")

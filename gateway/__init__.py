@@ -1,0 +1,1 @@
+"""HTTP edge and the `strata` command line."""

@@ -1,0 +1,168 @@
+"""The `strata` command: `generate` (offline) and `engine` (one worker process)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from engine.config import (
+    AttentionBackendKind,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    SchedulerConfig,
+    SchedulingPolicy,
+)
+from gateway import settings
+
+_GIB = 1 << 30
+
+
+def _engine_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model",
+        default="default",
+        help="'default' (SmolLM2-135M-Instruct), a .gguf file, an HF directory, "
+        "or synthetic:<preset>",
+    )
+    g.add_argument("--dtype", default="auto", help="auto (bf16), bfloat16, float16 or float32")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument(
+        "--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV pool, in GiB"
+    )
+    g.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="exact KV pool size in blocks (overrides --kv-cache-gb)",
+    )
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one step (prefill chunk size)",
+    )
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument(
+        "--scheduling-policy", default="fcfs", choices=[p.value for p in SchedulingPolicy]
+    )
+    g.add_argument(
+        "--attention-backend", default="auto", choices=[k.value for k in AttentionBackendKind]
+    )
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where dequantized weights are cached (default: $STRATA_CACHE_DIR or ~/.cache/strata)",
+    )
+
+
+def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=seed,
+        num_threads=args.threads,
+        cache_dir=args.cache_dir or settings.cache_dir(),
+        attention_backend=AttentionBackendKind(args.attention_backend),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory_bytes=max(1, int(args.kv_cache_gb * _GIB)),
+            num_blocks=args.num_kv_blocks,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            policy=SchedulingPolicy(args.scheduling_policy),
+        ),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline and print it")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _engine_options(gen)
+
+    eng = sub.add_parser("engine", help="run one engine worker")
+    eng.add_argument(
+        "--listen",
+        default="unix://.strata/engine.sock",
+        help="unix:///path/to.sock or tcp://host:port",
+    )
+    eng.add_argument("--seed", type=int, default=0, help="engine random seed")
+    _engine_options(eng)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM  # noqa: PLC0415  (torch import only for commands that need it)
+    from engine.protocol import SamplingParams  # noqa: PLC0415
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+    llm = LLM(_engine_config(args), progress=True)
+    (result,) = llm.generate([args.prompt], params, chat=args.chat)
+    print(result.text)
+    return 0
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from engine.factory import create_engine  # noqa: PLC0415
+    from engine.worker import run_worker  # noqa: PLC0415
+
+    core, _ = create_engine(_engine_config(args, seed=args.seed), progress=True)
+    run_worker(core, args.listen)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=settings.log_level(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    from engine.loader import ModelLoadError  # noqa: PLC0415
+    from engine.protocol import InvalidRequestError  # noqa: PLC0415
+    from engine.tokenizer import ChatTemplateError, TokenizerError  # noqa: PLC0415
+
+    handlers = {"generate": _generate, "engine": _engine}
+    try:
+        return handlers[args.command](args)
+    except (
+        ModelLoadError,
+        ConfigError,
+        InvalidRequestError,
+        TokenizerError,
+        ChatTemplateError,
+        ValueError,
+    ) as exc:
+        print(f"strata: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Paged KV storage: page format, tier pools and the copies between them."""

@@ -1,0 +1,1 @@
+"""Pure admission and ordering decisions (token buckets, KV budgets, fair share)."""

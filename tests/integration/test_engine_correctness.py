@@ -1,0 +1,203 @@
+"""The engine on the real SmolLM2 in fp32: parity with transformers, batch invariance,
+chunked prefill, preemption, sampling and stop strings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention.torch_backend import SeqSlice
+from engine.config import AttentionBackendKind, CacheConfig, EngineConfig, SchedulerConfig
+from engine.llm import LLM
+from engine.protocol import FinishReason, InvalidRequestError, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "1, 2, 3, 4, 5,",
+    "Photosynthesis is the process by which",
+    "Q: What is the boiling point of water in Fahrenheit?\nA:",
+    "<|im_start|>user\nWrite a haiku about autumn.<|im_end|>\n<|im_start|>assistant\n",
+    "Les mathématiques sont",
+]
+GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def greedy_tokens(llm: LLM, prompts, params=GREEDY_32) -> list[list[int]]:
+    return [c.token_ids for c in llm.generate(prompts, params)]
+
+
+@pytest.fixture
+def llm(make_core, smollm2_fp32):
+    return LLM(core=make_core(), tokenizer=smollm2_fp32[1])
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_smollm2, smollm2_fp32) -> list[list[int]]:
+    tokenizer = smollm2_fp32[1]
+    refs = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        with torch.inference_mode():
+            out = hf_smollm2.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False
+            )
+        refs.append(out[0, ids.shape[1] :].tolist())
+    return refs
+
+
+def test_greedy_tokens_match_transformers(llm, hf_reference):
+    assert greedy_tokens(llm, PROMPTS) == hf_reference
+
+
+def test_torch_backend_matches_transformers_too(make_core, smollm2_fp32, hf_reference):
+    core = make_core(EngineConfig(attention_backend=AttentionBackendKind.TORCH))
+    llm = LLM(core=core, tokenizer=smollm2_fp32[1])
+    assert greedy_tokens(llm, PROMPTS) == hf_reference
+
+
+def test_last_position_logits_match_transformers(llm, hf_smollm2):
+    runner = llm.core.runner
+    for prompt in PROMPTS:
+        ids = llm.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            expected = hf_smollm2(torch.tensor([ids])).logits[0, -1]
+            blocks = list(range(-(-len(ids) // 16)))
+            ctx = runner.attn.build_context([SeqSlice(len(ids), 0, blocks)])
+            hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), runner.attn, ctx)
+            got = runner.model.compute_logits(hidden[-1:])[0]
+        assert (got - expected).abs().max().item() < 1e-3
+
+
+def test_batch_of_16_with_different_lengths_matches_solo_runs(llm):
+    prompts = [p * (1 + i % 3) for i, p in enumerate(PROMPTS * 2)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    solo = [greedy_tokens(llm, [p], params)[0] for p in prompts]
+    assert greedy_tokens(llm, prompts, params) == solo
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 16, 512])
+def test_chunked_prefill_sizes_do_not_change_tokens(make_core, smollm2_fp32, chunk):
+    prompts = PROMPTS[:3] if chunk > 1 else PROMPTS[:1]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    whole = LLM(core=make_core(), tokenizer=smollm2_fp32[1])
+    chunked = LLM(
+        core=make_core(EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=chunk))),
+        tokenizer=smollm2_fp32[1],
+    )
+    assert greedy_tokens(chunked, prompts, params) == greedy_tokens(whole, prompts, params)
+    chunked.core.check_integrity()
+
+
+def test_preemption_under_a_tiny_kv_pool_gives_the_same_tokens(make_core, smollm2_fp32):
+    prompts = PROMPTS * 2
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    roomy = LLM(core=make_core(), tokenizer=smollm2_fp32[1])
+    tiny_cfg = EngineConfig(cache=CacheConfig(block_size=16, num_blocks=12))
+    tiny = LLM(core=make_core(tiny_cfg), tokenizer=smollm2_fp32[1])
+    assert greedy_tokens(tiny, prompts, params) == greedy_tokens(roomy, prompts, params)
+    assert tiny.core.stats().num_preemptions > 0
+    tiny.core.check_integrity()
+    assert tiny.core.stats().num_kv_blocks_used == 0
+
+
+def test_chat_answer_names_paris(llm):
+    (result,) = llm.generate(
+        ["What is the capital of France?"],
+        SamplingParams(max_tokens=40, temperature=0.0),
+        chat=True,
+    )
+    assert "Paris" in result.text
+    assert result.finish_reason is FinishReason.STOP  # ended on <|im_end|>, not on length
+    assert result.token_ids[-1] in llm.tokenizer.eos_token_ids
+
+
+def test_seeded_sampling_is_reproducible_and_ignores_batch_mates(llm):
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=42)
+    alone = llm.generate([PROMPTS[2]], seeded)[0].token_ids
+    assert llm.generate([PROMPTS[2]], seeded)[0].token_ids == alone
+    mates = [
+        SamplingParams(max_tokens=30, temperature=1.3),
+        seeded,
+        SamplingParams(max_tokens=10, temperature=0.7, top_k=5, seed=7),
+        SamplingParams(max_tokens=20, temperature=0.0),
+    ]
+    crowd = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[4], PROMPTS[1]], mates)
+    assert crowd[1].token_ids == alone
+    other = llm.generate(
+        [PROMPTS[2]], SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=43)
+    )[0].token_ids
+    assert other != alone
+
+
+def test_stop_string_spanning_tokens_stops_and_is_trimmed(llm):
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    (full,) = llm.generate([PROMPTS[2]], params)
+    pieces = [llm.tokenizer.decode([t]) for t in full.token_ids]
+    # a stop string made of the tail of token 5 and the head of token 6
+    i = next(i for i in range(5, 30) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[i][-2:] + pieces[i + 1][:2]
+    cut = full.text.index(stop)
+    (stopped,) = llm.generate(
+        [PROMPTS[2]], SamplingParams(max_tokens=32, temperature=0.0, stop=(stop,))
+    )
+    assert stopped.text == full.text[:cut]
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.stop_reason == stop
+    assert len(stopped.token_ids) < len(full.token_ids)
+    (kept,) = llm.generate(
+        [PROMPTS[2]],
+        SamplingParams(
+            max_tokens=32, temperature=0.0, stop=(stop,), include_stop_str_in_output=True
+        ),
+    )
+    assert kept.text == full.text[: cut + len(stop)]
+    llm.core.check_integrity()
+    assert llm.core.stats().num_kv_blocks_used == 0
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    (full,) = llm.generate([PROMPTS[3]], GREEDY_32)
+    stop_id = full.token_ids[5]
+    first = full.token_ids.index(stop_id)
+    (stopped,) = llm.generate(
+        [PROMPTS[3]], SamplingParams(max_tokens=32, temperature=0.0, stop_token_ids=(stop_id,))
+    )
+    assert stopped.token_ids == full.token_ids[: first + 1]
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.stop_reason == stop_id
+    (short,) = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert short.token_ids == full.token_ids[:3]
+    assert short.finish_reason is FinishReason.LENGTH
+
+
+def test_logprobs_match_transformers(llm, hf_smollm2):
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5, ignore_eos=True)
+    (result,) = llm.generate([PROMPTS[0]], params)
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    with torch.inference_mode():
+        logits = hf_smollm2(torch.tensor([ids + result.token_ids])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)
+    for step, lp in enumerate(result.logprobs):
+        row = ref[len(ids) - 1 + step]
+        assert lp.token_id == result.token_ids[step]
+        assert abs(lp.logprob - row[lp.token_id].item()) < 1e-3
+        assert lp.top_ids == torch.topk(row, 5).indices.tolist()
+
+
+def test_invalid_requests_are_rejected_without_side_effects(llm):
+    core = llm.core
+    with pytest.raises(InvalidRequestError, match="context"):
+        core.add_request("long", [1] * core.max_model_len, SamplingParams())
+    with pytest.raises(InvalidRequestError, match="temperature"):
+        core.add_request("t", [1, 2], SamplingParams(temperature=-1.0))
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        core.add_request("v", [core.vocab_size], SamplingParams())
+    core.add_request("dup", [1, 2], SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidRequestError, match="already in flight"):
+        core.add_request("dup", [1, 2], SamplingParams(max_tokens=1))
+    assert core.stats().num_waiting == 1
+    core.abort_request("dup")
+    core.check_integrity()
+    assert not core.has_unfinished()

@@ -1,0 +1,159 @@
+"""Scheduler logic without a model: tokens are appended by hand after each step."""
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig, SchedulingPolicy
+from engine.protocol import FinishReason, SamplingParams
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+
+
+def make(num_blocks=64, block_size=4, **cfg):
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(**cfg), bm, max_model_len=num_blocks * block_size)
+
+
+def run_step(s: Scheduler, token=7):
+    out = s.schedule()
+    s.advance(out)
+    for sr in out.scheduled:
+        r = sr.request
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_token(token)
+            s.check_stop(r, frozenset({0}))
+    s.block_manager.check_integrity()
+    return out
+
+
+def test_chunked_prefill_respects_token_budget():
+    s = make(max_num_batched_tokens=5)
+    s.add_request(Request("a", list(range(1, 13)), GREEDY))
+    chunks = []
+    while True:
+        out = s.schedule()
+        chunks.append(out.num_tokens)
+        done = out.scheduled[0].completes_sequence
+        s.advance(out)
+        if done:
+            break
+    assert chunks == [5, 5, 2]
+
+
+def test_decode_and_new_prefill_share_a_step():
+    s = make(max_num_batched_tokens=8)
+    s.add_request(Request("a", [1, 2, 3], GREEDY))
+    run_step(s)
+    s.add_request(Request("b", list(range(1, 20)), GREEDY))
+    out = run_step(s)
+    sizes = {sr.request.request_id: sr.num_new_tokens for sr in out.scheduled}
+    assert sizes == {"a": 1, "b": 7}
+
+
+def test_max_num_seqs_caps_running():
+    s = make(max_num_seqs=2)
+    for i in range(3):
+        s.add_request(Request(str(i), [1, 2], GREEDY))
+    out = run_step(s)
+    assert len(out.scheduled) == 2
+    assert s.num_waiting == 1
+
+
+def test_finishes_on_max_tokens_and_eos_and_frees_blocks():
+    s = make()
+    s.add_request(Request("len", [1, 2], SamplingParams(max_tokens=2, temperature=0.0)))
+    run_step(s)
+    run_step(s)
+    assert not s.has_unfinished()
+    r = Request("eos", [1, 2], GREEDY)
+    s.add_request(r)
+    run_step(s, token=0)
+    assert r.finish_reason is FinishReason.STOP
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
+
+
+def test_ignore_eos_and_stop_token_ids():
+    s = make()
+    r = Request("a", [1], SamplingParams(max_tokens=3, ignore_eos=True, stop_token_ids=(9,)))
+    s.add_request(r)
+    run_step(s, token=0)
+    assert not r.is_finished
+    run_step(s, token=9)
+    assert r.finish_reason is FinishReason.STOP
+    assert r.stop_reason == 9
+
+
+def test_preemption_recomputes_newest_request_first():
+    # 4 blocks of 4 tokens; two requests of 7 prompt tokens fill the pool as they grow
+    s = make(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    a = Request("a", list(range(1, 8)), SamplingParams(max_tokens=6, temperature=0.0))
+    b = Request("b", list(range(1, 8)), SamplingParams(max_tokens=6, temperature=0.0))
+    s.add_request(a)
+    s.add_request(b)
+    preempted = []
+    for _ in range(40):
+        if not s.has_unfinished():
+            break
+        preempted += run_step(s).preempted_ids
+    assert not s.has_unfinished()
+    assert "b" in preempted
+    assert "a" not in preempted
+    assert b.num_preemptions >= 1
+    assert a.num_output_tokens == b.num_output_tokens == 6
+
+
+def test_priority_policy_admits_and_keeps_urgent_requests():
+    s = make(num_blocks=4, block_size=4, max_num_seqs=1, policy=SchedulingPolicy.PRIORITY)
+    low = Request("low", [1, 2], GREEDY, priority=5, arrival_time=0.0)
+    high = Request("high", [1, 2], GREEDY, priority=-1, arrival_time=1.0)
+    s.add_request(low)
+    s.add_request(high)
+    out = run_step(s)
+    assert [sr.request.request_id for sr in out.scheduled] == ["high"]
+
+
+def test_priority_policy_preempts_least_urgent():
+    s = make(num_blocks=4, block_size=4, policy=SchedulingPolicy.PRIORITY)
+    urgent = Request(
+        "u", list(range(1, 8)), SamplingParams(max_tokens=8), priority=0, arrival_time=1.0
+    )
+    lazy = Request(
+        "l", list(range(1, 8)), SamplingParams(max_tokens=8), priority=9, arrival_time=0.0
+    )
+    s.add_request(lazy)
+    s.add_request(urgent)
+    preempted = []
+    while s.has_unfinished():
+        preempted += run_step(s).preempted_ids
+    assert preempted
+    assert set(preempted) == {"l"}
+
+
+def test_finish_waiting_request_removes_it():
+    s = make(max_num_seqs=1)
+    s.add_request(Request("a", [1], GREEDY))
+    r = Request("b", [1], GREEDY)
+    s.add_request(r)
+    run_step(s)
+    s.finish_request(r, FinishReason.ABORT)
+    assert r.status is RequestStatus.FINISHED
+    assert s.num_waiting == 0
+
+
+@pytest.mark.parametrize("policy", list(SchedulingPolicy))
+def test_many_requests_all_finish_under_pressure(policy):
+    s = make(num_blocks=6, block_size=4, max_num_batched_tokens=6, policy=policy)
+    reqs = [
+        Request(str(i), list(range(1, 2 + i % 7)), SamplingParams(max_tokens=5), priority=i % 3)
+        for i in range(12)
+    ]
+    for r in reqs:
+        s.add_request(r)
+    for _ in range(500):
+        if not s.has_unfinished():
+            break
+        run_step(s)
+    assert all(r.num_output_tokens == 5 for r in reqs)
+    assert s.block_manager.num_free_blocks == 6
