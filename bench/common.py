@@ -103,16 +103,25 @@ def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def hf_model_for(core: Any, device: torch.device) -> torch.nn.Module:
-    """The transformers peer with exactly the weights the engine runs, same dtype/device."""
+def hf_model_for(config: Any) -> torch.nn.Module:
+    """The transformers peer with exactly the weights the engine runs (same dtype, device).
+
+    Built from the same checkpoint as the engine (for synthetic models: the same seed), via
+    an untransformed Strata model whose fused weights are split back into HF names.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = core.runner.model
+    from engine.loader import build_model, load_checkpoint
+
+    checkpoint = load_checkpoint(config.model, config.cache_dir, progress=False, seed=config.seed)
+    device, dtype = config.torch_device(), config.torch_dtype()
+    model = build_model(checkpoint, dtype, device)
     raw = model.config.to_hf()
     hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
     with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(hf_config, dtype=core.dtype)
+        hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
     assert not unexpected, unexpected
     assert all("rotary" in k for k in missing), missing
+    del model
     return hf.eval()

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     core, _ = create_engine(config, progress=False)
     device = core.device
     vocab = core.vocab_size
-    hf = None if args.skip_hf else hf_model_for(core, device)
+    hf = None if args.skip_hf else hf_model_for(config)
 
     # warm up both paths (allocator, kernels, one-time builds) outside the timings
     warm = make_prompts(2, 16, vocab, args.seed + 1)

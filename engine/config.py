@@ -25,12 +25,13 @@ class SchedulingPolicy(enum.Enum):
     PRIORITY = "priority"
 
 
-class AttentionBackendKind(enum.Enum):
-    """`auto` picks the fastest available: the native decode kernel on CPU, else torch."""
+class KernelBackend(enum.Enum):
+    """`auto`: Strata's native CPU kernels where they build (CPU devices), else torch ops.
+    `torch`: torch ops only. `native`: require the native kernels."""
 
     AUTO = "auto"
     TORCH = "torch"
-    CPU_NATIVE = "cpu-native"
+    NATIVE = "native"
 
 
 _DTYPES = {
@@ -255,7 +256,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     cache_dir: str | None = None
-    attention_backend: AttentionBackendKind = AttentionBackendKind.AUTO
+    backend: KernelBackend = KernelBackend.AUTO
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
-from engine.attention.cpu_native import DecodeKernel, load_decode_kernel
 from engine.block_manager import BlockManager
-from engine.config import AttentionBackendKind, ConfigError, EngineConfig
+from engine.config import EngineConfig
+from engine.kernels.cpu import CpuKernels
 from engine.model.llama import LlamaForCausalLM
 from engine.model_runner import ModelRunner
 from engine.protocol import (
@@ -41,7 +39,10 @@ class EngineCore:
         *,
         model_id: str,
         eos_token_ids: frozenset[int],
+        kernels: CpuKernels | None = None,
     ) -> None:
+        """`kernels`: native CPU kernels for attention (the model's own modules are swapped
+        by `engine.model.native_cpu.apply_native_cpu` before the core is built)."""
         mc = model.config
         self.config = config
         self.model_id = model_id
@@ -70,7 +71,7 @@ class EngineCore:
             self.pool,
             self.device,
             seed=config.seed,
-            decode_kernel=_decode_kernel(config, self.device),
+            kernels=kernels,
         )
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -200,13 +201,3 @@ class EngineCore:
         for req in self.scheduler.running:
             need = self.block_manager.blocks_for_tokens(req.num_computed_tokens)
             assert len(self.block_manager.block_table(req.request_id)) >= need
-
-
-def _decode_kernel(config: EngineConfig, device: torch.device) -> DecodeKernel | None:
-    kind = config.attention_backend
-    if kind is AttentionBackendKind.TORCH or device.type != "cpu":
-        return None
-    kernel = load_decode_kernel(config.cache_dir)
-    if kernel is None and kind is AttentionBackendKind.CPU_NATIVE:
-        raise ConfigError("attention backend cpu-native requested but it cannot be built here")
-    return kernel

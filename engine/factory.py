@@ -12,9 +12,11 @@ from pathlib import Path
 import torch
 
 import engine.tokenizer
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig, KernelBackend
 from engine.core import EngineCore
+from engine.kernels.cpu import CpuKernels, load_cpu_kernels
 from engine.loader import Checkpoint, build_model, load_checkpoint
+from engine.model.native_cpu import apply_native_cpu
 from engine.tokenizer import Tokenizer, byte_tokenizer
 
 log = logging.getLogger(__name__)
@@ -73,10 +75,28 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
     )
     tokenizer = load_tokenizer(checkpoint, config.cache_dir)
     model = build_model(checkpoint, config.torch_dtype(), config.torch_device())
+    kernels = native_kernels(config, model.embed_tokens.weight.dtype)
+    if kernels is not None:
+        apply_native_cpu(model, kernels)
     core = EngineCore(
         model,
         config,
         model_id=checkpoint.model_id,
         eos_token_ids=tokenizer.eos_token_ids,
+        kernels=kernels,
     )
     return core, tokenizer
+
+
+def native_kernels(config: EngineConfig, dtype: torch.dtype) -> CpuKernels | None:
+    """The native CPU kernels when the config and device allow them (see KernelBackend)."""
+    if config.backend is KernelBackend.TORCH or config.torch_device().type != "cpu":
+        if config.backend is KernelBackend.NATIVE:
+            raise ConfigError("the native backend runs on CPU devices only")
+        return None
+    kernels = load_cpu_kernels(config.cache_dir)
+    if kernels is None or not kernels.supports(dtype):
+        if config.backend is KernelBackend.NATIVE:
+            raise ConfigError(f"native CPU kernels are unavailable here for {dtype}")
+        return None
+    return kernels

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.cpu_native import DecodeKernel
-from engine.attention.torch_backend import SeqSlice, TorchAttentionBackend
+from engine.attention.paged import PagedAttention, SeqSlice
+from engine.kernels.cpu import CpuKernels
 from engine.model.llama import LlamaForCausalLM
 from engine.protocol import TokenLogprob
 from engine.request import Request
@@ -36,13 +36,14 @@ class ModelRunner:
         pool: DeviceKVPool,
         device: torch.device,
         seed: int = 0,
-        decode_kernel: DecodeKernel | None = None,
+        kernels: CpuKernels | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.vocab_size = model.config.vocab_size
-        self.attn = TorchAttentionBackend(pool, model.config.num_heads, decode_kernel=decode_kernel)
+        self.attn = PagedAttention(pool, model.config.num_heads, kernels=kernels)
+        self.argmax = kernels.argmax if kernels is not None and device.type == "cpu" else None
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -65,7 +66,7 @@ class ModelRunner:
         rows = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [S, vocab]
         batch = build_sampling_batch(sampled, self.vocab_size, self.device)
-        out = sample(logits, batch, self.generator)
+        out = sample(logits, batch, self.generator, self.argmax)
         return RunnerOutput(sampled, out.token_ids.tolist(), self._logprobs(sampled, out))
 
     def _flatten(

@@ -8,6 +8,7 @@ on its batch mates.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -150,17 +151,21 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
 
 
 def sample(
-    logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    generator: torch.Generator | None = None,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> SamplerOutput:
     """logits: [S, V] fp32 (mutated in place) -> one token per row.
 
     Rows without a seed draw their noise from `generator` (the engine's own stream).
+    `argmax` replaces torch's row-wise argmax for the greedy path (a native kernel on CPU).
     """
     raw_logprobs = None
     if batch.max_num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     apply_penalties(logits, batch)
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
     if batch.all_greedy:
         token_ids = greedy
     else:

@@ -8,10 +8,10 @@ import sys
 from collections.abc import Sequence
 
 from engine.config import (
-    AttentionBackendKind,
     CacheConfig,
     ConfigError,
     EngineConfig,
+    KernelBackend,
     SchedulerConfig,
     SchedulingPolicy,
 )
@@ -52,7 +52,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         "--scheduling-policy", default="fcfs", choices=[p.value for p in SchedulingPolicy]
     )
     g.add_argument(
-        "--attention-backend", default="auto", choices=[k.value for k in AttentionBackendKind]
+        "--backend",
+        default="auto",
+        choices=[k.value for k in KernelBackend],
+        help="auto: native CPU kernels where they build; torch: torch ops only",
     )
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     g.add_argument(
@@ -70,7 +73,7 @@ def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
         seed=seed,
         num_threads=args.threads,
         cache_dir=args.cache_dir or settings.cache_dir(),
-        attention_backend=AttentionBackendKind(args.attention_backend),
+        backend=KernelBackend(args.backend),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_bytes=max(1, int(args.kv_cache_gb * _GIB)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
@@ -10,10 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, KernelBackend
 from engine.core import EngineCore
+from engine.factory import native_kernels
 from engine.loader import build_model, load_checkpoint
 from engine.model.llama import LlamaForCausalLM
+from engine.model.native_cpu import apply_native_cpu
 from engine.tokenizer import Tokenizer
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,13 +38,34 @@ def strata_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_fp32(strata_cache_dir: Path) -> tuple[LlamaForCausalLM, Tokenizer, str]:
-    """The real default model in fp32 (weights shared by every engine built on it)."""
+def smollm2_checkpoint(strata_cache_dir: Path):
+    return load_checkpoint("default", str(strata_cache_dir), progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_checkpoint, strata_cache_dir: Path) -> Tokenizer:
     from engine.factory import load_tokenizer
 
-    ckpt = load_checkpoint("default", str(strata_cache_dir), progress=False)
-    model = build_model(ckpt, torch.float32, torch.device("cpu"))
-    return model, load_tokenizer(ckpt, str(strata_cache_dir)), ckpt.model_id
+    return load_tokenizer(smollm2_checkpoint, str(strata_cache_dir))
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(
+    smollm2_checkpoint, smollm2_tokenizer, strata_cache_dir: Path
+) -> tuple[LlamaForCausalLM, Tokenizer, str]:
+    """The real default model in fp32 on the default (native CPU kernel) path."""
+    model = build_model(smollm2_checkpoint, torch.float32, torch.device("cpu"))
+    kernels = native_kernels(EngineConfig(cache_dir=str(strata_cache_dir)), torch.float32)
+    assert kernels is not None, "the native CPU kernels must build on the test machine"
+    apply_native_cpu(model, kernels)
+    return model, smollm2_tokenizer, smollm2_checkpoint.model_id
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32_torch(smollm2_checkpoint, smollm2_tokenizer) -> tuple[Any, Tokenizer, str]:
+    """The same weights with torch ops only (the portable path)."""
+    model = build_model(smollm2_checkpoint, torch.float32, torch.device("cpu"))
+    return model, smollm2_tokenizer, smollm2_checkpoint.model_id
 
 
 @pytest.fixture(scope="session")
@@ -57,14 +81,18 @@ def hf_smollm2(smollm2_dir: str) -> Any:
 
 
 @pytest.fixture
-def make_core(smollm2_fp32, strata_cache_dir):
+def make_core(smollm2_fp32, smollm2_fp32_torch, strata_cache_dir):
     """Build an EngineCore over the shared fp32 SmolLM2 weights with a given config."""
 
     def make(config: EngineConfig | None = None) -> EngineCore:
-        model, tokenizer, model_id = smollm2_fp32
         cfg = config or EngineConfig()
         if cfg.cache_dir is None:
-            cfg = EngineConfig(**{**cfg.__dict__, "cache_dir": str(strata_cache_dir)})
-        return EngineCore(model, cfg, model_id=model_id, eos_token_ids=tokenizer.eos_token_ids)
+            cfg = dataclasses.replace(cfg, cache_dir=str(strata_cache_dir))
+        torch_only = cfg.backend is KernelBackend.TORCH
+        model, tokenizer, model_id = smollm2_fp32_torch if torch_only else smollm2_fp32
+        kernels = native_kernels(cfg, torch.float32)
+        return EngineCore(
+            model, cfg, model_id=model_id, eos_token_ids=tokenizer.eos_token_ids, kernels=kernels
+        )
 
     return make

@@ -61,24 +61,45 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D] rotated in place of a copy; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hk, D], positions: [T] -> rotated (q, k)."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm with the residual add fused in: `forward(x, residual)` returns
+    `(norm(x + residual), x + residual)`; with no residual, `(norm(x), x)`."""
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, hidden]; statistics in fp32 whatever the compute dtype
+        if residual is not None:
+            x = x + residual
         var = x.float().pow(2).mean(-1, keepdim=True)
-        return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
+        return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype), x
+
+
+class SiluAndMul(nn.Module):
+    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -91,32 +112,41 @@ class DecoderLayer(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         hidden, inter = config.hidden_size, config.intermediate_size
-        self.input_norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
-        self.post_attn_norm = RMSNorm(hidden, config.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.intermediate_size = inter
+        # typed as nn.Module: backends swap these for fused equivalents (model/native_cpu.py)
+        self.input_norm: nn.Module = RMSNorm(hidden, config.rms_norm_eps)
+        self.qkv_proj: nn.Module = nn.Linear(
+            hidden, self.q_size + 2 * self.kv_size, config.attention_bias
+        )
+        self.o_proj: nn.Module = nn.Linear(self.q_size, hidden, bias=False)
+        self.post_attn_norm: nn.Module = RMSNorm(hidden, config.rms_norm_eps)
+        self.gate_up_proj: nn.Module = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj: nn.Module = nn.Linear(inter, hidden, bias=False)
+        self.act: nn.Module = SiluAndMul()
 
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: nn.Module,
         attn: AttentionBackend,
         ctx: Any,
-    ) -> torch.Tensor:
-        # x: [T, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] (this layer's input before the residual add) -> (out, residual)."""
         t = x.shape[0]
-        qkv = self.qkv_proj(self.input_norm(x))  # [T, q + 2kv]
+        h, residual = self.input_norm(x, residual)
+        qkv = self.qkv_proj(h)  # [T, q + 2kv]; q, k, v below are views into it
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = rope(positions, q.view(t, self.num_heads, self.head_dim))
-        k = rope(positions, k.view(t, self.num_kv_heads, self.head_dim))
+        q, k = rope(
+            positions,
+            q.view(t, self.num_heads, self.head_dim),
+            k.view(t, self.num_kv_heads, self.head_dim),
+        )
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        x = x + self.o_proj(attn.forward(self.layer_idx, q, k, v, ctx))
-        gate, up = self.gate_up_proj(self.post_attn_norm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        h, residual = self.post_attn_norm(
+            self.o_proj(attn.forward(self.layer_idx, q, k, v, ctx)), residual
+        )
+        return self.down_proj(self.act(self.gate_up_proj(h))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -127,9 +157,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rope = RotaryEmbedding(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.norm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rope: nn.Module = RotaryEmbedding(config)
+        self.lm_head: nn.Module = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -138,9 +168,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(x, positions, self.rope, attn, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rope, attn, ctx)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> fp32 logits [N, vocab]."""

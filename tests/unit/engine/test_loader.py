@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from safetensors.torch import save_file
 
-from engine.attention.torch_backend import SeqSlice, TorchAttentionBackend
+from engine.attention.paged import PagedAttention, SeqSlice
 from engine.config import ModelConfig, RopeScaling
 from engine.loader import PRESETS, ModelLoadError, build_model, load_checkpoint
 from engine.loader.base import expected_tensor_shapes
@@ -146,7 +146,7 @@ def logits_of(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
         block_size,
         model.embed_tokens.weight.dtype,
     )
-    backend = TorchAttentionBackend(DeviceKVPool(spec, num_blocks, CPU), config.num_heads)
+    backend = PagedAttention(DeviceKVPool(spec, num_blocks, CPU), config.num_heads)
     ctx = backend.build_context([SeqSlice(len(ids), 0, list(range(num_blocks)))])
     with torch.inference_mode():
         hidden = model(torch.tensor(ids), torch.arange(len(ids)), backend, ctx)

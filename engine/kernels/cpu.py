@@ -1,0 +1,259 @@
+"""Strata's native CPU kernels: compiled on first use, called through ctypes.
+
+The C sources in `csrc/` are built with the system C compiler (`-O3 -march=native -fopenmp`)
+into a cache directory keyed by the sources, compiler and CPU flags, then loaded with ctypes,
+which releases the GIL during each call. OpenMP resolves to the runtime torch already loaded
+(same soname), so both share one thread pool. Without a compiler, `load_cpu_kernels` returns
+None and the engine runs on torch ops alone.
+
+Every wrapper takes torch tensors, checks what the C side assumes (dtype, device, strides)
+and documents what it mutates.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SRC_DIR = Path(__file__).parent / "csrc"
+_SOURCES = ("ops.c", "common.h", "ops_impl.h", "attention_impl.h", "linear.h")
+_PANEL = 64  # output columns per packed weight panel (linear.h)
+_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
+# `native` tunes for this CPU (AVX-512 paths where present); `portable` builds the scalar
+# fallbacks every kernel has, which tests compare against the same references
+_ARCH = {"native": "-march=native", "portable": "-march=x86-64-v2"}
+_ABI = 1
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "strata_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, ctypes.c_int], None),
+    "strata_rope": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I], None),
+    "strata_silu_mul": ([_P, _P, _I, _I], None),
+    "strata_kv_write": ([_P, _P, _I, _I, _P, _P, _P, _I, _I], None),
+    "strata_paged_decode": ([_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F], ctypes.c_int),
+}
+
+
+class KernelError(RuntimeError):
+    """A native kernel rejected its inputs (an unsupported shape)."""
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _build(cache_dir: Path, compiler: str, arch: str) -> Path:
+    flags = [*_FLAGS, _ARCH[arch]] if platform.machine() in ("x86_64", "AMD64") else _FLAGS
+    digest = hashlib.sha256()
+    for name in _SOURCES:
+        digest.update((_SRC_DIR / name).read_bytes())
+    digest.update(" ".join([compiler, *flags, _cpu_fingerprint()]).encode())
+    target = cache_dir / f"strata-cpu-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        out = Path(tmp) / target.name
+        cmd = [compiler, *flags, str(_SRC_DIR / "ops.c"), "-o", str(out), "-lm"]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        os.replace(out, target)  # atomic: a concurrent build never sees half a file
+    return target
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class CpuKernels:
+    """Typed wrappers over the compiled library (fp32 and bf16 storage)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        if lib.strata_kernels_abi() != _ABI:
+            raise OSError("stale kernel library")
+        self.has_bf16_linear = bool(lib.strata_has_avx512_bf16())
+        self._packable = lib.strata_linear_packable
+        self._packable.argtypes, self._packable.restype = [_I, _I], ctypes.c_int
+        self._pack = lib.strata_pack_bf16
+        self._pack.argtypes, self._pack.restype = [_P, _P, _I, _I], None
+        self._fns: dict[tuple[str, torch.dtype], Any] = {}
+        for name, (args, restype) in _SIGNATURES.items():
+            for dtype, suffix in _SUFFIX.items():
+                fn = getattr(lib, f"{name}_{suffix}")
+                fn.argtypes, fn.restype = args, restype
+                self._fns[name, dtype] = fn
+        self._argmax = lib.strata_argmax_f32
+        self._argmax.argtypes, self._argmax.restype = [_P, _P, _I, _I], None
+        self._linear = lib.strata_linear_packed_bf16
+        self._linear.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
+        self._linear.restype = ctypes.c_int
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        return dtype in _SUFFIX
+
+    def rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H]. Returns (normed, x + residual); the sum is written into `residual`."""
+        assert x.is_contiguous() and weight.is_contiguous()
+        out = torch.empty_like(x)
+        if residual is not None:
+            assert residual.is_contiguous() and residual.shape == x.shape
+        self._fns["strata_rms_norm", x.dtype](
+            x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(),
+            x.shape[0], x.shape[1], eps, residual is not None,
+        )  # fmt: skip
+        return out, (x if residual is None else residual)
+
+    def rope_(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """Rotate q [T, Hq, D] and k [T, Hk, D] in place (rows may be strided views)."""
+        assert q.stride(2) == 1 and q.stride(1) == q.shape[2]
+        assert k.stride(2) == 1 and k.stride(1) == k.shape[2]
+        assert positions.dtype == torch.int64 and positions.is_contiguous()
+        assert cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+        self._fns["strata_rope", q.dtype](
+            q.data_ptr(), k.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.stride(0), k.stride(0),
+        )  # fmt: skip
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2I] -> silu(gate) * up, [T, I]."""
+        assert gate_up.is_contiguous()
+        inter = gate_up.shape[1] // 2
+        out = gate_up.new_empty(gate_up.shape[0], inter)
+        self._fns["strata_silu_mul", gate_up.dtype](
+            gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter
+        )
+        return out
+
+    def kv_write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """Copy k/v [T, Hkv, D] (strided rows) into pool slots; mutates the pages only."""
+        assert k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]
+        assert k.stride(2) == 1 and v.stride(2) == 1
+        assert k_pages.is_contiguous() and v_pages.is_contiguous()
+        assert slots.dtype == torch.int64 and slots.is_contiguous()
+        self._fns["strata_kv_write", k.dtype](
+            k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_pages.data_ptr(),
+            v_pages.data_ptr(), slots.data_ptr(), k.shape[0], k.shape[1] * k.shape[2],
+        )  # fmt: skip
+
+    def paged_decode(
+        self,
+        q: torch.Tensor,
+        k_pages: torch.Tensor,
+        v_pages: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [B, H, D] (strided rows); pages: [N, block, Hkv, D]; block_tables: [B, M]
+        int64; seq_lens: [B] int32 -> [B, H * D]. Reads the pages in place."""
+        assert q.stride(2) == 1 and q.stride(1) == q.shape[2]
+        assert k_pages.is_contiguous() and v_pages.is_contiguous()
+        assert block_tables.dtype == torch.int64 and block_tables.is_contiguous()
+        assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+        b, h, d = q.shape
+        _, block_size, hkv, _ = k_pages.shape
+        out = q.new_empty(b, h * d)
+        rc = self._fns["strata_paged_decode", q.dtype](
+            q.data_ptr(), q.stride(0), k_pages.data_ptr(), v_pages.data_ptr(), out.data_ptr(),
+            block_tables.data_ptr(), seq_lens.data_ptr(), b, h, hkv, d, block_size,
+            block_tables.shape[1], scale,
+        )  # fmt: skip
+        if rc != 0:
+            raise KernelError(f"paged decode kernel rejected its inputs (code {rc})")
+        return out
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Row-wise argmax of contiguous fp32 [S, V] logits -> int64 [S] (first max wins)."""
+        assert logits.dtype == torch.float32 and logits.is_contiguous() and logits.dim() == 2
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._argmax(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1])
+        return out
+
+    def can_pack(self, weight: torch.Tensor) -> bool:
+        """True when `pack_bf16`/`linear_packed` cover this [N, K] weight."""
+        n, k = weight.shape
+        return weight.dtype == torch.bfloat16 and bool(self._packable(n, k))
+
+    def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] bf16 -> the panel layout `linear_packed` reads (same number of elements)."""
+        assert self.can_pack(weight) and weight.is_contiguous()
+        packed = torch.empty_like(weight).view(-1)
+        self._pack(weight.data_ptr(), packed.data_ptr(), weight.shape[0], weight.shape[1])
+        return packed
+
+    def linear_packed(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_features: int,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """x: [M, K] bf16 @ W^T (+ bias) with W packed by `pack_bf16`; fp32 accumulation,
+        output [M, out_features] in `out_dtype` (bf16 or fp32)."""
+        assert x.dtype == torch.bfloat16 and x.is_contiguous()
+        m, k = x.shape
+        assert packed.numel() == out_features * k
+        out = x.new_empty(m, out_features, dtype=out_dtype)
+        rc = self._linear(
+            x.data_ptr(), packed.data_ptr(), _ptr(bias), out.data_ptr(),
+            m, out_features, k, out_dtype == torch.float32,
+        )  # fmt: skip
+        if rc != 0:
+            raise KernelError(f"packed linear rejected [{m}, {k}] x [{out_features}, {k}]")
+        return out
+
+
+def load_cpu_kernels(cache_dir: str | None, arch: str = "native") -> CpuKernels | None:
+    """Build (once) and load the kernels; None when this machine cannot build them.
+
+    `arch="portable"` builds without CPU-specific instructions (the scalar fallbacks).
+    """
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None or platform.system() != "Linux":
+        log.info("no C compiler found; the engine uses torch ops only")
+        return None
+    base = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "strata-cache"
+    try:
+        path = _build(base / "kernels", compiler, arch)
+        return CpuKernels(ctypes.CDLL(str(path)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = (getattr(exc, "stderr", "") or str(exc)).strip()
+        log.warning(
+            "native CPU kernels unavailable (%s); using torch ops",
+            detail.splitlines()[-1] if detail else exc,
+        )
+        return None

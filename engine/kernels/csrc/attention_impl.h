@@ -1,0 +1,297 @@
+// Paged decode attention, instantiated per storage type by attention.c (same macros as
+// ops_impl.h). One query token per sequence; K/V are read in place from the page pool through
+// the block table (no gather copy), and the query heads that share a KV head share each K/V
+// row load. One work item per (sequence, KV head), spread over OpenMP threads. Two passes per
+// item: scores for every cached token, then the softmax-weighted sum of V rows.
+//
+// Layouts: q [num_seqs, q_stride] with heads at h * head_dim; out [num_seqs, num_heads *
+// head_dim]; pages [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs,
+// max_blocks] int64; seq_lens [num_seqs] int32 (tokens attended, including the new one).
+// Returns 0, or a negative code when the shape is unsupported.
+
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, SUFFIX)
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 32
+
+static void FN(attend_one)(const ELEM* q, const ELEM* k_pages, const ELEM* v_pages, ELEM* out,
+                           const int64_t* table, int64_t len, int64_t group, int64_t head_dim,
+                           int64_t block_size, int64_t row, int64_t page, float scale,
+                           float* scores, int64_t score_stride) {
+    float qf[MAX_GROUP][MAX_HEAD_DIM];
+    float acc[MAX_GROUP][MAX_HEAD_DIM];
+    float inv_sum[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t d = 0; d < head_dim; d++) {
+            qf[g][d] = S_LOAD(q[g * head_dim + d]) * scale;
+            acc[g][d] = 0.0f;
+        }
+#ifdef STRATA_AVX512
+    const int vec = head_dim % 16 == 0;
+#else
+    const int vec = 0;
+#endif
+    // pass 1: scores[g][j] = q_g . k_j
+    for (int64_t j0 = 0, b = 0; j0 < len; j0 += block_size, b++) {
+        const ELEM* kb = k_pages + table[b] * page;
+        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
+        for (int64_t t = 0; t < n; t++) {
+            const ELEM* kr = kb + t * row;
+            for (int64_t g = 0; g < group; g++) {
+                float dot = 0.0f;
+                if (vec) {
+#ifdef STRATA_AVX512
+                    __m512 a = _mm512_setzero_ps();
+                    for (int64_t d = 0; d < head_dim; d += 16)
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(&qf[g][d]), V_LOAD(kr + d), a);
+                    dot = _mm512_reduce_add_ps(a);
+#endif
+                } else {
+                    for (int64_t d = 0; d < head_dim; d++) dot += qf[g][d] * S_LOAD(kr[d]);
+                }
+                scores[g * score_stride + j0 + t] = dot;
+            }
+        }
+    }
+    // softmax over each query head's scores
+    for (int64_t g = 0; g < group; g++) {
+        float* sg = scores + g * score_stride;
+        float m = -INFINITY, sum = 0.0f;
+        for (int64_t j = 0; j < len; j++) m = sg[j] > m ? sg[j] : m;
+        int64_t j = 0;
+#ifdef STRATA_AVX512
+        __m512 vsum = _mm512_setzero_ps();
+        const __m512 vm = _mm512_set1_ps(m);
+        for (; j + 16 <= len; j += 16) {
+            __m512 e = v_exp(_mm512_sub_ps(_mm512_loadu_ps(sg + j), vm));
+            _mm512_storeu_ps(sg + j, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        sum = _mm512_reduce_add_ps(vsum);
+#endif
+        for (; j < len; j++) {
+            sg[j] = expf(sg[j] - m);
+            sum += sg[j];
+        }
+        inv_sum[g] = 1.0f / sum;
+    }
+    // pass 2: acc[g] = sum_j p[g][j] * v_j
+    for (int64_t j0 = 0, b = 0; j0 < len; j0 += block_size, b++) {
+        const ELEM* vb = v_pages + table[b] * page;
+        const int64_t n = len - j0 < block_size ? len - j0 : block_size;
+        for (int64_t t = 0; t < n; t++) {
+            const ELEM* vr = vb + t * row;
+            if (vec) {
+#ifdef STRATA_AVX512
+                for (int64_t d = 0; d < head_dim; d += 16) {
+                    const __m512 vv = V_LOAD(vr + d);
+                    for (int64_t g = 0; g < group; g++) {
+                        const __m512 p = _mm512_set1_ps(scores[g * score_stride + j0 + t]);
+                        _mm512_storeu_ps(&acc[g][d],
+                                         _mm512_fmadd_ps(p, vv, _mm512_loadu_ps(&acc[g][d])));
+                    }
+                }
+#endif
+            } else {
+                for (int64_t g = 0; g < group; g++) {
+                    const float p = scores[g * score_stride + j0 + t];
+                    for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * S_LOAD(vr[d]);
+                }
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t d = 0; d < head_dim; d++)
+            out[g * head_dim + d] = S_STORE(acc[g][d] * inv_sum[g]);
+}
+
+#ifdef STRATA_AVX512
+// Specialised for compile-time (group, head_dim) so that queries and accumulators live in
+// registers. Scores for 16 tokens at a time come out of one 16-way horizontal sum.
+static inline __attribute__((always_inline)) void FN(attend_fast)(
+    const ELEM* q, const ELEM* k_pages, const ELEM* v_pages, ELEM* out, const int64_t* table,
+    int64_t len, int64_t block_shift, int64_t row, int64_t page, float scale, float* scores,
+    int64_t score_stride, int64_t head_offset, const int G, const int D) {
+    // prefetches cover whole token rows (every KV head), so the items of this sequence's
+    // other heads find their rows in cache
+    const int row_bytes = (int)(row * (int64_t)sizeof(ELEM));
+    const int NV = D / 16;
+    const int64_t block_mask = ((int64_t)1 << block_shift) - 1;
+    __m512 qv[8][8];
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < NV; i++) qv[g][i] = _mm512_mul_ps(V_LOAD(q + g * D + 16 * i), vscale);
+    // pass 1: scores, 16 tokens per horizontal sum
+    int64_t j = 0;
+#if defined(ELEM_IS_BF16) && defined(STRATA_AVX512BF16)
+    // bf16 pages: dot products straight on the stored pairs, no conversion of K rows
+    __m512bh qb[8][4];
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < NV / 2; i++)
+            qb[g][i] = (__m512bh)_mm512_loadu_si512((const void*)(q + g * D + 32 * i));
+#endif
+    for (; j + 16 <= len; j += 16) {
+        const ELEM* rows[16];
+        for (int t = 0; t < 16; t++) {
+            const int64_t jj = j + t;
+            rows[t] = k_pages + table[jj >> block_shift] * page + (jj & block_mask) * row;
+            // pages are scattered: fetch the next 16 rows while these are being used
+            const int64_t nx = jj + 16 < len ? jj + 16 : len - 1;
+            const char* ahead = (const char*)(k_pages - head_offset + table[nx >> block_shift] * page +
+                                              (nx & block_mask) * row);
+            for (int c = 0; c < row_bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+        }
+        for (int g = 0; g < G; g++) {
+            __m512 acc[16];
+#if defined(ELEM_IS_BF16) && defined(STRATA_AVX512BF16)
+            for (int t = 0; t < 16; t++) {
+                __m512 a = _mm512_setzero_ps();
+                for (int i = 0; i < NV / 2; i++)
+                    a = _mm512_dpbf16_ps(
+                        a, qb[g][i], (__m512bh)_mm512_loadu_si512((const void*)(rows[t] + 32 * i)));
+                acc[t] = a;
+            }
+            _mm512_storeu_ps(scores + g * score_stride + j,
+                             _mm512_mul_ps(v_hsum16(acc), vscale));
+#else
+            for (int t = 0; t < 16; t++) {
+                __m512 a = _mm512_mul_ps(qv[g][0], V_LOAD(rows[t]));
+                for (int i = 1; i < NV; i++) a = _mm512_fmadd_ps(qv[g][i], V_LOAD(rows[t] + 16 * i), a);
+                acc[t] = a;
+            }
+            _mm512_storeu_ps(scores + g * score_stride + j, v_hsum16(acc));
+#endif
+        }
+    }
+    for (; j < len; j++) {
+        const ELEM* kr = k_pages + table[j >> block_shift] * page + (j & block_mask) * row;
+        for (int g = 0; g < G; g++) {
+            __m512 a = _mm512_mul_ps(qv[g][0], V_LOAD(kr));
+            for (int i = 1; i < NV; i++) a = _mm512_fmadd_ps(qv[g][i], V_LOAD(kr + 16 * i), a);
+            scores[g * score_stride + j] = _mm512_reduce_add_ps(a);
+        }
+    }
+    // softmax
+    float inv_sum[8];
+    for (int g = 0; g < G; g++) {
+        float* sg = scores + g * score_stride;
+        float m = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
+        const __m512 vm = _mm512_set1_ps(m);
+        __m512 vsum = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t + 16 <= len; t += 16) {
+            const __m512 e = v_exp(_mm512_sub_ps(_mm512_loadu_ps(sg + t), vm));
+            _mm512_storeu_ps(sg + t, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        sum = _mm512_reduce_add_ps(vsum);
+        for (; t < len; t++) {
+            sg[t] = expf(sg[t] - m);
+            sum += sg[t];
+        }
+        inv_sum[g] = 1.0f / sum;
+    }
+    // pass 2: weighted V
+    __m512 acc[8][8];
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < NV; i++) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t++) {
+        const ELEM* vr = v_pages + table[t >> block_shift] * page + (t & block_mask) * row;
+        const int64_t nx = t + 16 < len ? t + 16 : len - 1;
+        const char* ahead = (const char*)(v_pages - head_offset + table[nx >> block_shift] * page +
+                                          (nx & block_mask) * row);
+        for (int c = 0; c < row_bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+        __m512 p[8];
+        for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(scores[g * score_stride + t]);
+        for (int i = 0; i < NV; i++) {
+            const __m512 vv = V_LOAD(vr + 16 * i);
+            for (int g = 0; g < G; g++) acc[g][i] = _mm512_fmadd_ps(p[g], vv, acc[g][i]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m512 vi = _mm512_set1_ps(inv_sum[g]);
+        for (int i = 0; i < NV; i++) V_STORE(out + g * D + 16 * i, _mm512_mul_ps(acc[g][i], vi));
+    }
+}
+
+#define STRATA_ATTEND_CASE(G_, D_)                                                         \
+    if (group == G_ && head_dim == D_) {                                                   \
+        FN(attend_fast)(qs, kp, vp, os, tb, len, block_shift, row, page, scale, scores,    \
+                        max_len, head_offset, G_, D_);                                     \
+        return 1;                                                                          \
+    }
+
+// Returns 1 when a specialisation handled the item.
+static int FN(attend_dispatch)(const ELEM* qs, const ELEM* kp, const ELEM* vp, ELEM* os,
+                               const int64_t* tb, int64_t len, int64_t group, int64_t head_dim,
+                               int64_t block_shift, int64_t row, int64_t page, float scale,
+                               float* scores, int64_t max_len, int64_t head_offset) {
+    STRATA_ATTEND_CASE(1, 64) STRATA_ATTEND_CASE(2, 64) STRATA_ATTEND_CASE(3, 64)
+    STRATA_ATTEND_CASE(4, 64) STRATA_ATTEND_CASE(5, 64) STRATA_ATTEND_CASE(6, 64)
+    STRATA_ATTEND_CASE(7, 64) STRATA_ATTEND_CASE(8, 64)
+    STRATA_ATTEND_CASE(1, 128) STRATA_ATTEND_CASE(2, 128) STRATA_ATTEND_CASE(3, 128)
+    STRATA_ATTEND_CASE(4, 128) STRATA_ATTEND_CASE(5, 128) STRATA_ATTEND_CASE(6, 128)
+    STRATA_ATTEND_CASE(7, 128) STRATA_ATTEND_CASE(8, 128)
+    return 0;
+}
+#undef STRATA_ATTEND_CASE
+#endif
+
+int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const ELEM* k_pages,
+                            const ELEM* v_pages, ELEM* out, const int64_t* block_tables,
+                            const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            int64_t max_blocks, float scale) {
+    const int64_t group = num_heads / num_kv_heads;
+    if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || group * num_kv_heads != num_heads)
+        return -1;
+    int64_t max_len = 1;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        if (seq_lens[s] < 1 || seq_lens[s] > max_blocks * block_size) return -2;
+        if (seq_lens[s] > max_len) max_len = seq_lens[s];
+    }
+    const int64_t row = num_kv_heads * head_dim;
+    const int64_t page = block_size * row;
+    int64_t block_shift = 0;
+    while (((int64_t)1 << block_shift) < block_size) block_shift++;
+    if (((int64_t)1 << block_shift) != block_size) return -4;  // power of two only
+    int failed = 0;
+#pragma omp parallel if (num_seqs * num_kv_heads > 1)
+    {
+        float* scores = (float*)malloc(sizeof(float) * (size_t)(group * max_len));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t s = 0; s < num_seqs; s++) {
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                if (!scores) continue;
+                const ELEM* qs = q + s * q_stride + h * group * head_dim;
+                const ELEM* kp = k_pages + h * head_dim;
+                const ELEM* vp = v_pages + h * head_dim;
+                ELEM* os = out + (s * num_heads + h * group) * head_dim;
+                const int64_t* tb = block_tables + s * max_blocks;
+#ifdef STRATA_AVX512
+                if (FN(attend_dispatch)(qs, kp, vp, os, tb, seq_lens[s], group, head_dim,
+                                        block_shift, row, page, scale, scores, max_len,
+                                        h * head_dim))
+                    continue;
+#endif
+                FN(attend_one)(qs, kp, vp, os, tb, seq_lens[s], group, head_dim, block_size,
+                               row, page, scale, scores, max_len);
+            }
+        }
+        free(scores);
+    }
+    return failed ? -3 : 0;
+}
+
+#undef FN
+#undef CAT
+#undef CAT_
+#undef MAX_HEAD_DIM
+#undef MAX_GROUP

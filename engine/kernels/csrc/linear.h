@@ -1,0 +1,106 @@
+// bf16 linear on packed weights: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), fp32 accumulation.
+//
+// `strata_pack_bf16` rewrites w once, at load time, into panels of 64 output columns whose
+// k-pairs are interleaved: wp[N/64][K/2][64][2]. The microkernel then keeps a 6 x 64 block of
+// y in 24 registers, broadcasts one k-pair of x per row and issues AVX512-BF16 dot products
+// against four contiguous weight vectors: no horizontal sums, and each panel streams through
+// memory exactly once per 6 rows. The same kernel serves decode (M = 1: weight streaming at
+// memory bandwidth) and prefill (M in the thousands: close to the dot-product peak).
+// Returns -1 where it does not apply (no AVX512-BF16, N % 64 or K % 2) and the caller uses
+// torch instead.
+
+#define LIN_PANEL 64
+#define LIN_MR 6
+
+int strata_linear_packable(int64_t n, int64_t k) {
+#ifdef STRATA_AVX512BF16
+    return n % LIN_PANEL == 0 && k % 2 == 0;
+#else
+    (void)n, (void)k;
+    return 0;
+#endif
+}
+
+void strata_pack_bf16(const bf16_t* w, bf16_t* wp, int64_t N, int64_t K) {
+    const int64_t pairs = K / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < N / LIN_PANEL; p++)
+        for (int64_t kk = 0; kk < pairs; kk++)
+            for (int64_t j = 0; j < LIN_PANEL; j++) {
+                const bf16_t* src = w + (p * LIN_PANEL + j) * K + 2 * kk;
+                bf16_t* dst = wp + ((p * pairs + kk) * LIN_PANEL + j) * 2;
+                dst[0] = src[0];
+                dst[1] = src[1];
+            }
+}
+
+#ifdef STRATA_AVX512BF16
+static inline __attribute__((always_inline)) void lin_block(const bf16_t* x, const bf16_t* panel,
+                                                           const bf16_t* bias, void* y,
+                                                           int64_t K, int64_t N, int out_f32,
+                                                           const int MR) {
+    __m512 acc[LIN_MR][4];
+    for (int r = 0; r < MR; r++)
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
+    const int32_t* xp = (const int32_t*)x;  // k-pairs of x as 32-bit words
+    const int64_t pairs = K / 2;
+    for (int64_t kk = 0; kk < pairs; kk++) {
+        const bf16_t* wk = panel + kk * 2 * LIN_PANEL;
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
+        const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
+        const __m512bh w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+        for (int r = 0; r < MR; r++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp[r * pairs + kk]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xb, w2);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xb, w3);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512 b = bias ? v_load_bf16(bias + 16 * i) : _mm512_setzero_ps();
+        for (int r = 0; r < MR; r++) {
+            const __m512 v = _mm512_add_ps(acc[r][i], b);
+            if (out_f32)
+                _mm512_storeu_ps((float*)y + r * N + 16 * i, v);
+            else
+                v_store_bf16((bf16_t*)y + r * N + 16 * i, v);
+        }
+    }
+}
+#endif
+
+int strata_linear_packed_bf16(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, void* y,
+                              int64_t M, int64_t N, int64_t K, int out_f32) {
+#ifndef STRATA_AVX512BF16
+    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)out_f32;
+    return -1;
+#else
+    if (!strata_linear_packable(N, K) || M < 1) return -1;
+    const int64_t panels = N / LIN_PANEL;
+    const int64_t blocks = (M + LIN_MR - 1) / LIN_MR;
+    const size_t elem = out_f32 ? sizeof(float) : sizeof(bf16_t);
+    // panel-major items: a thread's consecutive items reuse the same panel from cache
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const int64_t m0 = blk * LIN_MR;
+            const int64_t mr = M - m0 < LIN_MR ? M - m0 : LIN_MR;
+            const bf16_t* xs = x + m0 * K;
+            const bf16_t* panel = wp + p * K * LIN_PANEL;
+            const bf16_t* bs = bias ? bias + p * LIN_PANEL : 0;
+            void* ys = (char*)y + (size_t)(m0 * N + p * LIN_PANEL) * elem;
+            switch (mr) {
+                case 1: lin_block(xs, panel, bs, ys, K, N, out_f32, 1); break;
+                case 2: lin_block(xs, panel, bs, ys, K, N, out_f32, 2); break;
+                case 3: lin_block(xs, panel, bs, ys, K, N, out_f32, 3); break;
+                case 4: lin_block(xs, panel, bs, ys, K, N, out_f32, 4); break;
+                case 5: lin_block(xs, panel, bs, ys, K, N, out_f32, 5); break;
+                default: lin_block(xs, panel, bs, ys, K, N, out_f32, 6); break;
+            }
+        }
+    }
+    return 0;
+#endif
+}

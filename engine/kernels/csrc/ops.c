@@ -1,0 +1,84 @@
+// Strata's CPU kernels, one shared library: RMSNorm (+ residual), RoPE, SiLU*up, KV-page
+// writes and paged decode attention for fp32 and bf16 storage, plus the small-batch bf16
+// linear in linear.h. Built on first use by engine/kernels/cpu.py and called through ctypes.
+
+#include <stdlib.h>
+
+#include "common.h"
+
+int strata_kernels_abi(void) { return 1; }
+
+int strata_has_avx512_bf16(void) {
+#ifdef STRATA_AVX512BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// Row-wise argmax of fp32 logits [rows, cols] (first index wins ties, like torch).
+void strata_argmax_f32(const float* x, int64_t* out, int64_t rows, int64_t cols) {
+#pragma omp parallel for schedule(static) if (rows >= 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* xr = x + r * cols;
+        float best = -INFINITY;
+        int64_t at = 0, c = 0;
+#ifdef STRATA_AVX512
+        if (cols >= 16) {
+            __m512 vbest = _mm512_set1_ps(-INFINITY);
+            __m512i vidx = _mm512_setzero_si512(), cur = _mm512_setr_epi32(
+                0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            const __m512i step = _mm512_set1_epi32(16);
+            for (; c + 16 <= cols; c += 16) {
+                const __m512 v = _mm512_loadu_ps(xr + c);
+                const __mmask16 gt = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);
+                vbest = _mm512_mask_mov_ps(vbest, gt, v);
+                vidx = _mm512_mask_mov_epi32(vidx, gt, cur);
+                cur = _mm512_add_epi32(cur, step);
+            }
+            float lanes[16];
+            int32_t idx[16];
+            _mm512_storeu_ps(lanes, vbest);
+            _mm512_storeu_si512(idx, vidx);
+            for (int i = 0; i < 16; i++)
+                if (lanes[i] > best || (lanes[i] == best && idx[i] < at)) best = lanes[i], at = idx[i];
+        }
+#endif
+        for (; c < cols; c++)
+            if (xr[c] > best) best = xr[c], at = c;
+        out[r] = at;
+    }
+}
+
+#define SUFFIX f32
+#define ELEM float
+#define S_LOAD(x) (x)
+#define S_STORE(x) (x)
+#define S_ROUND(x) (x)
+#define V_LOAD v_load_f32
+#define V_STORE v_store_f32
+#define V_ROUND v_id
+#include "ops_impl.h"
+#include "attention_impl.h"
+#undef SUFFIX
+#undef ELEM
+#undef S_LOAD
+#undef S_STORE
+#undef S_ROUND
+#undef V_LOAD
+#undef V_STORE
+#undef V_ROUND
+
+#define SUFFIX bf16
+#define ELEM bf16_t
+#define ELEM_IS_BF16 1
+#define S_LOAD(x) bf16_to_f32(x)
+#define S_STORE(x) f32_to_bf16(x)
+#define S_ROUND(x) round_bf16(x)
+#define V_LOAD v_load_bf16
+#define V_STORE v_store_bf16
+#define V_ROUND v_round_bf16
+#include "ops_impl.h"
+#include "attention_impl.h"
+
+#include "linear.h"

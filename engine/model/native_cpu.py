@@ -1,0 +1,105 @@
+"""Swap the model's building blocks for Strata's native CPU kernels, from outside the model.
+
+`apply_native_cpu(model, kernels)` replaces, in place, every RMSNorm (residual add fused),
+the rotary embedding (applied in place inside the fused qkv buffer), SiLU*up, and (for bf16
+on AVX512-BF16 CPUs) every linear layer with modules that call `CpuKernels`. The model file
+itself never branches on the backend. Packed linears drop the original weight, except the LM
+head when it is tied to the embedding table (the lookup still needs the rows).
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch import nn
+
+from engine.kernels.cpu import CpuKernels
+from engine.model.llama import DecoderLayer, LlamaForCausalLM, RMSNorm, RotaryEmbedding
+
+
+class NativeRMSNorm(nn.Module):
+    def __init__(self, norm: nn.Module, kernels: CpuKernels) -> None:
+        assert isinstance(norm, RMSNorm)
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.eps
+        self.kernels = kernels
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as RMSNorm; `residual` is updated in place to x + residual."""
+        return self.kernels.rms_norm(x.contiguous(), residual, self.weight, self.eps)
+
+
+class NativeRotary(nn.Module):
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(self, rope: nn.Module, kernels: CpuKernels) -> None:
+        assert isinstance(rope, RotaryEmbedding)
+        super().__init__()
+        self.register_buffer("cos", rope.cos, persistent=False)
+        self.register_buffer("sin", rope.sin, persistent=False)
+        self.kernels = kernels
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates q and k in place (they are views into the qkv projection output)."""
+        self.kernels.rope_(q, k, positions, self.cos, self.sin)
+        return q, k
+
+
+class NativeSiluAndMul(nn.Module):
+    def __init__(self, kernels: CpuKernels) -> None:
+        super().__init__()
+        self.kernels = kernels
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_mul(gate_up)
+
+
+class NativeLinear(nn.Module):
+    """bf16 linear on a packed copy of the weight (engine/kernels/csrc/linear.h)."""
+
+    packed: torch.Tensor
+
+    def __init__(
+        self, linear: nn.Module, kernels: CpuKernels, out_dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__()
+        assert isinstance(linear, nn.Linear)
+        self.register_buffer("packed", kernels.pack_bf16(linear.weight.data), persistent=False)
+        self.bias = linear.bias
+        self.out_features = linear.out_features
+        self.kernels = kernels
+        self.out_dtype = out_dtype or linear.weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear_packed(
+            x.contiguous(), self.packed, self.bias, self.out_features, self.out_dtype
+        )
+
+
+def apply_native_cpu(model: LlamaForCausalLM, kernels: CpuKernels) -> None:
+    """Replace the model's norms, rotary, activation (and bf16 linears) in place."""
+    dtype = model.embed_tokens.weight.dtype
+    assert kernels.supports(dtype), f"no native CPU kernels for {dtype}"
+
+    def packable(linear: nn.Module) -> bool:
+        return isinstance(linear, nn.Linear) and kernels.can_pack(linear.weight)
+
+    for block in model.layers:
+        layer = cast(DecoderLayer, block)
+        layer.input_norm = NativeRMSNorm(layer.input_norm, kernels)
+        layer.post_attn_norm = NativeRMSNorm(layer.post_attn_norm, kernels)
+        layer.act = NativeSiluAndMul(kernels)
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            if packable(getattr(layer, name)):
+                setattr(layer, name, NativeLinear(getattr(layer, name), kernels))
+    model.norm = NativeRMSNorm(model.norm, kernels)
+    model.rope = NativeRotary(model.rope, kernels)
+    if packable(model.lm_head):
+        model.lm_head = NativeLinear(model.lm_head, kernels, out_dtype=torch.float32)

@@ -1,0 +1,174 @@
+"""Native CPU kernels against torch references, in fp32 and bf16, for both builds: `native`
+(AVX-512 paths on this CPU) and `portable` (the scalar fallbacks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention.paged import PagedAttention, SeqSlice
+from engine.config import ModelConfig
+from engine.kernels.cpu import CpuKernels, load_cpu_kernels
+from engine.model.llama import RMSNorm, RotaryEmbedding, SiluAndMul
+from kvstore.base import KVCacheSpec
+from kvstore.device_pool import DeviceKVPool
+
+DTYPES = [torch.float32, torch.bfloat16]
+# tolerance per storage dtype: bf16 results may differ by a rounding step
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def kernels(request, tmp_path_factory) -> CpuKernels:
+    k = load_cpu_kernels(str(tmp_path_factory.mktemp("kernels")), arch=request.param)
+    assert k is not None, "the C kernels must build on the test machine"
+    return k
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 40])  # 40: a tail the vector loop does not cover
+def test_rms_norm_with_and_without_residual(kernels, dtype, hidden):
+    x = torch.randn(7, hidden, generator=gen()).to(dtype)
+    res = torch.randn(7, hidden, generator=gen(1)).to(dtype)
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = torch.rand(hidden, generator=gen(2)).to(dtype)
+    ref_out, ref_sum = norm(x, res.clone())
+    out, summed = kernels.rms_norm(x, res, norm.weight.data, 1e-5)
+    assert summed is res  # the residual stream is updated in place
+    assert torch.equal(summed, ref_sum)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=ATOL[dtype], rtol=1e-2)
+    out, passthrough = kernels.rms_norm(x, None, norm.weight.data, 1e-5)
+    assert passthrough is x
+    torch.testing.assert_close(out.float(), norm(x)[0].float(), atol=ATOL[dtype], rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_rope_in_place_on_strided_views(kernels, dtype, head_dim):
+    cfg = ModelConfig(
+        vocab_size=16,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+    )
+    rope = RotaryEmbedding(cfg)
+    t = 9
+    qkv = torch.randn(t, (4 + 2 + 2) * head_dim, generator=gen()).to(dtype)
+    q = qkv[:, : 4 * head_dim].view(t, 4, head_dim)
+    k = qkv[:, 4 * head_dim : 6 * head_dim].view(t, 2, head_dim)
+    positions = torch.tensor([0, 1, 2, 100, 200, 300, 400, 500, 511])
+    ref_q, ref_k = rope(positions, q.clone().float(), k.clone().float())
+    v_before = qkv[:, 6 * head_dim :].clone()
+    kernels.rope_(q, k, positions, rope.cos, rope.sin)
+    torch.testing.assert_close(q.float(), ref_q, atol=ATOL[dtype], rtol=1e-2)
+    torch.testing.assert_close(k.float(), ref_k, atol=ATOL[dtype], rtol=1e-2)
+    assert torch.equal(qkv[:, 6 * head_dim :], v_before)  # V untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(kernels, dtype):
+    gate_up = (4 * torch.randn(5, 2 * 1536 + 2 * 8, generator=gen())).to(dtype)
+    ref = SiluAndMul()(gate_up.float())
+    torch.testing.assert_close(
+        kernels.silu_mul(gate_up).float(), ref, atol=ATOL[dtype] * 4, rtol=2e-2
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_write_scatters_rows_into_slots(kernels, dtype):
+    pages = torch.zeros(2, 6, 4, 3, 8, dtype=dtype)  # K/V, blocks, block, heads, dim
+    qkv = torch.randn(5, 3 * 8 * 3, generator=gen()).to(dtype)
+    k = qkv[:, 24:48].view(5, 3, 8)
+    v = qkv[:, 48:].view(5, 3, 8)
+    slots = torch.tensor([3, 22, 7, 0, 15])
+    kernels.kv_write(k, v, pages[0], pages[1], slots)
+    flat_k, flat_v = pages[0].view(-1, 3, 8), pages[1].view(-1, 3, 8)
+    assert torch.equal(flat_k[slots], k)
+    assert torch.equal(flat_v[slots], v)
+    others = torch.ones(24, dtype=torch.bool)
+    others[slots] = False
+    assert not flat_k[others].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (32, 8, 128, 16), (4, 4, 64, 8), (12, 1, 48, 32), (6, 2, 64, 4)],
+)
+def test_paged_decode_matches_torch(kernels, dtype, heads, kv_heads, head_dim, block_size):
+    spec = KVCacheSpec(1, kv_heads, head_dim, block_size, dtype)
+    pool = DeviceKVPool(spec, 96, torch.device("cpu"))
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen()))
+    perm = torch.randperm(96, generator=gen(1)).tolist()
+    lengths = [1, 2, 15, 16, 17, 33, 100, 150]
+    seqs, start = [], 0
+    for n in lengths:
+        blocks = -(-n // block_size)
+        seqs.append(SeqSlice(1, n - 1, perm[start : start + blocks]))
+        start += blocks
+    reference = PagedAttention(pool, heads)  # torch path
+    ctx = reference.build_context(seqs)
+    assert ctx.decode is not None
+    q = torch.randn(len(seqs), heads + 2 * kv_heads, head_dim, generator=gen(2)).to(dtype)
+    q = q[:, :heads]  # strided rows, as when q is a view into the qkv projection
+    k_pages, v_pages = pool.layer(0)
+    expected = reference._attend(q.unsqueeze(1), k_pages, v_pages, ctx.decode)
+    got = kernels.paged_decode(
+        q, k_pages, v_pages, ctx.decode.block_table, ctx.decode.seq_lens, head_dim**-0.5
+    )
+    torch.testing.assert_close(got.float(), expected.float(), atol=ATOL[dtype], rtol=2e-2)
+
+
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 64])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_packed_linear_matches_fp32_matmul(kernels, m, out_dtype):
+    weight = torch.randn(192, 96, generator=gen()).to(torch.bfloat16)
+    bias = torch.randn(192, generator=gen(1)).to(torch.bfloat16)
+    x = torch.randn(m, 96, generator=gen(2)).to(torch.bfloat16)
+    if not kernels.has_bf16_linear:
+        assert not kernels.can_pack(weight)
+        return
+    assert kernels.can_pack(weight)
+    assert not kernels.can_pack(weight[:100])  # N not a multiple of the 64-column panel
+    packed = kernels.pack_bf16(weight)
+    ref = F.linear(x.float(), weight.float(), bias.float())
+    for b, r in ((bias, ref), (None, ref - bias.float())):
+        got = kernels.linear_packed(x, packed, b, 192, out_dtype)
+        assert got.dtype == out_dtype
+        atol = 1e-3 if out_dtype == torch.float32 else 0.1
+        torch.testing.assert_close(got.float(), r, atol=atol, rtol=1e-2)
+
+
+def test_packed_linear_rows_do_not_depend_on_batch_mates(tmp_path):
+    kernels = load_cpu_kernels(str(tmp_path))
+    assert kernels is not None
+    weight = torch.randn(128, 64, generator=gen()).to(torch.bfloat16)
+    if not kernels.has_bf16_linear:  # CPUs without AVX512-BF16 keep torch's linear
+        assert not kernels.can_pack(weight)
+        return
+    packed = kernels.pack_bf16(weight)
+    x = torch.randn(13, 64, generator=gen(1)).to(torch.bfloat16)
+    whole = kernels.linear_packed(x, packed, None, 128, torch.float32)
+    for i in range(13):
+        alone = kernels.linear_packed(x[i : i + 1].contiguous(), packed, None, 128, torch.float32)
+        assert torch.equal(alone[0], whole[i])
+
+
+def test_argmax_matches_torch_including_ties(kernels):
+    logits = torch.randn(6, 1000, generator=gen())
+    logits[1, 17] = logits[1, 900] = 50.0  # tie: the first index wins
+    logits[2] = -3.0  # all equal
+    logits[3, 999] = 99.0  # max in the scalar tail
+    assert torch.equal(kernels.argmax(logits), logits.argmax(-1))
+    small = torch.randn(3, 7, generator=gen(1))
+    assert torch.equal(kernels.argmax(small), small.argmax(-1))
