@@ -7,8 +7,10 @@ for padding. Grouped-query attention never repeats K/V.
 
 - torch path: one indexing op gathers a group's pages through the block table, then a masked
   softmax attention over the gathered K/V.
-- native CPU path (`CpuKernels` given): the K/V write is one kernel call and decode sequences
-  read their pages in place; prefill chunks keep the torch path (it is matmul-bound there).
+- native CPU path (`CpuKernels` given): the K/V write is one kernel call, and every query
+  token, decode or prefill, is one row of a single paged-attention call that reads its
+  sequence's pages in place up to its own position (causal by construction, no padding, and
+  the same arithmetic for a token whether it arrives in a prefill chunk or a decode step).
 """
 
 from __future__ import annotations
@@ -40,11 +42,18 @@ class _Group:
 
 
 @dataclass
+class _Rows:
+    block_table: torch.Tensor  # [T, max_blocks] int64: each token's sequence's table
+    seq_lens: torch.Tensor  # [T] int32: each token's position + 1
+
+
+@dataclass
 class AttentionContext:
     slot_mapping: torch.Tensor  # [T] int64, flat pool slot of every new token
     num_decode_tokens: int
-    decode: _Group | None
-    prefill: _Group | None
+    decode: _Group | None  # torch path
+    prefill: _Group | None  # torch path
+    rows: _Rows | None = None  # native path: every token at once
 
 
 def _build_group(
@@ -74,6 +83,19 @@ def _build_group(
         mask=mask,
         max_query_len=max_q,
         token_index=token_index,
+    )
+
+
+def _build_rows(seqs: list[SeqSlice]) -> _Rows:
+    max_blocks = max(len(s.block_table) for s in seqs)
+    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        tables[b, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+    query_lens = torch.tensor([s.query_len for s in seqs])
+    lens = [pos + 1 for s in seqs for pos in range(s.context_len, s.context_len + s.query_len)]
+    return _Rows(
+        block_table=tables.repeat_interleave(query_lens, dim=0),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
     )
 
 
@@ -108,21 +130,19 @@ class PagedAttention:
             for s in seqs
             for pos in range(s.context_len, s.context_len + s.query_len)
         ]
+        slot_mapping = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
+        if self.kernels is not None:
+            return AttentionContext(slot_mapping, 0, None, None, rows=_build_rows(seqs))
         num_decode = 0
         while num_decode < len(seqs) and seqs[num_decode].query_len == 1:
             num_decode += 1
         assert all(s.query_len > 1 for s in seqs[num_decode:]), "decodes must come first"
         decode = prefill = None
         if num_decode:
-            decode = _build_group(seqs[:num_decode], bs, device, with_mask=self.kernels is None)
+            decode = _build_group(seqs[:num_decode], bs, device, with_mask=True)
         if num_decode < len(seqs):
             prefill = _build_group(seqs[num_decode:], bs, device, with_mask=True)
-        return AttentionContext(
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True),
-            num_decode_tokens=num_decode,
-            decode=decode,
-            prefill=prefill,
-        )
+        return AttentionContext(slot_mapping, num_decode, decode, prefill)
 
     def forward(
         self,
@@ -143,18 +163,15 @@ class PagedAttention:
         else:
             k_pages.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, ctx.slot_mapping, k)
             v_pages.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, ctx.slot_mapping, v)
+        if ctx.rows is not None:
+            assert self.kernels is not None
+            return self.kernels.paged_decode(
+                q, k_pages, v_pages, ctx.rows.block_table, ctx.rows.seq_lens, self.scale
+            )
         outs = []
         nd = ctx.num_decode_tokens
         if ctx.decode is not None:
-            g = ctx.decode
-            if self.kernels is not None:
-                outs.append(
-                    self.kernels.paged_decode(
-                        q[:nd], k_pages, v_pages, g.block_table, g.seq_lens, self.scale
-                    )
-                )
-            else:
-                outs.append(self._attend(q[:nd].unsqueeze(1), k_pages, v_pages, g))
+            outs.append(self._attend(q[:nd].unsqueeze(1), k_pages, v_pages, ctx.decode))
         if ctx.prefill is not None:
             g = ctx.prefill
             assert g.token_index is not None

@@ -266,7 +266,7 @@ int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const ELEM* k_pages
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for collapse(2) schedule(static)
+#pragma omp for collapse(2) schedule(dynamic, 8)
         for (int64_t s = 0; s < num_seqs; s++) {
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 if (!scores) continue;
