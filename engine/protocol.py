@@ -55,8 +55,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     logprobs: int | None = None
     skip_special_tokens: bool = True
 
-    def validate(self, vocab_size: int) -> None:
-        """Raise InvalidRequestError naming the first bad field."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequestError naming the first bad field (token ids are range-checked
+        only when `vocab_size` is given)."""
 
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(msg)
@@ -83,7 +84,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise bad("seed must fit in 64 bits")
         if any(not s for s in self.stop):
             raise bad("stop strings must be non-empty")
-        if any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+        limit = vocab_size if vocab_size is not None else 2**31
+        if any(not 0 <= t < limit for t in self.stop_token_ids):
             raise bad("stop_token_ids must be valid token ids")
 
     @property

@@ -126,6 +126,7 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
     )
+    params.validate()  # before spending seconds on loading the model
     llm = LLM(_engine_config(args), progress=True)
     (result,) = llm.generate([args.prompt], params, chat=args.chat)
     print(result.text)

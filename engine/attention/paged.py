@@ -5,8 +5,9 @@ sequences attends over its pages. Sequences are split into a decode group (one q
 each) and a prefill group (chunks padded to the longest chunk), so decode tokens never pay
 for padding. Grouped-query attention never repeats K/V.
 
-- torch path: one indexing op gathers a group's pages through the block table, then a masked
-  softmax attention over the gathered K/V.
+- torch path: one indexing op gathers a group's pages through the block table, then masked
+  attention over the gathered K/V: SDPA on CUDA (fused kernels), explicit grouped matmuls on
+  CPU (faster there than SDPA's CPU kernels for these shapes).
 - native CPU path (`CpuKernels` given): the K/V write is one kernel call, and every query
   token, decode or prefill, is one row of a single paged-attention call that reads its
   sequence's pages in place up to its own position (causal by construction, no padding, and
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.kernels.cpu import CpuKernels
 from kvstore.device_pool import DeviceKVPool
@@ -119,6 +121,7 @@ class PagedAttention:
             kernels is not None and pool.device.type == "cpu" and kernels.supports(pool.spec.dtype)
         )
         self.kernels = kernels if native else None
+        self.use_sdpa = pool.device.type == "cuda"
 
     def build_context(self, seqs: list[SeqSlice]) -> AttentionContext:
         """Metadata for one step. `seqs` lists every `query_len == 1` sequence first, in the
@@ -191,16 +194,34 @@ class PagedAttention:
         """q: [B, Q, H, D] -> [B * Q, H * D] over each sequence's gathered pages."""
         b, nq, h, d = q.shape
         hkv = self.num_kv_heads
-        group = h // hkv
         length = g.block_table.shape[1] * self.block_size
         assert g.mask is not None
         # gather pages: [B, max_blocks, block, Hkv, D] -> [B, Hkv, L, D]
         keys = k_pages[g.block_table].view(b, length, hkv, d).transpose(1, 2)
         values = v_pages[g.block_table].view(b, length, hkv, d).transpose(1, 2)
+        if self.use_sdpa:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                keys,
+                values,
+                attn_mask=g.mask[:, :, 0],
+                scale=self.scale,
+                enable_gqa=hkv != h,
+            )  # [B, H, Q, D]
+            return out.transpose(1, 2).reshape(b * nq, h * d)
+        return self._attend_matmul(q, keys, values, g.mask)
+
+    def _attend_matmul(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [B, Q, H, D]; keys/values: [B, Hkv, L, D]; mask: [B, 1, 1, Q, L]."""
+        b, nq, h, d = q.shape
+        hkv, length = keys.shape[1], keys.shape[2]
+        group = h // hkv
         # queries grouped by KV head: [B, Hkv, G * Q, D]
         qg = q.reshape(b, nq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, -1, d)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale
-        scores = scores.view(b, hkv, group, nq, length).masked_fill_(~g.mask, float("-inf"))
+        scores = scores.view(b, hkv, group, nq, length).masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, hkv, group * nq, length)
         out = torch.matmul(probs, values)  # [B, Hkv, G * Q, D]
         out = out.view(b, hkv, group, nq, d).permute(0, 3, 1, 2, 4)  # [B, Q, Hkv, G, D]

@@ -1,0 +1,139 @@
+"""The `strata` command as users run it: a real subprocess, real model, real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine.client import EngineClient
+from engine.protocol import SamplingParams
+
+
+def strata(*args: str, cache_dir, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, STRATA_CACHE_DIR=str(cache_dir), STRATA_LOG_LEVEL="WARNING")
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_generate_chat_answers_paris(strata_cache_dir):
+    done = strata(
+        "generate",
+        "--chat",
+        "What is the capital of France?",
+        "--max-tokens",
+        "40",
+        cache_dir=strata_cache_dir,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
+
+
+def test_sampled_generation_is_reproducible_with_a_seed(strata_cache_dir):
+    args = (
+        "generate",
+        "Once upon a time",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "11",
+    )
+    first = strata(*args, cache_dir=strata_cache_dir)
+    second = strata(*args, cache_dir=strata_cache_dir)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+    assert first.stdout.strip()
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--model", "/nonexistent/model.gguf"], "not found"),
+        (["--model", "synthetic:nope"], "synthetic"),
+        (["--dtype", "float8"], "dtype"),
+        (["--max-tokens", "0"], "max_tokens"),
+    ],
+)
+def test_bad_input_gives_one_clear_line(strata_cache_dir, args, needle):
+    done = strata("generate", "hi", *args, cache_dir=strata_cache_dir, timeout=120)
+    assert done.returncode == 2
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("strata: error:")
+    assert needle in lines[0]
+
+
+def test_non_gguf_file_gives_one_clear_line(strata_cache_dir, tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_text("not a model")
+    done = strata("generate", "hi", "--model", str(fake), cache_dir=strata_cache_dir)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "GGUF" in done.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_engine_worker_over_tcp(strata_cache_dir):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    env = dict(os.environ, STRATA_CACHE_DIR=str(strata_cache_dir), STRATA_LOG_LEVEL="WARNING")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "engine",
+            "--model",
+            "synthetic:tiny",
+            "--listen",
+            address,
+            "--num-kv-blocks",
+            "32",
+        ],
+        env=env,
+    )
+    try:
+        client = EngineClient(address, connect_timeout=1.0)
+
+        async def run() -> list[int]:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    await client.connect()
+                    break
+                except Exception:
+                    assert proc.poll() is None, "worker exited"
+                    assert time.monotonic() < deadline, "worker did not come up"
+                    await asyncio.sleep(0.1)
+            params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+            tokens = [
+                t
+                async for out in client.generate("r", [1, 2, 3], params)
+                for t in out.new_token_ids
+            ]
+            stats = await client.stats()
+            assert stats.num_kv_blocks_used == 0
+            await client.close()
+            return tokens
+
+        assert len(asyncio.run(run())) == 5
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0  # SIGTERM is a clean shutdown
