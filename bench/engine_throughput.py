@@ -2,7 +2,9 @@
 
 Same model, dtype and seeded prompts for both (default: 128 prompt tokens, 128 new tokens,
 greedy, EOS ignored so every request produces exactly `new_tokens`). Tokens/s = generated
-tokens / wall time from submission to the last token, prefill included.
+tokens / wall time from submission to the last token, prefill included. Each configuration
+runs `--repeats` times, alternating the two engines, and the median is reported (shared
+machines drift by 10-20% over minutes; alternating keeps the comparison fair).
 
     python bench/engine_throughput.py            # SmolLM2, bf16, CPU: 1/8/32/64 concurrent
     python bench/engine_throughput.py --quick    # a fast smoke run
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -76,13 +79,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="batches 1,8 and 32 new tokens")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (median)")
+    ap.add_argument("--quick", action="store_true", help="batches 1,8, 32 new tokens, 1 run")
     ap.add_argument("--skip-hf", action="store_true", help="measure Strata only")
     ap.add_argument("--kv-cache-gb", type=float, default=2.0)
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     if args.quick:
-        args.batches, args.new_tokens = "1,8", 32
+        args.batches, args.new_tokens, args.repeats = "1,8", 32, 1
     batches = [int(b) for b in args.batches.split(",")]
 
     torch.manual_seed(args.seed)
@@ -110,10 +114,16 @@ def main(argv: list[str] | None = None) -> dict:
     ratio: dict[str, float] = {}
     for n in batches:
         prompts = make_prompts(n, args.prompt_len, vocab, args.seed + n)
-        strata_tok_s[str(n)] = round(run_strata(core, prompts, args.new_tokens), 1)
+        ours: list[float] = []
+        peer: list[float] = []
+        for _ in range(args.repeats):
+            ours.append(run_strata(core, prompts, args.new_tokens))
+            if hf is not None:
+                peer.append(run_hf(hf, prompts, args.new_tokens, device))
+        strata_tok_s[str(n)] = round(statistics.median(ours), 1)
         line = f"concurrency {n:>3}: strata {strata_tok_s[str(n)]:8.1f} tok/s"
         if hf is not None:
-            hf_tok_s[str(n)] = round(run_hf(hf, prompts, args.new_tokens, device), 1)
+            hf_tok_s[str(n)] = round(statistics.median(peer), 1)
             ratio[str(n)] = round(strata_tok_s[str(n)] / hf_tok_s[str(n)], 2)
             line += f" | transformers {hf_tok_s[str(n)]:8.1f} tok/s | ratio {ratio[str(n)]:.2f}x"
         print(line, flush=True)
@@ -129,6 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "quick": args.quick,
+        "repeats": args.repeats,
         "seed": args.seed,
         **summary,
     }

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu import CpuKernels
+from engine.kernels.cpu import CpuKernels, LayerPages
 from kvstore.device_pool import DeviceKVPool
 
 
@@ -146,6 +146,14 @@ class PagedAttention:
         if num_decode < len(seqs):
             prefill = _build_group(seqs[num_decode:], bs, device, with_mask=True)
         return AttentionContext(slot_mapping, num_decode, decode, prefill)
+
+    def layer_pages(self, layer_idx: int, ctx: AttentionContext) -> LayerPages:
+        """What a fused native decoder layer needs to do this layer's attention itself."""
+        assert ctx.rows is not None, "fused layers need the native attention context"
+        k_pages, v_pages = self.pool.layer(layer_idx)
+        return LayerPages(
+            k_pages, v_pages, ctx.slot_mapping, ctx.rows.block_table, ctx.rows.seq_lens, self.scale
+        )
 
     def forward(
         self,

@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _SRC_DIR = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.c", "common.h", "ops_impl.h", "attention_impl.h", "linear.h")
+_SOURCES = ("ops.c", "common.h", "ops_impl.h", "attention_impl.h", "linear.h", "layer.h")
 _PANEL = 64  # output columns per packed weight panel (linear.h)
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 # `native` tunes for this CPU (AVX-512 paths where present); `portable` builds the scalar
@@ -100,6 +101,23 @@ class CpuKernels:
                 self._fns[name, dtype] = fn
         self._argmax = lib.strata_argmax_f32
         self._argmax.argtypes, self._argmax.restype = [_P, _P, _I, _I], None
+        self._layer = lib.strata_decoder_layer_bf16
+        # x, residual, first, norms, eps | 13 tensors | 8 sizes | scale, workspace, out
+        layer_args: list[Any] = [
+            _P,
+            _P,
+            ctypes.c_int,
+            _P,
+            _P,
+            _F,
+            *[_P] * 13,
+            *[_I] * 8,
+            _F,
+            _P,
+            _P,
+        ]
+        self._layer.argtypes = layer_args
+        self._layer.restype = ctypes.c_int
         self._linear = lib.strata_linear_packed_bf16
         self._linear.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
         self._linear.restype = ctypes.c_int
@@ -235,6 +253,71 @@ class CpuKernels:
         if rc != 0:
             raise KernelError(f"packed linear rejected [{m}, {k}] x [{out_features}, {k}]")
         return out
+
+    def decoder_layer(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        first: bool,
+        w: LayerWeights,
+        positions: torch.Tensor,
+        pages: LayerPages,
+    ) -> torch.Tensor:
+        """One whole bf16 decoder layer (csrc/layer.h) -> the layer output [T, H].
+
+        Mutates `residual` (initialised from `x` when `first`) and writes the step's K/V into
+        the pages; bit-identical to running the layer's native modules one by one.
+        """
+        t, hidden = x.shape
+        assert x.dtype == torch.bfloat16 and x.is_contiguous() and residual.is_contiguous()
+        q_size = w.num_heads * w.head_dim
+        qkv_size = q_size + 2 * w.num_kv_heads * w.head_dim
+        ws = x.new_empty(t * (hidden + qkv_size + q_size + 3 * w.intermediate))
+        out = torch.empty_like(x)
+        rc = self._layer(
+            x.data_ptr(), residual.data_ptr(), first, w.in_norm.data_ptr(),
+            w.post_norm.data_ptr(), w.eps, w.qkv.data_ptr(), _ptr(w.qkv_bias), w.o.data_ptr(),
+            w.gate_up.data_ptr(), w.down.data_ptr(), positions.data_ptr(), w.cos.data_ptr(),
+            w.sin.data_ptr(), pages.k.data_ptr(), pages.v.data_ptr(), pages.slots.data_ptr(),
+            pages.block_tables.data_ptr(), pages.seq_lens.data_ptr(), pages.block_tables.shape[1],
+            t, hidden, w.num_heads, w.num_kv_heads, w.head_dim, w.intermediate,
+            pages.k.shape[1], pages.scale, ws.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            raise KernelError(f"decoder layer kernel failed (code {rc})")
+        return out
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """A bf16 decoder layer's packed weights and shapes, as `decoder_layer` reads them."""
+
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+
+
+@dataclass(frozen=True)
+class LayerPages:
+    """Where one layer's attention reads and writes this step (from the attention context)."""
+
+    k: torch.Tensor  # [num_blocks, block, Hkv, D]
+    v: torch.Tensor
+    slots: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [T, max_blocks] int64
+    seq_lens: torch.Tensor  # [T] int32
+    scale: float
 
 
 def load_cpu_kernels(cache_dir: str | None, arch: str = "native") -> CpuKernels | None:

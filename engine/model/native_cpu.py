@@ -9,13 +9,20 @@ head when it is tied to the embedding table (the lookup still needs the rows).
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from engine.kernels.cpu import CpuKernels
-from engine.model.llama import DecoderLayer, LlamaForCausalLM, RMSNorm, RotaryEmbedding
+from engine.attention.paged import PagedAttention
+from engine.kernels.cpu import CpuKernels, LayerWeights
+from engine.model.llama import (
+    AttentionBackend,
+    DecoderLayer,
+    LlamaForCausalLM,
+    RMSNorm,
+    RotaryEmbedding,
+)
 
 
 class NativeRMSNorm(nn.Module):
@@ -83,13 +90,65 @@ class NativeLinear(nn.Module):
         )
 
 
-def apply_native_cpu(model: LlamaForCausalLM, kernels: CpuKernels) -> None:
-    """Replace the model's norms, rotary, activation (and bf16 linears) in place."""
+class NativeDecoderLayer(nn.Module):
+    """A whole bf16 decoder layer in one kernel call (no Python between its kernels).
+
+    Built from a layer whose modules were already swapped for native ones; shares their
+    packed weights and produces bit-identical results.
+    """
+
+    def __init__(self, layer: DecoderLayer, rope: NativeRotary, kernels: CpuKernels) -> None:
+        super().__init__()
+        self.layer_idx = layer.layer_idx
+        self.kernels = kernels
+        self.inner = layer  # keeps the parameters and buffers registered
+        linears = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
+        assert all(isinstance(m, NativeLinear) for m in linears)
+        qkv, o, gate_up, down = cast(list[NativeLinear], linears)
+        in_norm, post_norm = layer.input_norm, layer.post_attn_norm
+        assert isinstance(in_norm, NativeRMSNorm) and isinstance(post_norm, NativeRMSNorm)
+        self.weights = LayerWeights(
+            in_norm=in_norm.weight.data, post_norm=post_norm.weight.data, eps=in_norm.eps,
+            qkv=qkv.packed, qkv_bias=None if qkv.bias is None else qkv.bias.data, o=o.packed,
+            gate_up=gate_up.packed, down=down.packed, cos=rope.cos, sin=rope.sin,
+            num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_dim, intermediate=down.packed.numel() // down.out_features,
+        )  # fmt: skip
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope: nn.Module,
+        attn: AttentionBackend,
+        ctx: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as DecoderLayer.forward."""
+        assert isinstance(attn, PagedAttention)
+        first = residual is None
+        res = torch.empty_like(x) if residual is None else residual
+        out = self.kernels.decoder_layer(
+            x.contiguous(), res, first, self.weights, positions,
+            attn.layer_pages(self.layer_idx, ctx),
+        )  # fmt: skip
+        return out, res
+
+
+def apply_native_cpu(
+    model: LlamaForCausalLM, kernels: CpuKernels, *, fuse_layers: bool = True
+) -> None:
+    """Replace the model's norms, rotary, activation and bf16 linears in place; with
+    `fuse_layers`, bf16 layers whose linears all packed become one kernel call each."""
     dtype = model.embed_tokens.weight.dtype
     assert kernels.supports(dtype), f"no native CPU kernels for {dtype}"
 
     def packable(linear: nn.Module) -> bool:
         return isinstance(linear, nn.Linear) and kernels.can_pack(linear.weight)
+
+    def packable_layer(layer: DecoderLayer) -> bool:
+        names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        return all(isinstance(getattr(layer, n), NativeLinear) for n in names)
 
     for block in model.layers:
         layer = cast(DecoderLayer, block)
@@ -100,6 +159,10 @@ def apply_native_cpu(model: LlamaForCausalLM, kernels: CpuKernels) -> None:
             if packable(getattr(layer, name)):
                 setattr(layer, name, NativeLinear(getattr(layer, name), kernels))
     model.norm = NativeRMSNorm(model.norm, kernels)
-    model.rope = NativeRotary(model.rope, kernels)
+    rope = NativeRotary(model.rope, kernels)
+    model.rope = rope
+    if fuse_layers and all(packable_layer(cast(DecoderLayer, b)) for b in model.layers):
+        for i, block in enumerate(model.layers):
+            model.layers[i] = NativeDecoderLayer(cast(DecoderLayer, block), rope, kernels)
     if packable(model.lm_head):
         model.lm_head = NativeLinear(model.lm_head, kernels, out_dtype=torch.float32)

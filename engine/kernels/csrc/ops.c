@@ -1,6 +1,7 @@
 // Strata's CPU kernels, one shared library: RMSNorm (+ residual), RoPE, SiLU*up, KV-page
-// writes and paged decode attention for fp32 and bf16 storage, plus the small-batch bf16
-// linear in linear.h. Built on first use by engine/kernels/cpu.py and called through ctypes.
+// writes and paged attention for fp32 and bf16 storage, the packed bf16 linear (linear.h) and
+// the whole bf16 decoder layer built from them (layer.h). Built on first use by
+// engine/kernels/cpu.py and called through ctypes.
 
 #include <stdlib.h>
 
@@ -82,3 +83,4 @@ void strata_argmax_f32(const float* x, int64_t* out, int64_t rows, int64_t cols)
 #include "attention_impl.h"
 
 #include "linear.h"
+#include "layer.h"

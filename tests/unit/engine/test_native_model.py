@@ -1,0 +1,84 @@
+"""The native CPU model transforms: fused bf16 decoder layers are bit-identical to the
+per-module native path, and both track the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention.paged import SeqSlice
+from engine.config import CacheConfig, EngineConfig
+from engine.core import EngineCore
+from engine.kernels.cpu import load_cpu_kernels
+from engine.loader import build_model, load_checkpoint
+from engine.model.native_cpu import NativeDecoderLayer, apply_native_cpu
+from engine.protocol import SamplingParams
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    k = load_cpu_kernels(str(tmp_path_factory.mktemp("kernels")))
+    assert k is not None
+    return k
+
+
+def engine(kernels, mode: str) -> EngineCore:
+    ckpt = load_checkpoint("synthetic:tiny", None, seed=5)
+    model = build_model(ckpt, torch.bfloat16, CPU)
+    if mode != "torch":
+        apply_native_cpu(model, kernels, fuse_layers=mode == "fused")
+    cfg = EngineConfig(dtype="bfloat16", cache=CacheConfig(block_size=4, num_blocks=64))
+    return EngineCore(model, cfg, model_id="tiny", eos_token_ids=frozenset(),
+                      kernels=None if mode == "torch" else kernels)
+
+
+def step_logits(core: EngineCore, seqs: list[tuple[list[int], int]]) -> torch.Tensor:
+    """One forward over several sequences' chunks (token ids, tokens already cached)."""
+    runner = core.runner
+    ids, positions, slices, next_block = [], [], [], 0
+    for tokens, cached in seqs:
+        blocks = list(range(next_block, next_block + -(-len(tokens) // 4)))
+        next_block += len(blocks)
+        ids += tokens[cached:]
+        positions += list(range(cached, len(tokens)))
+        slices.append(SeqSlice(len(tokens) - cached, cached, blocks))
+    with torch.inference_mode():
+        ctx = runner.attn.build_context(slices)
+        hidden = runner.model(torch.tensor(ids), torch.tensor(positions), runner.attn, ctx)
+        return runner.model.compute_logits(hidden)
+
+
+def test_fused_layers_are_bit_identical_to_native_modules(kernels):
+    modules, fused = engine(kernels, "modules"), engine(kernels, "fused")
+    if not kernels.has_bf16_linear:  # without AVX512-BF16 nothing is packed, nothing fuses
+        assert not any(isinstance(m, NativeDecoderLayer) for m in fused.runner.model.layers)
+        return
+    assert all(isinstance(m, NativeDecoderLayer) for m in fused.runner.model.layers)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [(torch.randint(0, 512, (n,), generator=gen).tolist(), 0) for n in (1, 9, 23)]
+    assert torch.equal(step_logits(fused, seqs), step_logits(modules, seqs))
+    # the K/V both wrote into their pools are the same bytes too
+    assert torch.equal(fused.pool.kv, modules.pool.kv)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for core in (fused, modules):
+        for i, n in enumerate((3, 17, 30)):
+            core.add_request(str(i), list(range(1, n + 1)), params)
+    outs = {}
+    for name, core in (("fused", fused), ("modules", modules)):
+        tokens: dict[str, list[int]] = {}
+        while core.has_unfinished():
+            for out in core.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        outs[name] = tokens
+        core.check_integrity()
+    assert outs["fused"] == outs["modules"]
+
+
+def test_native_bf16_tracks_the_torch_path(kernels):
+    native, plain = engine(kernels, "fused"), engine(kernels, "torch")
+    gen = torch.Generator().manual_seed(1)
+    seqs = [(torch.randint(0, 512, (n,), generator=gen).tolist(), 0) for n in (5, 40)]
+    a, b = step_logits(native, seqs), step_logits(plain, seqs)
+    assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
