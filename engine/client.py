@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import msgspec
 
@@ -107,7 +107,7 @@ class EngineClient:
         params: SamplingParams,
         *,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Submit and stream outputs until the final one.
 
         Raises InvalidRequestError if the worker rejects the request and EngineDeadError

@@ -15,7 +15,15 @@ import engine.tokenizer
 from engine.config import ConfigError, EngineConfig, KernelBackend
 from engine.core import EngineCore
 from engine.kernels.cpu import CpuKernels, load_cpu_kernels
-from engine.loader import Checkpoint, build_model, load_checkpoint
+from engine.loader import (
+    PRESETS,
+    Checkpoint,
+    ModelLoadError,
+    build_model,
+    load_checkpoint,
+    resolve_model_path,
+)
+from engine.loader.synthetic import SYNTHETIC_PREFIX
 from engine.model.native_cpu import apply_native_cpu
 from engine.tokenizer import Tokenizer, byte_tokenizer
 
@@ -23,14 +31,20 @@ log = logging.getLogger(__name__)
 
 
 def load_tokenizer(checkpoint: Checkpoint, cache_dir: str | None = None) -> Tokenizer:
-    """The checkpoint's own tokenizer; a byte tokenizer for synthetic (random) models.
+    """The checkpoint's own tokenizer; a byte tokenizer for synthetic (random) models."""
+    return tokenizer_from_source(
+        checkpoint.tokenizer_source, checkpoint.config.vocab_size, cache_dir
+    )
+
+
+def tokenizer_from_source(source: str | None, vocab_size: int, cache_dir: str | None) -> Tokenizer:
+    """`source` is a .gguf file, an HF directory, or None (a byte tokenizer of `vocab_size`).
 
     A GGUF's tokenizer is rebuilt from its metadata once and kept as `tokenizer.json` under
     `cache_dir` (parsing the metadata takes seconds; loading the JSON, milliseconds).
     """
-    source = checkpoint.tokenizer_source
     if source is None:
-        return byte_tokenizer(checkpoint.config.vocab_size)
+        return byte_tokenizer(vocab_size)
     if not source.endswith(".gguf"):
         return Tokenizer.from_dir(source)
     if cache_dir is None:
@@ -51,6 +65,19 @@ def load_tokenizer(checkpoint: Checkpoint, cache_dir: str | None = None) -> Toke
     except OSError as exc:
         log.warning("could not cache the tokenizer at %s: %s", entry, exc)
     return tokenizer
+
+
+def load_tokenizer_for(spec: str, cache_dir: str | None) -> Tokenizer:
+    """The tokenizer of a model spec without touching its weights (for the gateway)."""
+    if spec.startswith(SYNTHETIC_PREFIX):
+        name = spec.removeprefix(SYNTHETIC_PREFIX)
+        if name not in PRESETS:
+            raise ModelLoadError(f"unknown synthetic preset {name!r}")
+        return byte_tokenizer(PRESETS[name].vocab_size)
+    path = resolve_model_path(spec)
+    if os.path.isdir(path):
+        return Tokenizer.from_dir(path)
+    return tokenizer_from_source(path, 0, cache_dir)
 
 
 def _tokenizer_cache_entry(cache_dir: str, gguf_path: str) -> Path:

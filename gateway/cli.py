@@ -16,6 +16,8 @@ from engine.config import (
     SchedulingPolicy,
 )
 from gateway import settings
+from gateway.admin_cli import add_admin_commands, run_admin, run_usage
+from gateway.logs import configure_logging
 
 _GIB = 1 << 30
 
@@ -103,6 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     _engine_options(gen)
 
+    srv = sub.add_parser("serve", help="store + engine worker + gateway on one machine")
+    srv.add_argument("--host", default=None, help="default: $STRATA_HOST or 127.0.0.1")
+    srv.add_argument("--port", type=int, default=None, help="default: $STRATA_PORT or 8000")
+    srv.add_argument("--data-dir", default=None, help="default: $STRATA_DATA_DIR or .strata")
+    srv.add_argument(
+        "--demo", action="store_true", help="create a demo tenant and print its API key once"
+    )
+    _engine_options(srv)
+
+    add_admin_commands(sub)
+
     eng = sub.add_parser("engine", help="run one engine worker")
     eng.add_argument(
         "--listen",
@@ -142,6 +155,49 @@ def _engine(args: argparse.Namespace) -> int:
     return 0
 
 
+_ENGINE_FLAGS = (
+    "dtype",
+    "device",
+    "kv_cache_gb",
+    "num_kv_blocks",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "scheduling_policy",
+    "backend",
+    "threads",
+)
+
+
+def _engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine options given to `serve`, passed on to its worker."""
+    defaults = build_parser().parse_args(["engine"])
+    argv: list[str] = []
+    for name in _ENGINE_FLAGS:
+        value = getattr(args, name)
+        if value != getattr(defaults, name):
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio  # noqa: PLC0415
+
+    import uvloop  # noqa: PLC0415
+
+    from gateway.serve import serve  # noqa: PLC0415
+
+    gateway_settings = settings.GatewaySettings.from_env(
+        model=args.model if args.model != "default" else None,
+        host=args.host, port=args.port, data_dir=args.data_dir, cache_dir=args.cache_dir,
+    )  # fmt: skip
+    configure_logging(settings.log_level(), json=gateway_settings.json_logs)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve(gateway_settings, _engine_argv(args), demo=args.demo))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -151,7 +207,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from engine.protocol import InvalidRequestError  # noqa: PLC0415
     from engine.tokenizer import ChatTemplateError, TokenizerError  # noqa: PLC0415
 
-    handlers = {"generate": _generate, "engine": _engine}
+    handlers = {
+        "generate": _generate,
+        "engine": _engine,
+        "serve": _serve,
+        "admin": run_admin,
+        "usage": run_usage,
+    }
     try:
         return handlers[args.command](args)
     except (

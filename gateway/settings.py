@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 
 def cache_dir() -> str:
@@ -16,3 +17,46 @@ def cache_dir() -> str:
 
 def log_level() -> str:
     return os.environ.get("STRATA_LOG_LEVEL", "INFO").upper()
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """What one gateway replica needs. Built by `from_env` at the entry point, or directly."""
+
+    model: str = "default"
+    engine_addresses: tuple[str, ...] = ()
+    redis_url: str | None = None  # None: the caller runs an embedded store
+    admin_token: str | None = None
+    data_dir: str = ".strata"
+    cache_dir: str = field(default_factory=cache_dir)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 2 * 1024 * 1024
+    lease_ttl_s: float = 300.0
+    auth_cache_ttl_s: float = 10.0
+    json_logs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.admin_token is not None and len(self.admin_token) < 16:
+            raise ValueError("the admin token must be at least 16 characters")
+        if not 1 <= self.port <= 65535:
+            raise ValueError("port must be in 1..65535")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> GatewaySettings:
+        """Environment first (STRATA_*), then explicit overrides (CLI flags) win."""
+        env = os.environ
+        values: dict[str, object] = {
+            "model": env.get("STRATA_MODEL", "default"),
+            "redis_url": env.get("STRATA_REDIS_URL") or None,
+            "admin_token": env.get("STRATA_ADMIN_TOKEN") or None,
+            "data_dir": env.get("STRATA_DATA_DIR", ".strata"),
+            "host": env.get("STRATA_HOST", "127.0.0.1"),
+            "port": int(env.get("STRATA_PORT", "8000")),
+            "json_logs": env.get("STRATA_LOG_FORMAT", "json") == "json",
+        }
+        engines = env.get("STRATA_ENGINE_URLS", "")
+        if engines:
+            values["engine_addresses"] = tuple(a.strip() for a in engines.split(",") if a.strip())
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from engine.loader import build_model, load_checkpoint
 from engine.model.llama import LlamaForCausalLM
 from engine.model.native_cpu import apply_native_cpu
 from engine.tokenizer import Tokenizer
+from tenants.store import EmbeddedStore, connect
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -96,3 +98,30 @@ def make_core(smollm2_fp32, smollm2_fp32_torch, strata_cache_dir):
         )
 
     return make
+
+
+@pytest.fixture(scope="session")
+def store_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedStore]:
+    """One real valkey-server for the session (the embedded store, Unix socket)."""
+    store = EmbeddedStore(tmp_path_factory.mktemp("store"))
+    store.start()
+    yield store
+    store.stop()
+
+
+@pytest.fixture
+async def redis_client(store_server: EmbeddedStore) -> AsyncIterator[Any]:
+    """An asyncio client on an emptied database."""
+    client = connect(store_server.url)
+    await client.flushdb()
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def private_store(tmp_path: Path) -> Iterator[EmbeddedStore]:
+    """A server of the test's own, for tests that kill or restart it."""
+    store = EmbeddedStore(tmp_path / "private-store")
+    store.start()
+    yield store
+    store.stop()

@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 
@@ -54,13 +57,8 @@ class WorkerProcess:
                 self.proc.wait()
 
 
-@pytest.fixture(scope="session")
-def model_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("strata-cache")
-
-
 @pytest.fixture
-def tiny_worker(tmp_path: Path, model_cache_dir: Path) -> Iterator[WorkerProcess]:
+def tiny_worker(tmp_path: Path, strata_cache_dir: Path) -> Iterator[WorkerProcess]:
     worker = WorkerProcess(
         tmp_path / "engine.sock",
         [
@@ -73,8 +71,95 @@ def tiny_worker(tmp_path: Path, model_cache_dir: Path) -> Iterator[WorkerProcess
             "--dtype",
             "float32",
         ],
-        model_cache_dir,
+        strata_cache_dir,
     )
     worker.start()
     yield worker
     worker.stop()
+
+
+ADMIN_TOKEN = "test-admin-token-0123456789"
+
+
+class GatewayServer:
+    """The real app under uvicorn on a free port, in a thread with its own event loop."""
+
+    def __init__(self, settings) -> None:
+        import uvicorn
+
+        from gateway.app import create_app
+
+        self.settings = settings
+        self.port = _free_port()
+        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=self.port,
+                                log_config=None, access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the gateway failed to start")
+            if time.monotonic() > deadline:
+                raise TimeoutError("the gateway did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url,
+                            headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+
+    def new_tenant(self, **policy: object) -> tuple[str, str]:
+        """A fresh tenant with `policy`; returns (tenant_id, api key secret)."""
+        with self.admin() as client:
+            name = f"t{uuid.uuid4().hex[:12]}"
+            tenant = client.post("/admin/tenants/", json={"name": name, "policy": policy})
+            assert tenant.status_code == 201, tenant.text
+            tid = tenant.json()["id"]
+            key = client.post(f"/admin/tenants/{tid}/keys", json={"name": "test"})
+            assert key.status_code == 201, key.text
+            return tid, key.json()["secret"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2_worker(tmp_path_factory, strata_cache_dir) -> Iterator[WorkerProcess]:
+    """The real default model (bf16) in a worker process shared by the gateway tests."""
+    worker = WorkerProcess(tmp_path_factory.mktemp("worker") / "engine.sock",
+                           ["--model", "default", "--kv-cache-gb", "0.5"], strata_cache_dir)
+    worker.start()
+    yield worker
+    worker.stop()
+
+
+def gateway_settings(store_url: str, worker: WorkerProcess, cache_dir: Path, **kw):
+    from gateway.settings import GatewaySettings
+
+    return GatewaySettings(redis_url=store_url, engine_addresses=(worker.address,),
+                           admin_token=ADMIN_TOKEN, cache_dir=str(cache_dir), json_logs=False,
+                           **kw)
+
+
+@pytest.fixture(scope="module")
+def gateway(store_server, smollm2_worker, strata_cache_dir) -> Iterator[GatewayServer]:
+    server = GatewayServer(gateway_settings(store_server.url, smollm2_worker, strata_cache_dir))
+    server.start()
+    yield server
+    server.stop()

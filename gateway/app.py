@@ -1,0 +1,108 @@
+"""The Litestar application: routes, error shapes, and the lifespan that opens (and drains)
+every resource a replica holds."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from litestar import Litestar
+from litestar.datastructures import MutableScopeHeaders
+from litestar.openapi import OpenAPIConfig
+from litestar.types import Message, Scope
+
+from engine.factory import load_tokenizer_for
+from gateway.engines import EnginePool
+from gateway.errors import exception_handlers
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline import Pipeline
+from gateway.prepare import Preparer
+from gateway.responses import Renderer
+from gateway.routes import admin, ops
+from gateway.routes.openai import OpenAIController
+from gateway.settings import GatewaySettings
+from gateway.state import GatewayState
+from policies.admission import Admission
+from tenants.keys import KeyManager
+from tenants.ledger import Ledger, LedgerWriter
+from tenants.registry import TenantRegistry
+from tenants.store import connect
+
+log = logging.getLogger(__name__)
+
+
+async def _add_state_headers(message: Message, scope: Scope) -> None:
+    """Every response (errors and streams included) carries the request's id and limits."""
+    if message["type"] != "http.response.start":
+        return
+    headers = (scope.get("state") or {}).get("response_headers")
+    if headers:
+        mutable = MutableScopeHeaders.from_message(message)
+        for name, value in headers.items():
+            if name not in mutable:
+                mutable[name] = value
+
+
+@asynccontextmanager
+async def _lifespan(app: Litestar) -> AsyncIterator[None]:
+    settings: GatewaySettings = app.state.settings
+    assert settings.redis_url is not None, "the gateway needs a store URL"
+    redis = connect(settings.redis_url)
+    keys = KeyManager(redis, cache_ttl_s=settings.auth_cache_ttl_s)
+    await keys.start()
+    registry = TenantRegistry(redis)
+    ledger = Ledger(redis)
+    writer = LedgerWriter(ledger)
+    writer.start()
+    engines = EnginePool(settings.engine_addresses)
+    metrics = GatewayMetrics()
+    try:
+        info = await engines.connect()
+        tokenizer = load_tokenizer_for(settings.model, settings.cache_dir)
+        pipeline = Pipeline(
+            engines, tokenizer, Admission(redis, lease_ttl_s=settings.lease_ttl_s), writer, metrics
+        )
+        app.state.gateway = GatewayState(
+            settings=settings, redis=redis, registry=registry, keys=keys,
+            admission=pipeline.admission, ledger=ledger, ledger_writer=writer,
+            engines=engines, tokenizer=tokenizer,
+            preparer=Preparer(tokenizer, info, aliases=(settings.model, "default")),
+            pipeline=pipeline, renderer=Renderer(tokenizer), metrics=metrics,
+            started_at=time.time(),
+        )  # fmt: skip
+        log.info("gateway ready: serving %s", info.model_id)
+        yield
+        await pipeline.drain()
+    finally:
+        left = await writer.drain(timeout=10.0)
+        if left:
+            log.error("%d usage records could not be written before shutdown", left)
+        await keys.stop()
+        await engines.close()
+        await redis.aclose()
+
+
+def create_app(settings: GatewaySettings) -> Litestar:
+    app = Litestar(
+        route_handlers=[
+            OpenAIController,
+            admin.TenantController,
+            admin.KeyController,
+            admin.AdapterController,
+            admin.PriceController,
+            admin.UsageController,
+            ops.health,
+            ops.ready,
+            ops.metrics,
+        ],
+        lifespan=[_lifespan],
+        exception_handlers=exception_handlers(),
+        before_send=[_add_state_headers],
+        openapi_config=OpenAPIConfig(title="Strata", version="0.1.0", path="/schema"),
+        request_max_body_size=settings.max_body_bytes,
+        debug=False,
+    )
+    app.state.settings = settings
+    return app

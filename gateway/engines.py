@@ -1,0 +1,59 @@
+"""The gateway's view of its engine workers: one multiplexed EngineClient per worker, the
+least busy connected one chosen per request, and what they serve."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from engine.client import EngineClient
+from engine.protocol import EngineDeadError, EngineStats, ModelInfo
+
+log = logging.getLogger(__name__)
+
+
+class EnginePool:
+    def __init__(self, addresses: list[str] | tuple[str, ...]) -> None:
+        if not addresses:
+            raise ValueError("the gateway needs at least one engine worker address")
+        self.clients = [EngineClient(a, connect_timeout=2.0) for a in addresses]
+        self.info: ModelInfo | None = None
+
+    async def connect(self, timeout: float = 60.0) -> ModelInfo:
+        """Wait until at least one worker answers; returns what it serves."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            for client in self.clients:
+                try:
+                    self.info = await client.connect()
+                    return self.info
+                except EngineDeadError:
+                    continue
+            if asyncio.get_running_loop().time() > deadline:
+                raise EngineDeadError("no engine worker became reachable")
+            await asyncio.sleep(0.2)
+
+    def pick(self) -> EngineClient:
+        """The connected worker with the fewest in-flight requests (else any: it reconnects
+        on use and fails with EngineDeadError if it is still down)."""
+        connected = [c for c in self.clients if c.connected]
+        candidates = connected or self.clients
+        return min(candidates, key=lambda c: c.num_in_flight)
+
+    async def ready(self) -> bool:
+        results = await asyncio.gather(*(c.health(timeout=1.0) for c in self.clients))
+        return any(results)
+
+    async def stats(self) -> list[EngineStats]:
+        out = []
+        for client in self.clients:
+            if client.connected:
+                with contextlib.suppress(EngineDeadError, TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        out.append(await client.stats())
+        return out
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()

@@ -1,0 +1,101 @@
+"""Prometheus metrics with per-tenant labels, on a registry owned by the app (no globals).
+
+Names follow vLLM's where they overlap, prefixed `strata:` instead of `vllm:`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tenants.records import UsageRecord
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "strata:request_success",
+            "Finished requests by status",
+            ["tenant", "status"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "strata:request_rejected",
+            "Requests refused at admission",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "strata:prompt_tokens", "Prompt tokens processed", ["tenant"], registry=r
+        )
+        self.generation_tokens = Counter(
+            "strata:generation_tokens", "Tokens generated", ["tenant"], registry=r
+        )
+        self.ttft = Histogram(
+            "strata:time_to_first_token_seconds",
+            "Time to first token",
+            ["tenant"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "strata:inter_token_latency_seconds",
+            "Mean time per output token",
+            ["tenant"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "strata:e2e_request_latency_seconds",
+            "End-to-end request latency",
+            ["tenant"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.store_bypass = Counter(
+            "strata:store_unavailable_admissions",
+            "Requests admitted without the store (fail_open)",
+            ["tenant"],
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "strata:num_requests_waiting", "Requests queued in the engines", registry=r
+        )
+        self.running = Gauge(
+            "strata:num_requests_running", "Requests running in the engines", registry=r
+        )
+        self.kv_used = Gauge("strata:kv_blocks_used", "KV-cache blocks in use", registry=r)
+        self.kv_total = Gauge("strata:kv_blocks_total", "KV-cache blocks in the pools", registry=r)
+
+    def rejected(self, tenant: str, reason: str) -> None:
+        self.rejections.labels(tenant, reason).inc()
+
+    def store_bypassed(self, tenant: str) -> None:
+        self.store_bypass.labels(tenant).inc()
+
+    def finished(self, rec: UsageRecord, first_token_at: float | None, started: float) -> None:
+        t = rec.tenant_id
+        self.requests.labels(t, rec.status).inc()
+        self.prompt_tokens.labels(t).inc(rec.prompt_tokens)
+        self.generation_tokens.labels(t).inc(rec.completion_tokens)
+        self.e2e.labels(t).observe(rec.e2e_ms / 1e3)
+        if first_token_at is not None:
+            self.ttft.labels(t).observe(first_token_at - started)
+            if rec.completion_tokens > 1:
+                decode = time.perf_counter() - first_token_at
+                self.itl.labels(t).observe(decode / (rec.completion_tokens - 1))
+
+    def set_engine(self, waiting: int, running: int, kv_used: int, kv_total: int) -> None:
+        self.waiting.set(waiting)
+        self.running.set(running)
+        self.kv_used.set(kv_used)
+        self.kv_total.set(kv_total)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,228 @@
+"""Admit a Job, run it on an engine worker, stream or aggregate the result, and settle it:
+release the reservation, write exactly one ledger record, and update metrics, whatever way
+the request ends (finished, stopped by a stop string, client gone, engine dead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.output_processor import TextDelta, TextStream
+from engine.protocol import EngineDeadError, FinishReason, InvalidRequestError
+from engine.tokenizer import Tokenizer
+from gateway.engines import EnginePool
+from gateway.errors import APIError
+from gateway.metrics import GatewayMetrics
+from gateway.openai_types import ErrorType
+from gateway.prepare import Job
+from policies.admission import Admission, StoreUnavailableError
+from policies.headers import rate_limit_headers
+from tenants.keys import AuthContext
+from tenants.ledger import LedgerWriter
+from tenants.records import UsageRecord, UsageStatus
+
+log = logging.getLogger(__name__)
+
+_STATUS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "cancelled",
+    FinishReason.ERROR: "error",
+}
+
+
+@dataclass
+class Ticket:
+    """An admitted job: who it bills and the headers every response for it carries."""
+
+    auth: AuthContext
+    reserved: bool
+    headers: dict[str, str]
+
+
+@dataclass
+class ChoiceResult:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # engine TokenLogprob records
+    finish_reason: str | None = None
+
+
+@dataclass
+class Tally:
+    """What a job actually consumed, filled in as outputs arrive."""
+
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    first_token_at: float | None = None
+    status: UsageStatus | None = None
+
+
+class Pipeline:
+    def __init__(
+        self,
+        engines: EnginePool,
+        tokenizer: Tokenizer,
+        admission: Admission,
+        ledger: LedgerWriter,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.engines = engines
+        self.tokenizer = tokenizer
+        self.admission = admission
+        self.ledger = ledger
+        self.metrics = metrics
+        self._settling: set[asyncio.Task[None]] = set()
+
+    # -- admission --------------------------------------------------------------------------
+
+    async def admit(self, auth: AuthContext, job: Job) -> Ticket:
+        """Reserve every limit at once. Raises APIError 429 (denied) or 503 (store down and
+        the tenant's policy says fail_closed)."""
+        tenant, policy = auth.tenant, auth.tenant.policy
+        max_total = job.n * job.max_tokens
+        try:
+            decision = await self.admission.reserve(
+                tenant.id, policy, job.request_id,
+                prompt_tokens=job.num_prompt_tokens, max_tokens=max_total,
+                kv_tokens=job.n * (job.num_prompt_tokens + job.max_tokens),
+            )  # fmt: skip
+        except StoreUnavailableError as exc:
+            if policy.on_store_unavailable == "fail_open":
+                self.metrics.store_bypassed(tenant.id)
+                log.warning("store unreachable; admitting %s (fail_open)", job.request_id)
+                return Ticket(auth, reserved=False, headers={})
+            self.metrics.rejected(tenant.id, "store_unavailable")
+            raise APIError(
+                503,
+                "rate-limit store unavailable; retry shortly",
+                type="service_unavailable",
+                code="store_unavailable",
+                headers={"retry-after": "1"},
+            ) from exc
+        headers = rate_limit_headers(decision)
+        if not decision.allowed:
+            reason = decision.reason or "rate_limit"
+            self.metrics.rejected(tenant.id, reason)
+            kind: ErrorType = "insufficient_quota" if decision.hard else "rate_limit_error"
+            raise APIError(
+                429, _DENIAL[reason], type=kind, code=f"rate_limit_{reason}", headers=headers
+            )
+        return Ticket(auth, reserved=True, headers=headers)
+
+    # -- running ----------------------------------------------------------------------------
+
+    async def run_choice(
+        self, job: Job, index: int, tally: Tally, results: ChoiceResult | None = None
+    ) -> AsyncIterator[TextDelta]:
+        """Stream one choice's text deltas; closing the iterator aborts the engine request."""
+        client = self.engines.pick()
+        stream = TextStream(self.tokenizer, job.prompt_ids, job.params)
+        rid = f"{job.request_id}-{index}"
+        outputs = client.generate(rid, job.prompt_ids, job.params, priority=job.priority)
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                if out.error is not None:
+                    raise EngineDeadError(out.error)
+                delta = stream.process(out)
+                if out.new_token_ids and tally.first_token_at is None:
+                    tally.first_token_at = time.perf_counter()
+                tally.completion_tokens += len(out.new_token_ids)
+                tally.cached_tokens = max(tally.cached_tokens, out.num_cached_tokens)
+                if results is not None:
+                    results.text += delta.text
+                    results.token_ids.extend(delta.token_ids)
+                    results.logprobs.extend(delta.logprobs or ())
+                yield delta
+                if delta.finished:
+                    if results is not None and delta.finish_reason is not None:
+                        results.finish_reason = delta.finish_reason.value
+                    return
+
+    async def complete(self, job: Job, ticket: Ticket) -> tuple[list[ChoiceResult], Tally]:
+        """Run every choice to the end (non-streaming)."""
+        tally = Tally()
+        results = [ChoiceResult(i) for i in range(job.n)]
+
+        async def drain(i: int) -> None:
+            async for _ in self.run_choice(job, i, tally, results[i]):
+                pass
+
+        try:
+            await asyncio.gather(*(drain(i) for i in range(job.n)))
+        except InvalidRequestError as exc:
+            tally.status = "error"
+            raise APIError(400, str(exc), code="invalid_request") from exc
+        except EngineDeadError:
+            tally.status = "error"
+            raise
+        except BaseException:
+            tally.status = "cancelled"
+            raise
+        finally:
+            if tally.status is None:
+                tally.status = _job_status(results)
+            self.settle(job, ticket, tally)
+        return results, tally
+
+    # -- settling ---------------------------------------------------------------------------
+
+    def settle(self, job: Job, ticket: Ticket, tally: Tally) -> None:
+        """Bill and release exactly once; never raises and never blocks (safe in finally)."""
+        status = tally.status or "error"
+        now = time.perf_counter()
+        tenant_id = ticket.auth.tenant.id
+        record = UsageRecord(
+            request_id=job.request_id, tenant_id=tenant_id, key_id=ticket.auth.key.id,
+            model=job.model, user=job.user, endpoint=job.endpoint,
+            prompt_tokens=job.num_prompt_tokens, cached_tokens=tally.cached_tokens,
+            completion_tokens=tally.completion_tokens, status=status,
+            ttft_ms=None if tally.first_token_at is None
+            else round((tally.first_token_at - job.started) * 1e3, 3),
+            e2e_ms=round((now - job.started) * 1e3, 3), started_at=job.started_at,
+            finished_at=time.time(),
+        )  # fmt: skip
+        self.ledger.submit(record)
+        self.metrics.finished(record, tally.first_token_at, job.started)
+        if ticket.reserved:
+            used = job.num_prompt_tokens + tally.completion_tokens
+            task = asyncio.get_running_loop().create_task(self._release(tenant_id, job, used))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+
+    async def _release(self, tenant_id: str, job: Job, used: int) -> None:
+        try:
+            await self.admission.release(tenant_id, job.request_id, used_tokens=used)
+        except StoreUnavailableError:
+            log.warning("could not release %s; its lease will expire", job.request_id)
+
+    async def drain(self, timeout: float = 5.0) -> None:
+        """Wait for in-progress releases (shutdown)."""
+        if self._settling:
+            await asyncio.wait(set(self._settling), timeout=timeout)
+
+
+def _job_status(results: list[ChoiceResult]) -> UsageStatus:
+    reasons = {r.finish_reason for r in results}
+    if "error" in reasons:
+        return "error"
+    if "abort" in reasons:
+        return "cancelled"
+    if "length" in reasons:
+        return "length"
+    return "stop"
+
+
+_DENIAL = {
+    "rpm": "Rate limit reached for requests per minute; retry after the indicated time.",
+    "tpm": "Rate limit reached for tokens per minute; retry after the indicated time.",
+    "concurrency": "Too many concurrent requests for this tenant.",
+    "kv_budget": "This tenant's KV-cache budget is in use by other requests.",
+    "rate_limit": "Rate limit reached.",
+}

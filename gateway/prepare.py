@@ -1,0 +1,200 @@
+"""Turn an OpenAI request into a `Job`: validated sampling parameters, exact prompt tokens,
+and every policy check that needs no store round trip (model ACL, token caps, context caps).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.protocol import MAX_LOGPROBS, InvalidRequestError, ModelInfo, SamplingParams
+from engine.tokenizer import ChatTemplateError, Tokenizer
+from gateway.errors import APIError, bad_request
+from gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from tenants.records import Policy
+
+Endpoint = Literal["chat.completions", "completions"]
+MAX_N = 16
+MAX_STOP = 4
+MAX_COMPLETION_LOGPROBS = 5
+
+
+@dataclass
+class Job:
+    """One admitted-to-be request, everything decided except the rate limits."""
+
+    request_id: str
+    endpoint: Endpoint
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    user: str | None
+    priority: int
+    echo_text: str | None = None  # completions with echo=True
+    created: int = field(default_factory=lambda: int(time.time()))
+    started_at: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
+
+def new_request_id(endpoint: Endpoint) -> str:
+    prefix = "chatcmpl" if endpoint == "chat.completions" else "cmpl"
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class Preparer:
+    """Validation and tokenization for one served model."""
+
+    def __init__(self, tokenizer: Tokenizer, info: ModelInfo, aliases: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self.model_names = {info.model_id, *aliases}
+
+    def check_model(self, model: str, policy: Policy) -> None:
+        if model not in self.model_names:
+            raise APIError(
+                400, f"The model '{model}' does not exist or you do not have access to it.",
+                code="model_not_found", param="model",
+            )  # fmt: skip
+        if not (policy.allows_model(model) or policy.allows_model(self.info.model_id)):
+            raise APIError(
+                403,
+                f"your plan does not include the model '{model}'",
+                type="permission_error",
+                code="model_not_allowed",
+                param="model",
+            )
+
+    def chat(self, body: ChatCompletionRequest, policy: Policy, request_id: str) -> Job:
+        self.check_model(body.model, policy)
+        if not body.messages:
+            raise bad_request("messages must not be empty", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            prompt_ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), param="messages") from exc
+        logprobs = None
+        if body.logprobs:
+            logprobs = body.top_logprobs or 0
+            if not 0 <= logprobs <= MAX_LOGPROBS:
+                raise bad_request(
+                    f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs"
+                )
+        elif body.top_logprobs is not None:
+            raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return self._job(
+            body, policy, request_id, "chat.completions", prompt_ids, max_tokens, logprobs
+        )
+
+    def completion(self, body: CompletionRequest, policy: Policy, request_id: str) -> Job:
+        self.check_model(body.model, policy)
+        prompt: str | list[int | str] = body.prompt
+        if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise bad_request(
+                    "one text prompt (or one list of token ids) per request", param="prompt"
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+            echo = prompt if body.echo else None
+        else:
+            prompt_ids = [int(t) for t in prompt]
+            if any(not 0 <= t < self.info.vocab_size for t in prompt_ids):
+                raise bad_request("prompt token ids are out of the vocabulary", param="prompt")
+            echo = self.tokenizer.decode(prompt_ids) if body.echo else None
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise bad_request(
+                f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}", param="logprobs"
+            )
+        job = self._job(
+            body, policy, request_id, "completions", prompt_ids, body.max_tokens, body.logprobs
+        )
+        job.echo_text = echo
+        return job
+
+    def _job(
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        policy: Policy,
+        request_id: str,
+        endpoint: Endpoint,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> Job:
+        if not prompt_ids:
+            raise bad_request("the prompt is empty", param="prompt")
+        if not 1 <= body.n <= MAX_N:
+            raise bad_request(f"n must be between 1 and {MAX_N}", param="n")
+        num_prompt = len(prompt_ids)
+        if policy.max_context_tokens is not None and num_prompt > policy.max_context_tokens:
+            raise APIError(
+                413,
+                f"the prompt has {num_prompt} tokens; your plan allows "
+                f"{policy.max_context_tokens}",
+                code="context_length_exceeded", param="messages",
+            )  # fmt: skip
+        room = self.info.max_model_len - num_prompt
+        if room < 1:
+            raise bad_request(
+                f"the prompt has {num_prompt} tokens; this model's context is "
+                f"{self.info.max_model_len} tokens", code="context_length_exceeded",
+            )  # fmt: skip
+        if max_tokens is not None:
+            if max_tokens < 1:
+                raise bad_request("max_tokens must be at least 1", param="max_tokens")
+            if policy.max_tokens is not None and max_tokens > policy.max_tokens:
+                raise bad_request(
+                    f"max_tokens exceeds your plan's cap of {policy.max_tokens}",
+                    param="max_tokens",
+                    code="max_tokens_exceeded",
+                )
+            if max_tokens > room:
+                raise bad_request(
+                    f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds this "
+                    f"model's context of {self.info.max_model_len} tokens",
+                    param="max_tokens", code="context_length_exceeded",
+                )  # fmt: skip
+        else:
+            max_tokens = min(room, policy.max_tokens or room)
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if len(stop) > MAX_STOP:
+            raise bad_request(f"at most {MAX_STOP} stop sequences", param="stop")
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=body.top_k,
+                min_p=body.min_p or 0.0,
+                seed=body.seed,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                presence_penalty=body.presence_penalty or 0.0,
+                repetition_penalty=body.repetition_penalty or 1.0,
+                stop=stop,
+                logprobs=logprobs,
+            )
+            params.validate(self.info.vocab_size)
+        except InvalidRequestError as exc:
+            raise bad_request(str(exc)) from exc
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return Job(
+            request_id=request_id, endpoint=endpoint, model=body.model, prompt_ids=prompt_ids,
+            params=params, n=body.n, stream=body.stream, include_usage=include_usage,
+            user=body.user, priority=policy.priority,
+        )  # fmt: skip

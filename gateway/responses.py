@@ -1,0 +1,259 @@
+"""OpenAI response bodies and SSE streams for chat and text completions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import msgspec
+
+from engine.output_processor import TextDelta
+from engine.protocol import EngineDeadError, InvalidRequestError, TokenLogprob
+from engine.tokenizer import Tokenizer
+from gateway.openai_types import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    ErrorBody,
+    ErrorInfo,
+    PromptTokensDetails,
+    TokenLogprobContent,
+    TopLogprob,
+    Usage,
+)
+from gateway.pipeline import ChoiceResult, Pipeline, Tally, Ticket
+from gateway.prepare import Job
+from tenants.records import UsageStatus
+
+_encode = msgspec.json.Encoder().encode
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: msgspec.Struct) -> bytes:
+    return b"data: " + _encode(obj) + b"\n\n"
+
+
+def usage_of(job: Job, tally: Tally) -> Usage:
+    return Usage(
+        prompt_tokens=job.num_prompt_tokens,
+        completion_tokens=tally.completion_tokens,
+        total_tokens=job.num_prompt_tokens + tally.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=tally.cached_tokens),
+    )
+
+
+class Renderer:
+    """Token-level details (logprob token strings) need the tokenizer."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def chat_logprobs(self, items: Sequence[TokenLogprob]) -> ChoiceLogprobs:
+        content = []
+        for lp in items:
+            text = self._token(lp.token_id)
+            tops = [
+                TopLogprob(token=(t := self._token(i)), logprob=v, bytes=list(t.encode()))
+                for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)
+            ]
+            content.append(
+                TokenLogprobContent(
+                    token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=tops
+                )
+            )
+        return ChoiceLogprobs(content=content)
+
+    def completion_logprobs(self, items: Sequence[TokenLogprob], offset: int) -> CompletionLogprobs:
+        tokens, lps, tops, offsets = [], [], [], []
+        for lp in items:
+            text = self._token(lp.token_id)
+            tokens.append(text)
+            lps.append(lp.logprob)
+            tops.append(
+                {self._token(i): v for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
+            )
+            offsets.append(offset)
+            offset += len(text)
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=lps, top_logprobs=tops, text_offset=offsets
+        )
+
+    # -- whole responses --------------------------------------------------------------------
+
+    def chat_completion(
+        self, job: Job, results: list[ChoiceResult], tally: Tally
+    ) -> ChatCompletion:
+        choices = [
+            ChatChoice(
+                index=r.index,
+                message=AssistantMessage(content=r.text),
+                finish_reason=r.finish_reason,
+                logprobs=self.chat_logprobs(r.logprobs)
+                if job.params.logprobs is not None
+                else None,
+            )
+            for r in results
+        ]
+        return ChatCompletion(
+            id=job.request_id,
+            created=job.created,
+            model=job.model,
+            choices=choices,
+            usage=usage_of(job, tally),
+        )
+
+    def completion(self, job: Job, results: list[ChoiceResult], tally: Tally) -> Completion:
+        prefix = job.echo_text or ""
+        choices = [
+            CompletionChoice(
+                index=r.index,
+                text=prefix + r.text,
+                finish_reason=r.finish_reason,
+                logprobs=self.completion_logprobs(r.logprobs, len(prefix))
+                if job.params.logprobs is not None
+                else None,
+            )
+            for r in results
+        ]
+        return Completion(
+            id=job.request_id,
+            created=job.created,
+            model=job.model,
+            choices=choices,
+            usage=usage_of(job, tally),
+        )
+
+    # -- streams ----------------------------------------------------------------------------
+
+    def _chunk(self, job: Job, index: int, delta: TextDelta | None) -> msgspec.Struct:
+        finish = delta.finish_reason.value if delta and delta.finish_reason else None
+        text = delta.text if delta else ""
+        logprobs = delta.logprobs if delta and job.params.logprobs is not None else None
+        if job.endpoint == "chat.completions":
+            choice = ChatChunkChoice(
+                index=index,
+                delta=ChatDelta(role="assistant", content="")
+                if delta is None
+                else ChatDelta(content=text),
+                finish_reason=finish,
+                logprobs=self.chat_logprobs(logprobs) if logprobs else None,
+            )
+            return ChatCompletionChunk(
+                id=job.request_id, created=job.created, model=job.model, choices=[choice]
+            )
+        cchoice = CompletionChoice(
+            index=index, text=text, finish_reason=finish,
+            logprobs=self.completion_logprobs(logprobs, 0) if logprobs else None,
+        )  # fmt: skip
+        return Completion(
+            id=job.request_id, created=job.created, model=job.model, choices=[cchoice]
+        )
+
+    def _usage_chunk(self, job: Job, tally: Tally) -> msgspec.Struct:
+        usage = usage_of(job, tally)
+        if job.endpoint == "chat.completions":
+            return ChatCompletionChunk(
+                id=job.request_id, created=job.created, model=job.model, choices=[], usage=usage
+            )
+        return Completion(
+            id=job.request_id, created=job.created, model=job.model, choices=[], usage=usage
+        )
+
+    async def stream(self, pipeline: Pipeline, job: Job, ticket: Ticket) -> AsyncIterator[bytes]:
+        """SSE events for a job; settles it (ledger, release) however the stream ends."""
+        tally = Tally()
+        reasons: list[str | None] = [None] * job.n
+        try:
+            if job.endpoint == "chat.completions":
+                for i in range(job.n):
+                    yield sse(self._chunk(job, i, None))
+            elif job.echo_text:
+                for i in range(job.n):
+                    yield sse(
+                        self._chunk(job, i, TextDelta(job.echo_text, [], None, None, None, 0))
+                    )
+            async for index, delta in _merge(pipeline, job, tally):
+                if delta.finish_reason is not None:
+                    reasons[index] = delta.finish_reason.value
+                if delta.text or delta.logprobs or delta.finish_reason is not None:
+                    yield sse(self._chunk(job, index, delta))
+            if job.include_usage:
+                yield sse(self._usage_chunk(job, tally))
+            tally.status = _final_status(reasons)
+            yield DONE
+        except (EngineDeadError, InvalidRequestError) as exc:
+            tally.status = "error"
+            message = (
+                f"the inference engine failed while generating; the response is incomplete ({exc})"
+            )
+            yield (
+                b"data: "
+                + _encode(
+                    ErrorBody(
+                        error=ErrorInfo(message=message, type="server_error", code="engine_error")
+                    )
+                )
+                + b"\n\n"
+            )
+            yield DONE
+        except BaseException:
+            tally.status = "cancelled"
+            raise
+        finally:
+            if tally.status is None:
+                tally.status = "cancelled"
+            pipeline.settle(job, ticket, tally)
+
+
+def _final_status(reasons: list[str | None]) -> UsageStatus:
+    if "error" in reasons:
+        return "error"
+    if "abort" in reasons or None in reasons:
+        return "cancelled"
+    return "length" if "length" in reasons else "stop"
+
+
+async def _merge(
+    pipeline: Pipeline, job: Job, tally: Tally
+) -> AsyncIterator[tuple[int, TextDelta]]:
+    """Deltas of every choice as they come; one choice is iterated directly."""
+    if job.n == 1:
+        async for delta in pipeline.run_choice(job, 0, tally):
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, TextDelta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for delta in pipeline.run_choice(job, i, tally):
+                await queue.put((i, delta))
+        except Exception as exc:  # surfaced to the consumer below
+            await queue.put((i, exc))
+        else:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(job.n)]
+    try:
+        remaining = job.n
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,184 @@
+"""The operator's REST API: tenants, keys, policies, adapters, prices, usage and exports.
+Every route needs the admin token; handlers only delegate to the tenants services."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from litestar import Controller, Request, Response, delete, get, patch, post, put
+from litestar.params import FromPath, FromQuery, JSONBody
+from litestar.response import Stream
+
+from gateway.auth import gateway_state, requires_admin_token
+from gateway.errors import bad_request
+from tenants.export import export_usage
+from tenants.records import (
+    Adapter,
+    AdapterCreate,
+    ApiKey,
+    ApiKeyCreated,
+    KeyCreate,
+    KeyRotate,
+    Policy,
+    PolicyPatch,
+    Price,
+    Tenant,
+    TenantCreate,
+    TenantUpdate,
+)
+
+Req = Request[Any, Any, Any]
+ExportFormat = Literal["csv", "ndjson", "json"]
+Granularity = Literal["request", "hour", "day"]
+_MEDIA = {"csv": "text/csv", "ndjson": "application/x-ndjson", "json": "application/json"}
+
+
+class TenantController(Controller):
+    path = "/admin/tenants"
+    guards = [requires_admin_token]  # noqa: RUF012
+    tags = ["admin"]  # noqa: RUF012
+
+    @post("/")
+    async def create(self, request: Req, data: JSONBody[TenantCreate]) -> Tenant:
+        return await gateway_state(request).registry.create_tenant(data)
+
+    @get("/")
+    async def list_all(self, request: Req) -> list[Tenant]:
+        return await gateway_state(request).registry.list_tenants()
+
+    @get("/{tenant_id:str}")
+    async def read(self, request: Req, tenant_id: FromPath[str]) -> Tenant:
+        return await gateway_state(request).registry.get_tenant(tenant_id)
+
+    @patch("/{tenant_id:str}")
+    async def update(
+        self, request: Req, tenant_id: FromPath[str], data: JSONBody[TenantUpdate]
+    ) -> Tenant:
+        return await gateway_state(request).registry.update_tenant(tenant_id, data)
+
+    @delete("/{tenant_id:str}")
+    async def remove(self, request: Req, tenant_id: FromPath[str]) -> None:
+        await gateway_state(request).registry.delete_tenant(tenant_id)
+
+    @get("/{tenant_id:str}/policy")
+    async def get_policy(self, request: Req, tenant_id: FromPath[str]) -> Policy:
+        return await gateway_state(request).registry.get_policy(tenant_id)
+
+    @put("/{tenant_id:str}/policy")
+    async def put_policy(
+        self, request: Req, tenant_id: FromPath[str], data: JSONBody[Policy]
+    ) -> Policy:
+        return await gateway_state(request).registry.put_policy(tenant_id, data)
+
+    @patch("/{tenant_id:str}/policy")
+    async def patch_policy(
+        self, request: Req, tenant_id: FromPath[str], data: JSONBody[PolicyPatch]
+    ) -> Policy:
+        return await gateway_state(request).registry.patch_policy(tenant_id, data)
+
+    @post("/{tenant_id:str}/keys")
+    async def create_key(
+        self, request: Req, tenant_id: FromPath[str], data: JSONBody[KeyCreate]
+    ) -> ApiKeyCreated:
+        return await gateway_state(request).keys.create_key(tenant_id, data)
+
+    @get("/{tenant_id:str}/keys")
+    async def list_keys(self, request: Req, tenant_id: FromPath[str]) -> list[ApiKey]:
+        return await gateway_state(request).keys.list_keys(tenant_id)
+
+
+class KeyController(Controller):
+    path = "/admin/keys"
+    guards = [requires_admin_token]  # noqa: RUF012
+    tags = ["admin"]  # noqa: RUF012
+
+    @get("/{key_id:str}")
+    async def read(self, request: Req, key_id: FromPath[str]) -> ApiKey:
+        return await gateway_state(request).keys.get_key(key_id)
+
+    @post("/{key_id:str}/revoke", status_code=200)
+    async def revoke(self, request: Req, key_id: FromPath[str]) -> ApiKey:
+        return await gateway_state(request).keys.revoke_key(key_id)
+
+    @post("/{key_id:str}/rotate")
+    async def rotate(
+        self, request: Req, key_id: FromPath[str], data: JSONBody[KeyRotate]
+    ) -> ApiKeyCreated:
+        return await gateway_state(request).keys.rotate_key(key_id, data)
+
+
+class AdapterController(Controller):
+    path = "/admin/adapters"
+    guards = [requires_admin_token]  # noqa: RUF012
+    tags = ["admin"]  # noqa: RUF012
+
+    @post("/")
+    async def register(self, request: Req, data: JSONBody[AdapterCreate]) -> Adapter:
+        gw = gateway_state(request)
+        return await gw.registry.register_adapter(data, gw.preparer.info.model_id)
+
+    @get("/")
+    async def list_all(self, request: Req) -> list[Adapter]:
+        return await gateway_state(request).registry.list_adapters()
+
+    @delete("/{name:str}")
+    async def remove(self, request: Req, name: FromPath[str]) -> None:
+        await gateway_state(request).registry.delete_adapter(name)
+
+
+class PriceController(Controller):
+    path = "/admin/prices"
+    guards = [requires_admin_token]  # noqa: RUF012
+    tags = ["admin"]  # noqa: RUF012
+
+    @put("/", status_code=200)
+    async def put_price(self, request: Req, data: JSONBody[Price]) -> Price:
+        await gateway_state(request).registry.put_price(data)
+        return data
+
+    @get("/")
+    async def list_all(self, request: Req) -> list[Price]:
+        return await gateway_state(request).registry.list_prices()
+
+    @delete("/{model:str}")
+    async def remove(self, request: Req, model: FromPath[str]) -> None:
+        await gateway_state(request).registry.delete_price(model)
+
+
+class UsageController(Controller):
+    path = "/admin/usage"
+    guards = [requires_admin_token]  # noqa: RUF012
+    tags = ["admin"]  # noqa: RUF012
+
+    @get("/export")
+    async def export(
+        self,
+        request: Req,
+        tenant: FromQuery[str | None] = None,
+        start: FromQuery[float | None] = None,
+        end: FromQuery[float | None] = None,
+        format: FromQuery[ExportFormat] = "json",
+        granularity: FromQuery[Granularity] = "request",
+    ) -> Response[Any]:
+        """Stream usage for one tenant (or all) over [start, end), with cost columns."""
+        gw = gateway_state(request)
+        end = end if end is not None else time.time() + 1
+        start = start if start is not None else 0.0
+        if start >= end:
+            raise bad_request("start must be before end", param="start")
+        if tenant is not None:
+            await gw.registry.get_tenant(tenant)  # 404 for an unknown tenant
+        prices = {p.model: p for p in await gw.registry.list_prices()}
+        body = export_usage(
+            gw.ledger.iter_records(tenant, start, end),
+            fmt=format,
+            granularity=granularity,
+            prices=prices,
+        )
+        filename = f"usage-{tenant or 'all'}.{format}"
+        return Stream(
+            body,
+            media_type=_MEDIA[format],
+            headers={"content-disposition": f'attachment; filename="{filename}"'},
+        )

@@ -1,0 +1,112 @@
+"""The OpenAI-compatible surface: chat and text completions, models, the tenant's usage."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from litestar import Controller, MediaType, Request, Response, get, post
+from litestar.params import FromQuery, JSONBody
+from litestar.response import Stream
+
+from gateway.auth import auth_of, gateway_state, requires_api_key
+from gateway.errors import bad_request
+from gateway.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from gateway.prepare import Job, new_request_id
+from gateway.state import GatewayState
+from tenants.export import export_usage
+
+_SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+async def respond(gw: GatewayState, request: Request[Any, Any, Any], job: Job) -> Response[Any]:
+    """Admit the job, then stream it or run it to completion."""
+    ticket = await gw.pipeline.admit(auth_of(request), job)
+    request.state.response_headers = {"x-request-id": job.request_id, **ticket.headers}
+    if job.stream:
+        return Stream(
+            gw.renderer.stream(gw.pipeline, job, ticket),
+            media_type="text/event-stream",
+            headers=_SSE_HEADERS,
+        )
+    results, tally = await gw.pipeline.complete(job, ticket)
+    if job.endpoint == "chat.completions":
+        return Response(gw.renderer.chat_completion(job, results, tally))
+    return Response(gw.renderer.completion(job, results, tally))
+
+
+def _start_request(request: Request[Any, Any, Any], rid: str) -> None:
+    request.state.response_headers = {"x-request-id": rid}
+
+
+class OpenAIController(Controller):
+    path = "/v1"
+    guards = [requires_api_key]  # noqa: RUF012  (Litestar reads class attributes)
+    tags = ["openai"]  # noqa: RUF012
+
+    @post("/chat/completions", status_code=200)
+    async def chat_completions(
+        self, request: Request[Any, Any, Any], data: JSONBody[ChatCompletionRequest]
+    ) -> Response[Any]:
+        gw, rid = gateway_state(request), new_request_id("chat.completions")
+        _start_request(request, rid)
+        job = gw.preparer.chat(data, auth_of(request).tenant.policy, rid)
+        return await respond(gw, request, job)
+
+    @post("/completions", status_code=200)
+    async def completions(
+        self, request: Request[Any, Any, Any], data: JSONBody[CompletionRequest]
+    ) -> Response[Any]:
+        gw, rid = gateway_state(request), new_request_id("completions")
+        _start_request(request, rid)
+        job = gw.preparer.completion(data, auth_of(request).tenant.policy, rid)
+        return await respond(gw, request, job)
+
+    @get("/models")
+    async def models(self, request: Request[Any, Any, Any]) -> ModelList:
+        gw, policy = gateway_state(request), auth_of(request).tenant.policy
+        base = gw.preparer.info.model_id
+        created = int(gw.started_at)
+        cards = [ModelCard(id=base, created=created, owned_by="strata", root=base)]
+        if policy.allowed_models is not None and base not in policy.allowed_models:
+            cards = []
+        for adapter in await gw.registry.list_adapters(auth_of(request).tenant.id):
+            if policy.allows_adapter(adapter.name):
+                cards.append(
+                    ModelCard(
+                        id=adapter.name,
+                        created=int(adapter.created_at),
+                        owned_by="strata",
+                        root=base,
+                        parent=base,
+                    )
+                )
+        return ModelList(data=cards)
+
+    @get("/usage")
+    async def usage(
+        self,
+        request: Request[Any, Any, Any],
+        start: FromQuery[float | None] = None,
+        end: FromQuery[float | None] = None,
+        granularity: FromQuery[Literal["request", "hour", "day"]] = "day",
+    ) -> Response[Any]:
+        """The caller's own usage (never another tenant's), as a JSON array."""
+        gw, tenant = gateway_state(request), auth_of(request).tenant
+        end = end if end is not None else time.time() + 1
+        start = start if start is not None else end - 30 * 86400
+        if start >= end:
+            raise bad_request("start must be before end", param="start")
+        prices = {p.model: p for p in await gw.registry.list_prices()}
+        body = export_usage(
+            gw.ledger.iter_records(tenant.id, start, end),
+            fmt="json",
+            granularity=granularity,
+            prices=prices,
+        )
+        return Stream(body, media_type=MediaType.JSON)

@@ -1,0 +1,166 @@
+"""`strata serve`: the embedded store, one supervised engine worker and the gateway, as one
+command. Ctrl-C / SIGTERM drains open streams, then stops the gateway, the worker and the
+store, in that order."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import secrets
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from engine.client import EngineClient
+from engine.protocol import EngineDeadError
+from gateway.app import create_app
+from gateway.settings import GatewaySettings
+from tenants.keys import KeyManager
+from tenants.records import KeyCreate, Policy, TenantCreate
+from tenants.registry import TenantRegistry
+from tenants.store import EmbeddedStore, connect
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSupervisor:
+    """`strata engine` as a child process, restarted (with backoff) whenever it dies."""
+
+    def __init__(self, args: list[str], address: str, env: dict[str, str]) -> None:
+        self.args = args
+        self.address = address
+        self.env = env
+        self.proc: asyncio.subprocess.Process | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self._stopping = False
+
+    async def start(self, timeout: float = 600.0) -> None:
+        await self._spawn()
+        await self.wait_ready(timeout)
+        self._watch = asyncio.create_task(self._supervise())
+
+    async def _spawn(self) -> None:
+        cmd = [sys.executable, "-m", "gateway.cli", "engine", "--listen", self.address, *self.args]
+        self.proc = await asyncio.create_subprocess_exec(*cmd, env=self.env)
+
+    async def wait_ready(self, timeout: float) -> None:
+        client = EngineClient(self.address, connect_timeout=1.0)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            assert self.proc is not None
+            if self.proc.returncode is not None:
+                raise RuntimeError(f"the engine worker exited with {self.proc.returncode}")
+            try:
+                await client.connect()
+                await client.close()
+                return
+            except EngineDeadError:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+
+    async def _supervise(self) -> None:
+        backoff = 1.0
+        while not self._stopping:
+            assert self.proc is not None
+            code = await self.proc.wait()
+            if self._stopping:
+                return
+            log.error("engine worker exited with %s; restarting in %.0fs", code, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+            await self._spawn()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout=15)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+
+
+def admin_token(settings: GatewaySettings) -> str:
+    """The configured admin token, else one generated once and kept in the data dir."""
+    if settings.admin_token:
+        return settings.admin_token
+    path = Path(settings.data_dir) / "admin_token"
+    if path.exists():
+        return path.read_text().strip()
+    token = "adm-" + secrets.token_urlsafe(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
+async def create_demo_tenant(redis_url: str) -> str:
+    """A 'demo' tenant with modest limits; returns its new key (shown once)."""
+    redis = connect(redis_url)
+    try:
+        registry, keys = TenantRegistry(redis), KeyManager(redis)
+        existing = [t for t in await registry.list_tenants() if t.name == "demo"]
+        tenant = (
+            existing[0]
+            if existing
+            else await registry.create_tenant(
+                TenantCreate(name="demo", policy=Policy(rpm=600, tpm=200_000, max_concurrent=16))
+            )
+        )
+        created = await keys.create_key(tenant.id, KeyCreate(name="demo"))
+        return created.secret
+    finally:
+        await redis.aclose()
+
+
+def _prepare_data_dir(settings: GatewaySettings) -> Path:
+    data_dir = Path(settings.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return data_dir
+
+
+async def serve(settings: GatewaySettings, engine_args: list[str], *, demo: bool) -> None:
+    data_dir = _prepare_data_dir(settings)
+    store: EmbeddedStore | None = None
+    if settings.redis_url is None:
+        store = EmbeddedStore(data_dir / "store")
+        settings = dataclasses.replace(settings, redis_url=store.start())
+    assert settings.redis_url is not None
+    settings = dataclasses.replace(settings, admin_token=admin_token(settings))
+    address = f"unix://{(data_dir / 'engine.sock').resolve()}"
+    env = dict(os.environ, STRATA_CACHE_DIR=settings.cache_dir)
+    worker = WorkerSupervisor(["--model", settings.model, *engine_args], address, env)
+    try:
+        await worker.start()
+        settings = dataclasses.replace(settings, engine_addresses=(address,))
+        if demo:
+            assert settings.redis_url is not None
+            secret = await create_demo_tenant(settings.redis_url)
+            print(f"demo tenant key (shown once): {secret}", flush=True)
+        config = uvicorn.Config(
+            create_app(settings), host=settings.host, port=settings.port, loop="uvloop",
+            http="httptools", lifespan="on", log_config=None, access_log=False,
+            timeout_graceful_shutdown=30,
+        )  # fmt: skip
+        server = uvicorn.Server(config)
+        print(
+            f"Strata is serving {settings.model} at http://{settings.host}:{settings.port}/v1 "
+            f"(admin token in {data_dir / 'admin_token'} unless STRATA_ADMIN_TOKEN is set)",
+            flush=True,
+        )
+        await server.serve()
+    finally:
+        await worker.stop()
+        if store is not None:
+            store.stop()

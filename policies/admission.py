@@ -1,0 +1,339 @@
+"""Admission control shared by every gateway replica: one atomic Lua script per decision.
+
+Per tenant T the store holds (the `{T}` hash tag keeps one tenant in one cluster slot):
+
+    strata:rl:{T}:req     hash  tokens, ts (server µs), cap   request bucket (capacity rpm)
+    strata:rl:{T}:tok     hash  tokens, ts (server µs), cap   token bucket (capacity tpm)
+    strata:rl:{T}:leases  zset  request_id -> lease deadline (server µs)
+    strata:rl:{T}:res     hash  request_id -> "<tokens charged> <kv tokens>"
+    strata:rl:{T}:kv      int   sum of kv tokens of the live leases
+
+Buckets refill continuously at capacity/60 per second and expire once they would be full
+again (a missing bucket is a full one). The lease keys expire with their last deadline.
+Every script reads the server clock (TIME), so replicas with skewed clocks agree, and
+first purges the tenant's expired leases, so a crashed replica's reservations stop counting
+against concurrency and the KV budget on their own.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
+
+from tenants.records import Policy
+
+
+class StoreUnavailableError(RuntimeError):
+    """The store could not be reached; the caller applies the policy's fail mode."""
+
+
+class InvalidReservationError(ValueError):
+    """A reserve/release argument that can never be valid (negative counts, bad ids)."""
+
+
+class DenyReason(enum.StrEnum):
+    RPM = "rpm"
+    TPM = "tpm"
+    CONCURRENCY = "concurrency"
+    KV_BUDGET = "kv_budget"
+
+
+@dataclass(frozen=True, slots=True)
+class BucketState:
+    """One rate-limit dimension: `remaining` is after this request when it was allowed;
+    `reset_s` is the time until the bucket is full again."""
+
+    limit: int
+    remaining: int
+    reset_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """An admission verdict. `retry_after_s` is None when allowed or when `hard` (the
+    request can never fit the policy); `requests`/`tokens` are None when unlimited."""
+
+    allowed: bool
+    reason: DenyReason | None
+    retry_after_s: float | None
+    hard: bool
+    requests: BucketState | None
+    tokens: BucketState | None
+
+
+# -- Lua -----------------------------------------------------------------------------------
+
+_PRELUDE = """
+if redis.replicate_commands then redis.replicate_commands() end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now_us = string.format('%.0f', now)
+
+local function parse_res(r)
+  local sp = string.find(r, ' ', 1, true)
+  return tonumber(string.sub(r, 1, sp - 1)), tonumber(string.sub(r, sp + 1))
+end
+
+local function add_kv(kv_key, delta)
+  if redis.call('INCRBY', kv_key, delta) <= 0 then redis.call('DEL', kv_key) end
+end
+
+local function purge(lease_key, res_key, kv_key)
+  local expired = redis.call('ZRANGEBYSCORE', lease_key, '-inf', now_us)
+  if #expired == 0 then return end
+  local kv = 0
+  for _, id in ipairs(expired) do
+    local r = redis.call('HGET', res_key, id)
+    if r then
+      local _, k = parse_res(r)
+      kv = kv + k
+      redis.call('HDEL', res_key, id)
+    end
+  end
+  redis.call('ZREMRANGEBYSCORE', lease_key, '-inf', now_us)
+  add_kv(kv_key, -kv)
+end
+
+local function expire_leases(lease_key, res_key, kv_key)
+  local last = redis.call('ZRANGE', lease_key, -1, -1, 'WITHSCORES')
+  if #last == 0 then return end
+  local at_ms = string.format('%.0f', math.floor(tonumber(last[2]) / 1000) + 1000)
+  redis.call('PEXPIREAT', lease_key, at_ms)
+  redis.call('PEXPIREAT', res_key, at_ms)
+  redis.call('PEXPIREAT', kv_key, at_ms)
+end
+
+-- tokens in the bucket now (a missing bucket is full)
+local function level(key, cap)
+  local v = redis.call('HMGET', key, 'tokens', 'ts')
+  local tokens, ts = tonumber(v[1]), tonumber(v[2])
+  if tokens == nil or ts == nil then return cap end
+  local elapsed = math.max(now - ts, 0)
+  return math.min(cap, tokens + elapsed * cap / 60000000)
+end
+
+local function store(key, cap, tokens)
+  redis.call('HSET', key, 'tokens', string.format('%.17g', tokens),
+             'ts', now_us, 'cap', cap)
+  local to_full_ms = (cap - tokens) * 60000 / cap
+  redis.call('PEXPIRE', key, string.format('%.0f', math.ceil(to_full_ms) + 1000))
+end
+
+local function seconds_to_fill(cap, tokens, target)
+  return string.format('%.6f', math.max(target - tokens, 0) * 60 / cap)
+end
+"""
+
+_RESERVE = (
+    _PRELUDE
+    + """
+local req_key, tok_key, lease_key, res_key, kv_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
+local max_conc, kv_budget = tonumber(ARGV[3]), tonumber(ARGV[4])
+local id, cost, kv_tokens = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+local lease_us, busy_retry = tonumber(ARGV[8]), ARGV[9]
+local eps = 1e-9
+
+purge(lease_key, res_key, kv_key)
+local req = rpm and level(req_key, rpm)
+local tok = tpm and level(tok_key, tpm)
+
+local function verdict(ok, reason, retry, hard, r, k)
+  local out = {ok, reason, retry, hard, false, false, false, false}
+  if rpm then out[5], out[6] = math.floor(r + eps), seconds_to_fill(rpm, r, rpm) end
+  if tpm then out[7], out[8] = math.floor(k + eps), seconds_to_fill(tpm, k, tpm) end
+  return out
+end
+
+if redis.call('ZSCORE', lease_key, id) then
+  return verdict(1, '', '', 0, req, tok)
+end
+if tpm and cost > tpm then return verdict(0, 'tpm', '', 1, req, tok) end
+if kv_budget and kv_tokens > kv_budget then return verdict(0, 'kv_budget', '', 1, req, tok) end
+if rpm and req + eps < 1 then
+  return verdict(0, 'rpm', seconds_to_fill(rpm, req, 1), 0, req, tok)
+end
+if tpm and tok + eps < cost then
+  return verdict(0, 'tpm', seconds_to_fill(tpm, tok, cost), 0, req, tok)
+end
+if max_conc and redis.call('ZCARD', lease_key) >= max_conc then
+  return verdict(0, 'concurrency', busy_retry, 0, req, tok)
+end
+if kv_budget and (tonumber(redis.call('GET', kv_key)) or 0) + kv_tokens > kv_budget then
+  return verdict(0, 'kv_budget', busy_retry, 0, req, tok)
+end
+
+local charged = 0
+if rpm then req = math.max(req - 1, 0); store(req_key, rpm, req) end
+if tpm then tok = math.max(tok - cost, 0); store(tok_key, tpm, tok); charged = cost end
+redis.call('ZADD', lease_key, string.format('%.0f', now + lease_us), id)
+redis.call('HSET', res_key, id, charged .. ' ' .. kv_tokens)
+add_kv(kv_key, kv_tokens)
+expire_leases(lease_key, res_key, kv_key)
+return verdict(1, '', '', 0, req, tok)
+"""
+)
+
+_RELEASE = (
+    _PRELUDE
+    + """
+local tok_key, lease_key, res_key, kv_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local id, used = ARGV[1], tonumber(ARGV[2])
+purge(lease_key, res_key, kv_key)
+local r = redis.call('HGET', res_key, id)
+redis.call('ZREM', lease_key, id)
+if not r then return 0 end
+redis.call('HDEL', res_key, id)
+local charged, kv = parse_res(r)
+add_kv(kv_key, -kv)
+local credit = charged - used
+local cap = tonumber(redis.call('HGET', tok_key, 'cap'))
+if credit > 0 and cap then store(tok_key, cap, math.min(cap, level(tok_key, cap) + credit)) end
+return 1
+"""
+)
+
+_RENEW = (
+    _PRELUDE
+    + """
+local lease_key, res_key, kv_key = KEYS[1], KEYS[2], KEYS[3]
+purge(lease_key, res_key, kv_key)
+if not redis.call('ZSCORE', lease_key, ARGV[1]) then return 0 end
+redis.call('ZADD', lease_key, 'XX', string.format('%.0f', now + tonumber(ARGV[2])), ARGV[1])
+expire_leases(lease_key, res_key, kv_key)
+return 1
+"""
+)
+
+
+class _Script:
+    """A Lua script run with EVALSHA, falling back to EVAL (which also caches it) when the
+    server does not know it yet: one round trip in the steady state."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
+
+    async def __call__(self, client: aioredis.Redis, keys: list[str], args: list[Any]) -> Any:
+        try:
+            try:
+                return await client.evalsha(self.sha, len(keys), *keys, *args)
+            except redis_errors.NoScriptError:
+                return await client.eval(self.source, len(keys), *keys, *args)
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
+            raise StoreUnavailableError(f"admission store unreachable: {exc}") from exc
+
+
+def tenant_keys(tenant_id: str) -> dict[str, str]:
+    """The store keys of one tenant's admission state, by role."""
+    if not tenant_id or "{" in tenant_id or "}" in tenant_id:
+        raise InvalidReservationError("tenant_id must be non-empty and free of '{' and '}'")
+    base = f"strata:rl:{{{tenant_id}}}:"
+    return {role: base + role for role in ("req", "tok", "leases", "res", "kv")}
+
+
+def _num(value: int | None) -> str:
+    return "" if value is None else str(value)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _bucket(limit: int | None, remaining: Any, reset: Any) -> BucketState | None:
+    if limit is None:
+        return None
+    return BucketState(limit=limit, remaining=int(remaining), reset_s=float(reset))
+
+
+class Admission:
+    """Reserve-then-reconcile admission over a shared store; holds no state of its own.
+
+    `lease_ttl_s` bounds how long a reservation counts against concurrency and the KV
+    budget without `renew`; `busy_retry_after_s` is the retry estimate for concurrency and
+    KV-budget denials.
+    """
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        lease_ttl_s: float = 120.0,
+        busy_retry_after_s: float = 1.0,
+    ) -> None:
+        if lease_ttl_s <= 0 or busy_retry_after_s <= 0:
+            raise InvalidReservationError("lease_ttl_s and busy_retry_after_s must be positive")
+        self.redis = redis
+        self.lease_ttl_us = round(lease_ttl_s * 1_000_000)
+        self.busy_retry_after_s = busy_retry_after_s
+        self._reserve = _Script(_RESERVE)
+        self._release = _Script(_RELEASE)
+        self._renew = _Script(_RENEW)
+
+    async def reserve(
+        self,
+        tenant_id: str,
+        policy: Policy,
+        request_id: str,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        kv_tokens: int,
+    ) -> Decision:
+        """Check every limit of `policy` and, only if all pass, take one request from the
+        request bucket, `prompt_tokens + max_tokens` from the token bucket and a lease of
+        `kv_tokens` (one store round trip). A denial changes no counter. A request id that
+        already holds a lease is allowed again without a second charge. Hard denials (the
+        request exceeds a capacity) are reported before any other; otherwise the order is
+        rpm, tpm, concurrency, kv_budget. Raises StoreUnavailableError."""
+        if min(prompt_tokens, max_tokens, kv_tokens) < 0:
+            raise InvalidReservationError("token counts must not be negative")
+        if not request_id:
+            raise InvalidReservationError("request_id must not be empty")
+        keys = tenant_keys(tenant_id)
+        args = [
+            _num(policy.rpm),
+            _num(policy.tpm),
+            _num(policy.max_concurrent),
+            _num(policy.kv_budget_tokens),
+            request_id,
+            prompt_tokens + max_tokens,
+            kv_tokens,
+            self.lease_ttl_us,
+            f"{self.busy_retry_after_s:.6f}",
+        ]
+        reply = await self._reserve(self.redis, list(keys.values()), args)
+        allowed, reason, retry, hard = int(reply[0]) == 1, _text(reply[1]), reply[2], reply[3]
+        return Decision(
+            allowed=allowed,
+            reason=None if allowed else DenyReason(reason),
+            retry_after_s=float(retry) if retry else None,
+            hard=int(hard) == 1,
+            requests=_bucket(policy.rpm, reply[4], reply[5]),
+            tokens=_bucket(policy.tpm, reply[6], reply[7]),
+        )
+
+    async def release(self, tenant_id: str, request_id: str, *, used_tokens: int) -> None:
+        """End the request's lease: free its concurrency slot and KV tokens and credit
+        `charged - used_tokens` back to the token bucket (never above capacity; an overrun
+        is not charged). Idempotent: releasing an unknown or expired lease does nothing.
+        One store round trip. Raises StoreUnavailableError."""
+        if used_tokens < 0:
+            raise InvalidReservationError("used_tokens must not be negative")
+        keys = tenant_keys(tenant_id)
+        lease_keys = [keys["tok"], keys["leases"], keys["res"], keys["kv"]]
+        await self._release(self.redis, lease_keys, [request_id, used_tokens])
+
+    async def renew(self, tenant_id: str, request_id: str) -> bool:
+        """Push the lease deadline to now + lease_ttl_s (long streams call this well within
+        the TTL). Returns False when the lease is gone (released or already expired).
+        One store round trip. Raises StoreUnavailableError."""
+        keys = tenant_keys(tenant_id)
+        lease_keys = [keys["leases"], keys["res"], keys["kv"]]
+        reply = await self._renew(self.redis, lease_keys, [request_id, self.lease_ttl_us])
+        return int(reply) == 1

@@ -1,0 +1,263 @@
+"""The usage ledger: one durable, idempotent record per request id, indexed by finish time.
+
+Key layout (all under the store's `strata:` prefix):
+
+- `strata:u:rec:{request_id}`: the UsageRecord as msgpack; written once, never overwritten.
+- `strata:u:idx:{tenant_id}`: sorted set of request ids scored by `finished_at` (one tenant).
+- `strata:u:idx`: the same over every tenant, for operator-wide exports.
+
+A record and both index entries are written by one Lua script, so a record is never half
+indexed and the first write of a request id wins. The script touches keys in different hash
+slots: it targets a standalone Redis/Valkey (or a single-shard deployment), not Cluster.
+
+`LedgerWriter` is the gateway's fire-and-forget path in front of a `Ledger`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import math
+import random
+from collections.abc import AsyncIterator, Sequence
+from typing import cast
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from tenants.records import UsageRecord
+from tenants.store import KEY_PREFIX
+
+log = logging.getLogger(__name__)
+
+_REC_PREFIX = f"{KEY_PREFIX}u:rec:"
+_GLOBAL_INDEX = f"{KEY_PREFIX}u:idx"
+
+# KEYS: record, tenant index, global index; ARGV: encoded record, score, request id
+_RECORD_SCRIPT = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX') then
+  redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
+  redis.call('ZADD', KEYS[3], ARGV[2], ARGV[3])
+  return 1
+end
+return 0
+"""
+
+
+class LedgerError(ValueError):
+    """A usage record the ledger cannot store (empty ids, non-finite finish time)."""
+
+
+def record_key(request_id: str) -> str:
+    return f"{_REC_PREFIX}{request_id}"
+
+
+def index_key(tenant_id: str | None) -> str:
+    """The tenant's index, or the global one for `None`."""
+    return _GLOBAL_INDEX if tenant_id is None else f"{_GLOBAL_INDEX}:{tenant_id}"
+
+
+def check_record(rec: UsageRecord) -> None:
+    """Raise LedgerError if `rec` could never be written (a caller bug, not an outage)."""
+    if not rec.request_id:
+        raise LedgerError("request_id must not be empty")
+    if not rec.tenant_id:
+        raise LedgerError("tenant_id must not be empty")
+    if not math.isfinite(rec.finished_at):
+        raise LedgerError("finished_at must be a finite unix time")
+
+
+def _score(value: float) -> str:
+    # repr round-trips a double exactly; Redis accepts inf/-inf spelled this way
+    return repr(float(value))
+
+
+class Ledger:
+    """Usage records in the store. Holds no state besides the client; safe to share."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+        self._script = redis.register_script(_RECORD_SCRIPT)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(UsageRecord)
+
+    def _script_args(self, rec: UsageRecord) -> tuple[list[str], list[bytes | str]]:
+        check_record(rec)
+        keys = [record_key(rec.request_id), index_key(rec.tenant_id), index_key(None)]
+        return keys, [self._encoder.encode(rec), _score(rec.finished_at), rec.request_id]
+
+    async def record(self, rec: UsageRecord) -> bool:
+        """Store `rec` and index it, unless its request id is already stored.
+
+        Mutates the record key and both indexes atomically. Returns False (and changes
+        nothing) when the request id already exists: the first write wins. Raises
+        LedgerError for an unstorable record and RedisError/OSError when the store fails.
+        """
+        keys, args = self._script_args(rec)
+        return bool(await self._script(keys=keys, args=args))
+
+    async def record_many(self, recs: Sequence[UsageRecord]) -> list[bool]:
+        """`record` for each of `recs` in one pipelined round trip (not one transaction:
+        each record is atomic on its own). Returns, in order, whether each was new."""
+        if not recs:
+            return []
+        calls = [self._script_args(rec) for rec in recs]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                await self._script(keys=keys, args=args, client=pipe)
+            results = await pipe.execute()
+        return [bool(r) for r in results]
+
+    async def get(self, request_id: str) -> UsageRecord | None:
+        blob = await self.redis.get(record_key(request_id))
+        return None if blob is None else self._decoder.decode(cast(bytes, blob))
+
+    async def count(self, tenant_id: str | None, start: float, end: float) -> int:
+        """Records with start <= finished_at < end (every tenant for `tenant_id=None`)."""
+        return int(await self.redis.zcount(index_key(tenant_id), _score(start), f"({_score(end)}"))
+
+    async def iter_records(
+        self, tenant_id: str | None, start: float, end: float, *, batch: int = 500
+    ) -> AsyncIterator[UsageRecord]:
+        """Records with start <= finished_at < end, in (finished_at, request_id) order.
+
+        Reads `batch` index entries and their records per round trip; pages continue from
+        the last score seen (keyset pagination), so a page costs O(log N + batch) however
+        deep into the range it is. Records finishing inside the range while it is being
+        read may or may not be included.
+        """
+        if batch < 1:
+            raise ValueError("batch must be positive")
+        key = index_key(tenant_id)
+        upper = f"({_score(end)}"
+        lower, skip = float(start), 0
+        while True:
+            page = cast(
+                list[tuple[bytes, float]],
+                await self.redis.zrangebyscore(
+                    key, _score(lower), upper, start=skip, num=batch, withscores=True
+                ),
+            )
+            if not page:
+                return
+            blobs = await self.redis.mget([record_key(m.decode()) for m, _ in page])
+            for blob in blobs:
+                if blob is not None:
+                    yield self._decoder.decode(cast(bytes, blob))
+            if len(page) < batch:
+                return
+            last = page[-1][1]
+            num_at_last = 0
+            for _, score in reversed(page):
+                if score != last:
+                    break
+                num_at_last += 1
+            if last == lower:
+                skip += num_at_last
+            else:
+                lower, skip = last, num_at_last
+
+
+class LedgerWriter:
+    """Writes usage records in the background so the request path never waits on the store.
+
+    `submit` only appends to an in-memory queue. A background task (`start`) writes queued
+    records in pipelined batches, oldest first; a record leaves the queue only once the store
+    has acknowledged it. While the store is unreachable the task retries with exponential
+    backoff and keeps every record (the queue is bounded only by memory) and logs a warning
+    with the pending count. A batch whose outcome was ambiguous is simply written again:
+    `Ledger.record` is idempotent by request id. Use from the event loop's thread only.
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        batch_size: int = 256,
+        retry_initial_s: float = 0.05,
+        retry_max_s: float = 5.0,
+    ) -> None:
+        assert batch_size >= 1 and 0 < retry_initial_s <= retry_max_s
+        self.ledger = ledger
+        self.batch_size = batch_size
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self.num_written = 0  # records that were new in the store
+        self.num_duplicates = 0  # request ids that were already stored
+        self._queue: collections.deque[UsageRecord] = collections.deque()
+        self._wake = asyncio.Event()
+        self._writing = asyncio.Lock()  # one batch in flight at a time (worker or drain)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def pending(self) -> int:
+        """Records submitted and not yet acknowledged by the store."""
+        return len(self._queue)
+
+    def submit(self, rec: UsageRecord) -> None:
+        """Queue `rec` for writing; never blocks. Raises LedgerError at once for a record that
+        could never be stored, so one bad record cannot stall the queue."""
+        check_record(rec)
+        self._queue.append(rec)
+        self._wake.set()
+
+    def start(self) -> None:
+        """Start the background writer (idempotent); needs a running event loop."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="ledger-writer")
+
+    async def drain(self, timeout: float) -> int:
+        """Stop the background writer and write everything pending, retrying until `timeout`
+        seconds have passed. Returns how many records are still unwritten (they stay in
+        `pending`; `start` or another `drain` carries on with them)."""
+        await self._stop()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._write_pending()
+        return len(self._queue)
+
+    async def _stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        while True:
+            await self._write_pending()
+            self._wake.clear()
+            if not self._queue:
+                await self._wake.wait()
+
+    async def _write_pending(self) -> None:
+        async with self._writing:
+            await self._write_until_empty()
+
+    async def _write_until_empty(self) -> None:
+        delay = self.retry_initial_s
+        while self._queue:
+            batch = list(itertools.islice(self._queue, self.batch_size))
+            try:
+                results = await self.ledger.record_many(batch)
+            except (RedisError, OSError) as exc:
+                log.warning(
+                    "usage ledger store unreachable (%s); %d records pending, retry in %.2fs",
+                    exc, len(self._queue), delay,
+                )  # fmt: skip
+            except Exception:
+                log.exception("usage ledger write failed; %d records pending", len(self._queue))
+            else:
+                for _ in batch:
+                    self._queue.popleft()
+                num_new = sum(results)
+                self.num_written += num_new
+                self.num_duplicates += len(results) - num_new
+                delay = self.retry_initial_s
+                continue
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, self.retry_max_s)

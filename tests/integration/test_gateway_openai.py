@@ -1,0 +1,141 @@
+"""The official OpenAI SDK, unchanged, against the real gateway over real HTTP, with the real
+default model behind it."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import ADMIN_TOKEN
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def tenant(gateway):
+    return gateway.new_tenant(rpm=1000, tpm=1_000_000, max_concurrent=64)
+
+
+@pytest.fixture
+def client(gateway, tenant):
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=tenant[1], max_retries=0)
+
+
+def test_chat_non_streaming(client, gateway):
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=QUESTION, max_tokens=40, temperature=0
+    )
+    reply = raw.parse()
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.id.startswith("chatcmpl-")
+    assert raw.headers["x-request-id"] == reply.id
+    assert reply.usage.prompt_tokens > 10
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert raw.headers["x-ratelimit-limit-requests"] == "1000"
+    assert int(raw.headers["x-ratelimit-remaining-requests"]) < 1000
+
+
+def test_chat_streaming_with_usage(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=40, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "stop"
+    usage = chunks[-1].usage
+    assert usage is not None and not chunks[-1].choices
+    ids = {c.id for c in chunks}
+    assert len(ids) == 1
+    # exact counts: the same request non-streamed reports the same usage
+    again = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40,
+                                           temperature=0)
+    assert usage.prompt_tokens == again.usage.prompt_tokens
+    assert usage.completion_tokens == again.usage.completion_tokens
+    assert again.choices[0].message.content == text
+
+
+def test_completions_both_ways(client):
+    done = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                     max_tokens=8, temperature=0)
+    assert done.object == "text_completion"
+    assert done.id.startswith("cmpl-")
+    assert done.usage.completion_tokens == 8
+    assert done.choices[0].finish_reason == "length"
+    streamed = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                         max_tokens=8, temperature=0, stream=True,
+                                         stream_options={"include_usage": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_sampling_options_and_n(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=12, temperature=0.8, top_p=0.9, seed=7,
+        n=3, frequency_penalty=0.5, presence_penalty=0.2, user="end-user-42",
+    )
+    assert len(reply.choices) == 3
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert 3 <= reply.usage.completion_tokens <= 3 * 12
+    same_seed = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=12, temperature=0.8, top_p=0.9, seed=7
+    )
+    again = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=12, temperature=0.8, top_p=0.9, seed=7
+    )
+    assert same_seed.choices[0].message.content == again.choices[0].message.content
+
+
+def test_stop_and_logprobs(client):
+    full = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20,
+                                          temperature=0)
+    text = full.choices[0].message.content
+    stop = text.split()[2]
+    cut = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20,
+                                         temperature=0, stop=[stop])
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    lp = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5,
+                                        temperature=0, logprobs=True, top_logprobs=3)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens
+    assert all(len(item.top_logprobs) == 3 for item in content)
+    assert all(item.logprob <= 0 for item in content)
+    assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob)
+
+
+def test_models_lists_the_base_model(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [MODEL]
+
+
+def test_sdk_errors_are_typed(client, gateway):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="no-such-model", messages=QUESTION)
+    assert err.value.code == "model_not_found"
+    bad = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-strata-nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.chat.completions.create(model=MODEL, messages=QUESTION)
+
+
+def test_schema_and_ops_endpoints(gateway):
+    with httpx.Client(base_url=gateway.url) as http:
+        assert http.get("/health").json() == {"status": "ok"}
+        ready = http.get("/ready")
+        assert ready.status_code == 200
+        assert ready.json()["engine"] is True
+        schema = http.get("/schema/openapi.json")
+        assert schema.status_code == 200
+        assert "/v1/chat/completions" in schema.json()["paths"]
+        metrics = http.get("/metrics").text
+        assert "strata:request_success_total" in metrics
+        assert "strata:kv_blocks_total" in metrics
+    with httpx.Client(base_url=gateway.url,
+                      headers={"authorization": f"Bearer {ADMIN_TOKEN}"}) as admin:
+        assert admin.get("/admin/tenants/").status_code == 200
