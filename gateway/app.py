@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -37,12 +38,13 @@ async def _add_state_headers(message: Message, scope: Scope) -> None:
     """Every response (errors and streams included) carries the request's id and limits."""
     if message["type"] != "http.response.start":
         return
-    headers = (scope.get("state") or {}).get("response_headers")
-    if headers:
-        mutable = MutableScopeHeaders.from_message(message)
-        for name, value in headers.items():
-            if name not in mutable:
-                mutable[name] = value
+    headers = (scope.get("state") or {}).get("response_headers") or {}
+    mutable = MutableScopeHeaders.from_message(message)
+    for name, value in headers.items():
+        if name not in mutable:
+            mutable[name] = value
+    if "x-request-id" not in mutable:  # rejected before a handler named the request
+        mutable["x-request-id"] = f"req-{uuid.uuid4().hex}"
 
 
 @asynccontextmanager

@@ -115,6 +115,11 @@ def _handle_engine_dead(request: Request[Any, Any, Any], exc: EngineDeadError) -
     return error_response(err, {**_request_headers(request), "retry-after": "1"})
 
 
+def _handle_undecodable(request: Request[Any, Any, Any], exc: Exception) -> Response:
+    err = APIError(400, "the request body is not valid UTF-8 JSON", code="invalid_json")
+    return error_response(err, _request_headers(request))
+
+
 def _handle_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response:
     log.exception("unhandled error on %s", request.url.path)
     err = APIError(500, "internal server error", type="server_error", code="internal_error")
@@ -129,5 +134,7 @@ def exception_handlers() -> dict[type[Exception] | int, Callable[..., Response]]
         InvalidRequestError: _handle_invalid,
         RecordError: _handle_record,
         EngineDeadError: _handle_engine_dead,
+        UnicodeDecodeError: _handle_undecodable,
+        msgspec.DecodeError: _handle_undecodable,
         Exception: _handle_unexpected,
     }

@@ -43,14 +43,17 @@ class AuthCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, secret_hash: str) -> AuthContext | None:
-        """The cached context, or None (an entry past its TTL is removed)."""
+    def get(self, secret_hash: str, max_age_s: float | None = None) -> AuthContext | None:
+        """The cached context if younger than `max_age_s` (default: the TTL), else None.
+
+        Entries past the TTL are kept (until evicted by size or dropped by an invalidation) so
+        that `KeyManager` can fall back to them while the store is unreachable.
+        """
         entry = self._entries.get(secret_hash)
         if entry is None:
             return None
         stored_at, ctx = entry
-        if self._monotonic() - stored_at >= self.ttl_s:
-            del self._entries[secret_hash]
+        if self._monotonic() - stored_at >= (self.ttl_s if max_age_s is None else max_age_s):
             return None
         return ctx
 

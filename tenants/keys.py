@@ -129,8 +129,10 @@ class KeyManager:
         cache_max_entries: int = 10_000,
         clock: Callable[[], float] = time.time,
         ping_interval_s: float = 5.0,
+        outage_grace_s: float = 3600.0,
     ) -> None:
         self._redis = redis
+        self.outage_grace_s = outage_grace_s
         self._clock = clock
         self.cache = AuthCache(cache_ttl_s, cache_max_entries)
         self.subscriber = InvalidationSubscriber(
@@ -239,7 +241,9 @@ class KeyManager:
     async def authenticate(self, secret: str | None) -> AuthContext:
         """The tenant and key behind a presented secret, from the cache or one store round
         trip. Mutates only the cache. Raises AuthError(reason) for anything but a live key of
-        an enabled tenant; store errors (redis.RedisError) propagate."""
+        an enabled tenant; store errors (redis.RedisError) propagate, except for keys of
+        fail_open tenants verified within `outage_grace_s`, which are accepted from the cache
+        while the store is unreachable."""
         if not secret:
             raise AuthError("missing")
         if not _SECRET.fullmatch(secret):
@@ -250,10 +254,19 @@ class KeyManager:
             check_active(ctx, self._clock())
             return ctx
         generation = self.cache.generation
-        found = await self._lookup(
-            keys=[keyspace.key_hash(secret_hash)],
-            args=[keyspace.KEY_PREFIX, keyspace.TENANT_PREFIX],
-        )
+        try:
+            found = await self._lookup(
+                keys=[keyspace.key_hash(secret_hash)],
+                args=[keyspace.KEY_PREFIX, keyspace.TENANT_PREFIX],
+            )
+        except (aioredis.ConnectionError, aioredis.TimeoutError, OSError):
+            # the store is down: a fail_open tenant keeps its recently verified keys (nobody
+            # can revoke anything while the store is down); everyone else gets the error
+            stale = self.cache.get(secret_hash, max_age_s=self.outage_grace_s)
+            if stale is None or stale.tenant.policy.on_store_unavailable != "fail_open":
+                raise
+            check_active(stale, self._clock())
+            return stale
         if not found or found[1] is None:
             raise AuthError("unknown")  # no such key, or its tenant was deleted
         stored = keyspace.decode_key(found[0])

@@ -25,8 +25,11 @@ def test_fp32_greedy_tokens_match_the_cpu_engine(strata_cache_dir):
 def test_bf16_chat_on_cuda_answers_paris(strata_cache_dir):
     llm = LLM(EngineConfig(dtype="bfloat16", device="cuda", cache_dir=str(strata_cache_dir)))
     assert llm.core.runner.attn.use_sdpa
-    (out,) = llm.generate(["What is the capital of France?"],
-                          SamplingParams(max_tokens=40, temperature=0.0), chat=True)
+    (out,) = llm.generate(
+        ["What is the capital of France?"],
+        SamplingParams(max_tokens=40, temperature=0.0),
+        chat=True,
+    )
     assert "Paris" in out.text
     stats = llm.core.stats()
     assert stats.num_kv_blocks_used == 0

@@ -91,9 +91,15 @@ class GatewayServer:
 
         self.settings = settings
         self.port = _free_port()
-        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=self.port,
-                                log_config=None, access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            create_app(settings),
+            host="127.0.0.1",
+            port=self.port,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -116,8 +122,9 @@ class GatewayServer:
         self.thread.join(timeout=30)
 
     def admin(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url,
-                            headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+        return httpx.Client(
+            base_url=self.url, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30
+        )
 
     def new_tenant(self, **policy: object) -> tuple[str, str]:
         """A fresh tenant with `policy`; returns (tenant_id, api key secret)."""
@@ -142,8 +149,11 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def smollm2_worker(tmp_path_factory, strata_cache_dir) -> Iterator[WorkerProcess]:
     """The real default model (bf16) in a worker process shared by the gateway tests."""
-    worker = WorkerProcess(tmp_path_factory.mktemp("worker") / "engine.sock",
-                           ["--model", "default", "--kv-cache-gb", "0.5"], strata_cache_dir)
+    worker = WorkerProcess(
+        tmp_path_factory.mktemp("worker") / "engine.sock",
+        ["--model", "default", "--kv-cache-gb", "0.5"],
+        strata_cache_dir,
+    )
     worker.start()
     yield worker
     worker.stop()
@@ -152,9 +162,14 @@ def smollm2_worker(tmp_path_factory, strata_cache_dir) -> Iterator[WorkerProcess
 def gateway_settings(store_url: str, worker: WorkerProcess, cache_dir: Path, **kw):
     from gateway.settings import GatewaySettings
 
-    return GatewaySettings(redis_url=store_url, engine_addresses=(worker.address,),
-                           admin_token=ADMIN_TOKEN, cache_dir=str(cache_dir), json_logs=False,
-                           **kw)
+    return GatewaySettings(
+        redis_url=store_url,
+        engine_addresses=(worker.address,),
+        admin_token=ADMIN_TOKEN,
+        cache_dir=str(cache_dir),
+        json_logs=False,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")

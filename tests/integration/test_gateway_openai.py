@@ -40,7 +40,11 @@ def test_chat_non_streaming(client, gateway):
 
 def test_chat_streaming_with_usage(client):
     stream = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, max_tokens=40, temperature=0, stream=True,
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -53,23 +57,30 @@ def test_chat_streaming_with_usage(client):
     ids = {c.id for c in chunks}
     assert len(ids) == 1
     # exact counts: the same request non-streamed reports the same usage
-    again = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40,
-                                           temperature=0)
+    again = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=40, temperature=0
+    )
     assert usage.prompt_tokens == again.usage.prompt_tokens
     assert usage.completion_tokens == again.usage.completion_tokens
     assert again.choices[0].message.content == text
 
 
 def test_completions_both_ways(client):
-    done = client.completions.create(model=MODEL, prompt="The capital of France is",
-                                     max_tokens=8, temperature=0)
+    done = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
     assert done.object == "text_completion"
     assert done.id.startswith("cmpl-")
     assert done.usage.completion_tokens == 8
     assert done.choices[0].finish_reason == "length"
-    streamed = client.completions.create(model=MODEL, prompt="The capital of France is",
-                                         max_tokens=8, temperature=0, stream=True,
-                                         stream_options={"include_usage": True})
+    streamed = client.completions.create(
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
     assert chunks[-1].usage.completion_tokens == 8
@@ -77,8 +88,16 @@ def test_completions_both_ways(client):
 
 def test_sampling_options_and_n(client):
     reply = client.chat.completions.create(
-        model=MODEL, messages=QUESTION, max_tokens=12, temperature=0.8, top_p=0.9, seed=7,
-        n=3, frequency_penalty=0.5, presence_penalty=0.2, user="end-user-42",
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=12,
+        temperature=0.8,
+        top_p=0.9,
+        seed=7,
+        n=3,
+        frequency_penalty=0.5,
+        presence_penalty=0.2,
+        user="end-user-42",
     )
     assert len(reply.choices) == 3
     assert [c.index for c in reply.choices] == [0, 1, 2]
@@ -93,16 +112,19 @@ def test_sampling_options_and_n(client):
 
 
 def test_stop_and_logprobs(client):
-    full = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20,
-                                          temperature=0)
+    full = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=20, temperature=0
+    )
     text = full.choices[0].message.content
     stop = text.split()[2]
-    cut = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20,
-                                         temperature=0, stop=[stop])
+    cut = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=20, temperature=0, stop=[stop]
+    )
     assert cut.choices[0].message.content == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
-    lp = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5,
-                                        temperature=0, logprobs=True, top_logprobs=3)
+    lp = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = lp.choices[0].logprobs.content
     assert len(content) == lp.usage.completion_tokens
     assert all(len(item.top_logprobs) == 3 for item in content)
@@ -136,6 +158,7 @@ def test_schema_and_ops_endpoints(gateway):
         metrics = http.get("/metrics").text
         assert "strata:request_success_total" in metrics
         assert "strata:kv_blocks_total" in metrics
-    with httpx.Client(base_url=gateway.url,
-                      headers={"authorization": f"Bearer {ADMIN_TOKEN}"}) as admin:
+    with httpx.Client(
+        base_url=gateway.url, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}
+    ) as admin:
         assert admin.get("/admin/tenants/").status_code == 200

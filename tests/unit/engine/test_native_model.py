@@ -30,8 +30,13 @@ def engine(kernels, mode: str) -> EngineCore:
     if mode != "torch":
         apply_native_cpu(model, kernels, fuse_layers=mode == "fused")
     cfg = EngineConfig(dtype="bfloat16", cache=CacheConfig(block_size=4, num_blocks=64))
-    return EngineCore(model, cfg, model_id="tiny", eos_token_ids=frozenset(),
-                      kernels=None if mode == "torch" else kernels)
+    return EngineCore(
+        model,
+        cfg,
+        model_id="tiny",
+        eos_token_ids=frozenset(),
+        kernels=None if mode == "torch" else kernels,
+    )
 
 
 def step_logits(core: EngineCore, seqs: list[tuple[list[int], int]]) -> torch.Tensor:

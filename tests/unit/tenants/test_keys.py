@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 import pytest
+import redis.asyncio as redis
 
 from tenants import keyspace
 from tenants.auth_cache import AuthCache, AuthContext
@@ -255,7 +256,10 @@ def test_auth_cache_refuses_entries_read_before_an_invalidation():
     assert not cache.put("h", ctx, generation)
     assert cache.put("h", ctx, cache.generation) and cache.get("h") == ctx
     now[0] = 10.0
-    assert cache.get("h") is None and len(cache) == 0  # past its TTL
+    assert cache.get("h") is None  # past its TTL for normal use...
+    assert cache.get("h", max_age_s=60.0) == ctx  # ...but kept for store outages
+    now[0] = 61.0
+    assert cache.get("h", max_age_s=60.0) is None
 
     small = AuthCache(max_entries=2)
     for name in ("a", "b", "c"):
@@ -400,3 +404,24 @@ async def test_a_silent_subscription_is_detected_by_ping(private_store):
     finally:
         await keys.stop()
         await client.aclose()
+
+
+async def test_outage_keeps_recent_keys_of_fail_open_tenants_only(private_store):
+    client = connect(private_store.url, timeout=0.5)
+    registry, keys = TenantRegistry(client), KeyManager(client, cache_ttl_s=0.1)
+    await keys.start()
+    open_t = await registry.create_tenant(
+        TenantCreate(name="open", policy=Policy(on_store_unavailable="fail_open"))
+    )
+    closed_t = await registry.create_tenant(TenantCreate(name="closed"))
+    open_key = (await keys.create_key(open_t.id, KeyCreate())).secret
+    closed_key = (await keys.create_key(closed_t.id, KeyCreate())).secret
+    for secret in (open_key, closed_key):
+        await keys.authenticate(secret)  # verified once while the store is up
+    await asyncio.sleep(0.2)  # past the normal cache TTL
+    private_store.kill()
+    assert (await keys.authenticate(open_key)).tenant.id == open_t.id
+    with pytest.raises(redis.RedisError):
+        await keys.authenticate(closed_key)
+    await keys.stop()
+    await client.aclose()
