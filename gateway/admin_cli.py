@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,9 +51,9 @@ def add_admin_commands(sub: Any) -> None:
     rotate.add_argument("--grace", type=float, default=0.0, help="seconds the old key lives")
 
     usage = sub.add_parser("usage", help="usage queries and billing exports")
-    _connection_options(usage)
     usage_cmd = usage.add_subparsers(dest="usage_command", required=True)
     export = usage_cmd.add_parser("export")
+    _connection_options(export)
     export.add_argument("--tenant", default=None)
     export.add_argument("--start", type=float, default=None, help="unix seconds")
     export.add_argument("--end", type=float, default=None, help="unix seconds")
@@ -92,7 +93,12 @@ def _call(client: httpx.Client, method: str, path: str, **kw: Any) -> Any:
     return response.json() if response.content else None
 
 
+def _quiet_http_logs() -> None:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def run_admin(args: argparse.Namespace) -> int:
+    _quiet_http_logs()
     with _client(args) as client:
         result = _dispatch_admin(client, args)
     if result is not None:
@@ -139,6 +145,7 @@ def _dispatch_admin(client: httpx.Client, args: argparse.Namespace) -> Any:
 
 
 def run_usage(args: argparse.Namespace) -> int:
+    _quiet_http_logs()
     params = {
         k: v
         for k, v in {

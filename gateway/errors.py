@@ -18,6 +18,8 @@ from litestar.exceptions import HTTPException, ValidationException
 
 from engine.protocol import EngineDeadError, InvalidRequestError
 from gateway.openai_types import ErrorBody, ErrorInfo, ErrorType
+from tenants.errors import ConflictError, NotFoundError, TenantDisabledError, TenantsError
+from tenants.export import ExportError
 from tenants.records import RecordError
 
 log = logging.getLogger(__name__)
@@ -101,7 +103,7 @@ def _handle_invalid(request: Request[Any, Any, Any], exc: InvalidRequestError) -
     )
 
 
-def _handle_record(request: Request[Any, Any, Any], exc: RecordError) -> Response:
+def _handle_record(request: Request[Any, Any, Any], exc: ValueError) -> Response:
     return error_response(APIError(400, str(exc), code="invalid_value"), _request_headers(request))
 
 
@@ -113,6 +115,15 @@ def _handle_engine_dead(request: Request[Any, Any, Any], exc: EngineDeadError) -
         code="engine_unavailable",
     )
     return error_response(err, {**_request_headers(request), "retry-after": "1"})
+
+
+def _handle_not_found(request: Request[Any, Any, Any], exc: NotFoundError) -> Response:
+    err = APIError(404, str(exc), type="not_found_error", code="not_found")
+    return error_response(err, _request_headers(request))
+
+
+def _handle_conflict(request: Request[Any, Any, Any], exc: TenantsError) -> Response:
+    return error_response(APIError(409, str(exc), code="conflict"), _request_headers(request))
 
 
 def _handle_undecodable(request: Request[Any, Any, Any], exc: Exception) -> Response:
@@ -133,6 +144,10 @@ def exception_handlers() -> dict[type[Exception] | int, Callable[..., Response]]
         HTTPException: _handle_http,
         InvalidRequestError: _handle_invalid,
         RecordError: _handle_record,
+        ExportError: _handle_record,
+        NotFoundError: _handle_not_found,
+        ConflictError: _handle_conflict,
+        TenantDisabledError: _handle_conflict,
         EngineDeadError: _handle_engine_dead,
         UnicodeDecodeError: _handle_undecodable,
         msgspec.DecodeError: _handle_undecodable,

@@ -10,7 +10,9 @@ import dataclasses
 import logging
 import os
 import secrets
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -25,6 +27,23 @@ from tenants.registry import TenantRegistry
 from tenants.store import EmbeddedStore, connect
 
 log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, minus its own signal capture: `serve` owns SIGINT/SIGTERM so that, after the
+    gateway drains, the worker and store are stopped too (uvicorn would re-raise the signal
+    and kill the process before that)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    def request_exit(self) -> None:
+        self.should_exit = True
+
+    async def wait_started(self, running: asyncio.Task[None]) -> None:
+        while not self.started and not running.done():
+            await asyncio.sleep(0.05)
 
 
 class WorkerSupervisor:
@@ -153,13 +172,20 @@ async def serve(settings: GatewaySettings, engine_args: list[str], *, demo: bool
             http="httptools", lifespan="on", log_config=None, access_log=False,
             timeout_graceful_shutdown=30,
         )  # fmt: skip
-        server = uvicorn.Server(config)
-        print(
-            f"Strata is serving {settings.model} at http://{settings.host}:{settings.port}/v1 "
-            f"(admin token in {data_dir / 'admin_token'} unless STRATA_ADMIN_TOKEN is set)",
-            flush=True,
-        )
-        await server.serve()
+        server = _Server(config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.request_exit)
+        running = asyncio.create_task(server.serve())
+        await server.wait_started(running)
+        if server.started:
+            print(
+                f"Strata is serving {settings.model} at http://{settings.host}:"
+                f"{settings.port}/v1 (admin token in {data_dir / 'admin_token'} unless "
+                "STRATA_ADMIN_TOKEN is set)",
+                flush=True,
+            )
+        await running
     finally:
         await worker.stop()
         if store is not None:
