@@ -42,7 +42,7 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
     async def wait_started(self, running: asyncio.Task[None]) -> None:
-        while not self.started and not running.done():
+        while not self.started and not running.done():  # noqa: ASYNC110 (uvicorn has a flag)
             await asyncio.sleep(0.05)
 
 
