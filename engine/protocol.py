@@ -140,5 +140,6 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     max_model_len: int
     eos_token_ids: list[int]
     kv_block_size: int
+    kv_bytes_per_token: int  # K and V of every layer, at the pool's storage dtype
     dtype: str
     device: str

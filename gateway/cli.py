@@ -114,6 +114,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _engine_options(srv)
 
+    gw = sub.add_parser("gateway", help="one gateway replica (store and workers run elsewhere)")
+    gw.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        help="engine worker address (repeatable; default: $STRATA_ENGINE_URLS)",
+    )
+    gw.add_argument("--redis-url", default=None, help="default: $STRATA_REDIS_URL")
+    gw.add_argument("--model", default=None, help="the workers' model spec (for the tokenizer)")
+    gw.add_argument("--host", default=None)
+    gw.add_argument("--port", type=int, default=None)
+    gw.add_argument("--cache-dir", default=None)
+
     add_admin_commands(sub)
 
     eng = sub.add_parser("engine", help="run one engine worker")
@@ -198,6 +211,31 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    import uvicorn  # noqa: PLC0415
+
+    from gateway.app import create_app  # noqa: PLC0415
+
+    gateway_settings = settings.GatewaySettings.from_env(
+        model=args.model, host=args.host, port=args.port, cache_dir=args.cache_dir,
+        redis_url=args.redis_url, engine_addresses=tuple(args.engine) or None,
+    )  # fmt: skip
+    if gateway_settings.redis_url is None or not gateway_settings.engine_addresses:
+        raise ValueError("a gateway replica needs --redis-url and at least one --engine")
+    configure_logging(settings.log_level(), json=gateway_settings.json_logs)
+    uvicorn.run(
+        create_app(gateway_settings),
+        host=gateway_settings.host,
+        port=gateway_settings.port,
+        loop="uvloop",
+        http="httptools",
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=30,
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -208,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from engine.tokenizer import ChatTemplateError, TokenizerError  # noqa: PLC0415
 
     handlers = {
+        "gateway": _gateway,
         "generate": _generate,
         "engine": _engine,
         "serve": _serve,

@@ -159,6 +159,9 @@ async def serve(settings: GatewaySettings, engine_args: list[str], *, demo: bool
     settings = dataclasses.replace(settings, admin_token=admin_token(settings))
     address = f"unix://{(data_dir / 'engine.sock').resolve()}"
     env = dict(os.environ, STRATA_CACHE_DIR=settings.cache_dir)
+    # the worker shares the cores with the gateway and the store: its OpenMP threads should
+    # not spin long between kernels (measured: ~15% less engine CPU per request, same latency)
+    env.setdefault("GOMP_SPINCOUNT", "10000")
     worker = WorkerSupervisor(["--model", settings.model, *engine_args], address, env)
     try:
         await worker.start()

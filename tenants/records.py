@@ -58,8 +58,14 @@ class Policy(Base):
     on_store_unavailable: StoreFailMode = "fail_closed"
 
     def __post_init__(self) -> None:
-        for field in ("rpm", "tpm", "max_concurrent", "max_tokens", "max_context_tokens",
-                      "kv_budget_tokens"):
+        for field in (
+            "rpm",
+            "tpm",
+            "max_concurrent",
+            "max_tokens",
+            "max_context_tokens",
+            "kv_budget_tokens",
+        ):
             value = getattr(self, field)
             if value is not None and value < 1:
                 raise RecordError(f"{field} must be a positive integer or null")
@@ -76,6 +82,14 @@ class Policy(Base):
 
     def allows_adapter(self, adapter: str) -> bool:
         return self.allowed_adapters is None or adapter in self.allowed_adapters
+
+
+class PolicyView(Base):
+    """A policy as the admin API shows it: the record plus figures derived from the model."""
+
+    policy: Policy
+    kv_bytes_per_token: int
+    kv_budget_bytes: int | None
 
 
 class PolicyPatch(Base):

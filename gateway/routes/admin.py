@@ -12,6 +12,7 @@ from litestar.response import Stream
 
 from gateway.auth import gateway_state, requires_admin_token
 from gateway.errors import bad_request
+from gateway.state import GatewayState
 from tenants.export import export_usage
 from tenants.records import (
     Adapter,
@@ -22,6 +23,7 @@ from tenants.records import (
     KeyRotate,
     Policy,
     PolicyPatch,
+    PolicyView,
     Price,
     Tenant,
     TenantCreate,
@@ -62,8 +64,9 @@ class TenantController(Controller):
         await gateway_state(request).registry.delete_tenant(tenant_id)
 
     @get("/{tenant_id:str}/policy")
-    async def get_policy(self, request: Req, tenant_id: FromPath[str]) -> Policy:
-        return await gateway_state(request).registry.get_policy(tenant_id)
+    async def get_policy(self, request: Req, tenant_id: FromPath[str]) -> PolicyView:
+        gw = gateway_state(request)
+        return policy_view(gw, await gw.registry.get_policy(tenant_id))
 
     @put("/{tenant_id:str}/policy")
     async def put_policy(
@@ -86,6 +89,17 @@ class TenantController(Controller):
     @get("/{tenant_id:str}/keys")
     async def list_keys(self, request: Req, tenant_id: FromPath[str]) -> list[ApiKey]:
         return await gateway_state(request).keys.list_keys(tenant_id)
+
+
+def policy_view(gw: GatewayState, policy: Policy) -> PolicyView:
+    """The KV budget in bytes at the served model's KV bytes per token (and KV dtype)."""
+    per_token = gw.preparer.info.kv_bytes_per_token
+    budget = policy.kv_budget_tokens
+    return PolicyView(
+        policy=policy,
+        kv_bytes_per_token=per_token,
+        kv_budget_bytes=None if budget is None else budget * per_token,
+    )
 
 
 class KeyController(Controller):

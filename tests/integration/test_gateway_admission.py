@@ -233,3 +233,21 @@ def test_unknown_route_and_method_are_openai_shaped(gateway):
         r = http.get("/v1/chat/completions")
         assert r.status_code in (401, 405)
         error_of(r)
+
+
+def test_policy_admin_round_trip_and_kv_bytes(gateway):
+    tid, key = gateway.new_tenant(kv_budget_tokens=1000)
+    with gateway.admin() as admin:
+        view = admin.get(f"/admin/tenants/{tid}/policy").json()
+        # SmolLM2 in bf16: 30 layers x K and V x 3 KV heads x 64 dims x 2 bytes
+        assert view["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 2
+        assert view["kv_budget_bytes"] == 1000 * view["kv_bytes_per_token"]
+        bad = admin.patch(f"/admin/tenants/{tid}/policy", json={"rpm": -1})
+        assert bad.status_code == 400
+        assert admin.get(f"/admin/tenants/{tid}/policy").json()["policy"]["rpm"] is None
+        assert admin.patch(f"/admin/tenants/{tid}/policy", json={"rpm": 1}).status_code == 200
+    # the new limit applies at once (the policy change invalidates cached auth)
+    assert post(gateway, key, chat()).status_code == 200
+    r = post(gateway, key, chat())
+    assert r.status_code == 429
+    assert error_of(r)["code"] == "rate_limit_rpm"
