@@ -24,7 +24,7 @@ from gateway.settings import GatewaySettings
 from tenants.keys import KeyManager
 from tenants.records import KeyCreate, Policy, TenantCreate
 from tenants.registry import TenantRegistry
-from tenants.store import EmbeddedStore, connect
+from tenants.store import EmbeddedStore, connect, die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,9 @@ class WorkerSupervisor:
 
     async def _spawn(self) -> None:
         cmd = [sys.executable, "-m", "gateway.cli", "engine", "--listen", self.address, *self.args]
-        self.proc = await asyncio.create_subprocess_exec(*cmd, env=self.env)
+        self.proc = await asyncio.create_subprocess_exec(
+            *cmd, env=self.env, preexec_fn=die_with_parent
+        )
 
     async def wait_ready(self, timeout: float) -> None:
         client = EngineClient(self.address, connect_timeout=1.0)

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import importlib.util
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +31,18 @@ KEY_PREFIX = "strata:"
 
 class StoreError(RuntimeError):
     """The store cannot be started or reached."""
+
+
+# resolved in the parent, so the forked child only makes the system call
+_PRCTL = ctypes.CDLL(None).prctl if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` for child processes: on Linux, ask the kernel to SIGTERM the child when
+    its parent dies, so a crashed or killed `strata serve` never leaves orphans behind."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def find_server_binary() -> str:
@@ -55,7 +70,7 @@ class EmbeddedStore:
     """
 
     def __init__(self, data_dir: str | os.PathLike[str], *, binary: str | None = None) -> None:
-        self.data_dir = Path(data_dir)
+        self.data_dir = Path(data_dir).resolve()  # valkey chdirs into it before other paths
         self.binary = binary or find_server_binary()
         self.socket_path = self.data_dir / "store.sock"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -82,7 +97,12 @@ class EmbeddedStore:
             "--loglevel", "warning",
             "--logfile", str(self.data_dir / "store.log"),
         ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=die_with_parent,  # noqa: PLW1509  (only a prctl system call)
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
