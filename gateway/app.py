@@ -104,6 +104,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         before_send=[_add_state_headers],
         openapi_config=OpenAPIConfig(title="Strata", version="0.1.0", path="/schema"),
         request_max_body_size=settings.max_body_bytes,
+        logging_config=None,  # logs go through structlog (gateway/logs.py), set by the CLI
         debug=False,
     )
     app.state.settings = settings

@@ -11,6 +11,7 @@ from litestar.response import Stream
 
 from gateway.auth import auth_of, gateway_state, requires_api_key
 from gateway.errors import bad_request
+from gateway.logs import bind_request
 from gateway.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -26,6 +27,7 @@ _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 async def respond(gw: GatewayState, request: Request[Any, Any, Any], job: Job) -> Response[Any]:
     """Admit the job, then stream it or run it to completion."""
+    bind_request(job.request_id, auth_of(request).tenant.id)
     ticket = await gw.pipeline.admit(auth_of(request), job)
     request.state.response_headers = {"x-request-id": job.request_id, **ticket.headers}
     if job.stream:
