@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 
 from gateway import settings as env
+from tenants.records import LIMIT_FIELDS
 
 
 def add_admin_commands(sub: Any) -> None:
@@ -22,15 +23,8 @@ def add_admin_commands(sub: Any) -> None:
     tenants = groups.add_parser("tenants").add_subparsers(dest="action", required=True)
     create = tenants.add_parser("create")
     create.add_argument("name")
-    for limit in (
-        "rpm",
-        "tpm",
-        "max-concurrent",
-        "max-tokens",
-        "max-context-tokens",
-        "kv-budget-tokens",
-    ):
-        create.add_argument(f"--{limit}", type=int, default=None)
+    for limit in LIMIT_FIELDS:
+        create.add_argument(f"--{limit.replace('_', '-')}", type=int, default=None)
     tenants.add_parser("list")
     show = tenants.add_parser("show")
     show.add_argument("tenant_id")
@@ -110,17 +104,7 @@ def _dispatch_admin(client: httpx.Client, args: argparse.Namespace) -> Any:
     group, action = args.admin_command, args.action
     if group == "tenants":
         if action == "create":
-            limits = {
-                k: getattr(args, k)
-                for k in (
-                    "rpm",
-                    "tpm",
-                    "max_concurrent",
-                    "max_tokens",
-                    "max_context_tokens",
-                    "kv_budget_tokens",
-                )
-            }
+            limits = {k: getattr(args, k) for k in LIMIT_FIELDS}
             policy = {k: v for k, v in limits.items() if v is not None}
             return _call(
                 client, "POST", "/admin/tenants/", json={"name": args.name, "policy": policy}

@@ -34,6 +34,15 @@ def check_name(value: str, field: str) -> str:
 
 
 StoreFailMode = Literal["fail_open", "fail_closed"]
+# the numeric limits of a Policy: positive integers, or None for unlimited
+LIMIT_FIELDS = (
+    "rpm",
+    "tpm",
+    "max_concurrent",
+    "max_tokens",
+    "max_context_tokens",
+    "kv_budget_tokens",
+)
 
 
 class Policy(Base):
@@ -58,14 +67,7 @@ class Policy(Base):
     on_store_unavailable: StoreFailMode = "fail_closed"
 
     def __post_init__(self) -> None:
-        for field in (
-            "rpm",
-            "tpm",
-            "max_concurrent",
-            "max_tokens",
-            "max_context_tokens",
-            "kv_budget_tokens",
-        ):
+        for field in LIMIT_FIELDS:
             value = getattr(self, field)
             if value is not None and value < 1:
                 raise RecordError(f"{field} must be a positive integer or null")
