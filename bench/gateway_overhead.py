@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         **machine_info(torch.device("cpu")),
         "requests_per_level": args.requests,
         "quick": args.quick,
+        "engine_threads": args.engine_threads or "all",
         "latency_ms": latency,
         **summary,
     }
