@@ -31,8 +31,8 @@ class TextDelta:
 class TextStream:
     """Turns one request's `RequestOutput`s into text deltas.
 
-    Mutates its own detokenizer state. After a stop string matches, `stopped_by_string` is
-    True and the caller should abort the request in the engine.
+    Mutates its own detokenizer state. A delta that is finished while its RequestOutput is
+    not means a stop string matched: the caller should abort the request in the engine.
     """
 
     def __init__(
@@ -48,7 +48,6 @@ class TextStream:
         )
         self.text = ""
         self.token_ids: list[int] = []
-        self.stopped_by_string = False
         self.finish_reason: FinishReason | None = None
 
     def process(self, out: RequestOutput) -> TextDelta:
@@ -63,7 +62,6 @@ class TextStream:
         if self.matcher is not None:
             text, matched = self.matcher.feed(delta)
             if matched is not None:
-                self.stopped_by_string = True
                 finish, reason = FinishReason.STOP, matched
             elif finish is not None:
                 text += self.matcher.flush()
