@@ -22,6 +22,7 @@ from engine.protocol import (
     ModelInfo,
     RequestOutput,
     SamplingParams,
+    Scheduling,
 )
 from engine.wire import (
     Abort,
@@ -106,7 +107,7 @@ class EngineClient:
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
-        priority: int = 0,
+        scheduling: Scheduling | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit and stream outputs until the final one.
 
@@ -120,7 +121,9 @@ class EngineClient:
         self._streams[request_id] = stream
         finished = False
         try:
-            self._send(Submit(request_id, list(prompt_token_ids), params, priority))
+            self._send(
+                Submit(request_id, list(prompt_token_ids), params, scheduling or Scheduling())
+            )
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):

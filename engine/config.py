@@ -23,6 +23,7 @@ class SchedulingPolicy(enum.Enum):
 
     FCFS = "fcfs"
     PRIORITY = "priority"
+    FAIR = "fair"  # priority, then weighted fair share between tenants
 
 
 class KernelBackend(enum.Enum):
@@ -235,7 +236,7 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
-    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    policy: SchedulingPolicy = SchedulingPolicy.FAIR
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:

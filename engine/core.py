@@ -22,6 +22,7 @@ from engine.protocol import (
     ModelInfo,
     RequestOutput,
     SamplingParams,
+    Scheduling,
 )
 from engine.request import Request
 from engine.scheduler import Scheduler
@@ -84,7 +85,7 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
-        priority: int = 0,
+        scheduling: Scheduling | None = None,
     ) -> None:
         """Queue a request. Raises InvalidRequestError and changes nothing if it is bad."""
         if request_id in self.scheduler.requests:
@@ -99,9 +100,12 @@ class EngineCore:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
         params.validate(self.vocab_size)
+        sched = scheduling or Scheduling()
+        sched.validate()
         request = Request(
-            request_id, prompt_token_ids, params, priority=priority, device=self.device
-        )
+            request_id, prompt_token_ids, params, priority=sched.priority, tenant=sched.tenant,
+            weight=sched.weight, device=self.device,
+        )  # fmt: skip
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

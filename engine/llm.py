@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.factory import create_engine
 from engine.output_processor import TextStream
-from engine.protocol import FinishReason, SamplingParams, TokenLogprob
+from engine.protocol import FinishReason, SamplingParams, Scheduling, TokenLogprob
 from engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -76,7 +76,8 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
                 rid = f"gen-{next(self._ids)}"
                 ids = self.encode(prompt, chat=chat)
-                self.core.add_request(rid, ids, p, priority=priorities[i] if priorities else 0)
+                sched = Scheduling(priority=priorities[i]) if priorities else None
+                self.core.add_request(rid, ids, p, scheduling=sched)
                 added.append(rid)
                 results[rid] = Completion(rid, ids)
                 streams[rid] = TextStream(self.tokenizer, ids, p)

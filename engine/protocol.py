@@ -93,6 +93,22 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         return self.temperature == 0.0
 
 
+class Scheduling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Who a request runs for and how much of the engine it deserves.
+
+    `priority` orders classes of work (lower runs first). Within a priority, the `fair`
+    policy shares the engine between `tenant`s in proportion to their `weight`.
+    """
+
+    priority: int = 0
+    tenant: str = ""
+    weight: float = 1.0
+
+    def validate(self) -> None:
+        if not 0.0 < self.weight <= 1e6:
+            raise InvalidRequestError("weight must be in (0, 1e6]")
+
+
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     """The sampled token's logprob and the top-n alternatives (ids and logprobs)."""
 

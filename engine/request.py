@@ -29,6 +29,8 @@ class Request:
         params: SamplingParams,
         *,
         priority: int = 0,
+        tenant: str = "",
+        weight: float = 1.0,
         arrival_time: float | None = None,
         device: torch.device | None = None,
     ) -> None:
@@ -37,6 +39,8 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.priority = priority
+        self.tenant = tenant
+        self.weight = weight
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -1,14 +1,21 @@
 """Scheduling policies: the order waiting requests are admitted and running ones preempted.
 
-A policy is a `RequestQueue` for the waiting side plus a rule for ranking running requests.
-New policies (tenant fair share) plug in through `create_policy`.
+A policy is a `RequestQueue` for the waiting side plus a rank for running requests: the
+best-ranked get the step's token budget first, and the worst-ranked are preempted first.
+
+- `fcfs`: arrival order.
+- `priority`: lower `priority` first, then arrival.
+- `fair` (the worker's default): priority first, then weighted fair share between tenants.
+  Each tenant has a virtual time, the tokens the engine computed for it divided by its
+  weight; the tenant furthest behind goes first. A tenant that was idle rejoins at the
+  smallest virtual time among active tenants, so idleness banks no credit.
 """
 
 from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 
 from engine.config import SchedulingPolicy
@@ -100,25 +107,140 @@ class PriorityQueue(RequestQueue):
 
 
 class Policy:
-    """A waiting queue plus the rule that picks which running request to preempt."""
+    """A waiting queue plus the rank that orders running requests and picks victims.
 
-    def __init__(self, kind: SchedulingPolicy) -> None:
-        self.kind = kind
+    Subclasses define `new_queue` and `pick_victim`; the hooks default to doing nothing.
+    """
 
     def new_queue(self) -> RequestQueue:
-        return PriorityQueue() if self.kind is SchedulingPolicy.PRIORITY else FCFSQueue()
+        raise NotImplementedError
 
     def pick_victim(self, running: list[Request]) -> Request:
-        """The running request to preempt first: the newest (fcfs) or least urgent."""
-        if self.kind is SchedulingPolicy.PRIORITY:
-            return max(running, key=_priority_key)
-        return running[-1]
+        """The running request to preempt first."""
+        raise NotImplementedError
 
     def order_running(self, running: list[Request]) -> None:
         """Sort `running` in place so the most deserving requests get the token budget."""
-        if self.kind is SchedulingPolicy.PRIORITY:
-            running.sort(key=_priority_key)
+
+    def on_arrival(self, request: Request) -> None:
+        """A request entered the engine (called before it joins the waiting queue)."""
+
+    def on_finish(self, request: Request) -> None:
+        """A request left the engine for good."""
+
+    def charge(self, request: Request, num_tokens: int) -> None:
+        """The engine computed `num_tokens` tokens for `request` this step."""
+
+
+class FCFSPolicy(Policy):
+    def new_queue(self) -> RequestQueue:
+        return FCFSQueue()
+
+    def pick_victim(self, running: list[Request]) -> Request:
+        return running[-1]  # running is in admission order: the newest
+
+
+class PriorityPolicy(Policy):
+    def new_queue(self) -> RequestQueue:
+        return PriorityQueue()
+
+    def pick_victim(self, running: list[Request]) -> Request:
+        return max(running, key=_priority_key)
+
+    def order_running(self, running: list[Request]) -> None:
+        running.sort(key=_priority_key)
+
+
+class FairSharePolicy(Policy):
+    """Priority classes, then weighted fair share between tenants (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._vtime: dict[str, float] = {}
+        self._active: Counter[str] = Counter()  # requests in the engine per tenant
+
+    def rank(self, request: Request) -> tuple[int, float, float, str]:
+        return (
+            request.priority,
+            self._vtime.get(request.tenant, 0.0),
+            request.arrival_time,
+            request.request_id,
+        )
+
+    def virtual_time(self, tenant: str) -> float:
+        return self._vtime.get(tenant, 0.0)
+
+    def new_queue(self) -> RequestQueue:
+        return FairQueue(self)
+
+    def pick_victim(self, running: list[Request]) -> Request:
+        return max(running, key=self.rank)
+
+    def order_running(self, running: list[Request]) -> None:
+        running.sort(key=self.rank)
+
+    def on_arrival(self, request: Request) -> None:
+        tenant = request.tenant
+        if not self._active[tenant]:
+            if not self._active:
+                self._vtime.clear()  # the engine went idle: everyone starts level again
+            floor = min(
+                (self._vtime.get(t, 0.0) for t, n in self._active.items() if n),
+                default=0.0,
+            )
+            self._vtime[tenant] = max(self._vtime.get(tenant, 0.0), floor)
+        self._active[tenant] += 1
+
+    def on_finish(self, request: Request) -> None:
+        self._active[request.tenant] -= 1
+        if self._active[request.tenant] <= 0:
+            del self._active[request.tenant]
+
+    def charge(self, request: Request, num_tokens: int) -> None:
+        vtime = self._vtime.get(request.tenant, 0.0)
+        self._vtime[request.tenant] = vtime + num_tokens / request.weight
+
+
+class FairQueue(RequestQueue):
+    """FCFS per tenant; across tenants the head with the best fair-share rank goes first."""
+
+    def __init__(self, policy: FairSharePolicy) -> None:
+        self._policy = policy
+        self._by_tenant: dict[str, deque[Request]] = {}
+        self._len = 0
+
+    def add(self, request: Request) -> None:
+        self._by_tenant.setdefault(request.tenant, deque()).append(request)
+        self._len += 1
+
+    def readd_preempted(self, request: Request) -> None:
+        self._by_tenant.setdefault(request.tenant, deque()).appendleft(request)
+        self._len += 1
+
+    def peek(self) -> Request:
+        return min((q[0] for q in self._by_tenant.values()), key=self._policy.rank)
+
+    def pop(self) -> Request:
+        request = self.peek()
+        self.remove(request)
+        return request
+
+    def remove(self, request: Request) -> None:
+        queue = self._by_tenant[request.tenant]
+        queue.remove(request)
+        self._len -= 1
+        if not queue:
+            del self._by_tenant[request.tenant]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(sorted((r for q in self._by_tenant.values() for r in q), key=self._policy.rank))
 
 
 def create_policy(kind: SchedulingPolicy) -> Policy:
-    return Policy(kind)
+    if kind is SchedulingPolicy.FAIR:
+        return FairSharePolicy()
+    if kind is SchedulingPolicy.PRIORITY:
+        return PriorityPolicy()
+    return FCFSPolicy()

@@ -62,6 +62,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests, "duplicate request id"
         self.requests[request.request_id] = request
+        self.policy.on_arrival(request)
         self.waiting.add(request)
 
     def finish_request(
@@ -74,7 +75,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.finish(reason, stop)
         self.block_manager.free(request.request_id)
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self.policy.on_finish(request)
 
     @property
     def num_waiting(self) -> int:
@@ -149,6 +151,7 @@ class Scheduler:
         """Credit every scheduled request with the tokens the step computed."""
         for s in output.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+            self.policy.charge(s.request, s.num_new_tokens)
 
     def check_stop(self, request: Request, eos_token_ids: frozenset[int]) -> bool:
         """Finish `request` if its newest token ends it; returns True when finished."""

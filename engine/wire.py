@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from engine.protocol import EngineStats, ModelInfo, RequestOutput, SamplingParams
+from engine.protocol import EngineStats, ModelInfo, RequestOutput, SamplingParams, Scheduling
 
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 _HEADER = struct.Struct(">I")
@@ -25,7 +25,7 @@ class Submit(msgspec.Struct, tag="submit"):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    priority: int = 0
+    scheduling: Scheduling = msgspec.field(default_factory=Scheduling)
 
 
 class Abort(msgspec.Struct, tag="abort"):

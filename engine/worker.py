@@ -173,7 +173,10 @@ class Worker:
         elif isinstance(msg, Submit):
             try:
                 self.core.add_request(
-                    prefix + msg.request_id, msg.prompt_token_ids, msg.params, priority=msg.priority
+                    prefix + msg.request_id,
+                    msg.prompt_token_ids,
+                    msg.params,
+                    scheduling=msg.scheduling,
                 )
             except InvalidRequestError as exc:
                 self._post(cmd.conn_id, Rejected(msg.request_id, exc.code, str(exc)))

@@ -51,7 +51,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument(
-        "--scheduling-policy", default="fcfs", choices=[p.value for p in SchedulingPolicy]
+        "--scheduling-policy",
+        default="fair",
+        choices=[p.value for p in SchedulingPolicy],
+        help="fair: priority, then weighted fair share between tenants (default)",
     )
     g.add_argument(
         "--backend",

@@ -125,7 +125,7 @@ class Pipeline:
         client = self.engines.pick()
         stream = TextStream(self.tokenizer, job.prompt_ids, job.params)
         rid = f"{job.request_id}-{index}"
-        outputs = client.generate(rid, job.prompt_ids, job.params, priority=job.priority)
+        outputs = client.generate(rid, job.prompt_ids, job.params, scheduling=job.scheduling)
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 if out.error is not None:

@@ -9,11 +9,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.protocol import MAX_LOGPROBS, InvalidRequestError, ModelInfo, SamplingParams
+from engine.protocol import (
+    MAX_LOGPROBS,
+    InvalidRequestError,
+    ModelInfo,
+    SamplingParams,
+    Scheduling,
+)
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from gateway.errors import APIError, bad_request
 from gateway.openai_types import ChatCompletionRequest, CompletionRequest
-from tenants.records import Policy
+from tenants.records import Policy, Tenant
 
 Endpoint = Literal["chat.completions", "completions"]
 MAX_N = 16
@@ -34,7 +40,7 @@ class Job:
     stream: bool
     include_usage: bool
     user: str | None
-    priority: int
+    scheduling: Scheduling
     echo_text: str | None = None  # completions with echo=True
     created: int = field(default_factory=lambda: int(time.time()))
     started_at: float = field(default_factory=time.time)
@@ -77,8 +83,8 @@ class Preparer:
                 param="model",
             )
 
-    def chat(self, body: ChatCompletionRequest, policy: Policy, request_id: str) -> Job:
-        self.check_model(body.model, policy)
+    def chat(self, body: ChatCompletionRequest, tenant: Tenant, request_id: str) -> Job:
+        self.check_model(body.model, tenant.policy)
         if not body.messages:
             raise bad_request("messages must not be empty", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -97,11 +103,11 @@ class Preparer:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         max_tokens = body.max_completion_tokens or body.max_tokens
         return self._job(
-            body, policy, request_id, "chat.completions", prompt_ids, max_tokens, logprobs
+            body, tenant, request_id, "chat.completions", prompt_ids, max_tokens, logprobs
         )
 
-    def completion(self, body: CompletionRequest, policy: Policy, request_id: str) -> Job:
-        self.check_model(body.model, policy)
+    def completion(self, body: CompletionRequest, tenant: Tenant, request_id: str) -> Job:
+        self.check_model(body.model, tenant.policy)
         prompt: str | list[int | str] = body.prompt
         if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
             if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -122,7 +128,7 @@ class Preparer:
                 f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}", param="logprobs"
             )
         job = self._job(
-            body, policy, request_id, "completions", prompt_ids, body.max_tokens, body.logprobs
+            body, tenant, request_id, "completions", prompt_ids, body.max_tokens, body.logprobs
         )
         job.echo_text = echo
         return job
@@ -130,13 +136,14 @@ class Preparer:
     def _job(
         self,
         body: ChatCompletionRequest | CompletionRequest,
-        policy: Policy,
+        tenant: Tenant,
         request_id: str,
         endpoint: Endpoint,
         prompt_ids: list[int],
         max_tokens: int | None,
         logprobs: int | None,
     ) -> Job:
+        policy = tenant.policy
         if not prompt_ids:
             raise bad_request("the prompt is empty", param="prompt")
         if not 1 <= body.n <= MAX_N:
@@ -196,5 +203,8 @@ class Preparer:
         return Job(
             request_id=request_id, endpoint=endpoint, model=body.model, prompt_ids=prompt_ids,
             params=params, n=body.n, stream=body.stream, include_usage=include_usage,
-            user=body.user, priority=policy.priority,
+            user=body.user,
+            scheduling=Scheduling(
+                priority=policy.priority, tenant=tenant.id, weight=policy.weight
+            ),
         )  # fmt: skip

@@ -57,7 +57,7 @@ class OpenAIController(Controller):
     ) -> Response[Any]:
         gw, rid = gateway_state(request), new_request_id("chat.completions")
         _start_request(request, rid)
-        job = gw.preparer.chat(data, auth_of(request).tenant.policy, rid)
+        job = gw.preparer.chat(data, auth_of(request).tenant, rid)
         return await respond(gw, request, job)
 
     @post("/completions", status_code=200)
@@ -66,7 +66,7 @@ class OpenAIController(Controller):
     ) -> Response[Any]:
         gw, rid = gateway_state(request), new_request_id("completions")
         _start_request(request, rid)
-        job = gw.preparer.completion(data, auth_of(request).tenant.policy, rid)
+        job = gw.preparer.completion(data, auth_of(request).tenant, rid)
         return await respond(gw, request, job)
 
     @get("/models")

@@ -14,13 +14,22 @@ from engine.protocol import (
     InvalidRequestError,
     RequestOutput,
     SamplingParams,
+    Scheduling,
 )
 
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 
 
-async def collect(client: EngineClient, rid: str, prompt: list[int], params: SamplingParams):
-    outs: list[RequestOutput] = [out async for out in client.generate(rid, prompt, params)]
+async def collect(
+    client: EngineClient,
+    rid: str,
+    prompt: list[int],
+    params: SamplingParams,
+    scheduling: Scheduling | None = None,
+):
+    outs: list[RequestOutput] = [
+        out async for out in client.generate(rid, prompt, params, scheduling=scheduling)
+    ]
     return outs
 
 
@@ -106,6 +115,8 @@ async def test_invalid_requests_fail_alone(tiny_worker):
     for i, (prompt, params, needle) in enumerate(bad_cases):
         with pytest.raises(InvalidRequestError, match=needle):
             await collect(client, f"bad{i}", prompt, params)
+    with pytest.raises(InvalidRequestError, match="weight"):
+        await collect(client, "w", [1, 2], SamplingParams(max_tokens=1), Scheduling(weight=0.0))
     outs = await good
     assert sum(len(o.new_token_ids) for o in outs) == 20
     assert await client.health()

@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from engine.protocol import FinishReason, RequestOutput, SamplingParams
+from engine.protocol import FinishReason, RequestOutput, SamplingParams, Scheduling
 from engine.wire import (
     MAX_FRAME_BYTES,
     Codec,
@@ -25,7 +25,8 @@ def feed(data: bytes) -> asyncio.StreamReader:
 
 async def test_round_trip_of_tagged_messages():
     to_worker, to_client = Codec(ToClient), Codec(ToWorker)
-    submit = Submit("r1", [1, 2, 3], SamplingParams(max_tokens=5, stop=("x",)), priority=2)
+    sched = Scheduling(priority=2, tenant="acme", weight=2.5)
+    submit = Submit("r1", [1, 2, 3], SamplingParams(max_tokens=5, stop=("x",)), sched)
     frame = to_worker.encode(submit)
     body = await read_frame(feed(frame))
     assert body is not None
