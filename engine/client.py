@@ -55,6 +55,7 @@ class EngineClient:
         self._codec = Codec(ToClient)
         self._reader_task: asyncio.Task[None] | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._outbox: list[bytes] = []  # frames written together on the loop's next turn
         self._streams: dict[str, asyncio.Queue[_Item]] = {}
         self._calls: dict[int, asyncio.Future[msgspec.Struct]] = {}
         self._call_ids = itertools.count()
@@ -93,6 +94,7 @@ class EngineClient:
             return self.info
 
     async def close(self) -> None:
+        self._flush()
         if self._writer is not None:
             self._writer.close()
         if self._reader_task is not None:
@@ -161,8 +163,17 @@ class EngineClient:
     def _send(self, msg: msgspec.Struct) -> None:
         if not self.connected:
             raise EngineDeadError(f"engine at {self.address} is not connected")
-        assert self._writer is not None
-        self._writer.write(self._codec.encode(msg))
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(self._codec.encode(msg))
+
+    def _flush(self) -> None:
+        """One write for every frame queued in this loop iteration, so a burst of requests
+        reaches the worker together (one wake-up, one scheduling step)."""
+        frames, self._outbox = self._outbox, []
+        if frames and self.connected:
+            assert self._writer is not None
+            self._writer.writelines(frames)
 
     async def _call(self, msg: GetStats | Ping) -> msgspec.Struct:
         await self.connect()

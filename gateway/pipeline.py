@@ -62,6 +62,18 @@ class Tally:
     cached_tokens: int = 0
     first_token_at: float | None = None
     status: UsageStatus | None = None
+    engine_started: float | None = None  # first submit to the engine (perf_counter)
+    engine_finished: float | None = None  # last final output from the engine
+
+    def server_timing(self, started: float) -> str:
+        """A `Server-Timing` value: time spent waiting on the engine, and the rest of the
+        time since `started` (parsing, admission, rendering: the gateway's own cost)."""
+        now = time.perf_counter()
+        engine = 0.0
+        if self.engine_started is not None:
+            engine = (self.engine_finished or now) - self.engine_started
+        gateway = max(0.0, now - started - engine)
+        return f"engine;dur={engine * 1e3:.3f}, gateway;dur={gateway * 1e3:.3f}"
 
 
 class Pipeline:
@@ -126,6 +138,8 @@ class Pipeline:
         stream = TextStream(self.tokenizer, job.prompt_ids, job.params)
         rid = f"{job.request_id}-{index}"
         outputs = client.generate(rid, job.prompt_ids, job.params, scheduling=job.scheduling)
+        if tally.engine_started is None:
+            tally.engine_started = time.perf_counter()
         async with contextlib.aclosing(outputs):
             async for out in outputs:
                 if out.error is not None:
@@ -139,6 +153,8 @@ class Pipeline:
                     results.text += delta.text
                     results.token_ids.extend(delta.token_ids)
                     results.logprobs.extend(delta.logprobs or ())
+                if delta.finished:
+                    tally.engine_finished = time.perf_counter()
                 yield delta
                 if delta.finished:
                     if results is not None and delta.finish_reason is not None:

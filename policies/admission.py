@@ -17,6 +17,7 @@ against concurrency and the KV budget on their own.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import hashlib
 from dataclasses import dataclass
@@ -212,21 +213,75 @@ return 1
 
 
 class _Script:
-    """A Lua script run with EVALSHA, falling back to EVAL (which also caches it) when the
-    server does not know it yet: one round trip in the steady state."""
+    """A Lua script known by its SHA-1; the server learns it on first use (EVAL)."""
 
     def __init__(self, source: str) -> None:
         self.source = source
         self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
 
-    async def __call__(self, client: aioredis.Redis, keys: list[str], args: list[Any]) -> Any:
+
+_Call = tuple[_Script, list[str], list[Any], "asyncio.Future[Any]"]
+
+
+class _ScriptRunner:
+    """Runs script calls, pipelining those made in the same event-loop iteration.
+
+    A burst of concurrent requests then costs the store one write and one wake-up instead
+    of one each; a lone call waits for nothing (the flush runs on the loop's next turn).
+    Each script stays atomic on the server. Steady state is EVALSHA; a server that does not
+    know a script yet gets EVAL, which also caches it.
+    """
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self._pending: list[_Call] = []
+        self._flushing: set[asyncio.Task[None]] = set()
+
+    async def __call__(self, script: _Script, keys: list[str], args: list[Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._pending.append((script, keys, args, fut))
+        if len(self._pending) == 1:
+            loop.call_soon(self._flush)
+        return await fut
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        task = asyncio.get_running_loop().create_task(self._run(batch))
+        self._flushing.add(task)
+        task.add_done_callback(self._flushing.discard)
+
+    async def _run(self, batch: list[_Call]) -> None:
         try:
-            try:
-                return await client.evalsha(self.sha, len(keys), *keys, *args)
-            except redis_errors.NoScriptError:
-                return await client.eval(self.source, len(keys), *keys, *args)
+            if len(batch) == 1:
+                script, keys, args, _ = batch[0]
+                replies: list[Any] = [await self._one(script, keys, args)]
+            else:
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for script, keys, args, _ in batch:
+                        pipe.evalsha(script.sha, len(keys), *keys, *args)
+                    replies = await pipe.execute(raise_on_error=False)
+                for i, (script, keys, args, _) in enumerate(batch):
+                    if isinstance(replies[i], redis_errors.NoScriptError):
+                        replies[i] = await self.client.eval(script.source, len(keys), *keys, *args)
         except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as exc:
-            raise StoreUnavailableError(f"admission store unreachable: {exc}") from exc
+            error = StoreUnavailableError(f"admission store unreachable: {exc}")
+            replies = [error] * len(batch)
+        except Exception as exc:  # the callers see it, one by one
+            replies = [exc] * len(batch)
+        for (*_, fut), reply in zip(batch, replies, strict=True):
+            if fut.done():
+                continue  # the caller was cancelled; the lease (if any) expires on its own
+            if isinstance(reply, BaseException):
+                fut.set_exception(reply)
+            else:
+                fut.set_result(reply)
+
+    async def _one(self, script: _Script, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await self.client.evalsha(script.sha, len(keys), *keys, *args)
+        except redis_errors.NoScriptError:
+            return await self.client.eval(script.source, len(keys), *keys, *args)
 
 
 def tenant_keys(tenant_id: str) -> dict[str, str]:
@@ -271,6 +326,7 @@ class Admission:
         self.redis = redis
         self.lease_ttl_us = round(lease_ttl_s * 1_000_000)
         self.busy_retry_after_s = busy_retry_after_s
+        self._run = _ScriptRunner(redis)
         self._reserve = _Script(_RESERVE)
         self._release = _Script(_RELEASE)
         self._renew = _Script(_RENEW)
@@ -307,7 +363,7 @@ class Admission:
             self.lease_ttl_us,
             f"{self.busy_retry_after_s:.6f}",
         ]
-        reply = await self._reserve(self.redis, list(keys.values()), args)
+        reply = await self._run(self._reserve, list(keys.values()), args)
         allowed, reason, retry, hard = int(reply[0]) == 1, _text(reply[1]), reply[2], reply[3]
         return Decision(
             allowed=allowed,
@@ -327,7 +383,7 @@ class Admission:
             raise InvalidReservationError("used_tokens must not be negative")
         keys = tenant_keys(tenant_id)
         lease_keys = [keys["tok"], keys["leases"], keys["res"], keys["kv"]]
-        await self._release(self.redis, lease_keys, [request_id, used_tokens])
+        await self._run(self._release, lease_keys, [request_id, used_tokens])
 
     async def renew(self, tenant_id: str, request_id: str) -> bool:
         """Push the lease deadline to now + lease_ttl_s (long streams call this well within
@@ -335,5 +391,5 @@ class Admission:
         One store round trip. Raises StoreUnavailableError."""
         keys = tenant_keys(tenant_id)
         lease_keys = [keys["leases"], keys["res"], keys["kv"]]
-        reply = await self._renew(self.redis, lease_keys, [request_id, self.lease_ttl_us])
+        reply = await self._run(self._renew, lease_keys, [request_id, self.lease_ttl_us])
         return int(reply) == 1

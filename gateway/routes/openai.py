@@ -37,13 +37,15 @@ async def respond(gw: GatewayState, request: Request[Any, Any, Any], job: Job) -
             headers=_SSE_HEADERS,
         )
     results, tally = await gw.pipeline.complete(job, ticket)
+    request.state.response_headers["server-timing"] = tally.server_timing(job.started)
     if job.endpoint == "chat.completions":
         return Response(gw.renderer.chat_completion(job, results, tally))
     return Response(gw.renderer.completion(job, results, tally))
 
 
-def _start_request(request: Request[Any, Any, Any], rid: str) -> None:
+def _start_request(request: Request[Any, Any, Any], rid: str) -> float:
     request.state.response_headers = {"x-request-id": rid}
+    return time.perf_counter()
 
 
 class OpenAIController(Controller):
@@ -56,8 +58,9 @@ class OpenAIController(Controller):
         self, request: Request[Any, Any, Any], data: JSONBody[ChatCompletionRequest]
     ) -> Response[Any]:
         gw, rid = gateway_state(request), new_request_id("chat.completions")
-        _start_request(request, rid)
+        started = _start_request(request, rid)
         job = gw.preparer.chat(data, auth_of(request).tenant, rid)
+        job.started = started  # e2e and TTFT include tokenization
         return await respond(gw, request, job)
 
     @post("/completions", status_code=200)
@@ -65,8 +68,9 @@ class OpenAIController(Controller):
         self, request: Request[Any, Any, Any], data: JSONBody[CompletionRequest]
     ) -> Response[Any]:
         gw, rid = gateway_state(request), new_request_id("completions")
-        _start_request(request, rid)
+        started = _start_request(request, rid)
         job = gw.preparer.completion(data, auth_of(request).tenant, rid)
+        job.started = started  # e2e and TTFT include tokenization
         return await respond(gw, request, job)
 
     @get("/models")

@@ -48,6 +48,12 @@ def test_ok_carries_request_id_and_rate_limit_headers(gateway):
     assert r.headers["x-ratelimit-limit-tokens"] == "50000"
     assert int(r.headers["x-ratelimit-remaining-tokens"]) < 50000
     assert r.headers["x-ratelimit-reset-requests"].endswith("s")
+    # Server-Timing splits the time into the engine's part and the gateway's own
+    parts = (part.strip().split(";dur=") for part in r.headers["server-timing"].split(","))
+    timing = {name: float(dur) for name, dur in parts}
+    assert set(timing) == {"engine", "gateway"}
+    assert timing["engine"] > 0 and timing["gateway"] > 0
+    assert timing["engine"] + timing["gateway"] <= r.elapsed.total_seconds() * 1e3
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import redis.asyncio as aioredis
 
 from policies.admission import (
     Admission,
+    Decision,
     DenyReason,
     InvalidReservationError,
     StoreUnavailableError,
@@ -313,10 +314,14 @@ async def test_concurrent_reserves_never_exceed_the_limit(pooled_clients, limit)
 async def test_two_replicas_share_the_limits(pooled_clients, limit):
     policy, cost, kv, admitted, refill_per_s = RACE_CASES[limit]
     replicas = [Admission(client) for client in pooled_clients]
+
+    async def staggered(i: int) -> Decision:
+        # a replica pipelines the calls of one loop turn; arriving in waves interleaves them
+        await asyncio.sleep(i // 4 * 0.0005)
+        return await reserve(replicas[i % 2], policy, f"r{i}", cost=cost, kv=kv)
+
     start = time.monotonic()
-    decisions = await asyncio.gather(
-        *(reserve(replicas[i % 2], policy, f"r{i}", cost=cost, kv=kv) for i in range(400))
-    )
+    decisions = await asyncio.gather(*(staggered(i) for i in range(400)))
     elapsed = time.monotonic() - start
     allowed_ids = [i for i, d in enumerate(decisions) if d.allowed]
     assert admitted <= len(allowed_ids) <= admitted + int(refill_per_s * elapsed)
@@ -415,6 +420,35 @@ async def test_one_round_trip_per_call_and_eval_fallback(redis_client, monkeypat
     assert await adm.renew(TENANT, "b")
     await adm.release(TENANT, "b", used_tokens=1)
     assert sent == ["EVALSHA", "EVALSHA", "EVALSHA"]
+
+
+async def test_a_burst_is_one_pipeline(redis_client):
+    adm = Admission(redis_client)
+    await redis_client.script_flush()
+    policy = Policy(max_concurrent=5)
+
+    async def burst(prefix: str) -> list[bool]:
+        calls = (reserve(adm, policy, f"{prefix}{i}") for i in range(8))
+        return [d.allowed for d in await asyncio.gather(*calls)]
+
+    # the server does not know the scripts yet: NOSCRIPT inside the pipeline, then EVAL
+    assert await burst("a") == [True] * 5 + [False] * 3  # atomic, in order
+    await asyncio.gather(*(adm.release(TENANT, f"a{i}", used_tokens=0) for i in range(8)))
+    assert await snapshot(redis_client) == {}
+    sent = []
+    original = redis_client.execute_command
+
+    async def counting(*args, **options):
+        sent.append(args[0])
+        return await original(*args, **options)
+
+    before = (await redis_client.info("stats"))["total_reads_processed"]
+    redis_client.execute_command = counting
+    assert await burst("b") == [True] * 5 + [False] * 3
+    redis_client.execute_command = original
+    after = (await redis_client.info("stats"))["total_reads_processed"]
+    assert sent == []  # no single commands: one pipeline
+    assert after - before <= 3  # the burst, and the INFO commands around it
 
 
 async def test_unreachable_store_raises_quickly(private_store):
