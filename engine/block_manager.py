@@ -1,25 +1,59 @@
-"""Paged KV bookkeeping: which pool blocks each request owns, in token order."""
+"""Paged KV bookkeeping: which pool blocks each request holds, in token order, and which
+full blocks are remembered for reuse (the prefix cache).
+
+A full block is known by a hash chain: each block's hash covers its parent's hash and its
+own tokens, and the chain's root covers the cache namespace (model, KV dtype, adapter and
+the tenant's salt). Two requests share a block only when everything before it, and the
+namespace, match. Blocks are reference counted; a cached block nobody holds stays findable
+on the free list until it is reallocated, least recently freed first.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def root_hash(namespace: str) -> bytes:
+    """The chain's root for one cache namespace."""
+    return hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+
+
+def chain_hashes(parent: bytes, token_ids: list[int], block_size: int, start: int) -> list[bytes]:
+    """Hashes of the full blocks of `token_ids` from block index `start` on, continuing the
+    chain from `parent` (the hash of block `start - 1`, or the root)."""
+    out: list[bytes] = []
+    for b in range(start, len(token_ids) // block_size):
+        block = array("q", token_ids[b * block_size : (b + 1) * block_size]).tobytes()
+        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
+        out.append(parent)
+    return out
 
 
 class BlockManager:
     """Hands out fixed-size KV blocks on demand and takes them back when a request ends.
 
-    Invariants (checked by `check_integrity`): every block is either free or owned by exactly
-    one request; a request owns exactly `ceil(num_tokens / block_size)` blocks for the tokens
-    it has been allocated.
+    Invariants (checked by `check_integrity`): a block's reference count equals the number
+    of tables holding it; the free list holds exactly the blocks nobody holds; every cached
+    hash maps to a block carrying that hash.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True) -> None:
         assert num_blocks > 0
         assert block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        # free blocks, least recently freed first (the next to be reused, and evicted)
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs = [0] * num_blocks
         self._tables: dict[str, list[int]] = {}
+        self._hash_of: dict[int, bytes] = {}  # cached blocks, held or free
+        self._cached: dict[bytes, int] = {}
+        self.num_hit_blocks = 0
+        self.num_evicted_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -29,33 +63,97 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    # -- the prefix cache -------------------------------------------------------------------
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes` (changes nothing)."""
+        hits: list[int] = []
+        if self.enable_caching:
+            for h in hashes:
+                block = self._cached.get(h)
+                if block is None:
+                    break
+                hits.append(block)
+        return hits
+
+    def commit(self, request_id: str, hashes: list[bytes], start: int = 0) -> None:
+        """Remember the request's blocks `start..len(hashes)` (full, their KV written) under
+        these hashes. A hash already cached keeps its block; the duplicate stays private."""
+        if not self.enable_caching:
+            return
+        table = self._tables[request_id]
+        for i in range(start, min(len(hashes), len(table))):
+            block, h = table[i], hashes[i]
+            if block in self._hash_of or h in self._cached:
+                continue
+            self._hash_of[block] = h
+            self._cached[h] = block
+
+    # -- allocation ---------------------------------------------------------------------------
 
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
         """Blocks `allocate(request_id, num_tokens)` would take from the free list."""
         have = len(self._tables.get(request_id, ()))
         return max(0, self.blocks_for_tokens(num_tokens) - have)
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.num_new_blocks(request_id, num_tokens) <= len(self._free)
+    def can_allocate(self, request_id: str, num_tokens: int, hits: Sequence[int] = ()) -> bool:
+        """Whether `allocate(request_id, num_tokens, hits)` would succeed."""
+        have = len(self._tables.get(request_id, ())) + len(hits)
+        fresh = max(0, self.blocks_for_tokens(num_tokens) - have)
+        revived = sum(1 for b in hits if self._refs[b] == 0)  # leave the free list
+        return fresh + revived <= len(self._free)
 
-    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
-        """Grow the request's table to cover `num_tokens` tokens; returns the table.
+    def allocate(self, request_id: str, num_tokens: int, hits: Sequence[int] = ()) -> list[int]:
+        """Grow the request's table to cover `num_tokens` tokens, starting a new table with
+        the cached blocks `hits` (from `lookup`); returns the table.
 
-        Mutates the free list. The caller must have checked `can_allocate`.
+        Mutates the free list and the cache. The caller must have checked `can_allocate`.
         """
-        need = self.num_new_blocks(request_id, num_tokens)
-        assert need <= len(self._free), "allocate() without can_allocate()"
         table = self._tables.setdefault(request_id, [])
-        table.extend(self._free.popleft() for _ in range(need))
+        if hits:
+            assert not table, "cache hits only start a table"
+            for block in hits:
+                if self._refs[block] == 0:
+                    del self._free[block]
+                self._refs[block] += 1
+            table.extend(hits)
+            self.num_hit_blocks += len(hits)
+        need = self.blocks_for_tokens(num_tokens) - len(table)
+        assert need <= len(self._free), "allocate() without can_allocate()"
+        for _ in range(need):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._refs[block] = 1
+            table.append(block)
         return table
 
+    def _evict(self, block: int) -> None:
+        h = self._hash_of.pop(block, None)
+        if h is not None:
+            del self._cached[h]
+            self.num_evicted_blocks += 1
+
     def free(self, request_id: str) -> int:
-        """Return all of the request's blocks to the free list; returns how many."""
+        """Drop the request's hold on its blocks; returns how many it held. Blocks nobody
+        holds go to the free list, the request's last block first (so it is reused first)."""
         table = self._tables.pop(request_id, [])
-        self._free.extend(reversed(table))
+        for block in reversed(table):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
         return len(table)
+
+    def reset_cache(self) -> None:
+        """Forget every cached block (held blocks keep their contents)."""
+        self._hash_of.clear()
+        self._cached.clear()
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables[request_id]
@@ -67,11 +165,16 @@ class BlockManager:
         return list(self._tables)
 
     def check_integrity(self) -> None:
-        """Assert that free and owned blocks partition the pool with no duplicates."""
-        owned = [b for table in self._tables.values() for b in table]
-        free = list(self._free)
-        assert len(set(owned)) == len(owned), "a block is owned twice"
-        assert len(set(free)) == len(free), "a block is free twice"
-        assert not set(owned) & set(free), "a block is both free and owned"
-        assert len(owned) + len(free) == self.num_blocks, "blocks leaked"
-        assert all(0 <= b < self.num_blocks for b in owned + free), "block id out of range"
+        """Assert that reference counts, the free list and the cache agree."""
+        held = [0] * self.num_blocks
+        for table in self._tables.values():
+            assert len(set(table)) == len(table), "a table holds a block twice"
+            for b in table:
+                assert 0 <= b < self.num_blocks, "block id out of range"
+                held[b] += 1
+        assert held == self._refs, "reference counts disagree with the tables"
+        free = {b for b in range(self.num_blocks) if held[b] == 0}
+        assert set(self._free) == free, "the free list is not the unheld blocks"
+        assert len(self._cached) == len(self._hash_of), "cache maps disagree"
+        for h, b in self._cached.items():
+            assert self._hash_of.get(b) == h, "a cached hash points at the wrong block"

@@ -219,6 +219,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int = 1 << 30
     num_blocks: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -63,10 +63,17 @@ class EngineCore:
                 "raise kv_cache_memory_bytes"
             )
         self.pool = DeviceKVPool(spec, num_blocks, self.device)
-        self.block_manager = BlockManager(num_blocks, spec.block_size)
+        self.block_manager = BlockManager(
+            num_blocks, spec.block_size, enable_caching=config.cache.enable_prefix_caching
+        )
         limit = config.scheduler.max_model_len or mc.max_position_embeddings
         self.max_model_len = min(limit, mc.max_position_embeddings, num_blocks * spec.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.block_manager,
+            self.max_model_len,
+            cache_namespace=f"{model_id}|{spec.dtype}",
+        )
         self.runner = ModelRunner(
             model,
             self.pool,
@@ -104,7 +111,7 @@ class EngineCore:
         sched.validate()
         request = Request(
             request_id, prompt_token_ids, params, priority=sched.priority, tenant=sched.tenant,
-            weight=sched.weight, device=self.device,
+            weight=sched.weight, cache_salt=sched.cache_salt, device=self.device,
         )  # fmt: skip
         self.scheduler.add_request(request)
 

@@ -98,11 +98,14 @@ class Scheduling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     `priority` orders classes of work (lower runs first). Within a priority, the `fair`
     policy shares the engine between `tenant`s in proportion to their `weight`.
+    `cache_salt` is part of every prefix-cache key: requests reuse each other's KV only
+    when their salts are equal (the gateway sets it from the tenant record).
     """
 
     priority: int = 0
     tenant: str = ""
     weight: float = 1.0
+    cache_salt: str = ""
 
     def validate(self) -> None:
         if not 0.0 < self.weight <= 1e6:

@@ -31,6 +31,7 @@ class Request:
         priority: int = 0,
         tenant: str = "",
         weight: float = 1.0,
+        cache_salt: str = "",
         arrival_time: float | None = None,
         device: torch.device | None = None,
     ) -> None:
@@ -41,6 +42,9 @@ class Request:
         self.priority = priority
         self.tenant = tenant
         self.weight = weight
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []  # prefix-cache hash chain of its full blocks
+        self.num_committed_blocks = 0  # leading blocks already offered to the prefix cache
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, chain_hashes, root_hash
 from engine.config import SchedulerConfig
 from engine.protocol import FinishReason
 from engine.request import Request, RequestStatus
@@ -46,11 +46,17 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        cache_namespace: str = "",
     ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        # prefix-cache keys: model, KV dtype (from the engine) + the request's salt
+        self.cache_namespace = cache_namespace
         self.policy = create_policy(config.policy)
         self.waiting = self.policy.new_queue()
         self.running: list[Request] = []
@@ -126,17 +132,43 @@ class Scheduler:
         if not preempted:
             while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting.peek()
-                num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-                target = req.num_computed_tokens + num_new
-                if not self.block_manager.can_allocate(req.request_id, target):
+                assert req.num_computed_tokens == 0, "waiting requests hold no KV"
+                hits = self._cache_hits(req)
+                cached = len(hits) * self.block_manager.block_size
+                num_new = min(req.num_tokens - cached, budget)
+                target = cached + num_new
+                if not self.block_manager.can_allocate(req.request_id, target, hits):
                     break
                 self.waiting.pop()
-                table = self.block_manager.allocate(req.request_id, target)
+                table = self.block_manager.allocate(req.request_id, target, hits)
+                req.num_computed_tokens = cached
+                req.num_committed_blocks = len(hits)
+                if req.num_preemptions == 0:
+                    req.num_cached_tokens = cached
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 scheduled.append(ScheduledRequest(req, num_new, table))
                 budget -= num_new
         return SchedulerOutput(scheduled, preempted)
+
+    def _block_hashes(self, request: Request) -> list[bytes]:
+        """The hash chain of the request's full blocks, extended to its current tokens."""
+        hashes = request.block_hashes
+        if len(hashes) < request.num_tokens // self.block_manager.block_size:
+            namespace = f"{self.cache_namespace}|{request.cache_salt}"
+            parent = hashes[-1] if hashes else root_hash(namespace)
+            hashes += chain_hashes(
+                parent, request.all_token_ids, self.block_manager.block_size, len(hashes)
+            )
+        return hashes
+
+    def _cache_hits(self, request: Request) -> list[int]:
+        """Cached blocks for the request's prefix, leaving at least one token to compute
+        (its logits are needed)."""
+        if not self.block_manager.enable_caching:
+            return []
+        usable = (request.num_tokens - 1) // self.block_manager.block_size
+        return self.block_manager.lookup(self._block_hashes(request)[:usable])
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -149,9 +181,16 @@ class Scheduler:
 
     def advance(self, output: SchedulerOutput) -> None:
         """Credit every scheduled request with the tokens the step computed."""
+        bm = self.block_manager
         for s in output.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            self.policy.charge(s.request, s.num_new_tokens)
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.policy.charge(req, s.num_new_tokens)
+            full = req.num_computed_tokens // bm.block_size
+            if bm.enable_caching and full > req.num_committed_blocks:
+                hashes = self._block_hashes(req)
+                bm.commit(req.request_id, hashes[:full], start=req.num_committed_blocks)
+                req.num_committed_blocks = full
 
     def check_stop(self, request: Request, eos_token_ids: frozenset[int]) -> bool:
         """Finish `request` if its newest token ends it; returns True when finished."""

@@ -42,6 +42,12 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         help="exact KV pool size in blocks (overrides --kv-cache-gb)",
     )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="do not reuse the KV of full blocks shared by earlier prompts",
+    )
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument(
         "--max-num-batched-tokens",
@@ -83,6 +89,7 @@ def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
             block_size=args.block_size,
             kv_cache_memory_bytes=max(1, int(args.kv_cache_gb * _GIB)),
             num_blocks=args.num_kv_blocks,
+            enable_prefix_caching=args.prefix_caching,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -189,7 +196,7 @@ _ENGINE_FLAGS = (
 def _engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine options given to `serve`, passed on to its worker."""
     defaults = build_parser().parse_args(["engine"])
-    argv: list[str] = []
+    argv: list[str] = [] if args.prefix_caching else ["--no-prefix-caching"]
     for name in _ENGINE_FLAGS:
         value = getattr(args, name)
         if value != getattr(defaults, name):

@@ -55,6 +55,12 @@ class Job:
         return self.params.max_tokens
 
 
+def cache_salt(tenant: Tenant) -> str:
+    """The prefix-cache salt: the tenant's secret one, or its opted-in shared namespace."""
+    shared = tenant.policy.shared_cache_namespace
+    return f"shared:{shared}" if shared is not None else f"tenant:{tenant.cache_salt}"
+
+
 def new_request_id(endpoint: Endpoint) -> str:
     prefix = "chatcmpl" if endpoint == "chat.completions" else "cmpl"
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -205,6 +211,7 @@ class Preparer:
             params=params, n=body.n, stream=body.stream, include_usage=include_usage,
             user=body.user,
             scheduling=Scheduling(
-                priority=policy.priority, tenant=tenant.id, weight=policy.weight
+                priority=policy.priority, tenant=tenant.id, weight=policy.weight,
+                cache_salt=cache_salt(tenant),
             ),
         )  # fmt: skip

@@ -65,6 +65,9 @@ class Policy(Base):
     priority: int = 0
     weight: float = 1.0
     on_store_unavailable: StoreFailMode = "fail_closed"
+    # tenants naming the same namespace share prefix-cache blocks (e.g. a public system
+    # prompt); otherwise a tenant's cache is keyed by its own secret salt
+    shared_cache_namespace: str | None = None
 
     def __post_init__(self) -> None:
         for field in LIMIT_FIELDS:
@@ -75,6 +78,8 @@ class Policy(Base):
             raise RecordError("weight must be in (0, 1000]")
         if not -1000 <= self.priority <= 1000:
             raise RecordError("priority must be between -1000 and 1000")
+        if self.shared_cache_namespace is not None:
+            check_name(self.shared_cache_namespace, "shared_cache_namespace")
         for field in ("allowed_models", "allowed_adapters"):
             for name in getattr(self, field) or ():
                 check_name(name, field)
@@ -108,6 +113,7 @@ class PolicyPatch(Base):
     priority: int | msgspec.UnsetType = msgspec.UNSET
     weight: float | msgspec.UnsetType = msgspec.UNSET
     on_store_unavailable: StoreFailMode | msgspec.UnsetType = msgspec.UNSET
+    shared_cache_namespace: str | msgspec.UnsetType | None = msgspec.UNSET
 
     def apply(self, policy: Policy) -> Policy:
         """A new, validated Policy with this patch applied (raises RecordError)."""

@@ -103,6 +103,26 @@ def test_preemption_under_a_tiny_kv_pool_gives_the_same_tokens(make_core, smollm
     assert tiny.core.stats().num_kv_blocks_used == 0
 
 
+def test_prefix_cache_hits_give_the_same_tokens(make_core, smollm2_fp32):
+    document = " ".join(PROMPTS) * 2  # a shared document of about 150 tokens
+    prompts = [f"{document}\nQuestion {i}: {q}" for i, q in enumerate(PROMPTS[:4])]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    off_cfg = EngineConfig(cache=CacheConfig(enable_prefix_caching=False))
+    cold = LLM(core=make_core(off_cfg), tokenizer=smollm2_fp32[1])
+    reference = [c.token_ids for c in cold.generate(prompts, params)]
+    warm = LLM(core=make_core(), tokenizer=smollm2_fp32[1])
+    first = warm.generate(prompts[:1], params)[0]
+    assert first.num_cached_tokens == 0
+    rest = warm.generate(prompts[1:], params)
+    shared = len(smollm2_fp32[1].encode(document)) // 16 * 16
+    assert all(shared - 16 <= c.num_cached_tokens <= shared + 16 for c in rest)
+    assert [first.token_ids] + [c.token_ids for c in rest] == reference
+    repeat = warm.generate(prompts[:1], params)[0]  # its own generated tokens were cached
+    assert repeat.num_cached_tokens >= len(first.prompt_token_ids) // 16 * 16
+    assert repeat.token_ids == reference[0]
+    warm.core.check_integrity()
+
+
 def test_chat_answer_names_paris(llm):
     (result,) = llm.generate(
         ["What is the capital of France?"],

@@ -88,10 +88,12 @@ async def test_ledger_has_exactly_one_record_per_request(billed, store_server):
 @pytest.mark.parametrize("fmt", ["csv", "ndjson", "json"])
 @pytest.mark.parametrize("granularity", ["request", "hour", "day"])
 def test_exports_round_trip_with_sums_equal_to_the_ledger(gateway, billed, fmt, granularity):
-    expected = {"prompt": 0, "completion": 0}
+    expected = {"prompt": 0, "cached": 0, "completion": 0}
     for reply in billed["replies"][:3]:
         expected["prompt"] += reply["usage"]["prompt_tokens"]
+        expected["cached"] += reply["usage"]["prompt_tokens_details"]["cached_tokens"]
         expected["completion"] += reply["usage"]["completion_tokens"]
+    assert expected["cached"] > 0  # the same prompt three times: the prefix cache served it
     with gateway.admin() as admin:
         r = admin.get(
             "/admin/usage/export",
@@ -101,9 +103,11 @@ def test_exports_round_trip_with_sums_equal_to_the_ledger(gateway, billed, fmt, 
     rows = parse(fmt, r.content)
     assert sum(int(row["prompt_tokens"]) for row in rows) == expected["prompt"]
     assert sum(int(row["completion_tokens"]) for row in rows) == expected["completion"]
+    assert sum(int(row["cached_tokens"]) for row in rows) == expected["cached"]
     assert all(row["tenant_id"] == billed["a"] for row in rows)
     cost = sum(float(row["cost_total"]) for row in rows)
-    manual = (expected["prompt"] * 0.5 + expected["completion"] * 1.5) / 1e6
+    uncached = expected["prompt"] - expected["cached"]
+    manual = (uncached * 0.5 + expected["cached"] * 0.1 + expected["completion"] * 1.5) / 1e6
     assert cost == pytest.approx(manual, rel=1e-6)
     if granularity == "request":
         assert len(rows) == 3
@@ -171,3 +175,44 @@ def test_admin_cli_mirrors_the_api(gateway, billed, tmp_path):
     missing = strata("admin", "--url", gateway.url, "tenants", "show", "t_nope")
     assert missing.returncode != 0
     assert "404" in missing.stderr
+
+
+async def test_prefix_cache_is_isolated_per_tenant_unless_shared(gateway, store_server):
+    from tenants.store import connect
+
+    document = "Strata keeps the KV of long documents so questions about them start fast. " * 12
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": document + "What does Strata keep?"}],
+        "max_tokens": 2,
+        "temperature": 0,
+    }
+
+    async def ask(key: str) -> dict:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as http:
+            headers = {"authorization": f"Bearer {key}"}
+            r = await http.post("/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def cached(reply: dict) -> int:
+        return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    _, first = gateway.new_tenant()
+    _, second = gateway.new_tenant()
+    assert cached(await ask(first)) == 0
+    hit = await ask(first)
+    assert cached(hit) >= 150  # the same tenant reuses its own blocks
+    assert cached(await ask(second)) == 0  # another tenant never sees them
+    _, shared_a = gateway.new_tenant(shared_cache_namespace="public-docs")
+    _, shared_b = gateway.new_tenant(shared_cache_namespace="public-docs")
+    assert cached(await ask(shared_a)) == 0
+    assert cached(await ask(shared_b)) == cached(hit)  # both opted into one namespace
+    client = connect(store_server.url)
+    ledger = Ledger(client)
+    deadline = time.monotonic() + 10
+    record = None
+    while record is None and time.monotonic() < deadline:
+        record = await ledger.get(hit["id"])
+    assert record is not None and record.cached_tokens == cached(hit)  # billed as cached
+    await client.aclose()

@@ -1,6 +1,6 @@
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, chain_hashes, root_hash
 
 
 def test_allocates_on_demand_and_frees_everything():
@@ -33,8 +33,8 @@ def test_can_allocate_counts_only_new_blocks():
 def test_integrity_detects_double_ownership():
     bm = BlockManager(num_blocks=4, block_size=4)
     bm.allocate("a", 4)
-    bm._tables["b"] = list(bm._tables["a"])  # corrupt on purpose
-    with pytest.raises(AssertionError, match="owned twice"):
+    bm._tables["b"] = list(bm._tables["a"])  # corrupt on purpose: shared without a ref
+    with pytest.raises(AssertionError, match="reference counts"):
         bm.check_integrity()
 
 
@@ -42,5 +42,86 @@ def test_integrity_detects_leak():
     bm = BlockManager(num_blocks=4, block_size=4)
     bm.allocate("a", 4)
     bm._tables.pop("a")
-    with pytest.raises(AssertionError, match="leaked"):
+    with pytest.raises(AssertionError, match="reference counts"):
         bm.check_integrity()
+
+
+def test_integrity_detects_a_free_block_that_is_held():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    table = bm.allocate("a", 4)
+    bm._free[table[0]] = None
+    with pytest.raises(AssertionError, match="free list"):
+        bm.check_integrity()
+
+
+H = chain_hashes(root_hash("m|bf16|"), list(range(100, 116)), block_size=4, start=0)
+
+
+def test_hash_chain_covers_the_prefix_and_the_namespace():
+    tokens = list(range(100, 116))
+    assert len(H) == 4 and len(set(H)) == 4
+    assert chain_hashes(H[1], tokens, 4, start=2) == H[2:]  # resumable
+    other = list(tokens)
+    other[0] = 7  # a change in block 0 changes every later hash
+    assert not set(chain_hashes(root_hash("m|bf16|"), other, 4, 0)) & set(H)
+    assert not set(chain_hashes(root_hash("m|bf16|salt"), tokens, 4, 0)) & set(H)
+    assert chain_hashes(root_hash("m|bf16|"), tokens[:15], 4, 0) == H[:3]  # full blocks only
+
+
+def test_cached_blocks_are_shared_reference_counted_and_outlive_their_request():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = list(bm.allocate("a", 12))
+    bm.commit("a", H[:3])
+    assert bm.lookup(H) == a  # the first three; the fourth was never committed
+    hits = bm.lookup(H[:2])
+    assert bm.can_allocate("b", 10, hits)
+    b = bm.allocate("b", 10, hits)
+    assert b[:2] == a[:2] and b[2] not in a
+    assert bm.num_free_blocks == 8 - 4
+    bm.check_integrity()
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_free_blocks == 8  # nobody holds them ...
+    assert bm.lookup(H) == a  # ... and they are still found
+    c = bm.allocate("c", 4, bm.lookup(H[:1]))  # revive a free cached block
+    assert c == a[:1] and bm.num_free_blocks == 7
+    bm.check_integrity()
+
+
+def test_reuse_evicts_the_least_recently_freed_block_first():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.allocate("a", 8)
+    bm.commit("a", H[:2])
+    bm.free("a")  # a's last block goes on the list first
+    fresh = bm.allocate("x", 4)  # two never-used blocks come before them
+    bm.allocate("y", 4)
+    assert bm.lookup(H) == bm.lookup(H[:2]) and len(bm.lookup(H)) == 2
+    bm.allocate("z", 4)  # evicts a's second block: its chain stops after block 0
+    assert len(bm.lookup(H)) == 1 and bm.num_evicted_blocks == 1
+    assert fresh != bm.lookup(H)
+    bm.check_integrity()
+
+
+def test_can_allocate_counts_revived_free_hits():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    bm.allocate("a", 8)
+    bm.commit("a", H[:2])
+    bm.free("a")
+    bm.allocate("x", 4)  # one fresh block left free, plus the two cached ones
+    hits = bm.lookup(H[:2])
+    assert len(hits) == 2
+    assert bm.can_allocate("b", 8, hits)  # takes both cached blocks off the free list
+    assert not bm.can_allocate("b", 13, hits)  # ... and then needs two more: only one left
+
+
+def test_a_duplicate_hash_keeps_the_first_block_and_caching_can_be_off():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = bm.allocate("a", 4)
+    bm.allocate("b", 4)
+    bm.commit("a", H[:1])
+    bm.commit("b", H[:1])
+    assert bm.lookup(H[:1]) == a and bm.num_cached_blocks == 1
+    off = BlockManager(num_blocks=8, block_size=4, enable_caching=False)
+    off.allocate("a", 4)
+    off.commit("a", H[:1])
+    assert off.lookup(H[:1]) == []

@@ -13,9 +13,12 @@ from engine.scheduler import Scheduler
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 
 
-def make(num_blocks=64, block_size=4, **cfg):
+def make(num_blocks=64, block_size=4, cache_namespace="", **cfg):
     bm = BlockManager(num_blocks, block_size)
-    return Scheduler(SchedulerConfig(**cfg), bm, max_model_len=num_blocks * block_size)
+    return Scheduler(
+        SchedulerConfig(**cfg), bm, max_model_len=num_blocks * block_size,
+        cache_namespace=cache_namespace,
+    )  # fmt: skip
 
 
 def run_step(s: Scheduler, token=7):
@@ -231,3 +234,49 @@ def test_fair_policy_preempts_the_tenant_furthest_ahead():
         preempted += run_step(s).preempted_ids
     assert preempted
     assert set(preempted) == {"ahead"}
+
+
+def _finish_alone(s: Scheduler, r: Request) -> None:
+    s.add_request(r)
+    while not r.is_finished:
+        run_step(s)
+
+
+def test_a_repeated_prefix_is_served_from_the_cache():
+    s = make(num_blocks=64, block_size=4, cache_namespace="m|bf16")
+    prompt = list(range(1, 15))  # 3 full blocks + 2 tokens
+    _finish_alone(s, Request("a", prompt, GREEDY, cache_salt="t1"))
+    again = Request("b", prompt, GREEDY, cache_salt="t1")
+    s.add_request(again)
+    out = run_step(s)
+    assert again.num_cached_tokens == 12  # three blocks, not the partial one
+    assert out.scheduled[0].num_new_tokens == 2
+    other = Request("c", prompt, GREEDY, cache_salt="t2")  # another tenant: no hit
+    _finish_alone(s, other)
+    assert other.num_cached_tokens == 0
+    exact = Request("d", prompt[:12], GREEDY, cache_salt="t1")  # all full blocks cached
+    s.add_request(exact)
+    run_step(s)
+    assert exact.num_cached_tokens == 8  # the last token is always computed
+    s.block_manager.check_integrity()
+
+
+def test_generated_tokens_are_cached_too():
+    s = make(num_blocks=64, block_size=4)
+    first = Request("a", [1, 2, 3], SamplingParams(max_tokens=9, temperature=0.0))
+    _finish_alone(s, first)  # 3 prompt + 9 generated: blocks of tokens 0..11, 2 computed
+    follow_up = Request("b", [*first.all_token_ids, 5], GREEDY)
+    s.add_request(follow_up)
+    run_step(s)
+    assert follow_up.num_cached_tokens == 8
+    s.block_manager.check_integrity()
+
+
+def test_caching_off_means_no_hits():
+    s = make(num_blocks=64, block_size=4)
+    s.block_manager.enable_caching = False
+    _finish_alone(s, Request("a", list(range(1, 15)), GREEDY))
+    again = Request("b", list(range(1, 15)), GREEDY)
+    s.add_request(again)
+    run_step(s)
+    assert again.num_cached_tokens == 0

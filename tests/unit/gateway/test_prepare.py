@@ -21,16 +21,32 @@ def preparer(smollm2_tokenizer) -> Preparer:
     return Preparer(smollm2_tokenizer, INFO, aliases=("default",))
 
 
-def tenant(**policy) -> Tenant:
-    return Tenant(id="acme", name="Acme", created_at=0.0, policy=Policy(**policy))
+def tenant(tenant_id: str = "acme", **policy) -> Tenant:
+    return Tenant(
+        id=tenant_id, name="Acme", created_at=0.0, policy=Policy(**policy),
+        cache_salt=f"secret-of-{tenant_id}",
+    )  # fmt: skip
 
 
 def test_job_carries_the_tenants_priority_and_weight(preparer):
     body = ChatCompletionRequest(model="default", messages=[ChatMessage(role="user", content="hi")])
     job = preparer.chat(body, tenant(priority=3, weight=2.5), "chatcmpl-1")
-    assert job.scheduling == Scheduling(priority=3, tenant="acme", weight=2.5)
+    assert job.scheduling == Scheduling(
+        priority=3, tenant="acme", weight=2.5, cache_salt="tenant:secret-of-acme"
+    )
     job = preparer.completion(CompletionRequest(model="smollm2", prompt="hi"), tenant(), "c-2")
-    assert job.scheduling == Scheduling(priority=0, tenant="acme", weight=1.0)
+    assert job.scheduling.weight == 1.0 and job.scheduling.priority == 0
+
+
+def test_cache_salt_is_per_tenant_unless_both_share_a_namespace(preparer):
+    body = CompletionRequest(model="default", prompt="hi")
+
+    def salt(t: Tenant) -> str:
+        return preparer.completion(body, t, "c-1").scheduling.cache_salt
+
+    assert salt(tenant("a")) != salt(tenant("b"))
+    shared = [tenant(t, shared_cache_namespace="public-rag") for t in ("a", "b")]
+    assert salt(shared[0]) == salt(shared[1]) != salt(tenant("a"))
 
 
 def test_unknown_model_and_context_cap(preparer):
