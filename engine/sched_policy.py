@@ -106,29 +106,29 @@ class PriorityQueue(RequestQueue):
         return (e[1] for e in sorted(self._heap, key=lambda e: e[0]))
 
 
-class Policy:
+class Policy(ABC):
     """A waiting queue plus the rank that orders running requests and picks victims.
 
     Subclasses define `new_queue` and `pick_victim`; the hooks default to doing nothing.
     """
 
-    def new_queue(self) -> RequestQueue:
-        raise NotImplementedError
+    @abstractmethod
+    def new_queue(self) -> RequestQueue: ...
 
+    @abstractmethod
     def pick_victim(self, running: list[Request]) -> Request:
         """The running request to preempt first."""
-        raise NotImplementedError
 
-    def order_running(self, running: list[Request]) -> None:
+    def order_running(self, running: list[Request]) -> None:  # noqa: B027 (optional hook)
         """Sort `running` in place so the most deserving requests get the token budget."""
 
-    def on_arrival(self, request: Request) -> None:
+    def on_arrival(self, request: Request) -> None:  # noqa: B027 (optional hook)
         """A request entered the engine (called before it joins the waiting queue)."""
 
-    def on_finish(self, request: Request) -> None:
+    def on_finish(self, request: Request) -> None:  # noqa: B027 (optional hook)
         """A request left the engine for good."""
 
-    def charge(self, request: Request, num_tokens: int) -> None:
+    def charge(self, request: Request, num_tokens: int) -> None:  # noqa: B027 (optional hook)
         """The engine computed `num_tokens` tokens for `request` this step."""
 
 
