@@ -35,6 +35,14 @@ class KernelBackend(enum.Enum):
     NATIVE = "native"
 
 
+class KVCacheDtype(enum.Enum):
+    """Storage of KV pages. `auto`: the model's compute dtype. `fp8_e4m3`: float8_e4m3fn
+    values with a float32 scale per (token, KV head), about half the bytes of 16-bit pages."""
+
+    AUTO = "auto"
+    FP8_E4M3 = "fp8_e4m3"
+
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -220,6 +228,14 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 1 << 30
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: KVCacheDtype | None = None  # None: fp8_e4m3 on CUDA, auto elsewhere
+
+    def storage_dtype(self, compute: torch.dtype, device: torch.device) -> torch.dtype:
+        """The dtype KV pages are stored in, for a model computing in `compute`."""
+        choice = self.kv_cache_dtype
+        if choice is None:
+            choice = KVCacheDtype.FP8_E4M3 if device.type == "cuda" else KVCacheDtype.AUTO
+        return compute if choice is KVCacheDtype.AUTO else torch.float8_e4m3fn
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

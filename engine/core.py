@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kernels.cpu import CpuKernels
@@ -52,8 +54,9 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = mc.vocab_size
         spec = KVCacheSpec(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache.block_size, self.dtype
-        )
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache.block_size,
+            config.cache.storage_dtype(self.dtype, self.device),
+        )  # fmt: skip
         num_blocks = config.cache.num_blocks or spec.num_blocks_for(
             config.cache.kv_cache_memory_bytes
         )
@@ -187,6 +190,8 @@ class EngineCore:
             num_kv_blocks_used=bm.num_used_blocks,
             num_kv_blocks_free=bm.num_free_blocks,
             kv_block_size=bm.block_size,
+            kv_cache_dtype=_dtype_name(self.pool.spec.dtype),
+            kv_bytes_per_token=self.pool.spec.bytes_per_token,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
@@ -200,8 +205,9 @@ class EngineCore:
             eos_token_ids=sorted(self.eos_token_ids),
             kv_block_size=self.block_manager.block_size,
             kv_bytes_per_token=self.pool.spec.bytes_per_token,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=_dtype_name(self.dtype),
             device=str(self.device),
+            kv_cache_dtype=_dtype_name(self.pool.spec.dtype),
         )
 
     def check_integrity(self) -> None:
@@ -213,3 +219,7 @@ class EngineCore:
         for req in self.scheduler.running:
             need = self.block_manager.blocks_for_tokens(req.num_computed_tokens)
             assert len(self.block_manager.block_table(req.request_id)) >= need
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

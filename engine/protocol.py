@@ -146,6 +146,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_kv_blocks_used: int
     num_kv_blocks_free: int
     kv_block_size: int
+    kv_cache_dtype: str = ""  # storage of the pages, e.g. "bfloat16" or "float8_e4m3fn"
+    kv_bytes_per_token: int = 0  # K and V of every layer, scales included
     num_preemptions: int
     num_steps: int
     num_generated_tokens: int
@@ -162,3 +164,4 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     kv_bytes_per_token: int  # K and V of every layer, at the pool's storage dtype
     dtype: str
     device: str
+    kv_cache_dtype: str = ""

@@ -12,6 +12,7 @@ from engine.config import (
     ConfigError,
     EngineConfig,
     KernelBackend,
+    KVCacheDtype,
     SchedulerConfig,
     SchedulingPolicy,
 )
@@ -42,6 +43,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         help="exact KV pool size in blocks (overrides --kv-cache-gb)",
     )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=[d.value for d in KVCacheDtype],
+        help="KV page storage: auto (the compute dtype) or fp8_e4m3 (FP8 values with a scale "
+        "per token and KV head); default fp8_e4m3 on CUDA, auto elsewhere",
+    )
     g.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
@@ -90,6 +98,9 @@ def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
             kv_cache_memory_bytes=max(1, int(args.kv_cache_gb * _GIB)),
             num_blocks=args.num_kv_blocks,
             enable_prefix_caching=args.prefix_caching,
+            kv_cache_dtype=None
+            if args.kv_cache_dtype is None
+            else KVCacheDtype(args.kv_cache_dtype),
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -184,6 +195,7 @@ _ENGINE_FLAGS = (
     "kv_cache_gb",
     "num_kv_blocks",
     "block_size",
+    "kv_cache_dtype",
     "max_num_seqs",
     "max_num_batched_tokens",
     "max_model_len",

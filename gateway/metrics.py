@@ -72,6 +72,11 @@ class GatewayMetrics:
         )
         self.kv_used = Gauge("strata:kv_blocks_used", "KV-cache blocks in use", registry=r)
         self.kv_total = Gauge("strata:kv_blocks_total", "KV-cache blocks in the pools", registry=r)
+        self.kv_bytes_per_token = Gauge(
+            "strata:kv_cache_bytes_per_token",
+            "KV-cache bytes per token (K and V, every layer, FP8 scales included)",
+            registry=r,
+        )
 
     def rejected(self, tenant: str, reason: str) -> None:
         self.rejections.labels(tenant, reason).inc()
@@ -91,11 +96,14 @@ class GatewayMetrics:
                 decode = time.perf_counter() - first_token_at
                 self.itl.labels(t).observe(decode / (rec.completion_tokens - 1))
 
-    def set_engine(self, waiting: int, running: int, kv_used: int, kv_total: int) -> None:
+    def set_engine(
+        self, waiting: int, running: int, kv_used: int, kv_total: int, kv_bytes_per_token: int
+    ) -> None:
         self.waiting.set(waiting)
         self.running.set(running)
         self.kv_used.set(kv_used)
         self.kv_total.set(kv_total)
+        self.kv_bytes_per_token.set(kv_bytes_per_token)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,10 +6,16 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore.fp8 import FP8_DTYPE, SCALE_DTYPE, can_rotate
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Shape of one KV page: `block_size` tokens of K and V for every layer and KV head."""
+    """Shape of one KV page: `block_size` tokens of K and V for every layer and KV head.
+
+    `dtype` is the storage dtype of the values. With `float8_e4m3fn` every (token, KV head)
+    row also carries one float32 scale (kvstore/fp8.py), counted in the sizes below.
+    """
 
     num_layers: int
     num_kv_heads: int
@@ -24,10 +30,23 @@ class KVCacheSpec:
         assert self.block_size > 0
 
     @property
+    def quantized(self) -> bool:
+        """Whether pages hold FP8 values with per-row scales."""
+        return self.dtype == FP8_DTYPE
+
+    @property
+    def rotate_keys(self) -> bool:
+        """Whether FP8 keys are stored Hadamard-rotated (kvstore/fp8.py)."""
+        return self.quantized and can_rotate(self.head_dim)
+
+    @property
     def bytes_per_token(self) -> int:
-        """K and V for one token across all layers."""
+        """K and V for one token across all layers, scales included."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        row = self.head_dim * itemsize
+        if self.quantized:
+            row += torch.empty((), dtype=SCALE_DTYPE).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * row
 
     @property
     def bytes_per_block(self) -> int:

@@ -8,6 +8,11 @@ for padding. Grouped-query attention never repeats K/V.
 - torch path: one indexing op gathers a group's pages through the block table, then masked
   attention over the gathered K/V: SDPA on CUDA (fused kernels), explicit grouped matmuls on
   CPU (faster there than SDPA's CPU kernels for these shapes).
+- FP8 pools (kvstore/fp8.py): new K/V rows are quantized as they are written, with one scale
+  per (token, KV head), keys Hadamard-rotated first; attention rotates the queries to match
+  and reads the values back through their scales. Every token, including those of the chunk
+  being computed, attends to the stored (quantized) K/V, so a prefix-cache hit and a
+  recompute see the same keys and values.
 - native CPU path (`CpuKernels` given): the K/V write is one kernel call, and every query
   token, decode or prefill, is one row of a single paged-attention call that reads its
   sequence's pages in place up to its own position (causal by construction, no padding, and
@@ -23,6 +28,7 @@ import torch.nn.functional as F
 
 from engine.kernels.cpu import CpuKernels, LayerPages
 from kvstore.device_pool import DeviceKVPool
+from kvstore.fp8 import FP8_DTYPE, dequantize_fp8, hadamard, quantize_fp8
 
 
 @dataclass(frozen=True)
@@ -117,8 +123,11 @@ class PagedAttention:
         self.num_kv_heads = pool.spec.num_kv_heads
         self.head_dim = pool.spec.head_dim
         self.scale = scale if scale is not None else self.head_dim**-0.5
+        self.rotate_keys = pool.spec.rotate_keys
         native = (
-            kernels is not None and pool.device.type == "cpu" and kernels.supports(pool.spec.dtype)
+            kernels is not None
+            and pool.device.type == "cpu"
+            and kernels.supports_pages(pool.spec.dtype)
         )
         self.kernels = kernels if native else None
         self.use_sdpa = pool.device.type == "cuda"
@@ -151,9 +160,11 @@ class PagedAttention:
         """What a fused native decoder layer needs to do this layer's attention itself."""
         assert ctx.rows is not None, "fused layers need the native attention context"
         k_pages, v_pages = self.pool.layer(layer_idx)
+        k_scales, v_scales = self.pool.layer_scales(layer_idx) or (None, None)
         return LayerPages(
-            k_pages, v_pages, ctx.slot_mapping, ctx.rows.block_table, ctx.rows.seq_lens, self.scale
-        )
+            k_pages, v_pages, ctx.slot_mapping, ctx.rows.block_table, ctx.rows.seq_lens,
+            self.scale, k_scales, v_scales, self.rotate_keys,
+        )  # fmt: skip
 
     def forward(
         self,
@@ -169,20 +180,25 @@ class PagedAttention:
         [T, H * D] in the same token order.
         """
         k_pages, v_pages = self.pool.layer(layer_idx)
+        k_scales, v_scales = self.pool.layer_scales(layer_idx) or (None, None)
         if self.kernels is not None:
-            self.kernels.kv_write(k, v, k_pages, v_pages, ctx.slot_mapping)
+            self.kernels.kv_write(
+                k, v, k_pages, v_pages, ctx.slot_mapping, k_scales=k_scales, v_scales=v_scales,
+                rotate_keys=self.rotate_keys,
+            )  # fmt: skip
         else:
-            k_pages.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, ctx.slot_mapping, k)
-            v_pages.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, ctx.slot_mapping, v)
+            self._write(k, k_pages, k_scales, ctx.slot_mapping, rotate=self.rotate_keys)
+            self._write(v, v_pages, v_scales, ctx.slot_mapping)
         if ctx.rows is not None:
             assert self.kernels is not None
             return self.kernels.paged_decode(
-                q, k_pages, v_pages, ctx.rows.block_table, ctx.rows.seq_lens, self.scale
-            )
+                q, k_pages, v_pages, ctx.rows.block_table, ctx.rows.seq_lens, self.scale,
+                k_scales=k_scales, v_scales=v_scales, rotated_keys=self.rotate_keys,
+            )  # fmt: skip
         outs = []
         nd = ctx.num_decode_tokens
         if ctx.decode is not None:
-            outs.append(self._attend(q[:nd].unsqueeze(1), k_pages, v_pages, ctx.decode))
+            outs.append(self._attend(q[:nd].unsqueeze(1), layer_idx, ctx.decode))
         if ctx.prefill is not None:
             g = ctx.prefill
             assert g.token_index is not None
@@ -191,36 +207,79 @@ class PagedAttention:
             padded.index_copy_(0, g.token_index, q[nd:])
             out = self._attend(
                 padded.view(num_seqs, g.max_query_len, self.num_heads, self.head_dim),
-                k_pages, v_pages, g,
-            )  # fmt: skip
+                layer_idx,
+                g,
+            )
             outs.append(out.index_select(0, g.token_index))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _attend(
-        self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, g: _Group
+    def _write(
+        self,
+        x: torch.Tensor,
+        pages: torch.Tensor,
+        scales: torch.Tensor | None,
+        slots: torch.Tensor,
+        rotate: bool = False,
+    ) -> None:
+        """Store rows x [T, Hkv, D] at flat `slots` (quantizing them for an FP8 pool, after
+        the Hadamard rotation when `rotate`)."""
+        rows = pages.view(-1, self.num_kv_heads, self.head_dim)
+        if scales is None:
+            rows.index_copy_(0, slots, x)
+            return
+        values, row_scales = quantize_fp8(hadamard(x) if rotate else x)
+        rows.view(torch.uint8).index_copy_(0, slots, values.view(torch.uint8))
+        scales.view(-1, self.num_kv_heads).index_copy_(0, slots, row_scales)
+
+    def _gather(
+        self,
+        pages: torch.Tensor,
+        scales: torch.Tensor | None,
+        table: torch.Tensor,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
+        """Pages of each sequence, in order: [B, max_blocks * block, Hkv, D] in `dtype`."""
+        b, length = table.shape[0], table.shape[1] * self.block_size
+        if scales is None:
+            rows = pages[table]
+        else:
+            values = pages.view(torch.uint8)[table].view(FP8_DTYPE)
+            rows = dequantize_fp8(values, scales[table], dtype)
+        return rows.view(b, length, self.num_kv_heads, self.head_dim)
+
+    def _attend(self, q: torch.Tensor, layer_idx: int, g: _Group) -> torch.Tensor:
         """q: [B, Q, H, D] -> [B * Q, H * D] over each sequence's gathered pages."""
         b, nq, h, d = q.shape
         hkv = self.num_kv_heads
-        length = g.block_table.shape[1] * self.block_size
         assert g.mask is not None
-        # gather pages: [B, max_blocks, block, Hkv, D] -> [B, Hkv, L, D]
-        keys = k_pages[g.block_table].view(b, length, hkv, d).transpose(1, 2)
-        values = v_pages[g.block_table].view(b, length, hkv, d).transpose(1, 2)
+        k_pages, v_pages = self.pool.layer(layer_idx)
+        k_scales, v_scales = self.pool.layer_scales(layer_idx) or (None, None)
+        scale = self.scale
+        if self.rotate_keys:  # q' . k' = (q H) . (k H) / D = q . k
+            q = hadamard(q).to(q.dtype)
+            scale /= d
+        # gathered pages: [B, L, Hkv, D] -> [B, Hkv, L, D]
+        keys = self._gather(k_pages, k_scales, g.block_table, q.dtype).transpose(1, 2)
+        values = self._gather(v_pages, v_scales, g.block_table, q.dtype).transpose(1, 2)
         if self.use_sdpa:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2),
                 keys,
                 values,
                 attn_mask=g.mask[:, :, 0],
-                scale=self.scale,
+                scale=scale,
                 enable_gqa=hkv != h,
             )  # [B, H, Q, D]
             return out.transpose(1, 2).reshape(b * nq, h * d)
-        return self._attend_matmul(q, keys, values, g.mask)
+        return self._attend_matmul(q, keys, values, g.mask, scale)
 
     def _attend_matmul(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        scale: float,
     ) -> torch.Tensor:
         """q: [B, Q, H, D]; keys/values: [B, Hkv, L, D]; mask: [B, 1, 1, Q, L]."""
         b, nq, h, d = q.shape
@@ -228,7 +287,7 @@ class PagedAttention:
         group = h // hkv
         # queries grouped by KV head: [B, Hkv, G * Q, D]
         qg = q.reshape(b, nq, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, -1, d)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
         scores = scores.view(b, hkv, group, nq, length).masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(b, hkv, group * nq, length)
         out = torch.matmul(probs, values)  # [B, Hkv, G * Q, D]

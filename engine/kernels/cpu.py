@@ -29,22 +29,37 @@ import torch
 log = logging.getLogger(__name__)
 
 _SRC_DIR = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.c", "common.h", "ops_impl.h", "attention_impl.h", "linear.h", "layer.h")
+_SOURCES = (
+    "ops.c",
+    "common.h",
+    "fp8.h",
+    "ops_impl.h",
+    "attention_impl.h",
+    "kv_fp8_impl.h",
+    "linear.h",
+    "layer.h",
+)
 _PANEL = 64  # output columns per packed weight panel (linear.h)
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 # `native` tunes for this CPU (AVX-512 paths where present); `portable` builds the scalar
 # fallbacks every kernel has, which tests compare against the same references
 _ARCH = {"native": "-march=native", "portable": "-march=x86-64-v2"}
-_ABI = 1
+_ABI = 3
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_PAGE_SUFFIX = {torch.float8_e4m3fn: "fp8"}  # page formats other than the compute dtype
+_P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "strata_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, ctypes.c_int], None),
     "strata_rope": ([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I], None),
     "strata_silu_mul": ([_P, _P, _I, _I], None),
     "strata_kv_write": ([_P, _P, _I, _I, _P, _P, _P, _I, _I], None),
-    "strata_paged_decode": ([_P, _I, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F], ctypes.c_int),
+    "strata_kv_write_fp8": ([_P, _P, _I, _I, _P, _P, _P, _P, _P, _I, _I, _I, _C], _C),
+    "strata_paged_decode": (
+        [_P, _I, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _C],
+        _C,
+    ),
 }
+_FP8_SIGNATURES = {"strata_paged_decode": _SIGNATURES["strata_paged_decode"]}
 
 
 class KernelError(RuntimeError):
@@ -99,6 +114,14 @@ class CpuKernels:
                 fn = getattr(lib, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = args, restype
                 self._fns[name, dtype] = fn
+        # paged attention over FP8 pages, keyed by (name, query dtype, page dtype)
+        self._page_fns: dict[tuple[str, torch.dtype, torch.dtype], Any] = {}
+        for name, (args, restype) in _FP8_SIGNATURES.items():
+            for dtype, suffix in _SUFFIX.items():
+                for page_dtype, page_suffix in _PAGE_SUFFIX.items():
+                    fn = getattr(lib, f"{name}_{suffix}_{page_suffix}")
+                    fn.argtypes, fn.restype = args, restype
+                    self._page_fns[name, dtype, page_dtype] = fn
         self._argmax = lib.strata_argmax_f32
         self._argmax.argtypes, self._argmax.restype = [_P, _P, _I, _I], None
         self._layer = lib.strata_decoder_layer_bf16
@@ -110,7 +133,9 @@ class CpuKernels:
             _P,
             _P,
             _F,
-            *[_P] * 13,
+            *[_P] * 12,
+            _C,
+            *[_P] * 3,
             *[_I] * 8,
             _F,
             _P,
@@ -125,6 +150,12 @@ class CpuKernels:
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
         return dtype in _SUFFIX
+
+    @staticmethod
+    def supports_pages(dtype: torch.dtype) -> bool:
+        """Whether KV pages stored in `dtype` can be written and attended (the compute dtype
+        itself, or FP8 with scales)."""
+        return dtype in _SUFFIX or dtype in _PAGE_SUFFIX
 
     def rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -175,12 +206,29 @@ class CpuKernels:
         k_pages: torch.Tensor,
         v_pages: torch.Tensor,
         slots: torch.Tensor,
+        *,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
+        rotate_keys: bool = False,
     ) -> None:
-        """Copy k/v [T, Hkv, D] (strided rows) into pool slots; mutates the pages only."""
+        """Copy k/v [T, Hkv, D] (strided rows) into pool slots; mutates the pages (and, for
+        FP8 pages, quantizes into them, keys Hadamard-rotated first when `rotate_keys`, and
+        writes `k_scales`/`v_scales` [N, block, Hkv])."""
         assert k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]
         assert k.stride(2) == 1 and v.stride(2) == 1
         assert k_pages.is_contiguous() and v_pages.is_contiguous()
         assert slots.dtype == torch.int64 and slots.is_contiguous()
+        if k_pages.dtype in _PAGE_SUFFIX:
+            _check_scales(k_pages, k_scales, v_scales)
+            rc = self._fns["strata_kv_write_fp8", k.dtype](
+                k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_pages.data_ptr(),
+                v_pages.data_ptr(), _ptr(k_scales), _ptr(v_scales), slots.data_ptr(),
+                k.shape[0], k.shape[1], k.shape[2], rotate_keys,
+            )  # fmt: skip
+            if rc != 0:
+                raise KernelError(f"FP8 page write rejected head_dim {k.shape[2]}")
+            return
+        assert k_pages.dtype == k.dtype and not rotate_keys
         self._fns["strata_kv_write", k.dtype](
             k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_pages.data_ptr(),
             v_pages.data_ptr(), slots.data_ptr(), k.shape[0], k.shape[1] * k.shape[2],
@@ -194,9 +242,15 @@ class CpuKernels:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        *,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
+        rotated_keys: bool = False,
     ) -> torch.Tensor:
-        """q: [B, H, D] (strided rows); pages: [N, block, Hkv, D]; block_tables: [B, M]
-        int64; seq_lens: [B] int32 -> [B, H * D]. Reads the pages in place."""
+        """q: [B, H, D] (strided rows); pages: [N, block, Hkv, D] in q's dtype, or FP8 with
+        `k_scales`/`v_scales` [N, block, Hkv] (keys stored rotated when `rotated_keys`);
+        block_tables: [B, M] int64; seq_lens: [B] int32 -> [B, H * D]. Reads the pages in
+        place."""
         assert q.stride(2) == 1 and q.stride(1) == q.shape[2]
         assert k_pages.is_contiguous() and v_pages.is_contiguous()
         assert block_tables.dtype == torch.int64 and block_tables.is_contiguous()
@@ -204,10 +258,16 @@ class CpuKernels:
         b, h, d = q.shape
         _, block_size, hkv, _ = k_pages.shape
         out = q.new_empty(b, h * d)
-        rc = self._fns["strata_paged_decode", q.dtype](
-            q.data_ptr(), q.stride(0), k_pages.data_ptr(), v_pages.data_ptr(), out.data_ptr(),
-            block_tables.data_ptr(), seq_lens.data_ptr(), b, h, hkv, d, block_size,
-            block_tables.shape[1], scale,
+        if k_pages.dtype in _PAGE_SUFFIX:
+            _check_scales(k_pages, k_scales, v_scales)
+            fn = self._page_fns["strata_paged_decode", q.dtype, k_pages.dtype]
+        else:
+            assert k_pages.dtype == q.dtype and k_scales is None
+            fn = self._fns["strata_paged_decode", q.dtype]
+        rc = fn(
+            q.data_ptr(), q.stride(0), k_pages.data_ptr(), v_pages.data_ptr(), _ptr(k_scales),
+            _ptr(v_scales), out.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), b, h,
+            hkv, d, block_size, block_tables.shape[1], scale, rotated_keys,
         )  # fmt: skip
         if rc != 0:
             raise KernelError(f"paged decode kernel rejected its inputs (code {rc})")
@@ -270,6 +330,10 @@ class CpuKernels:
         """
         t, hidden = x.shape
         assert x.dtype == torch.bfloat16 and x.is_contiguous() and residual.is_contiguous()
+        if pages.k.dtype in _PAGE_SUFFIX:
+            _check_scales(pages.k, pages.k_scales, pages.v_scales)
+        else:
+            assert pages.k.dtype == x.dtype and pages.k_scales is None
         q_size = w.num_heads * w.head_dim
         qkv_size = q_size + 2 * w.num_kv_heads * w.head_dim
         ws = x.new_empty(t * (hidden + qkv_size + q_size + 3 * w.intermediate))
@@ -278,7 +342,8 @@ class CpuKernels:
             x.data_ptr(), residual.data_ptr(), first, w.in_norm.data_ptr(),
             w.post_norm.data_ptr(), w.eps, w.qkv.data_ptr(), _ptr(w.qkv_bias), w.o.data_ptr(),
             w.gate_up.data_ptr(), w.down.data_ptr(), positions.data_ptr(), w.cos.data_ptr(),
-            w.sin.data_ptr(), pages.k.data_ptr(), pages.v.data_ptr(), pages.slots.data_ptr(),
+            w.sin.data_ptr(), pages.k.data_ptr(), pages.v.data_ptr(), _ptr(pages.k_scales),
+            _ptr(pages.v_scales), pages.rotated_keys, pages.slots.data_ptr(),
             pages.block_tables.data_ptr(), pages.seq_lens.data_ptr(), pages.block_tables.shape[1],
             t, hidden, w.num_heads, w.num_kv_heads, w.head_dim, w.intermediate,
             pages.k.shape[1], pages.scale, ws.data_ptr(), out.data_ptr(),
@@ -318,6 +383,18 @@ class LayerPages:
     block_tables: torch.Tensor  # [T, max_blocks] int64
     seq_lens: torch.Tensor  # [T] int32
     scale: float
+    k_scales: torch.Tensor | None = None  # [num_blocks, block, Hkv] float32 for FP8 pages
+    v_scales: torch.Tensor | None = None
+    rotated_keys: bool = False  # FP8 keys stored Hadamard-rotated
+
+
+def _check_scales(
+    pages: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None
+) -> None:
+    assert k_scales is not None and v_scales is not None, "FP8 pages need their scales"
+    for scales in (k_scales, v_scales):
+        assert scales.dtype == torch.float32 and scales.is_contiguous()
+        assert scales.shape == pages.shape[:3]
 
 
 def load_cpu_kernels(cache_dir: str | None, arch: str = "native") -> CpuKernels | None:

@@ -36,5 +36,6 @@ async def metrics(request: Request[Any, Any, Any]) -> bytes:
         running=sum(s.num_running for s in stats),
         kv_used=sum(s.num_kv_blocks_used for s in stats),
         kv_total=sum(s.num_kv_blocks_total for s in stats),
+        kv_bytes_per_token=max((s.kv_bytes_per_token for s in stats), default=0),
     )
     return gw.metrics.render()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import CacheConfig, EngineConfig, KernelBackend, KVCacheDtype
+from engine.evaluate import greedy_agreement
 from engine.llm import LLM
 from engine.protocol import SamplingParams
 
@@ -16,10 +17,29 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4, 5
 def test_fp32_greedy_tokens_match_the_cpu_engine(strata_cache_dir):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     runs = {}
+    full = CacheConfig(kv_cache_dtype=KVCacheDtype.AUTO)  # CUDA would default to FP8 pages
     for device in ("cpu", "cuda"):
-        llm = LLM(EngineConfig(dtype="float32", device=device, cache_dir=str(strata_cache_dir)))
-        runs[device] = [c.token_ids for c in llm.generate(PROMPTS, params)]
+        cfg = EngineConfig(
+            dtype="float32", device=device, cache_dir=str(strata_cache_dir), cache=full
+        )
+        runs[device] = [c.token_ids for c in LLM(cfg).generate(PROMPTS, params)]
     assert runs["cuda"] == runs["cpu"]
+
+
+def test_fp8_pages_on_cuda_follow_the_cpu_torch_path(strata_cache_dir):
+    """Same quantization on both devices; only fp32 rounding in K/V may flip an FP8 step."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    fp8 = CacheConfig(kv_cache_dtype=KVCacheDtype.FP8_E4M3)
+    runs = {}
+    for device in ("cpu", "cuda"):
+        cfg = EngineConfig(
+            dtype="float32", device=device, cache_dir=str(strata_cache_dir), cache=fp8,
+            backend=KernelBackend.TORCH,
+        )  # fmt: skip
+        llm = LLM(cfg)
+        assert llm.core.pool.kv.dtype.is_floating_point and llm.core.pool.scales is not None
+        runs[device] = [c.token_ids for c in llm.generate(PROMPTS, params)]
+    assert greedy_agreement(runs["cpu"], runs["cuda"]).token_rate > 0.9
 
 
 def test_bf16_chat_on_cuda_answers_paris(strata_cache_dir):
@@ -33,6 +53,7 @@ def test_bf16_chat_on_cuda_answers_paris(strata_cache_dir):
     assert "Paris" in out.text
     stats = llm.core.stats()
     assert stats.num_kv_blocks_used == 0
+    assert stats.kv_cache_dtype == "float8_e4m3fn"  # the CUDA default
     assert llm.core.pool.kv.device.type == "cuda"
 
 

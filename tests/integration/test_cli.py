@@ -27,13 +27,15 @@ def strata(*args: str, cache_dir, timeout: float = 300) -> subprocess.CompletedP
     )
 
 
-def test_generate_chat_answers_paris(strata_cache_dir):
+@pytest.mark.parametrize("extra", [[], ["--kv-cache-dtype", "fp8_e4m3"]])
+def test_generate_chat_answers_paris(strata_cache_dir, extra):
     done = strata(
         "generate",
         "--chat",
         "What is the capital of France?",
         "--max-tokens",
         "40",
+        *extra,
         cache_dir=strata_cache_dir,
     )
     assert done.returncode == 0, done.stderr

@@ -158,6 +158,12 @@ def test_schema_and_ops_endpoints(gateway):
         metrics = http.get("/metrics").text
         assert "strata:request_success_total" in metrics
         assert "strata:kv_blocks_total" in metrics
+        per_token = next(
+            float(line.split()[1])
+            for line in metrics.splitlines()
+            if line.startswith("strata:kv_cache_bytes_per_token ")
+        )
+        assert per_token > 0 and per_token % 2 == 0  # K and V of every layer
     with httpx.Client(
         base_url=gateway.url, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}
     ) as admin:

@@ -1,12 +1,18 @@
-// Paged decode attention, instantiated per storage type by attention.c (same macros as
-// ops_impl.h). One query token per sequence; K/V are read in place from the page pool through
-// the block table (no gather copy), and the query heads that share a KV head share each K/V
-// row load. One work item per (sequence, KV head), spread over OpenMP threads. Two passes per
-// item: scores for every cached token, then the softmax-weighted sum of V rows.
+// Paged decode attention, instantiated by ops.c per query/output storage type (same macros as
+// ops_impl.h) and per page format: pages in the same type (ELEM), or, with PAGE_FP8 defined,
+// e4m3fn bytes with one float32 scale per (token, KV head) row (fp8.h). One query token per
+// sequence; K/V are read in place from the page pool through the block table (no gather copy),
+// and the query heads that share a KV head share each K/V row load. One work item per
+// (sequence, KV head), spread over OpenMP threads. Two passes per item: scores for every
+// cached token, then the softmax-weighted sum of V rows. FP8 row scales multiply each score
+// (K) and each softmax weight (V) rather than every element. With `rotated`, FP8 keys were
+// stored Hadamard-rotated, and each query is rotated the same way (and divided by head_dim)
+// before its scores.
 //
 // Layouts: q [num_seqs, q_stride] with heads at h * head_dim; out [num_seqs, num_heads *
-// head_dim]; pages [num_blocks, block_size, num_kv_heads, head_dim]; block_tables [num_seqs,
-// max_blocks] int64; seq_lens [num_seqs] int32 (tokens attended, including the new one).
+// head_dim]; pages [num_blocks, block_size, num_kv_heads, head_dim]; scales [num_blocks,
+// block_size, num_kv_heads] (FP8 only, else NULL); block_tables [num_seqs, max_blocks] int64;
+// seq_lens [num_seqs] int32 (tokens attended, including the new one).
 // Returns 0, or a negative code when the shape is unsupported.
 
 #define CAT_(a, b) a##_##b
@@ -16,18 +22,36 @@
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
 
-static void FN(attend_one)(const ELEM* q, const ELEM* k_pages, const ELEM* v_pages, ELEM* out,
+#ifdef PAGE_FP8
+#define PELEM uint8_t
+#define PS_LOAD(x) e4m3_to_f32(x)
+#define PV_LOAD v_load_e4m3
+#define ROW_SCALE(scales, slot) ((scales)[(slot) * kv_heads])
+#else
+#define PELEM ELEM
+#define PS_LOAD(x) S_LOAD(x)
+#define PV_LOAD V_LOAD
+#define ROW_SCALE(scales, slot) 1.0f
+#endif
+
+static void FN(attend_one)(const ELEM* q, const PELEM* k_pages, const PELEM* v_pages,
+                           const float* k_scales, const float* v_scales, ELEM* out,
                            const int64_t* table, int64_t len, int64_t group, int64_t head_dim,
-                           int64_t block_size, int64_t row, int64_t page, float scale,
-                           float* scores, int64_t score_stride) {
+                           int64_t block_size, int64_t kv_heads, int64_t row, int64_t page,
+                           float scale, int rotated, float* scores, int64_t score_stride) {
+    (void)k_scales, (void)v_scales, (void)kv_heads;
     float qf[MAX_GROUP][MAX_HEAD_DIM];
     float acc[MAX_GROUP][MAX_HEAD_DIM];
     float inv_sum[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++)
+    const float q_scale = rotated ? scale / (float)head_dim : scale;
+    for (int64_t g = 0; g < group; g++) {
         for (int64_t d = 0; d < head_dim; d++) {
-            qf[g][d] = S_LOAD(q[g * head_dim + d]) * scale;
+            qf[g][d] = S_LOAD(q[g * head_dim + d]);
             acc[g][d] = 0.0f;
         }
+        if (rotated) fwht_f32(qf[g], head_dim);
+        for (int64_t d = 0; d < head_dim; d++) qf[g][d] *= q_scale;
+    }
 #ifdef STRATA_AVX512
     const int vec = head_dim % 16 == 0;
 #else
@@ -35,23 +59,24 @@ static void FN(attend_one)(const ELEM* q, const ELEM* k_pages, const ELEM* v_pag
 #endif
     // pass 1: scores[g][j] = q_g . k_j
     for (int64_t j0 = 0, b = 0; j0 < len; j0 += block_size, b++) {
-        const ELEM* kb = k_pages + table[b] * page;
+        const PELEM* kb = k_pages + table[b] * page;
         const int64_t n = len - j0 < block_size ? len - j0 : block_size;
         for (int64_t t = 0; t < n; t++) {
-            const ELEM* kr = kb + t * row;
+            const PELEM* kr = kb + t * row;
+            const float ks = ROW_SCALE(k_scales, table[b] * block_size + t);
             for (int64_t g = 0; g < group; g++) {
                 float dot = 0.0f;
                 if (vec) {
 #ifdef STRATA_AVX512
                     __m512 a = _mm512_setzero_ps();
                     for (int64_t d = 0; d < head_dim; d += 16)
-                        a = _mm512_fmadd_ps(_mm512_loadu_ps(&qf[g][d]), V_LOAD(kr + d), a);
+                        a = _mm512_fmadd_ps(_mm512_loadu_ps(&qf[g][d]), PV_LOAD(kr + d), a);
                     dot = _mm512_reduce_add_ps(a);
 #endif
                 } else {
-                    for (int64_t d = 0; d < head_dim; d++) dot += qf[g][d] * S_LOAD(kr[d]);
+                    for (int64_t d = 0; d < head_dim; d++) dot += qf[g][d] * PS_LOAD(kr[d]);
                 }
-                scores[g * score_stride + j0 + t] = dot;
+                scores[g * score_stride + j0 + t] = dot * ks;
             }
         }
     }
@@ -79,16 +104,17 @@ static void FN(attend_one)(const ELEM* q, const ELEM* k_pages, const ELEM* v_pag
     }
     // pass 2: acc[g] = sum_j p[g][j] * v_j
     for (int64_t j0 = 0, b = 0; j0 < len; j0 += block_size, b++) {
-        const ELEM* vb = v_pages + table[b] * page;
+        const PELEM* vb = v_pages + table[b] * page;
         const int64_t n = len - j0 < block_size ? len - j0 : block_size;
         for (int64_t t = 0; t < n; t++) {
-            const ELEM* vr = vb + t * row;
+            const PELEM* vr = vb + t * row;
+            const float vs = ROW_SCALE(v_scales, table[b] * block_size + t);
             if (vec) {
 #ifdef STRATA_AVX512
                 for (int64_t d = 0; d < head_dim; d += 16) {
-                    const __m512 vv = V_LOAD(vr + d);
+                    const __m512 vv = PV_LOAD(vr + d);
                     for (int64_t g = 0; g < group; g++) {
-                        const __m512 p = _mm512_set1_ps(scores[g * score_stride + j0 + t]);
+                        const __m512 p = _mm512_set1_ps(scores[g * score_stride + j0 + t] * vs);
                         _mm512_storeu_ps(&acc[g][d],
                                          _mm512_fmadd_ps(p, vv, _mm512_loadu_ps(&acc[g][d])));
                     }
@@ -96,8 +122,8 @@ static void FN(attend_one)(const ELEM* q, const ELEM* k_pages, const ELEM* v_pag
 #endif
             } else {
                 for (int64_t g = 0; g < group; g++) {
-                    const float p = scores[g * score_stride + j0 + t];
-                    for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * S_LOAD(vr[d]);
+                    const float p = scores[g * score_stride + j0 + t] * vs;
+                    for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * PS_LOAD(vr[d]);
                 }
             }
         }
@@ -111,21 +137,35 @@ static void FN(attend_one)(const ELEM* q, const ELEM* k_pages, const ELEM* v_pag
 // Specialised for compile-time (group, head_dim) so that queries and accumulators live in
 // registers. Scores for 16 tokens at a time come out of one 16-way horizontal sum.
 static inline __attribute__((always_inline)) void FN(attend_fast)(
-    const ELEM* q, const ELEM* k_pages, const ELEM* v_pages, ELEM* out, const int64_t* table,
-    int64_t len, int64_t block_shift, int64_t row, int64_t page, float scale, float* scores,
+    const ELEM* q, const PELEM* k_pages, const PELEM* v_pages, const float* k_scales,
+    const float* v_scales, ELEM* out, const int64_t* table, int64_t len, int64_t block_shift,
+    int64_t kv_heads, int64_t row, int64_t page, float scale, int rotated, float* scores,
     int64_t score_stride, int64_t head_offset, const int G, const int D) {
+    (void)k_scales, (void)v_scales, (void)kv_heads, (void)rotated;
     // prefetches cover whole token rows (every KV head), so the items of this sequence's
     // other heads find their rows in cache
-    const int row_bytes = (int)(row * (int64_t)sizeof(ELEM));
+    const int row_bytes = (int)(row * (int64_t)sizeof(PELEM));
     const int NV = D / 16;
     const int64_t block_mask = ((int64_t)1 << block_shift) - 1;
     __m512 qv[8][8];
     const __m512 vscale = _mm512_set1_ps(scale);
+#ifdef PAGE_FP8
+    if (rotated) {
+        float qr[8][128];
+        const __m512 qscale = _mm512_set1_ps(scale / (float)D);
+        for (int g = 0; g < G; g++) {
+            for (int d = 0; d < D; d++) qr[g][d] = S_LOAD(q[g * D + d]);
+            fwht_f32(qr[g], D);
+            for (int i = 0; i < NV; i++) qv[g][i] = _mm512_mul_ps(_mm512_loadu_ps(&qr[g][16 * i]), qscale);
+        }
+    } else
+#endif
     for (int g = 0; g < G; g++)
         for (int i = 0; i < NV; i++) qv[g][i] = _mm512_mul_ps(V_LOAD(q + g * D + 16 * i), vscale);
     // pass 1: scores, 16 tokens per horizontal sum
     int64_t j = 0;
-#if defined(ELEM_IS_BF16) && defined(STRATA_AVX512BF16)
+#if defined(ELEM_IS_BF16) && defined(STRATA_AVX512BF16) && !defined(PAGE_FP8)
+#define DOT_BF16 1
     // bf16 pages: dot products straight on the stored pairs, no conversion of K rows
     __m512bh qb[8][4];
     for (int g = 0; g < G; g++)
@@ -133,10 +173,17 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
             qb[g][i] = (__m512bh)_mm512_loadu_si512((const void*)(q + g * D + 32 * i));
 #endif
     for (; j + 16 <= len; j += 16) {
-        const ELEM* rows[16];
+        const PELEM* rows[16];
+#ifdef PAGE_FP8
+        float row_scales[16];
+#endif
         for (int t = 0; t < 16; t++) {
             const int64_t jj = j + t;
-            rows[t] = k_pages + table[jj >> block_shift] * page + (jj & block_mask) * row;
+            const int64_t slot = (table[jj >> block_shift] << block_shift) + (jj & block_mask);
+            rows[t] = k_pages + slot * row;
+#ifdef PAGE_FP8
+            row_scales[t] = ROW_SCALE(k_scales, slot);
+#endif
             // pages are scattered: fetch the next 16 rows while these are being used
             const int64_t nx = jj + 16 < len ? jj + 16 : len - 1;
             const char* ahead = (const char*)(k_pages - head_offset + table[nx >> block_shift] * page +
@@ -145,7 +192,7 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
         }
         for (int g = 0; g < G; g++) {
             __m512 acc[16];
-#if defined(ELEM_IS_BF16) && defined(STRATA_AVX512BF16)
+#ifdef DOT_BF16
             for (int t = 0; t < 16; t++) {
                 __m512 a = _mm512_setzero_ps();
                 for (int i = 0; i < NV / 2; i++)
@@ -157,20 +204,27 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
                              _mm512_mul_ps(v_hsum16(acc), vscale));
 #else
             for (int t = 0; t < 16; t++) {
-                __m512 a = _mm512_mul_ps(qv[g][0], V_LOAD(rows[t]));
-                for (int i = 1; i < NV; i++) a = _mm512_fmadd_ps(qv[g][i], V_LOAD(rows[t] + 16 * i), a);
+                __m512 a = _mm512_mul_ps(qv[g][0], PV_LOAD(rows[t]));
+                for (int i = 1; i < NV; i++) a = _mm512_fmadd_ps(qv[g][i], PV_LOAD(rows[t] + 16 * i), a);
                 acc[t] = a;
             }
+#ifdef PAGE_FP8
+            _mm512_storeu_ps(scores + g * score_stride + j,
+                             _mm512_mul_ps(v_hsum16(acc), _mm512_loadu_ps(row_scales)));
+#else
             _mm512_storeu_ps(scores + g * score_stride + j, v_hsum16(acc));
+#endif
 #endif
         }
     }
     for (; j < len; j++) {
-        const ELEM* kr = k_pages + table[j >> block_shift] * page + (j & block_mask) * row;
+        const int64_t slot = (table[j >> block_shift] << block_shift) + (j & block_mask);
+        const PELEM* kr = k_pages + slot * row;
+        const float ks = ROW_SCALE(k_scales, slot);
         for (int g = 0; g < G; g++) {
-            __m512 a = _mm512_mul_ps(qv[g][0], V_LOAD(kr));
-            for (int i = 1; i < NV; i++) a = _mm512_fmadd_ps(qv[g][i], V_LOAD(kr + 16 * i), a);
-            scores[g * score_stride + j] = _mm512_reduce_add_ps(a);
+            __m512 a = _mm512_mul_ps(qv[g][0], PV_LOAD(kr));
+            for (int i = 1; i < NV; i++) a = _mm512_fmadd_ps(qv[g][i], PV_LOAD(kr + 16 * i), a);
+            scores[g * score_stride + j] = _mm512_reduce_add_ps(a) * ks;
         }
     }
     // softmax
@@ -199,15 +253,17 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
     for (int g = 0; g < G; g++)
         for (int i = 0; i < NV; i++) acc[g][i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t++) {
-        const ELEM* vr = v_pages + table[t >> block_shift] * page + (t & block_mask) * row;
+        const int64_t slot = (table[t >> block_shift] << block_shift) + (t & block_mask);
+        const PELEM* vr = v_pages + slot * row;
+        const float vs = ROW_SCALE(v_scales, slot);
         const int64_t nx = t + 16 < len ? t + 16 : len - 1;
         const char* ahead = (const char*)(v_pages - head_offset + table[nx >> block_shift] * page +
                                           (nx & block_mask) * row);
         for (int c = 0; c < row_bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
         __m512 p[8];
-        for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(scores[g * score_stride + t]);
+        for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(scores[g * score_stride + t] * vs);
         for (int i = 0; i < NV; i++) {
-            const __m512 vv = V_LOAD(vr + 16 * i);
+            const __m512 vv = PV_LOAD(vr + 16 * i);
             for (int g = 0; g < G; g++) acc[g][i] = _mm512_fmadd_ps(p[g], vv, acc[g][i]);
         }
     }
@@ -217,18 +273,20 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
     }
 }
 
-#define STRATA_ATTEND_CASE(G_, D_)                                                         \
-    if (group == G_ && head_dim == D_) {                                                   \
-        FN(attend_fast)(qs, kp, vp, os, tb, len, block_shift, row, page, scale, scores,    \
-                        max_len, head_offset, G_, D_);                                     \
-        return 1;                                                                          \
+#define STRATA_ATTEND_CASE(G_, D_)                                                          \
+    if (group == G_ && head_dim == D_) {                                                    \
+        FN(attend_fast)(qs, kp, vp, ks, vs, os, tb, len, block_shift, kv_heads, row, page,  \
+                        scale, rotated, scores, max_len, head_offset, G_, D_);              \
+        return 1;                                                                           \
     }
 
 // Returns 1 when a specialisation handled the item.
-static int FN(attend_dispatch)(const ELEM* qs, const ELEM* kp, const ELEM* vp, ELEM* os,
-                               const int64_t* tb, int64_t len, int64_t group, int64_t head_dim,
-                               int64_t block_shift, int64_t row, int64_t page, float scale,
-                               float* scores, int64_t max_len, int64_t head_offset) {
+static int FN(attend_dispatch)(const ELEM* qs, const PELEM* kp, const PELEM* vp,
+                               const float* ks, const float* vs, ELEM* os, const int64_t* tb,
+                               int64_t len, int64_t group, int64_t head_dim, int64_t block_shift,
+                               int64_t kv_heads, int64_t row, int64_t page, float scale,
+                               int rotated, float* scores, int64_t max_len,
+                               int64_t head_offset) {
     STRATA_ATTEND_CASE(1, 64) STRATA_ATTEND_CASE(2, 64) STRATA_ATTEND_CASE(3, 64)
     STRATA_ATTEND_CASE(4, 64) STRATA_ATTEND_CASE(5, 64) STRATA_ATTEND_CASE(6, 64)
     STRATA_ATTEND_CASE(7, 64) STRATA_ATTEND_CASE(8, 64)
@@ -240,12 +298,19 @@ static int FN(attend_dispatch)(const ELEM* qs, const ELEM* kp, const ELEM* vp, E
 #undef STRATA_ATTEND_CASE
 #endif
 
-int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const ELEM* k_pages,
-                            const ELEM* v_pages, ELEM* out, const int64_t* block_tables,
+int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const PELEM* k_pages,
+                            const PELEM* v_pages, const float* k_scales, const float* v_scales,
+                            ELEM* out, const int64_t* block_tables,
                             const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            int64_t max_blocks, float scale) {
-    const int64_t group = num_heads / num_kv_heads;
+                            int64_t max_blocks, float scale, int rotated) {
+    const int64_t group = num_heads / num_kv_heads, kv_heads = num_kv_heads;
+#ifdef PAGE_FP8
+    if (!k_scales || !v_scales) return -5;
+    if (rotated && (head_dim & (head_dim - 1))) return -6;  // rotation needs a power of two
+#else
+    if (rotated) return -6;  // only FP8 keys are stored rotated
+#endif
     if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || group * num_kv_heads != num_heads)
         return -1;
     int64_t max_len = 1;
@@ -271,18 +336,21 @@ int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const ELEM* k_pages
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 if (!scores) continue;
                 const ELEM* qs = q + s * q_stride + h * group * head_dim;
-                const ELEM* kp = k_pages + h * head_dim;
-                const ELEM* vp = v_pages + h * head_dim;
+                const PELEM* kp = k_pages + h * head_dim;
+                const PELEM* vp = v_pages + h * head_dim;
+                const float* ks = k_scales ? k_scales + h : 0;
+                const float* vs = v_scales ? v_scales + h : 0;
                 ELEM* os = out + (s * num_heads + h * group) * head_dim;
                 const int64_t* tb = block_tables + s * max_blocks;
 #ifdef STRATA_AVX512
-                if (FN(attend_dispatch)(qs, kp, vp, os, tb, seq_lens[s], group, head_dim,
-                                        block_shift, row, page, scale, scores, max_len,
-                                        h * head_dim))
+                if (FN(attend_dispatch)(qs, kp, vp, ks, vs, os, tb, seq_lens[s], group,
+                                        head_dim, block_shift, kv_heads, row, page, scale,
+                                        rotated, scores, max_len, h * head_dim))
                     continue;
 #endif
-                FN(attend_one)(qs, kp, vp, os, tb, seq_lens[s], group, head_dim, block_size,
-                               row, page, scale, scores, max_len);
+                FN(attend_one)(qs, kp, vp, ks, vs, os, tb, seq_lens[s], group, head_dim,
+                               block_size, kv_heads, row, page, scale, rotated, scores,
+                               max_len);
             }
         }
         free(scores);
@@ -295,3 +363,8 @@ int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const ELEM* k_pages
 #undef CAT_
 #undef MAX_HEAD_DIM
 #undef MAX_GROUP
+#undef PELEM
+#undef PS_LOAD
+#undef PV_LOAD
+#undef ROW_SCALE
+#undef DOT_BF16

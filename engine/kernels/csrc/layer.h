@@ -5,14 +5,15 @@
 // arithmetic as the per-module path, so both give bit-identical results.
 //
 // x, out: [T, H]; residual: [T, H], updated in place (for the first layer pass first = 1 and
-// it is initialised from x). Weights are packed by strata_pack_bf16. ws is scratch of
+// it is initialised from x). Pages are bf16, or FP8 bytes when k_scales/v_scales are given. Weights are packed by strata_pack_bf16. ws is scratch of
 // T * (H + qkv + heads * D + 3 * I) elements. Returns 0, or the failing kernel's code.
 
 int strata_decoder_layer_bf16(
     const bf16_t* x, bf16_t* residual, int first, const bf16_t* in_norm, const bf16_t* post_norm,
     float eps, const bf16_t* w_qkv, const bf16_t* b_qkv, const bf16_t* w_o, const bf16_t* w_gate_up,
     const bf16_t* w_down, const int64_t* positions, const float* cos_table, const float* sin_table,
-    bf16_t* k_pages, bf16_t* v_pages, const int64_t* slots, const int64_t* block_tables,
+    void* k_pages, void* v_pages, float* k_scales, float* v_scales, int rotated,
+    const int64_t* slots, const int64_t* block_tables,
     const int32_t* seq_lens, int64_t max_blocks, int64_t T, int64_t H, int64_t heads,
     int64_t kv_heads, int64_t D, int64_t I, int64_t block_size, float scale, bf16_t* ws,
     bf16_t* out) {
@@ -32,10 +33,20 @@ int strata_decoder_layer_bf16(
     if ((rc = strata_linear_packed_bf16(h, w_qkv, b_qkv, qkv, T, qkvn, H, 0))) return rc;
     strata_rope_bf16(qkv, qkv + qn, positions, cos_table, sin_table, T, heads, kv_heads, D, qkvn,
                      qkvn);
-    strata_kv_write_bf16(qkv + qn, qkv + qn + kvn, qkvn, qkvn, k_pages, v_pages, slots, T, kvn);
-    if ((rc = strata_paged_decode_bf16(qkv, qkvn, k_pages, v_pages, att, block_tables, seq_lens,
-                                       T, heads, kv_heads, D, block_size, max_blocks, scale)))
-        return rc;
+    if (k_scales) {
+        if ((rc = strata_kv_write_fp8_bf16(qkv + qn, qkv + qn + kvn, qkvn, qkvn, k_pages, v_pages,
+                                           k_scales, v_scales, slots, T, kv_heads, D, rotated)))
+            return rc;
+        rc = strata_paged_decode_bf16_fp8(qkv, qkvn, k_pages, v_pages, k_scales, v_scales, att,
+                                          block_tables, seq_lens, T, heads, kv_heads, D,
+                                          block_size, max_blocks, scale, rotated);
+    } else {
+        strata_kv_write_bf16(qkv + qn, qkv + qn + kvn, qkvn, qkvn, k_pages, v_pages, slots, T, kvn);
+        rc = strata_paged_decode_bf16(qkv, qkvn, k_pages, v_pages, 0, 0, att, block_tables,
+                                      seq_lens, T, heads, kv_heads, D, block_size, max_blocks,
+                                      scale, 0);
+    }
+    if (rc) return rc;
     if ((rc = strata_linear_packed_bf16(att, w_o, 0, out, T, H, qn, 0))) return rc;
     strata_rms_norm_bf16(out, residual, post_norm, h, T, H, eps, 1);
     if ((rc = strata_linear_packed_bf16(h, w_gate_up, 0, gate_up, T, 2 * I, H, 0))) return rc;

@@ -1,13 +1,15 @@
 // Strata's CPU kernels, one shared library: RMSNorm (+ residual), RoPE, SiLU*up, KV-page
-// writes and paged attention for fp32 and bf16 storage, the packed bf16 linear (linear.h) and
-// the whole bf16 decoder layer built from them (layer.h). Built on first use by
+// writes and paged attention for fp32 and bf16 storage (pages in that type or in FP8 with
+// scales, fp8.h), the packed bf16 linear (linear.h) and the whole bf16 decoder layer built
+// from them (layer.h). Built on first use by
 // engine/kernels/cpu.py and called through ctypes.
 
 #include <stdlib.h>
 
 #include "common.h"
+#include "fp8.h"
 
-int strata_kernels_abi(void) { return 1; }
+int strata_kernels_abi(void) { return 3; }
 
 int strata_has_avx512_bf16(void) {
 #ifdef STRATA_AVX512BF16
@@ -61,6 +63,12 @@ void strata_argmax_f32(const float* x, int64_t* out, int64_t rows, int64_t cols)
 #define V_ROUND v_id
 #include "ops_impl.h"
 #include "attention_impl.h"
+#include "kv_fp8_impl.h"
+#undef SUFFIX
+#define SUFFIX f32_fp8
+#define PAGE_FP8 1
+#include "attention_impl.h"
+#undef PAGE_FP8
 #undef SUFFIX
 #undef ELEM
 #undef S_LOAD
@@ -81,6 +89,14 @@ void strata_argmax_f32(const float* x, int64_t* out, int64_t rows, int64_t cols)
 #define V_ROUND v_round_bf16
 #include "ops_impl.h"
 #include "attention_impl.h"
+#include "kv_fp8_impl.h"
+#undef SUFFIX
+#define SUFFIX bf16_fp8
+#define PAGE_FP8 1
+#include "attention_impl.h"
+#undef PAGE_FP8
+#undef SUFFIX
+#define SUFFIX bf16
 
 #include "linear.h"
 #include "layer.h"

@@ -13,6 +13,7 @@ from engine.kernels.cpu import CpuKernels, load_cpu_kernels
 from engine.model.llama import RMSNorm, RotaryEmbedding, SiluAndMul
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
+from kvstore.fp8 import quantize_fp8
 
 DTYPES = [torch.float32, torch.bfloat16]
 # tolerance per storage dtype: bf16 results may differ by a rounding step
@@ -122,7 +123,7 @@ def test_paged_decode_matches_torch(kernels, dtype, heads, kv_heads, head_dim, b
     q = torch.randn(len(seqs), heads + 2 * kv_heads, head_dim, generator=gen(2)).to(dtype)
     q = q[:, :heads]  # strided rows, as when q is a view into the qkv projection
     k_pages, v_pages = pool.layer(0)
-    expected = reference._attend(q.unsqueeze(1), k_pages, v_pages, ctx.decode)
+    expected = reference._attend(q.unsqueeze(1), 0, ctx.decode)
     got = kernels.paged_decode(
         q, k_pages, v_pages, ctx.decode.block_table, ctx.decode.seq_lens, head_dim**-0.5
     )
@@ -172,3 +173,78 @@ def test_argmax_matches_torch_including_ties(kernels):
     assert torch.equal(kernels.argmax(logits), logits.argmax(-1))
     small = torch.randn(3, 7, generator=gen(1))
     assert torch.equal(kernels.argmax(small), small.argmax(-1))
+
+
+def fp8_inputs(tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows that exercise every rounding case: ordinary values, an all-zero row, a row whose
+    values fall in e4m3's subnormal range after scaling, and exact ties."""
+    x = torch.randn(tokens, kv_heads, head_dim, generator=gen(5)) * 3
+    x[0, 0] = 0.0
+    x[1, 0] = 1e-4
+    x[1, 0, 0] = 448.0  # the rest of the row scales below 2^-6
+    x[2, 0] = torch.arange(head_dim) * 0.0625 - 2  # halfway points between e4m3 values
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_kv_write_stores_the_bytes_torch_stores(kernels, dtype):
+    spec = KVCacheSpec(1, 3, 64, 16, torch.float8_e4m3fn)
+    native, reference = (DeviceKVPool(spec, 4, torch.device("cpu")) for _ in range(2))
+    k = fp8_inputs(10, 3, 64, dtype)
+    v = -fp8_inputs(10, 3, 64, dtype).flip(0)
+    slots = torch.tensor([3, 0, 63, 17, 5, 40, 41, 9, 22, 30])
+    k_pages, v_pages = native.layer(0)
+    k_scales, v_scales = native.layer_scales(0)  # type: ignore[misc]
+    kernels.kv_write(
+        k, v, k_pages, v_pages, slots, k_scales=k_scales, v_scales=v_scales, rotate_keys=True
+    )
+    attn = PagedAttention(reference, 6)  # torch path
+    assert attn.rotate_keys
+    ref_scales = reference.layer_scales(0)
+    assert ref_scales is not None
+    attn._write(k, reference.layer(0)[0], ref_scales[0], slots, rotate=True)
+    attn._write(v, reference.layer(0)[1], ref_scales[1], slots)
+    assert torch.equal(native.kv.view(torch.uint8), reference.kv.view(torch.uint8))
+    assert torch.equal(native.scales, reference.scales)
+    assert native.scales.view(-1, 3)[3, 0] == 1.0  # the all-zero row
+    plain_values, _ = quantize_fp8(k)  # keys were rotated: not the plain quantization
+    stored = native.kv[0, 0].view(-1, 3, 64)[slots]
+    assert not torch.equal(stored.view(torch.uint8), plain_values.view(torch.uint8))
+    assert torch.equal(native.kv[0, 1].view(-1, 3, 64)[slots].float(), quantize_fp8(v)[0].float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (32, 8, 128, 16), (12, 1, 48, 32), (6, 2, 64, 4)],
+)
+def test_fp8_paged_decode_matches_torch(kernels, dtype, heads, kv_heads, head_dim, block_size):
+    spec = KVCacheSpec(1, kv_heads, head_dim, block_size, torch.float8_e4m3fn)
+    pool = DeviceKVPool(spec, 96, torch.device("cpu"))
+    attn = PagedAttention(pool, heads)  # torch path: quantizes on write, dequantizes on read
+    slots = torch.arange(96 * block_size)
+    for which in range(2):
+        rows = torch.randn(len(slots), kv_heads, head_dim, generator=gen(which)) * 2
+        scales = pool.layer_scales(0)
+        assert scales is not None
+        rotate = which == 0 and attn.rotate_keys  # keys only, power-of-two widths only
+        attn._write(rows.to(dtype), pool.layer(0)[which], scales[which], slots, rotate=rotate)
+    perm = torch.randperm(96, generator=gen(1)).tolist()
+    seqs, start = [], 0
+    for n in [1, 2, 15, 16, 17, 33, 100, 150]:
+        blocks = -(-n // block_size)
+        seqs.append(SeqSlice(1, n - 1, perm[start : start + blocks]))
+        start += blocks
+    ctx = attn.build_context(seqs)
+    assert ctx.decode is not None
+    q = torch.randn(len(seqs), heads + 2 * kv_heads, head_dim, generator=gen(2)).to(dtype)
+    q = q[:, :heads]
+    expected = attn._attend(q.unsqueeze(1), 0, ctx.decode)
+    k_pages, v_pages = pool.layer(0)
+    k_scales, v_scales = pool.layer_scales(0)  # type: ignore[misc]
+    assert attn.rotate_keys == (head_dim != 48)
+    got = kernels.paged_decode(
+        q, k_pages, v_pages, ctx.decode.block_table, ctx.decode.seq_lens, head_dim**-0.5,
+        k_scales=k_scales, v_scales=v_scales, rotated_keys=attn.rotate_keys,
+    )  # fmt: skip
+    torch.testing.assert_close(got.float(), expected.float(), atol=ATOL[dtype], rtol=2e-2)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.attention.paged import SeqSlice
-from engine.config import CacheConfig, EngineConfig
+from engine.config import CacheConfig, EngineConfig, KVCacheDtype
 from engine.core import EngineCore
 from engine.kernels.cpu import load_cpu_kernels
 from engine.loader import build_model, load_checkpoint
@@ -24,12 +24,16 @@ def kernels(tmp_path_factory):
     return k
 
 
-def engine(kernels, mode: str) -> EngineCore:
+KV_DTYPES = [KVCacheDtype.AUTO, KVCacheDtype.FP8_E4M3]
+
+
+def engine(kernels, mode: str, kv: KVCacheDtype = KVCacheDtype.AUTO) -> EngineCore:
     ckpt = load_checkpoint("synthetic:tiny", None, seed=5)
     model = build_model(ckpt, torch.bfloat16, CPU)
     if mode != "torch":
         apply_native_cpu(model, kernels, fuse_layers=mode == "fused")
-    cfg = EngineConfig(dtype="bfloat16", cache=CacheConfig(block_size=4, num_blocks=64))
+    cache = CacheConfig(block_size=4, num_blocks=64, kv_cache_dtype=kv)
+    cfg = EngineConfig(dtype="bfloat16", cache=cache)
     return EngineCore(
         model,
         cfg,
@@ -55,8 +59,9 @@ def step_logits(core: EngineCore, seqs: list[tuple[list[int], int]]) -> torch.Te
         return runner.model.compute_logits(hidden)
 
 
-def test_fused_layers_are_bit_identical_to_native_modules(kernels):
-    modules, fused = engine(kernels, "modules"), engine(kernels, "fused")
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_fused_layers_are_bit_identical_to_native_modules(kernels, kv):
+    modules, fused = engine(kernels, "modules", kv), engine(kernels, "fused", kv)
     if not kernels.has_bf16_linear:  # without AVX512-BF16 nothing is packed, nothing fuses
         assert not any(isinstance(m, NativeDecoderLayer) for m in fused.runner.model.layers)
         return
@@ -64,8 +69,11 @@ def test_fused_layers_are_bit_identical_to_native_modules(kernels):
     gen = torch.Generator().manual_seed(0)
     seqs = [(torch.randint(0, 512, (n,), generator=gen).tolist(), 0) for n in (1, 9, 23)]
     assert torch.equal(step_logits(fused, seqs), step_logits(modules, seqs))
-    # the K/V both wrote into their pools are the same bytes too
-    assert torch.equal(fused.pool.kv, modules.pool.kv)
+    # the K/V both wrote into their pools are the same bytes too (and the same FP8 scales)
+    assert torch.equal(fused.pool.kv.view(torch.uint8), modules.pool.kv.view(torch.uint8))
+    if kv is KVCacheDtype.FP8_E4M3:
+        assert fused.pool.spec.rotate_keys and fused.pool.scales is not None
+        assert torch.equal(fused.pool.scales, modules.pool.scales)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for core in (fused, modules):
         for i, n in enumerate((3, 17, 30)):
@@ -81,8 +89,9 @@ def test_fused_layers_are_bit_identical_to_native_modules(kernels):
     assert outs["fused"] == outs["modules"]
 
 
-def test_native_bf16_tracks_the_torch_path(kernels):
-    native, plain = engine(kernels, "fused"), engine(kernels, "torch")
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_native_bf16_tracks_the_torch_path(kernels, kv):
+    native, plain = engine(kernels, "fused", kv), engine(kernels, "torch", kv)
     gen = torch.Generator().manual_seed(1)
     seqs = [(torch.randint(0, 512, (n,), generator=gen).tolist(), 0) for n in (5, 40)]
     a, b = step_logits(native, seqs), step_logits(plain, seqs)

@@ -1,0 +1,23 @@
+"""Engine options on the command line: parsed into the config, passed on by `serve`."""
+
+from __future__ import annotations
+
+from engine.config import KVCacheDtype
+from gateway.cli import _engine_argv, _engine_config, build_parser
+
+
+def test_kv_cache_dtype_option_reaches_the_config():
+    parser = build_parser()
+    fp8 = _engine_config(parser.parse_args(["engine", "--kv-cache-dtype", "fp8_e4m3"]))
+    assert fp8.cache.kv_cache_dtype is KVCacheDtype.FP8_E4M3
+    assert _engine_config(parser.parse_args(["engine"])).cache.kv_cache_dtype is None
+
+
+def test_serve_passes_engine_options_to_its_worker():
+    parser = build_parser()
+    argv = _engine_argv(
+        parser.parse_args(["serve", "--kv-cache-dtype", "fp8_e4m3", "--no-prefix-caching"])
+    )
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+    assert "--no-prefix-caching" in argv
+    assert _engine_argv(parser.parse_args(["serve"])) == []
