@@ -6,6 +6,10 @@ own tokens, and the chain's root covers the cache namespace (model, KV dtype, ad
 the tenant's salt). Two requests share a block only when everything before it, and the
 namespace, match. Blocks are reference counted; a cached block nobody holds stays findable
 on the free list until it is reallocated, least recently freed first.
+
+With an offloader (kvstore/tiers.py), a cached block is not forgotten when it is reallocated:
+its page moves down to host RAM, and from there to disk, under the same hash. A later prompt
+whose chain continues below the device gets fresh blocks with those pages copied back in.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from kvstore.tiers import KVOffloader, Tier
 
 
 def root_hash(namespace: str) -> bytes:
@@ -40,7 +46,14 @@ class BlockManager:
     hash maps to a block carrying that hash.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        offloader: KVOffloader | None = None,
+    ) -> None:
         assert num_blocks > 0
         assert block_size > 0
         self.num_blocks = num_blocks
@@ -52,8 +65,10 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         self._hash_of: dict[int, bytes] = {}  # cached blocks, held or free
         self._cached: dict[bytes, int] = {}
+        self.offloader = offloader if enable_caching else None
         self.num_hit_blocks = 0
         self.num_evicted_blocks = 0
+        self.num_tier_hit_blocks = {Tier.HOST: 0, Tier.DISK: 0}
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,6 +98,30 @@ class BlockManager:
                 hits.append(block)
         return hits
 
+    def lookup_below(self, hashes: list[bytes]) -> list[bytes]:
+        """The longest prefix of `hashes` that the tiers below the device hold (changes
+        nothing); call it with what follows the device hits."""
+        if self.offloader is None:
+            return []
+        return hashes[: self.offloader.find(hashes)]
+
+    def load_below(self, request_id: str, start: int, hashes: list[bytes]) -> list[Tier]:
+        """Copy the pages of `hashes` from the lower tiers into the request's blocks
+        `start..`, up to the first that cannot be read, and cache them under their hashes.
+        Returns each loaded block's tier."""
+        if not hashes:
+            return []
+        assert self.offloader is not None
+        table = self._tables[request_id]
+        tiers = self.offloader.load(table[start : start + len(hashes)], hashes)
+        for i, tier in enumerate(tiers):
+            block, h = table[start + i], hashes[i]
+            if block not in self._hash_of and h not in self._cached:
+                self._hash_of[block] = h
+                self._cached[h] = block
+            self.num_tier_hit_blocks[tier] += 1
+        return tiers
+
     def commit(self, request_id: str, hashes: list[bytes], start: int = 0) -> None:
         """Remember the request's blocks `start..len(hashes)` (full, their KV written) under
         these hashes. A hash already cached keeps its block; the duplicate stays private."""
@@ -110,9 +149,16 @@ class BlockManager:
         revived = sum(1 for b in hits if self._refs[b] == 0)  # leave the free list
         return fresh + revived <= len(self._free)
 
-    def allocate(self, request_id: str, num_tokens: int, hits: Sequence[int] = ()) -> list[int]:
+    def allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        hits: Sequence[int] = (),
+        below: Sequence[bytes] = (),
+    ) -> list[int]:
         """Grow the request's table to cover `num_tokens` tokens, starting a new table with
-        the cached blocks `hits` (from `lookup`); returns the table.
+        the cached blocks `hits` (from `lookup`); returns the table. `below` names the pages
+        (from `lookup_below`) that `load_below` will fetch next: evictions spill around them.
 
         Mutates the free list and the cache. The caller must have checked `can_allocate`.
         """
@@ -127,18 +173,24 @@ class BlockManager:
             self.num_hit_blocks += len(hits)
         need = self.blocks_for_tokens(num_tokens) - len(table)
         assert need <= len(self._free), "allocate() without can_allocate()"
+        evicted: list[tuple[int, bytes]] = []
         for _ in range(need):
             block, _ = self._free.popitem(last=False)
-            self._evict(block)
+            h = self._evict(block)
+            if h is not None:
+                evicted.append((block, h))
             self._refs[block] = 1
             table.append(block)
+        if evicted and self.offloader is not None:
+            self.offloader.spill(evicted, keep=set(below))  # before anything overwrites them
         return table
 
-    def _evict(self, block: int) -> None:
+    def _evict(self, block: int) -> bytes | None:
         h = self._hash_of.pop(block, None)
         if h is not None:
             del self._cached[h]
             self.num_evicted_blocks += 1
+        return h
 
     def free(self, request_id: str) -> int:
         """Drop the request's hold on its blocks; returns how many it held. Blocks nobody
@@ -178,3 +230,5 @@ class BlockManager:
         assert len(self._cached) == len(self._hash_of), "cache maps disagree"
         for h, b in self._cached.items():
             assert self._hash_of.get(b) == h, "a cached hash points at the wrong block"
+        if self.offloader is not None:
+            self.offloader.store.check_integrity()

@@ -229,6 +229,10 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_dtype: KVCacheDtype | None = None  # None: fp8_e4m3 on CUDA, auto elsewhere
+    # tiers below the device pool for prefix-cache pages (kvstore/tiers.py); 0 = none
+    host_memory_bytes: int = 0
+    disk_bytes: int = 0
+    disk_path: str | None = None  # a directory; default: the system's temporary directory
 
     def storage_dtype(self, compute: torch.dtype, device: torch.device) -> torch.dtype:
         """The dtype KV pages are stored in, for a model computing in `compute`."""
@@ -244,6 +248,8 @@ class CacheConfig:
             raise ConfigError("the KV pool needs at least 2 blocks")
         if self.kv_cache_memory_bytes <= 0:
             raise ConfigError("kv_cache_memory_bytes must be positive")
+        if self.host_memory_bytes < 0 or self.disk_bytes < 0:
+            raise ConfigError("KV host and disk tier sizes must not be negative")
 
 
 @dataclass(frozen=True)

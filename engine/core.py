@@ -9,11 +9,13 @@ work (detokenization, stop strings) belongs to whoever holds the tokenizer.
 from __future__ import annotations
 
 import logging
+import tempfile
+from pathlib import Path
 
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import CacheConfig, EngineConfig
 from engine.kernels.cpu import CpuKernels
 from engine.model.llama import LlamaForCausalLM
 from engine.model_runner import ModelRunner
@@ -30,6 +32,7 @@ from engine.request import Request
 from engine.scheduler import Scheduler
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
+from kvstore.tiers import KVOffloader, Tier, TieredKVStore, disk_slot_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +69,12 @@ class EngineCore:
                 "raise kv_cache_memory_bytes"
             )
         self.pool = DeviceKVPool(spec, num_blocks, self.device)
+        self.tiers = _lower_tiers(config.cache, spec, self.device)
         self.block_manager = BlockManager(
-            num_blocks, spec.block_size, enable_caching=config.cache.enable_prefix_caching
+            num_blocks,
+            spec.block_size,
+            enable_caching=config.cache.enable_prefix_caching,
+            offloader=None if self.tiers is None else KVOffloader(self.pool, self.tiers),
         )
         limit = config.scheduler.max_model_len or mc.max_position_embeddings
         self.max_model_len = min(limit, mc.max_position_embeddings, num_blocks * spec.block_size)
@@ -176,6 +183,8 @@ class EngineCore:
             stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            num_cached_host_tokens=request.num_cached_host_tokens,
+            num_cached_disk_tokens=request.num_cached_disk_tokens,
             num_output_tokens=request.num_output_tokens,
         )
 
@@ -183,6 +192,8 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
+        host = None if self.tiers is None else self.tiers.host
+        disk = None if self.tiers is None else self.tiers.disk
         return EngineStats(
             num_waiting=self.scheduler.num_waiting,
             num_running=self.scheduler.num_running,
@@ -192,6 +203,16 @@ class EngineCore:
             kv_block_size=bm.block_size,
             kv_cache_dtype=_dtype_name(self.pool.spec.dtype),
             kv_bytes_per_token=self.pool.spec.bytes_per_token,
+            num_kv_blocks_cached=bm.num_cached_blocks,
+            num_kv_host_blocks_total=0 if host is None else host.num_blocks,
+            num_kv_host_blocks_used=0 if host is None else host.num_used,
+            num_kv_disk_blocks_total=0 if disk is None else disk.num_blocks,
+            num_kv_disk_blocks_used=0 if disk is None else disk.num_used,
+            num_cache_hit_blocks={
+                "device": bm.num_hit_blocks,
+                "host": bm.num_tier_hit_blocks[Tier.HOST],
+                "disk": bm.num_tier_hit_blocks[Tier.DISK],
+            },
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
@@ -223,3 +244,24 @@ class EngineCore:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _lower_tiers(
+    cache: CacheConfig, spec: KVCacheSpec, device: torch.device
+) -> TieredKVStore | None:
+    """Host and disk tiers for prefix-cache pages, as configured (None when there are none,
+    or when prefix caching is off and they would hold nothing)."""
+    if not (cache.host_memory_bytes or cache.disk_bytes):
+        return None
+    if not cache.enable_prefix_caching:
+        log.warning("KV host and disk tiers hold prefix-cache pages; caching is off, so none")
+        return None
+    page = spec.bytes_per_block
+    store = TieredKVStore(
+        page,
+        host_blocks=cache.host_memory_bytes // page,
+        disk_blocks=cache.disk_bytes // disk_slot_nbytes(page),
+        disk_dir=Path(cache.disk_path or tempfile.gettempdir()) / "strata-kv",
+        pin=device.type == "cuda",
+    )
+    return store if store.enabled else None

@@ -26,6 +26,8 @@ class Completion:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
+    num_cached_host_tokens: int = 0
+    num_cached_disk_tokens: int = 0
 
 
 class LLM:
@@ -96,6 +98,8 @@ class LLM:
                 done.token_ids.extend(delta.token_ids)
                 done.logprobs.extend(delta.logprobs or ())
                 done.num_cached_tokens = out.num_cached_tokens
+                done.num_cached_host_tokens = out.num_cached_host_tokens
+                done.num_cached_disk_tokens = out.num_cached_disk_tokens
                 if delta.finished:
                     done.finish_reason = delta.finish_reason
                     done.stop_reason = delta.stop_reason

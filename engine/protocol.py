@@ -133,6 +133,10 @@ class RequestOutput(msgspec.Struct, kw_only=True, array_like=True):
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    # of num_cached_tokens, those whose KV was copied back from host RAM or from disk (the
+    # rest were still in device memory)
+    num_cached_host_tokens: int = 0
+    num_cached_disk_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -148,6 +152,13 @@ class EngineStats(msgspec.Struct, kw_only=True):
     kv_block_size: int
     kv_cache_dtype: str = ""  # storage of the pages, e.g. "bfloat16" or "float8_e4m3fn"
     kv_bytes_per_token: int = 0  # K and V of every layer, scales included
+    num_kv_blocks_cached: int = 0  # device blocks findable by the prefix cache
+    num_kv_host_blocks_total: int = 0
+    num_kv_host_blocks_used: int = 0
+    num_kv_disk_blocks_total: int = 0
+    num_kv_disk_blocks_used: int = 0
+    # prefix-cache hits since start, in blocks, by the tier each block came from
+    num_cache_hit_blocks: dict[str, int] = msgspec.field(default_factory=dict)
     num_preemptions: int
     num_steps: int
     num_generated_tokens: int

@@ -49,7 +49,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.num_cached_host_tokens = 0  # of those, copied back from host RAM
+        self.num_cached_disk_tokens = 0  # and from disk
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None

@@ -15,6 +15,7 @@ from engine.config import SchedulerConfig
 from engine.protocol import FinishReason
 from engine.request import Request, RequestStatus
 from engine.sched_policy import create_policy
+from kvstore.tiers import Tier
 
 
 @dataclass(frozen=True)
@@ -133,18 +134,25 @@ class Scheduler:
             while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting.peek()
                 assert req.num_computed_tokens == 0, "waiting requests hold no KV"
-                hits = self._cache_hits(req)
-                cached = len(hits) * self.block_manager.block_size
-                num_new = min(req.num_tokens - cached, budget)
-                target = cached + num_new
+                hits, below = self._cache_hits(req)
+                bs = self.block_manager.block_size
+                num_new = min(req.num_tokens - (len(hits) + len(below)) * bs, budget)
+                target = (len(hits) + len(below)) * bs + num_new
                 if not self.block_manager.can_allocate(req.request_id, target, hits):
                     break
                 self.waiting.pop()
-                table = self.block_manager.allocate(req.request_id, target, hits)
+                table = self.block_manager.allocate(req.request_id, target, hits, below)
+                # prefetch: pages found below the device are copied into the new blocks now,
+                # before the step that reads them; a page that fails to load is computed
+                tiers = self.block_manager.load_below(req.request_id, len(hits), below)
+                cached = (len(hits) + len(tiers)) * bs
+                num_new = min(req.num_tokens - cached, budget)  # never past `target`
                 req.num_computed_tokens = cached
-                req.num_committed_blocks = len(hits)
+                req.num_committed_blocks = len(hits) + len(tiers)
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = cached
+                    req.num_cached_host_tokens = tiers.count(Tier.HOST) * bs
+                    req.num_cached_disk_tokens = tiers.count(Tier.DISK) * bs
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 scheduled.append(ScheduledRequest(req, num_new, table))
@@ -162,13 +170,16 @@ class Scheduler:
             )
         return hashes
 
-    def _cache_hits(self, request: Request) -> list[int]:
-        """Cached blocks for the request's prefix, leaving at least one token to compute
+    def _cache_hits(self, request: Request) -> tuple[list[int], list[bytes]]:
+        """Cached device blocks for the request's prefix, and the hashes of the blocks that
+        continue it in the tiers below; together they leave at least one token to compute
         (its logits are needed)."""
         if not self.block_manager.enable_caching:
-            return []
+            return [], []
         usable = (request.num_tokens - 1) // self.block_manager.block_size
-        return self.block_manager.lookup(self._block_hashes(request)[:usable])
+        hashes = self._block_hashes(request)[:usable]
+        hits = self.block_manager.lookup(hashes)
+        return hits, self.block_manager.lookup_below(hashes[len(hits) :])
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

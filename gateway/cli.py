@@ -51,6 +51,23 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         "per token and KV head); default fp8_e4m3 on CUDA, auto elsewhere",
     )
     g.add_argument(
+        "--kv-host-gb",
+        type=float,
+        default=0.0,
+        help="host RAM (pinned on CUDA) for prefix-cache pages evicted from the device, in GiB",
+    )
+    g.add_argument(
+        "--kv-disk-gb",
+        type=float,
+        default=0.0,
+        help="disk space for prefix-cache pages evicted from host RAM, in GiB",
+    )
+    g.add_argument(
+        "--kv-disk-path",
+        default=None,
+        help="directory for the disk tier's page file (default: the system temp directory)",
+    )
+    g.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
         action="store_false",
@@ -98,9 +115,10 @@ def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
             kv_cache_memory_bytes=max(1, int(args.kv_cache_gb * _GIB)),
             num_blocks=args.num_kv_blocks,
             enable_prefix_caching=args.prefix_caching,
-            kv_cache_dtype=None
-            if args.kv_cache_dtype is None
-            else KVCacheDtype(args.kv_cache_dtype),
+            kv_cache_dtype=args.kv_cache_dtype and KVCacheDtype(args.kv_cache_dtype),
+            host_memory_bytes=int(args.kv_host_gb * _GIB),
+            disk_bytes=int(args.kv_disk_gb * _GIB),
+            disk_path=args.kv_disk_path,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -196,6 +214,9 @@ _ENGINE_FLAGS = (
     "num_kv_blocks",
     "block_size",
     "kv_cache_dtype",
+    "kv_host_gb",
+    "kv_disk_gb",
+    "kv_disk_path",
     "max_num_seqs",
     "max_num_batched_tokens",
     "max_model_len",

@@ -70,6 +70,10 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
 class PromptTokensDetails(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
+    # Strata's breakdown of cached_tokens: KV copied back from host RAM or from disk (the
+    # rest was still in device memory)
+    cached_tokens_host: int = 0
+    cached_tokens_disk: int = 0
 
 
 class Usage(msgspec.Struct, kw_only=True):

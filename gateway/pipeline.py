@@ -60,6 +60,8 @@ class Tally:
 
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_host_tokens: int = 0  # of cached_tokens, copied back from host RAM
+    cached_disk_tokens: int = 0  # and from disk
     first_token_at: float | None = None
     status: UsageStatus | None = None
     engine_started: float | None = None  # first submit to the engine (perf_counter)
@@ -148,7 +150,10 @@ class Pipeline:
                 if out.new_token_ids and tally.first_token_at is None:
                     tally.first_token_at = time.perf_counter()
                 tally.completion_tokens += len(out.new_token_ids)
-                tally.cached_tokens = max(tally.cached_tokens, out.num_cached_tokens)
+                if out.num_cached_tokens > tally.cached_tokens:
+                    tally.cached_tokens = out.num_cached_tokens
+                    tally.cached_host_tokens = out.num_cached_host_tokens
+                    tally.cached_disk_tokens = out.num_cached_disk_tokens
                 if results is not None:
                     results.text += delta.text
                     results.token_ids.extend(delta.token_ids)
@@ -198,6 +203,8 @@ class Pipeline:
             request_id=job.request_id, tenant_id=tenant_id, key_id=ticket.auth.key.id,
             model=job.model, user=job.user, endpoint=job.endpoint,
             prompt_tokens=job.num_prompt_tokens, cached_tokens=tally.cached_tokens,
+            cached_host_tokens=tally.cached_host_tokens,
+            cached_disk_tokens=tally.cached_disk_tokens,
             completion_tokens=tally.completion_tokens, status=status,
             ttft_ms=None if tally.first_token_at is None
             else round((tally.first_token_at - job.started) * 1e3, 3),

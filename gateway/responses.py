@@ -45,7 +45,11 @@ def usage_of(job: Job, tally: Tally) -> Usage:
         prompt_tokens=job.num_prompt_tokens,
         completion_tokens=tally.completion_tokens,
         total_tokens=job.num_prompt_tokens + tally.completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=tally.cached_tokens),
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=tally.cached_tokens,
+            cached_tokens_host=tally.cached_host_tokens,
+            cached_tokens_disk=tally.cached_disk_tokens,
+        ),
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvstore.base import KVCacheSpec
@@ -39,6 +41,51 @@ class DeviceKVPool:
         if self.scales is None:
             return None
         return self.scales[layer_idx, 0], self.scales[layer_idx, 1]
+
+    # -- whole pages, for the tiers below -------------------------------------------------
+
+    def _page_parts(self) -> list[torch.Tensor]:
+        """Byte views [num_layers * 2, num_blocks, bytes of one layer's K or V block] of the
+        values, then (FP8) the scales: a page is each part's row of its block, in order."""
+        parts = [self.kv.view(torch.uint8)]
+        if self.scales is not None:
+            parts.append(self.scales.view(torch.uint8))
+        return [p.view(2 * self.spec.num_layers, self.num_blocks, -1) for p in parts]
+
+    def read_pages(self, blocks: Sequence[int]) -> torch.Tensor:
+        """The pages of `blocks` as bytes, [n, spec.bytes_per_block] uint8 on the pool's
+        device: every layer's K and V values, then (FP8) their scales."""
+        out = torch.empty(len(blocks), self.spec.bytes_per_block, dtype=torch.uint8,
+                          device=self.device)  # fmt: skip
+        self.read_pages_into(blocks, list(out))
+        return out
+
+    def read_pages_into(self, blocks: Sequence[int], out: Sequence[torch.Tensor]) -> None:
+        """`read_pages` into given rows, one [spec.bytes_per_block] uint8 row per block, on
+        any device (host slots, say): no intermediate copy. Synchronous, so the rows can be
+        read (or written to disk) as soon as it returns."""
+        assert len(out) == len(blocks)
+        offset = 0
+        for part in self._page_parts():
+            width = part.shape[0] * part.shape[2]
+            for block, row in zip(blocks, out, strict=True):  # one strided copy per page
+                dst = row[offset : offset + width].view(part.shape[0], -1)
+                dst.copy_(part[:, block])
+            offset += width
+
+    def write_pages(self, blocks: Sequence[int], pages: Sequence[torch.Tensor]) -> None:
+        """Store `pages` (rows as `read_pages` returns them, on any device) into `blocks`.
+        Copies from pinned host memory are asynchronous on CUDA: they are ordered on the
+        stream before any later kernel or copy that touches these blocks or rows."""
+        assert len(pages) == len(blocks)
+        offset = 0
+        for part in self._page_parts():
+            width = part.shape[0] * part.shape[2]
+            for block, page in zip(blocks, pages, strict=True):
+                assert page.shape == (self.spec.bytes_per_block,) and page.dtype == torch.uint8
+                src = page[offset : offset + width].view(part.shape[0], -1)
+                part[:, block].copy_(src, non_blocking=True)
+            offset += width
 
     @property
     def nbytes(self) -> int:

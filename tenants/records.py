@@ -261,6 +261,8 @@ class UsageRecord(Base):
     endpoint: str = "chat.completions"
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    cached_host_tokens: int = 0  # of cached_tokens, KV copied back from host RAM
+    cached_disk_tokens: int = 0  # and from disk
     completion_tokens: int = 0
     status: UsageStatus = "ok"
     ttft_ms: float | None = None

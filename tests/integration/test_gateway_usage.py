@@ -216,3 +216,56 @@ async def test_prefix_cache_is_isolated_per_tenant_unless_shared(gateway, store_
         record = await ledger.get(hit["id"])
     assert record is not None and record.cached_tokens == cached(hit)  # billed as cached
     await client.aclose()
+
+
+async def test_cached_tokens_are_broken_down_by_tier(store_server, strata_cache_dir, tmp_path):
+    """A worker whose device pool holds about one document: a document asked about again
+    after others comes back from host RAM and disk, and the API and the ledger say so."""
+    from tenants.store import connect
+    from tests.integration.conftest import GatewayServer, WorkerProcess, gateway_settings
+
+    worker = WorkerProcess(
+        tmp_path / "engine.sock",
+        ["--model", "default", "--num-kv-blocks", "24", "--kv-host-gb", "0.006",
+         "--kv-disk-gb", "0.05", "--kv-disk-path", str(tmp_path / "kv")],
+        strata_cache_dir,
+    )  # fmt: skip
+    worker.start()
+    server = GatewayServer(gateway_settings(store_server.url, worker, strata_cache_dir))
+    server.start()
+    try:
+        _, key = server.new_tenant()
+        docs = [f"Document {d}: " + f"fact {d} about the ocean, the wind and the tide. " * 20
+                for d in range(3)]  # fmt: skip
+
+        async def ask(doc: str) -> dict:
+            body = {"model": "default", "max_tokens": 1, "temperature": 0,
+                    "messages": [{"role": "user", "content": doc + "Summarize."}]}  # fmt: skip
+            async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+                r = await http.post(
+                    "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
+                )
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        for doc in docs:
+            await ask(doc)
+        again = await ask(docs[0])  # its pages left the device while the others ran
+        details = again["usage"]["prompt_tokens_details"]
+        below = details["cached_tokens_host"] + details["cached_tokens_disk"]
+        assert details["cached_tokens"] >= 150 and below > 0
+        assert details["cached_tokens_host"] > 0 and details["cached_tokens_disk"] > 0
+        client = connect(store_server.url)
+        ledger = Ledger(client)
+        deadline = time.monotonic() + 10
+        record = None
+        while record is None and time.monotonic() < deadline:
+            record = await ledger.get(again["id"])
+        assert record is not None
+        assert record.cached_tokens == details["cached_tokens"]
+        assert record.cached_host_tokens == details["cached_tokens_host"]
+        assert record.cached_disk_tokens == details["cached_tokens_disk"]
+        await client.aclose()
+    finally:
+        server.stop()
+        worker.stop()

@@ -13,11 +13,24 @@ def test_kv_cache_dtype_option_reaches_the_config():
     assert _engine_config(parser.parse_args(["engine"])).cache.kv_cache_dtype is None
 
 
+def test_kv_tier_options_reach_the_config():
+    args = build_parser().parse_args(
+        ["engine", "--kv-host-gb", "2", "--kv-disk-gb", "0.5", "--kv-disk-path", "/srv/kv"]
+    )
+    cache = _engine_config(args).cache
+    assert cache.host_memory_bytes == 2 << 30 and cache.disk_bytes == 1 << 29
+    assert cache.disk_path == "/srv/kv"
+    assert _engine_config(build_parser().parse_args(["engine"])).cache.host_memory_bytes == 0
+
+
 def test_serve_passes_engine_options_to_its_worker():
     parser = build_parser()
     argv = _engine_argv(
-        parser.parse_args(["serve", "--kv-cache-dtype", "fp8_e4m3", "--no-prefix-caching"])
+        parser.parse_args(
+            ["serve", "--kv-cache-dtype", "fp8_e4m3", "--no-prefix-caching", "--kv-host-gb", "4"]
+        )
     )
     assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
+    assert argv[argv.index("--kv-host-gb") + 1] == "4.0"
     assert "--no-prefix-caching" in argv
     assert _engine_argv(parser.parse_args(["serve"])) == []

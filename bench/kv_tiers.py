@@ -1,0 +1,183 @@
+"""Copy bandwidth of each KV tier path against a raw copy of the same bytes on this machine.
+
+Pages of SmolLM2's shape (30 layers, 3 KV heads of 64, 16-token blocks, bf16 or FP8) move:
+
+- device -> host: `KVOffloader.spill` (gather the blocks' pages from every layer, store them
+  in host slots), against one `copy_` of a contiguous tensor of the same size;
+- host -> device: `KVOffloader.load` (read the host slots, scatter into every layer), against
+  the same raw copy the other way;
+- host -> disk: pages written through the disk tier (staging, CRC-32, `O_DIRECT` where
+  possible, background thread), against `O_DIRECT` writes of 4 MiB chunks of one file;
+- disk -> host: pages read back and checked, against `O_DIRECT` reads of 4 MiB chunks.
+
+On CPU machines the "device" is host memory. With `--device cuda` the device pool is on the
+GPU and the raw copies go between pinned host memory and the device.
+
+    python bench/kv_tiers.py            # 256 pages
+    python bench/kv_tiers.py --quick    # 32 pages
+
+The last printed line is one JSON object; the full record goes to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import machine_info, write_result
+from kvstore.base import KVCacheSpec
+from kvstore.device_pool import DeviceKVPool
+from kvstore.tiers import KVOffloader, TieredKVStore
+
+CHUNK = 4 << 20
+
+
+def best_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def raw_disk(directory: Path, nbytes: int, repeats: int) -> tuple[float, float]:
+    """Best write and read seconds for `nbytes` through O_DIRECT in 4 MiB chunks."""
+    path = directory / "raw.bin"
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    buf = mmap.mmap(-1, CHUNK)
+    buf.write(os.urandom(CHUNK))
+    chunks = -(-nbytes // CHUNK)
+
+    def write() -> None:
+        for i in range(chunks):
+            os.pwritev(fd, [buf], i * CHUNK)
+
+    def read() -> None:
+        for i in range(chunks):
+            os.preadv(fd, [buf], i * CHUNK)
+
+    try:
+        return best_seconds(write, repeats, lambda: None), best_seconds(read, repeats, lambda: None)
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pages", type=int, default=256)
+    ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "fp8_e4m3"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--disk-path", default=None, help="default: a temporary directory")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.pages, args.repeats = 32, 2
+    device = torch.device(args.device)
+    dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8_e4m3" else torch.bfloat16
+    spec = KVCacheSpec(30, 3, 64, 16, dtype)
+    n = args.pages
+    pool = DeviceKVPool(spec, 2 * n, device)
+    pool.kv.view(torch.uint8).random_(0, 120)
+    directory = Path(tempfile.mkdtemp(prefix="strata-kv-bench-", dir=args.disk_path))
+    page = spec.bytes_per_block
+    nbytes = n * page
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    pinned = device.type == "cuda"
+    host = TieredKVStore(page, host_blocks=n, pin=pinned)
+    offloader = KVOffloader(pool, host)
+    keys = [i.to_bytes(16, "little") for i in range(n)]
+    blocks = list(range(n))
+    seconds: dict[str, float] = {}
+
+    assert host.host is not None
+    host_pool = host.host
+
+    def spill() -> None:
+        host_pool.clear()  # every repeat copies every page
+        offloader.spill(list(zip(blocks, keys, strict=True)))
+
+    seconds["device_to_host"] = best_seconds(spill, args.repeats, sync)
+    seconds["host_to_device"] = best_seconds(
+        lambda: offloader.load(list(range(n, 2 * n)), keys), args.repeats, sync
+    )
+    assert torch.equal(pool.read_pages(list(range(n, 2 * n))), pool.read_pages(blocks))
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    seconds["raw_device_to_host"] = best_seconds(lambda: src.copy_(dst), args.repeats, sync)
+    seconds["raw_host_to_device"] = best_seconds(lambda: dst.copy_(src), args.repeats, sync)
+
+    pages = pool.read_pages(blocks).cpu()
+    disk_seconds = {"write": float("inf"), "read": float("inf")}
+    direct = False
+    for _ in range(args.repeats):
+        disk = TieredKVStore(page, host_blocks=0, disk_blocks=n, disk_dir=directory)
+        assert disk.disk is not None, "the disk tier could not be created"
+        direct = disk.disk.direct
+        start = time.perf_counter()
+        for key, p in zip(keys, pages, strict=True):
+            disk.put(key, p)
+        disk.disk.reap(wait=True)
+        disk_seconds["write"] = min(disk_seconds["write"], time.perf_counter() - start)
+        start = time.perf_counter()
+        for key in keys:
+            assert disk.get(key) is not None
+        disk_seconds["read"] = min(disk_seconds["read"], time.perf_counter() - start)
+        disk.close()
+    seconds["host_to_disk"] = disk_seconds["write"]
+    seconds["disk_to_host"] = disk_seconds["read"]
+    raw_write, raw_read = raw_disk(directory, nbytes, args.repeats)
+    seconds["raw_host_to_disk"], seconds["raw_disk_to_host"] = raw_write, raw_read
+    directory.rmdir()
+
+    gbps = {name: round(nbytes / s / 1e9, 2) for name, s in seconds.items()}
+    paths = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host")
+    summary = {
+        "gb_per_s": {p: gbps[p] for p in paths},
+        "raw_gb_per_s": {p: gbps[f"raw_{p}"] for p in paths},
+        "fraction_of_raw": {p: round(gbps[p] / gbps[f"raw_{p}"], 3) for p in paths},
+    }
+    for p in paths:
+        print(f"{p:>15}: {gbps[p]:6.2f} GB/s (raw copy {gbps[f'raw_{p}']:6.2f} GB/s)")
+    record = {
+        "benchmark": "kv_tiers",
+        **machine_info(device),
+        "pages": n,
+        "page_bytes": page,
+        "kv_dtype": args.kv_dtype,
+        "o_direct": direct,
+        "repeats": args.repeats,
+        "quick": args.quick,
+        **summary,
+    }
+    print(f"wrote {write_result(args.out_dir, 'kv_tiers', record)}")
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

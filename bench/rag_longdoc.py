@@ -1,0 +1,167 @@
+"""Long-document QA: time to first token with KV tiers versus recomputing evicted documents.
+
+D documents of L tokens each (slices of `pydoc_data.topics`, the Python reference text), more
+than the device KV pool holds, are each read once; then Q questions per document arrive in
+shuffled order, one at a time. Each question is its document followed by a short question,
+so a request either finds the document's KV in some tier or prefills it again.
+
+Two engines on the same model, dtype and device pool size:
+
+- `tiers`: a host tier of about a third of the documents and a disk tier holding them all;
+- `recompute`: the device prefix cache alone (what still sits on the device is reused,
+  everything else is prefilled again).
+
+Reported: TTFT p50/p99 of the questions for both, the speedup of the p50, and where the
+document tokens came from with tiers (hit rate per tier, of the questions' prompt tokens).
+
+    python bench/rag_longdoc.py            # D=8, L=2048, Q=4
+    python bench/rag_longdoc.py --quick    # D=4, L=512, Q=2
+
+The last printed line is one JSON object; the full record goes to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pydoc_data.topics
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import machine_info, write_result
+from bench.gateway_overhead import percentile
+from engine.config import CacheConfig, EngineConfig, KVCacheDtype
+from engine.llm import LLM
+from engine.protocol import SamplingParams
+from kvstore.tiers import disk_slot_nbytes
+
+QUESTIONS = [
+    "\n\nQuestion: What is the main topic of this section?\nAnswer:",
+    "\n\nQuestion: Give one example from the text above.\nAnswer:",
+    "\n\nQuestion: Which keywords does it mention?\nAnswer:",
+    "\n\nQuestion: Summarize it in one sentence.\nAnswer:",
+]
+
+
+def documents(llm: LLM, count: int, length: int) -> list[list[int]]:
+    topics = pydoc_data.topics.topics
+    ids = llm.tokenizer.encode("\n\n".join(topics[name] for name in sorted(topics)))
+    if len(ids) < count * length:
+        raise SystemExit(f"the reference text has {len(ids)} tokens; need {count * length}")
+    return [ids[i * length : (i + 1) * length] for i in range(count)]
+
+
+def run(
+    llm: LLM, docs: list[list[int]], order: list[tuple[int, int]], questions: list[list[int]]
+) -> dict:
+    first = SamplingParams(max_tokens=1, temperature=0.0)
+    for d, doc in enumerate(docs):  # each document read once, in order
+        llm.generate([doc + questions[d % len(questions)]], first)
+    ttft, prompt, cached = [], 0, {"device": 0, "host": 0, "disk": 0}
+    for d, q in order:
+        start = time.perf_counter()
+        (out,) = llm.generate([docs[d] + questions[q]], first)
+        ttft.append(time.perf_counter() - start)
+        prompt += len(out.prompt_token_ids)
+        below = out.num_cached_host_tokens + out.num_cached_disk_tokens
+        cached["device"] += out.num_cached_tokens - below
+        cached["host"] += out.num_cached_host_tokens
+        cached["disk"] += out.num_cached_disk_tokens
+    llm.core.check_integrity()
+    return {
+        "ttft_p50_ms": round(percentile(ttft, 0.5) * 1e3, 2),
+        "ttft_p99_ms": round(percentile(ttft, 0.99) * 1e3, 2),
+        "hit_rate": {tier: round(n / prompt, 4) for tier, n in cached.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--doc-tokens", type=int, default=2048)
+    ap.add_argument("--questions", type=int, default=4, help="per document")
+    ap.add_argument("--device-docs", type=float, default=2.5, help="documents the device holds")
+    ap.add_argument("--host-docs", type=float, default=3.0, help="documents the host tier holds")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=[d.value for d in KVCacheDtype])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--disk-path", default=None, help="default: a temporary directory")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.docs, args.doc_tokens, args.questions = 4, 512, 2
+    if args.questions > len(QUESTIONS):
+        raise SystemExit(f"at most {len(QUESTIONS)} questions per document")
+
+    rng = random.Random(args.seed)  # the question order
+    order = [(d, q) for d in range(args.docs) for q in range(args.questions)]
+    rng.shuffle(order)
+    kv = KVCacheDtype(args.kv_cache_dtype)
+    block = 16
+    disk_dir = Path(args.disk_path or tempfile.mkdtemp(prefix="strata-rag-"))
+    small = CacheConfig(block_size=block, kv_cache_dtype=kv, num_blocks=2)
+    probe = LLM(EngineConfig(dtype=args.dtype, device="cpu", cache=small))
+    page_nbytes = probe.core.pool.spec.bytes_per_block
+    questions = [probe.tokenizer.encode(q, add_special_tokens=False) for q in QUESTIONS]
+    docs = documents(probe, args.docs, args.doc_tokens)
+    del probe
+    doc_blocks = -(-(args.doc_tokens + 32) // block)
+    results = {}
+    for name in ("tiers", "recompute"):
+        tiered = name == "tiers"
+        cache = CacheConfig(
+            block_size=block,
+            kv_cache_dtype=kv,
+            num_blocks=int(args.device_docs * doc_blocks),
+            host_memory_bytes=int(args.host_docs * doc_blocks) * page_nbytes if tiered else 0,
+            disk_bytes=2 * args.docs * doc_blocks * disk_slot_nbytes(page_nbytes) if tiered else 0,
+            disk_path=str(disk_dir),
+        )
+        llm = LLM(EngineConfig(dtype=args.dtype, device="cpu", cache=cache))
+        results[name] = run(llm, docs, order, questions)
+        stats = llm.core.stats()
+        results[name]["disk_blocks_used"] = stats.num_kv_disk_blocks_used
+        print(f"{name:>9}: {results[name]}", flush=True)
+        if llm.core.tiers is not None:
+            llm.core.tiers.close()
+        del llm
+
+    tiers, recompute = results["tiers"], results["recompute"]
+    summary = {
+        "ttft_p50_ms": {"tiers": tiers["ttft_p50_ms"], "recompute": recompute["ttft_p50_ms"]},
+        "ttft_p99_ms": {"tiers": tiers["ttft_p99_ms"], "recompute": recompute["ttft_p99_ms"]},
+        "speedup": round(recompute["ttft_p50_ms"] / tiers["ttft_p50_ms"], 2),
+        "hit_rate": tiers["hit_rate"],
+    }
+    record = {
+        "benchmark": "rag_longdoc",
+        **machine_info(torch.device("cpu")),
+        "model": "default (SmolLM2-135M-Instruct)",
+        "dtype": args.dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "docs": args.docs,
+        "doc_tokens": args.doc_tokens,
+        "questions_per_doc": args.questions,
+        "device_docs": args.device_docs,
+        "host_docs": args.host_docs,
+        "page_bytes": page_nbytes,
+        "seed": args.seed,
+        "quick": args.quick,
+        "recompute_hit_rate": recompute["hit_rate"],
+        **summary,
+    }
+    print(f"wrote {write_result(args.out_dir, 'rag_longdoc', record)}")
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

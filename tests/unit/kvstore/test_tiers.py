@@ -1,0 +1,204 @@
+"""Host and disk tiers: bit-exact round trips, checksums, a disk that fails, and the block
+manager driving them through a seeded stress run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import resource
+import signal
+import time
+import zlib
+
+import pytest
+import torch
+
+from engine.block_manager import BlockManager, chain_hashes, root_hash
+from kvstore.base import KVCacheSpec
+from kvstore.device_pool import DeviceKVPool
+from kvstore.tiers import KVOffloader, Tier, TieredKVStore
+
+CPU = torch.device("cpu")
+
+
+def filled_pool(dtype: torch.dtype, num_blocks: int = 8, seed: int = 0) -> DeviceKVPool:
+    pool = DeviceKVPool(KVCacheSpec(3, 2, 64, 4, dtype), num_blocks, CPU)
+    g = torch.Generator().manual_seed(seed)
+    raw = pool.kv.view(torch.uint8)
+    raw.copy_(torch.randint(0, 120, raw.shape, generator=g, dtype=torch.uint8))  # finite
+    if pool.scales is not None:
+        pool.scales.copy_(torch.rand(pool.scales.shape, generator=g))
+    return pool
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16])
+def test_device_host_disk_device_round_trip_is_bit_exact(tmp_path, dtype):
+    pool = filled_pool(dtype)
+    page = pool.spec.bytes_per_block
+    store = TieredKVStore(page, host_blocks=2, disk_blocks=4, disk_dir=tmp_path)
+    assert store.disk is not None
+    offloader = KVOffloader(pool, store)
+    original = pool.read_pages([0, 1, 2, 3])
+    offloader.spill([(b, key(b)) for b in range(4)])  # host holds 2; the 2 older go to disk
+    assert [store.tier_of(key(b)) for b in range(4)] == [Tier.DISK] * 2 + [Tier.HOST] * 2
+    store.disk.reap(wait=True)  # the writes have landed: the next reads come from the file
+    assert not store.disk._pending
+    pool.kv.zero_()
+    if pool.scales is not None:
+        pool.scales.zero_()
+    tiers = offloader.load([7, 6, 5, 4], [key(b) for b in range(4)])
+    assert tiers == [Tier.DISK, Tier.DISK, Tier.HOST, Tier.HOST]
+    assert torch.equal(pool.read_pages([7, 6, 5, 4]), original)
+    store.check_integrity()
+    store.close()
+
+
+def test_a_page_still_being_written_reads_from_its_staging_buffer(tmp_path):
+    pool = filled_pool(torch.bfloat16)
+    store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=0, disk_blocks=2,
+                          disk_dir=tmp_path)  # fmt: skip
+    page = pool.read_pages([3])[0]
+    assert store.disk is not None
+    store.disk._io.submit(time.sleep, 0.3)  # hold the writer back
+    store.put(key(3), page)
+    got = store.get(key(3))
+    assert got is not None and got[1] is Tier.DISK and torch.equal(got[0], page)
+    store.close()
+
+
+def test_corrupt_or_truncated_disk_pages_are_misses(tmp_path, caplog):
+    pool = filled_pool(torch.float8_e4m3fn)
+    store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=0, disk_blocks=4,
+                          disk_dir=tmp_path)  # fmt: skip
+    disk = store.disk
+    assert disk is not None
+    for b in range(3):
+        store.put(key(b), pool.read_pages([b])[0])
+    disk.reap(wait=True)
+    raw = os.open(f"/proc/self/fd/{disk.fd}", os.O_RDWR)  # the (unlinked) file, buffered I/O
+    os.pwrite(raw, b"\xff" * 64, disk.slots[key(1)] * disk.slot_nbytes + 100)  # bit rot
+    os.close(raw)
+    with caplog.at_level(logging.WARNING):
+        assert store.get(key(1)) is None
+    assert "checksum" in caplog.text
+    assert store.tier_of(key(1)) is None  # forgotten, never served
+    assert store.get(key(0)) is not None
+    os.ftruncate(disk.fd, disk.slots[key(2)] * disk.slot_nbytes + 10)  # a truncated file
+    assert store.get(key(2)) is None
+    assert disk.num_checksum_failures == 2
+    store.check_integrity()
+    store.close()
+
+
+def test_unusable_disk_path_disables_the_disk_tier_with_a_warning(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING):
+        store = TieredKVStore(4096, host_blocks=2, disk_blocks=4, disk_dir=blocker / "kv")
+    assert store.disk is None and store.host is not None
+    assert "KV disk tier disabled" in caplog.text
+    store.put(key(1), torch.zeros(4096, dtype=torch.uint8))
+    store.put(key(2), torch.zeros(4096, dtype=torch.uint8))
+    store.put(key(3), torch.zeros(4096, dtype=torch.uint8))  # evicts key 1: nowhere to go
+    assert store.tier_of(key(1)) is None and store.num_dropped == 1
+
+
+@pytest.fixture
+def file_size_limit():
+    """Cap this process's file size (the kernel then fails writes past it with EFBIG, as a
+    full disk fails them with ENOSPC); restored afterwards."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    def limit(nbytes: int) -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+
+    yield limit
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_a_full_disk_degrades_to_fewer_cached_pages(tmp_path, caplog, file_size_limit):
+    page = 8192
+    with caplog.at_level(logging.WARNING):
+        file_size_limit(3 * page)
+        store = TieredKVStore(page, host_blocks=0, disk_blocks=10, disk_dir=tmp_path)
+        disk = store.disk
+        assert disk is not None and disk.num_blocks == 2  # 10 -> 5 -> 2 pages fit
+        assert "only 2 of 10 pages fit" in caplog.text
+        file_size_limit(page)  # now the disk "fills up" under the pages already placed
+        for b in range(2):
+            store.put(key(b), torch.full((page,), b, dtype=torch.uint8))
+        disk.reap(wait=True)
+    assert disk.num_write_errors == 1  # the page past the limit failed and was let go
+    assert "write failed" in caplog.text
+    assert store.tier_of(key(0)) is Tier.DISK and store.tier_of(key(1)) is None
+    got = store.get(key(0))
+    assert got is not None and int(got[0][0]) == 0
+    store.check_integrity()
+    store.close()
+
+
+def test_block_manager_stress_keeps_every_tier_consistent(tmp_path):
+    """Seeded submits, frees and prefix reuse over a tiny device pool and tiny tiers: every
+    block ever loaded back holds exactly the page its hash was computed with."""
+    pool = DeviceKVPool(KVCacheSpec(1, 1, 16, 4, torch.float32), 6, CPU)
+    store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=3, disk_blocks=5,
+                          disk_dir=tmp_path)  # fmt: skip
+    bm = BlockManager(6, 4, offloader=KVOffloader(pool, store))
+    rng = random.Random(7)
+    docs = [[rng.randrange(50) for _ in range(12)] for _ in range(6)]
+
+    def page_for(h: bytes) -> torch.Tensor:
+        return torch.full((4, 1, 16), float(zlib.crc32(h)), dtype=torch.float32)
+
+    live: dict[str, list[bytes]] = {}
+    loaded = 0
+    for step in range(400):
+        if live and (len(live) > 1 or rng.random() < 0.4):
+            rid = rng.choice(sorted(live))
+            del live[rid]
+            bm.free(rid)
+        else:
+            rid = f"r{step}"
+            tokens = [*rng.choice(docs), rng.randrange(50)]
+            hashes = chain_hashes(root_hash("t"), tokens, 4, 0)[:3]
+            hits = bm.lookup(hashes)
+            below = bm.lookup_below(hashes[len(hits) :])
+            if not bm.can_allocate(rid, len(tokens), hits):
+                continue
+            table = bm.allocate(rid, len(tokens), hits)
+            for block, h in zip(table, hashes[: len(hits)], strict=False):
+                assert torch.equal(pool.kv[0, 0, block], page_for(h))
+            tiers = bm.load_below(rid, len(hits), below)
+            loaded += len(tiers)
+            for i, h in enumerate(below[: len(tiers)]):
+                assert torch.equal(pool.kv[0, 0, table[len(hits) + i]], page_for(h))
+            for i in range(len(hits) + len(tiers), len(hashes)):  # "compute" the rest
+                pool.kv[0, 0, table[i]] = page_for(hashes[i])
+                pool.kv[0, 1, table[i]] = page_for(hashes[i])
+            bm.commit(rid, hashes)
+            live[rid] = hashes
+        bm.check_integrity()
+    assert loaded > 20
+    assert bm.num_tier_hit_blocks[Tier.HOST] > 0 and bm.num_tier_hit_blocks[Tier.DISK] > 0
+    store.close()
+
+
+def test_spilling_never_pushes_out_the_pages_about_to_be_loaded(tmp_path):
+    store = TieredKVStore(4096, host_blocks=2, disk_blocks=4, disk_dir=tmp_path)
+    page = torch.zeros(4096, dtype=torch.uint8)
+    store.put(key(1), page)
+    store.put(key(2), page)
+    store.put(key(3), page, keep={key(1)})  # evicts key 2, the oldest not kept
+    assert store.tier_of(key(1)) is Tier.HOST and store.tier_of(key(2)) is Tier.DISK
+    store.put(key(4), page, keep={key(1), key(3)})  # nothing evictable: straight to disk
+    assert store.tier_of(key(4)) is Tier.DISK
+    assert {store.tier_of(key(1)), store.tier_of(key(3))} == {Tier.HOST}
+    store.check_integrity()
+    store.close()
