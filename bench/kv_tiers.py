@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def spill() -> None:
         host_pool.clear()  # every repeat copies every page
-        offloader.spill(list(zip(blocks, keys, strict=True)))
+        offloader.spill([(b, k, "") for b, k in zip(blocks, keys, strict=True)])
 
     seconds["device_to_host"] = best_seconds(spill, args.repeats, sync)
     seconds["host_to_device"] = best_seconds(

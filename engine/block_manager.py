@@ -65,6 +65,8 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         self._hash_of: dict[int, bytes] = {}  # cached blocks, held or free
         self._cached: dict[bytes, int] = {}
+        self._owner: dict[str, str] = {}  # request id -> the tenant it runs for
+        self._block_owner: dict[int, str] = {}  # cached block -> tenant that cached it last
         self.offloader = offloader if enable_caching else None
         self.num_hit_blocks = 0
         self.num_evicted_blocks = 0
@@ -115,10 +117,7 @@ class BlockManager:
         table = self._tables[request_id]
         tiers = self.offloader.load(table[start : start + len(hashes)], hashes)
         for i, tier in enumerate(tiers):
-            block, h = table[start + i], hashes[i]
-            if block not in self._hash_of and h not in self._cached:
-                self._hash_of[block] = h
-                self._cached[h] = block
+            self._cache(table[start + i], hashes[i], self._owner.get(request_id, ""))
             self.num_tier_hit_blocks[tier] += 1
         return tiers
 
@@ -129,11 +128,15 @@ class BlockManager:
             return
         table = self._tables[request_id]
         for i in range(start, min(len(hashes), len(table))):
-            block, h = table[i], hashes[i]
-            if block in self._hash_of or h in self._cached:
-                continue
-            self._hash_of[block] = h
-            self._cached[h] = block
+            self._cache(table[i], hashes[i], self._owner.get(request_id, ""))
+
+    def _cache(self, block: int, h: bytes, owner: str) -> None:
+        """Make `block` findable under `h` (unless either is cached already)."""
+        if block in self._hash_of or h in self._cached:
+            return
+        self._hash_of[block] = h
+        self._cached[h] = block
+        self._block_owner[block] = owner
 
     # -- allocation ---------------------------------------------------------------------------
 
@@ -155,13 +158,17 @@ class BlockManager:
         num_tokens: int,
         hits: Sequence[int] = (),
         below: Sequence[bytes] = (),
+        owner: str = "",
     ) -> list[int]:
         """Grow the request's table to cover `num_tokens` tokens, starting a new table with
         the cached blocks `hits` (from `lookup`); returns the table. `below` names the pages
         (from `lookup_below`) that `load_below` will fetch next: evictions spill around them.
+        `owner` (the tenant, for a new table) is charged for the blocks it caches.
 
         Mutates the free list and the cache. The caller must have checked `can_allocate`.
         """
+        if request_id not in self._tables:
+            self._owner[request_id] = owner
         table = self._tables.setdefault(request_id, [])
         if hits:
             assert not table, "cache hits only start a table"
@@ -173,29 +180,32 @@ class BlockManager:
             self.num_hit_blocks += len(hits)
         need = self.blocks_for_tokens(num_tokens) - len(table)
         assert need <= len(self._free), "allocate() without can_allocate()"
-        evicted: list[tuple[int, bytes]] = []
+        evicted: list[tuple[int, bytes, str]] = []
         for _ in range(need):
             block, _ = self._free.popitem(last=False)
-            h = self._evict(block)
-            if h is not None:
-                evicted.append((block, h))
+            gone = self._evict(block)
+            if gone is not None:
+                evicted.append((block, *gone))
             self._refs[block] = 1
             table.append(block)
         if evicted and self.offloader is not None:
             self.offloader.spill(evicted, keep=set(below))  # before anything overwrites them
         return table
 
-    def _evict(self, block: int) -> bytes | None:
+    def _evict(self, block: int) -> tuple[bytes, str] | None:
+        """Forget a cached block; its hash and owner, or None if it was not cached."""
         h = self._hash_of.pop(block, None)
-        if h is not None:
-            del self._cached[h]
-            self.num_evicted_blocks += 1
-        return h
+        if h is None:
+            return None
+        del self._cached[h]
+        self.num_evicted_blocks += 1
+        return h, self._block_owner.pop(block)
 
     def free(self, request_id: str) -> int:
         """Drop the request's hold on its blocks; returns how many it held. Blocks nobody
         holds go to the free list, the request's last block first (so it is reused first)."""
         table = self._tables.pop(request_id, [])
+        self._owner.pop(request_id, None)
         for block in reversed(table):
             self._refs[block] -= 1
             if self._refs[block] == 0:
@@ -206,6 +216,17 @@ class BlockManager:
         """Forget every cached block (held blocks keep their contents)."""
         self._hash_of.clear()
         self._cached.clear()
+        self._block_owner.clear()
+
+    def blocks_by_owner(self) -> dict[str, int]:
+        """Device blocks per tenant: those its requests hold, and cached ones it left."""
+        held: dict[str, set[int]] = {}
+        for rid, table in self._tables.items():
+            held.setdefault(self._owner.get(rid, ""), set()).update(table)
+        for block in self._free:
+            if block in self._block_owner:
+                held.setdefault(self._block_owner[block], set()).add(block)
+        return {owner: len(blocks) for owner, blocks in held.items()}
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables[request_id]
@@ -228,6 +249,8 @@ class BlockManager:
         free = {b for b in range(self.num_blocks) if held[b] == 0}
         assert set(self._free) == free, "the free list is not the unheld blocks"
         assert len(self._cached) == len(self._hash_of), "cache maps disagree"
+        assert set(self._block_owner) == set(self._hash_of), "cached blocks without owners"
+        assert set(self._owner) == set(self._tables), "tables without owners"
         for h, b in self._cached.items():
             assert self._hash_of.get(b) == h, "a cached hash points at the wrong block"
         if self.offloader is not None:

@@ -119,6 +119,13 @@ class EngineCore:
         params.validate(self.vocab_size)
         sched = scheduling or Scheduling()
         sched.validate()
+        if self.tiers is not None:
+            bs = self.pool.spec.block_size
+            self.tiers.set_allowance(
+                sched.tenant,
+                None if sched.kv_host_tokens is None else sched.kv_host_tokens // bs,
+                None if sched.kv_disk_tokens is None else sched.kv_disk_tokens // bs,
+            )
         request = Request(
             request_id, prompt_token_ids, params, priority=sched.priority, tenant=sched.tenant,
             weight=sched.weight, cache_salt=sched.cache_salt, device=self.device,
@@ -208,6 +215,7 @@ class EngineCore:
             num_kv_host_blocks_used=0 if host is None else host.num_used,
             num_kv_disk_blocks_total=0 if disk is None else disk.num_blocks,
             num_kv_disk_blocks_used=0 if disk is None else disk.num_used,
+            kv_blocks_by_tenant=self._blocks_by_tenant(),
             num_cache_hit_blocks={
                 "device": bm.num_hit_blocks,
                 "host": bm.num_tier_hit_blocks[Tier.HOST],
@@ -217,6 +225,13 @@ class EngineCore:
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
         )
+
+    def _blocks_by_tenant(self) -> dict[str, dict[str, int]]:
+        by_tenant = {t: {"device": n} for t, n in self.block_manager.blocks_by_owner().items()}
+        if self.tiers is not None:
+            for tenant, tiers in self.tiers.pages_by_owner().items():
+                by_tenant.setdefault(tenant, {}).update(tiers)
+        return by_tenant
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(

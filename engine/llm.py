@@ -6,6 +6,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.factory import create_engine
@@ -61,8 +63,11 @@ class LLM:
         *,
         chat: bool = False,
         priorities: Sequence[int] | None = None,
+        scheduling: Scheduling | None = None,
     ) -> list[Completion]:
         """Run all prompts as one continuously batched workload; results in prompt order.
+        `scheduling` applies to every prompt (`priorities`, when given, override its
+        priority one by one).
 
         Raises InvalidRequestError (before anything runs) if any request is invalid.
         """
@@ -78,7 +83,9 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
                 rid = f"gen-{next(self._ids)}"
                 ids = self.encode(prompt, chat=chat)
-                sched = Scheduling(priority=priorities[i]) if priorities else None
+                sched = scheduling
+                if priorities:
+                    sched = msgspec.structs.replace(sched or Scheduling(), priority=priorities[i])
                 self.core.add_request(rid, ids, p, scheduling=sched)
                 added.append(rid)
                 results[rid] = Completion(rid, ids)

@@ -100,16 +100,24 @@ class Scheduling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     policy shares the engine between `tenant`s in proportion to their `weight`.
     `cache_salt` is part of every prefix-cache key: requests reuse each other's KV only
     when their salts are equal (the gateway sets it from the tenant record).
+    `kv_host_tokens` and `kv_disk_tokens` cap the tenant's cached KV in host RAM and on disk
+    (None: no cap of its own; 0: none in that tier); the latest request's caps apply.
     """
 
     priority: int = 0
     tenant: str = ""
     weight: float = 1.0
     cache_salt: str = ""
+    kv_host_tokens: int | None = None
+    kv_disk_tokens: int | None = None
 
     def validate(self) -> None:
         if not 0.0 < self.weight <= 1e6:
             raise InvalidRequestError("weight must be in (0, 1e6]")
+        for name in ("kv_host_tokens", "kv_disk_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise InvalidRequestError(f"{name} must not be negative")
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -159,6 +167,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_kv_disk_blocks_used: int = 0
     # prefix-cache hits since start, in blocks, by the tier each block came from
     num_cache_hit_blocks: dict[str, int] = msgspec.field(default_factory=dict)
+    # blocks per tenant per tier ("device", "host", "disk"): held by its requests or cached
+    kv_blocks_by_tenant: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
     num_preemptions: int
     num_steps: int
     num_generated_tokens: int

@@ -141,7 +141,9 @@ class Scheduler:
                 if not self.block_manager.can_allocate(req.request_id, target, hits):
                     break
                 self.waiting.pop()
-                table = self.block_manager.allocate(req.request_id, target, hits, below)
+                table = self.block_manager.allocate(
+                    req.request_id, target, hits, below, owner=req.tenant
+                )
                 # prefetch: pages found below the device are copied into the new blocks now,
                 # before the step that reads them; a page that fails to load is computed
                 tiers = self.block_manager.load_below(req.request_id, len(hits), below)

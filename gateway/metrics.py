@@ -72,6 +72,12 @@ class GatewayMetrics:
         )
         self.kv_used = Gauge("strata:kv_blocks_used", "KV-cache blocks in use", registry=r)
         self.kv_total = Gauge("strata:kv_blocks_total", "KV-cache blocks in the pools", registry=r)
+        self.kv_blocks = Gauge(
+            "strata:kv_blocks",
+            "KV-cache blocks per tenant and tier (device, host, disk): held or cached",
+            ["tenant", "tier"],
+            registry=r,
+        )
         self.kv_bytes_per_token = Gauge(
             "strata:kv_cache_bytes_per_token",
             "KV-cache bytes per token (K and V, every layer, FP8 scales included)",
@@ -97,8 +103,18 @@ class GatewayMetrics:
                 self.itl.labels(t).observe(decode / (rec.completion_tokens - 1))
 
     def set_engine(
-        self, waiting: int, running: int, kv_used: int, kv_total: int, kv_bytes_per_token: int
+        self,
+        waiting: int,
+        running: int,
+        kv_used: int,
+        kv_total: int,
+        kv_bytes_per_token: int,
+        kv_blocks: dict[tuple[str, str], int],
     ) -> None:
+        """Engine-wide figures, summed over workers; `kv_blocks` by (tenant, tier)."""
+        self.kv_blocks.clear()  # tenants whose blocks are all gone drop out
+        for (tenant, tier), n in kv_blocks.items():
+            self.kv_blocks.labels(tenant, tier).set(n)
         self.waiting.set(waiting)
         self.running.set(running)
         self.kv_used.set(kv_used)

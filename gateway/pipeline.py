@@ -105,7 +105,7 @@ class Pipeline:
             decision = await self.admission.reserve(
                 tenant.id, policy, job.request_id,
                 prompt_tokens=job.num_prompt_tokens, max_tokens=max_total,
-                kv_tokens=job.n * (job.num_prompt_tokens + job.max_tokens),
+                kv_tokens=job.kv_tokens,
             )  # fmt: skip
         except StoreUnavailableError as exc:
             if policy.on_store_unavailable == "fail_open":

@@ -42,6 +42,7 @@ class Job:
     user: str | None
     scheduling: Scheduling
     echo_text: str | None = None  # completions with echo=True
+    kv_block_size: int = 1  # the engine's KV block, the unit its caches are held in
     created: int = field(default_factory=lambda: int(time.time()))
     started_at: float = field(default_factory=time.time)
     started: float = field(default_factory=time.perf_counter)
@@ -53,6 +54,13 @@ class Job:
     @property
     def max_tokens(self) -> int:
         return self.params.max_tokens
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV the job may hold at its peak, in whole blocks (as the engine allocates and
+        reports it), counted in tokens: every choice's prompt plus max_tokens."""
+        per_choice = -(-(self.num_prompt_tokens + self.max_tokens) // self.kv_block_size)
+        return self.n * per_choice * self.kv_block_size
 
 
 def cache_salt(tenant: Tenant) -> str:
@@ -209,9 +217,10 @@ class Preparer:
         return Job(
             request_id=request_id, endpoint=endpoint, model=body.model, prompt_ids=prompt_ids,
             params=params, n=body.n, stream=body.stream, include_usage=include_usage,
-            user=body.user,
+            user=body.user, kv_block_size=self.info.kv_block_size,
             scheduling=Scheduling(
                 priority=policy.priority, tenant=tenant.id, weight=policy.weight,
-                cache_salt=cache_salt(tenant),
+                cache_salt=cache_salt(tenant), kv_host_tokens=policy.kv_host_tokens,
+                kv_disk_tokens=policy.kv_disk_tokens,
             ),
         )  # fmt: skip

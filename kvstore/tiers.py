@@ -50,6 +50,37 @@ class Tier(enum.Enum):
     DISK = "disk"
 
 
+class _Owners:
+    """Which tenant each page of a tier belongs to, with a count per tenant."""
+
+    def __init__(self) -> None:
+        self.of: dict[bytes, str] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, key: bytes, owner: str) -> None:
+        self.of[key] = owner
+        self.counts[owner] = self.counts.get(owner, 0) + 1
+
+    def remove(self, key: bytes) -> None:
+        owner = self.of.pop(key)
+        self.counts[owner] -= 1
+        if not self.counts[owner]:
+            del self.counts[owner]
+
+    def oldest(
+        self, order: Collection[bytes], owner: str | None, keep: Collection[bytes]
+    ) -> bytes | None:
+        """The first key of `order` (least recently used first) that belongs to `owner`
+        (any owner when None) and is not in `keep`."""
+        return next(
+            (k for k in order if k not in keep and (owner is None or self.of[k] == owner)), None
+        )
+
+    def check(self, keys: Collection[bytes]) -> None:
+        assert set(self.of) == set(keys), "page owners disagree with the pages"
+        assert sum(self.counts.values()) == len(self.of), "owner counts disagree"
+
+
 class HostKVPool:
     """`num_blocks` page slots in one preallocated host tensor."""
 
@@ -58,6 +89,7 @@ class HostKVPool:
         self.num_blocks = num_blocks
         self.data = torch.empty(num_blocks, page_nbytes, dtype=torch.uint8, pin_memory=pin)
         self.slots: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        self.owners = _Owners()
         self._free = list(range(num_blocks - 1, -1, -1))
 
     @property
@@ -67,12 +99,28 @@ class HostKVPool:
     def clear(self) -> None:
         """Forget every page."""
         self.slots.clear()
+        self.owners = _Owners()
         self._free = list(range(self.num_blocks - 1, -1, -1))
+
+    def take(self, key: bytes, owner: str) -> int:
+        """A free slot, now holding `key` for `owner`."""
+        slot = self._free.pop()
+        self.slots[key] = slot
+        self.owners.add(key, owner)
+        return slot
+
+    def release(self, key: bytes) -> int:
+        """Forget `key`; its slot goes back to the free list (returned)."""
+        slot = self.slots.pop(key)
+        self.owners.remove(key)
+        self._free.append(slot)
+        return slot
 
     def check_integrity(self) -> None:
         used = list(self.slots.values())
         assert len(set(used)) == len(used), "two host pages share a slot"
         assert sorted(used + self._free) == list(range(self.num_blocks)), "host slots leak"
+        self.owners.check(self.slots)
 
 
 class DiskKVPool:
@@ -102,6 +150,7 @@ class DiskKVPool:
             self.close()
             raise
         self.slots: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        self.owners = _Owners()
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._checksums: dict[int, int] = {}
         self._pending: dict[int, tuple[Future[None], mmap.mmap]] = {}
@@ -135,18 +184,28 @@ class DiskKVPool:
     def num_used(self) -> int:
         return len(self.slots)
 
-    def write(self, key: bytes, page: torch.Tensor) -> bool:
-        """Start writing `page` under `key` (evicting the least recently used page when
-        full); False when the tier has no usable slot left."""
+    def write(
+        self, key: bytes, page: torch.Tensor, owner: str = "", limit: int | None = None
+    ) -> bool:
+        """Start writing `page` under `key` for `owner`, who may keep at most `limit` pages
+        here (None: no limit). Makes room by dropping the owner's oldest page when it is at
+        its limit, else the least recently used page. False when the page cannot be kept."""
         self.reap()
         if key in self.slots:
             self.slots.move_to_end(key)
             return True
+        if limit == 0:
+            return False
+        if limit is not None and self.owners.counts.get(owner, 0) >= limit:
+            victim = self.owners.oldest(self.slots, owner, ())
+        elif not self._free:
+            victim = self.owners.oldest(self.slots, None, ())
+        else:
+            victim = None
+        if victim is not None:
+            self._forget(victim)
         if not self._free:
-            if not self.slots:
-                return False
-            _, slot = self.slots.popitem(last=False)
-            self._free.append(slot)
+            return False
         slot = self._free.pop()
         # page aligned, as O_DIRECT needs; reused, since fresh memory costs page faults
         staging = self._spare.pop() if self._spare else mmap.mmap(-1, self.slot_nbytes)
@@ -158,6 +217,7 @@ class DiskKVPool:
         future = self._io.submit(self._pwrite, staging, offset)
         self._pending[slot] = (future, staging)
         self.slots[key] = slot
+        self.owners.add(key, owner)
         return True
 
     def _pwrite(self, staging: mmap.mmap, offset: int) -> None:
@@ -197,10 +257,12 @@ class DiskKVPool:
         page = torch.frombuffer(buf, dtype=torch.uint8, count=self.page_nbytes)
         return page.clone() if moving else page  # staging buffers go back to the writer
 
-    def _forget(self, key: bytes) -> None:
+    def _forget(self, key: bytes, reuse: bool = True) -> None:
         slot = self.slots.pop(key)
+        self.owners.remove(key)
         self._checksums.pop(slot, None)
-        self._free.append(slot)
+        if reuse:
+            self._free.append(slot)
 
     def reap(self, wait: bool = False) -> None:
         """Retire finished writes; a failed write loses its page and its slot."""
@@ -218,9 +280,8 @@ class DiskKVPool:
             self.num_write_errors += 1
             log.warning("KV disk tier: write failed (%s); caching fewer pages", exc)
             for key, s in list(self.slots.items()):
-                if s == slot:
-                    del self.slots[key]
-            self._checksums.pop(slot, None)  # the slot is not reused: the disk may be full
+                if s == slot:  # the slot is not reused: the disk may be full
+                    self._forget(key, reuse=False)
 
     def check_integrity(self) -> None:
         used = list(self.slots.values())
@@ -228,6 +289,7 @@ class DiskKVPool:
         assert not set(used) & set(self._free), "a disk slot is both used and free"
         for slot in used:
             assert slot in self._checksums, "a disk page has no checksum"
+        self.owners.check(self.slots)
 
     def close(self) -> None:
         io = getattr(self, "_io", None)
@@ -261,6 +323,7 @@ class TieredKVStore:
                 log.warning("KV disk tier disabled: %s", exc)
         self.num_spilled = {Tier.HOST: 0, Tier.DISK: 0}
         self.num_dropped = 0
+        self.allowances: dict[str, tuple[int | None, int | None]] = {}  # owner -> pages
 
     @property
     def enabled(self) -> bool:
@@ -275,42 +338,72 @@ class TieredKVStore:
                 return tier
         return None
 
-    def put(self, key: bytes, page: torch.Tensor, keep: Collection[bytes] = ()) -> None:
+    def set_allowance(self, owner: str, host_blocks: int | None, disk_blocks: int | None) -> None:
+        """At most this many of `owner`'s pages in each tier (None: no limit of its own)."""
+        if host_blocks is None and disk_blocks is None:
+            self.allowances.pop(owner, None)
+        else:
+            self.allowances[owner] = (host_blocks, disk_blocks)
+
+    def put(
+        self, key: bytes, page: torch.Tensor, keep: Collection[bytes] = (), owner: str = ""
+    ) -> None:
         """Keep a page the device is evicting: in host RAM, or on disk without a host tier.
         Pages under `keep` (about to be loaded) are not pushed out of the host tier for it."""
         if self.tier_of(key, touch=True) is Tier.HOST:
             return
-        row = self.host_slot(key, keep)
+        row = self.host_slot(key, keep, owner)
         if row is None:
-            self._to_disk(key, page)
+            self.to_disk(key, page, owner)
         else:
             row.copy_(page)
 
-    def host_slot(self, key: bytes, keep: Collection[bytes] = ()) -> torch.Tensor | None:
-        """A host slot registered under `key` (not yet in the host tier), for the caller to
-        fill at once; the least recently used page not in `keep` moves to disk to make
-        room. None when there is no host tier or every page in it is kept."""
+    def host_slot(
+        self, key: bytes, keep: Collection[bytes] = (), owner: str = ""
+    ) -> torch.Tensor | None:
+        """A host slot registered under `key` (not yet in the host tier) for `owner`, for
+        the caller to fill at once. To make room, the owner's oldest page moves to disk
+        when the owner is at its host allowance, else the least recently used page does;
+        pages in `keep` never move. None when the page cannot go to host RAM."""
         host = self.host
         if host is None:
             return None
         assert key not in host.slots
-        if not host._free:
-            old = next((k for k in host.slots if k not in keep), None)
-            if old is None:
+        limit = self.allowances.get(owner, (None, None))[0]
+        if limit == 0:
+            return None
+        victim: bytes | None = None
+        if limit is not None and host.owners.counts.get(owner, 0) >= limit:
+            victim = host.owners.oldest(host.slots, owner, keep)
+            if victim is None:
                 return None
-            slot = host.slots.pop(old)
-            self._to_disk(old, host.data[slot])
-            host._free.append(slot)
-        slot = host._free.pop()
-        host.slots[key] = slot
+        elif not host._free:
+            victim = host.owners.oldest(host.slots, None, keep)
+            if victim is None:
+                return None
+        if victim is not None:
+            victim_owner = host.owners.of[victim]
+            slot = host.release(victim)
+            self.to_disk(victim, host.data[slot], victim_owner)
         self.num_spilled[Tier.HOST] += 1
-        return host.data[slot]
+        return host.data[host.take(key, owner)]
 
-    def _to_disk(self, key: bytes, page: torch.Tensor) -> None:
-        if self.disk is not None and self.disk.write(key, page):
+    def to_disk(self, key: bytes, page: torch.Tensor, owner: str = "") -> None:
+        """Write a page to the disk tier (within the owner's allowance), or drop it."""
+        limit = self.allowances.get(owner, (None, None))[1]
+        if self.disk is not None and self.disk.write(key, page, owner, limit):
             self.num_spilled[Tier.DISK] += 1
         else:
             self.num_dropped += 1
+
+    def pages_by_owner(self) -> dict[str, dict[str, int]]:
+        """Pages each owner holds in each tier below the device."""
+        out: dict[str, dict[str, int]] = {}
+        for tier, pool in ((Tier.HOST, self.host), (Tier.DISK, self.disk)):
+            if pool is not None:
+                for owner, n in pool.owners.counts.items():
+                    out.setdefault(owner, {})[tier.value] = n
+        return out
 
     def get(self, key: bytes) -> tuple[torch.Tensor, Tier] | None:
         """A page and the tier it came from, or None (a host view: copy it before the next
@@ -349,23 +442,25 @@ class KVOffloader:
         self.pool = pool
         self.store = store
 
-    def spill(self, evicted: Sequence[tuple[int, bytes]], keep: Collection[bytes] = ()) -> None:
-        """Save the pages of device blocks about to be reused, under their hashes, without
+    def spill(
+        self, evicted: Sequence[tuple[int, bytes, str]], keep: Collection[bytes] = ()
+    ) -> None:
+        """Save the pages of device blocks about to be reused, as (block, hash, owner), without
         pushing the pages under `keep` (the ones about to be loaded) out of host RAM. Pages
         go straight into their host slots; what host RAM cannot take goes to disk."""
-        to_disk: list[tuple[int, bytes]] = []
-        for block, key in evicted:
+        to_disk: list[tuple[int, bytes, str]] = []
+        for block, key, owner in evicted:
             if self.store.tier_of(key, touch=True) is Tier.HOST:
                 continue  # loaded from there earlier: the host copy is still good
-            row = self.store.host_slot(key, keep)
+            row = self.store.host_slot(key, keep, owner)
             if row is None:
-                to_disk.append((block, key))
+                to_disk.append((block, key, owner))
             else:  # filled now: the next slot may push this very page down to disk
                 self.pool.read_pages_into([block], [row])
         if to_disk:
-            pages = self.pool.read_pages([b for b, _ in to_disk]).cpu()
-            for (_, key), page in zip(to_disk, pages, strict=True):
-                self.store.put(key, page, keep)
+            pages = self.pool.read_pages([b for b, _, _ in to_disk]).cpu()
+            for (_, key, owner), page in zip(to_disk, pages, strict=True):
+                self.store.to_disk(key, page, owner)
 
     def find(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from the first, some tier below the device holds (marking

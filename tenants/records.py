@@ -51,6 +51,8 @@ class Policy(Base):
     rpm/tpm are token buckets refilled continuously (capacity = the per-minute figure);
     tpm is charged prompt + max_tokens at admission and credited back what went unused.
     `kv_budget_tokens` caps KV-cache tokens held at once by the tenant's in-flight requests.
+    `kv_host_tokens` and `kv_disk_tokens` cap the tenant's prefix-cache KV kept in the
+    engine's host-RAM and disk tiers (0: none there).
     `priority` (lower is more urgent) and `weight` (fair share) are passed to the engine.
     """
 
@@ -60,6 +62,8 @@ class Policy(Base):
     max_tokens: int | None = None
     max_context_tokens: int | None = None
     kv_budget_tokens: int | None = None
+    kv_host_tokens: int | None = None
+    kv_disk_tokens: int | None = None
     allowed_models: list[str] | None = None
     allowed_adapters: list[str] | None = None
     priority: int = 0
@@ -74,6 +78,10 @@ class Policy(Base):
             value = getattr(self, field)
             if value is not None and value < 1:
                 raise RecordError(f"{field} must be a positive integer or null")
+        for field in ("kv_host_tokens", "kv_disk_tokens"):
+            value = getattr(self, field)
+            if value is not None and value < 0:
+                raise RecordError(f"{field} must be a non-negative integer or null")
         if not 0.0 < self.weight <= 1000.0:
             raise RecordError("weight must be in (0, 1000]")
         if not -1000 <= self.priority <= 1000:
@@ -108,6 +116,8 @@ class PolicyPatch(Base):
     max_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
     max_context_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
     kv_budget_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
+    kv_host_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
+    kv_disk_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
     allowed_models: list[str] | msgspec.UnsetType | None = msgspec.UNSET
     allowed_adapters: list[str] | msgspec.UnsetType | None = msgspec.UNSET
     priority: int | msgspec.UnsetType = msgspec.UNSET

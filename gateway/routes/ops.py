@@ -31,11 +31,17 @@ async def ready(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
 async def metrics(request: Request[Any, Any, Any]) -> bytes:
     gw = gateway_state(request)
     stats = await gw.engines.stats()
+    kv_blocks: dict[tuple[str, str], int] = {}
+    for s in stats:
+        for tenant, tiers in s.kv_blocks_by_tenant.items():
+            for tier, n in tiers.items():
+                kv_blocks[tenant, tier] = kv_blocks.get((tenant, tier), 0) + n
     gw.metrics.set_engine(
         waiting=sum(s.num_waiting for s in stats),
         running=sum(s.num_running for s in stats),
         kv_used=sum(s.num_kv_blocks_used for s in stats),
         kv_total=sum(s.num_kv_blocks_total for s in stats),
         kv_bytes_per_token=max((s.kv_bytes_per_token for s in stats), default=0),
+        kv_blocks=kv_blocks,
     )
     return gw.metrics.render()

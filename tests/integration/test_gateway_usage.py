@@ -234,7 +234,7 @@ async def test_cached_tokens_are_broken_down_by_tier(store_server, strata_cache_
     server = GatewayServer(gateway_settings(store_server.url, worker, strata_cache_dir))
     server.start()
     try:
-        _, key = server.new_tenant()
+        tenant_id, key = server.new_tenant()
         docs = [f"Document {d}: " + f"fact {d} about the ocean, the wind and the tide. " * 20
                 for d in range(3)]  # fmt: skip
 
@@ -266,6 +266,10 @@ async def test_cached_tokens_are_broken_down_by_tier(store_server, strata_cache_
         assert record.cached_host_tokens == details["cached_tokens_host"]
         assert record.cached_disk_tokens == details["cached_tokens_disk"]
         await client.aclose()
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            metrics = (await http.get("/metrics")).text
+        for tier in ("device", "host", "disk"):  # the tenant's blocks, tier by tier
+            assert f'strata:kv_blocks{{tenant="{tenant_id}",tier="{tier}"}}' in metrics
     finally:
         server.stop()
         worker.stop()

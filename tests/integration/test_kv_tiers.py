@@ -73,3 +73,26 @@ def test_preempted_requests_swap_through_the_tiers(make_core, smollm2_fp32, tmp_
     assert stats.num_cache_hit_blocks["host"] + stats.num_cache_hit_blocks["disk"] > 0
     tiny.core.check_integrity()
     assert stats.num_kv_blocks_used == 0
+
+
+def test_blocks_are_accounted_per_tenant_and_tier_allowances_hold(
+    make_core, smollm2_fp32, tmp_path
+):
+    from engine.protocol import Scheduling
+
+    llm = LLM(core=make_core(EngineConfig(cache=tiny_tiers(tmp_path, KVCacheDtype.AUTO))),
+              tokenizer=smollm2_fp32[1])  # fmt: skip
+    acme = Scheduling(tenant="acme", cache_salt="a")
+    beta = Scheduling(tenant="beta", cache_salt="b", kv_host_tokens=0, kv_disk_tokens=32)
+    for doc in DOCS:  # acme reads every document; beta's cache may not use host RAM
+        llm.generate([f"{doc}\n{QUESTIONS[0]}"], GREEDY, scheduling=acme)
+    for doc in DOCS:
+        llm.generate([f"{doc}\n{QUESTIONS[0]}"], GREEDY, scheduling=beta)
+    llm.generate([f"{DOCS[0]}\n{QUESTIONS[1]}"], GREEDY, scheduling=acme)  # evicts beta's
+    by_tenant = llm.core.stats().kv_blocks_by_tenant
+    assert by_tenant["acme"]["device"] > 0 and by_tenant["acme"]["host"] > 0
+    assert "host" not in by_tenant["beta"]  # 0 tokens of host RAM
+    assert by_tenant["beta"]["disk"] == 2  # 32 tokens = 2 blocks on disk, no more
+    total = sum(t.get("device", 0) for t in by_tenant.values())
+    assert total <= llm.core.stats().num_kv_blocks_total
+    llm.core.check_integrity()

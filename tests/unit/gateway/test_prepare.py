@@ -36,6 +36,21 @@ def test_job_carries_the_tenants_priority_and_weight(preparer):
     )
     job = preparer.completion(CompletionRequest(model="smollm2", prompt="hi"), tenant(), "c-2")
     assert job.scheduling.weight == 1.0 and job.scheduling.priority == 0
+    assert job.scheduling.kv_host_tokens is None and job.scheduling.kv_disk_tokens is None
+
+
+def test_job_carries_the_tenants_kv_tier_allowances(preparer):
+    body = CompletionRequest(model="default", prompt="hi")
+    job = preparer.completion(body, tenant(kv_host_tokens=4096, kv_disk_tokens=0), "c-1")
+    assert (job.scheduling.kv_host_tokens, job.scheduling.kv_disk_tokens) == (4096, 0)
+
+
+def test_kv_tier_allowances_must_not_be_negative():
+    from tenants.records import RecordError
+
+    with pytest.raises(RecordError, match="kv_host_tokens"):
+        Policy(kv_host_tokens=-1)
+    assert Policy(kv_disk_tokens=0).kv_disk_tokens == 0  # 0 = nothing on disk
 
 
 def test_cache_salt_is_per_tenant_unless_both_share_a_namespace(preparer):
@@ -57,3 +72,12 @@ def test_unknown_model_and_context_cap(preparer):
     with pytest.raises(APIError) as err:
         preparer.completion(long, tenant(max_context_tokens=10), "c-2")
     assert err.value.status == 413
+
+
+def test_kv_reservation_counts_whole_blocks(preparer):
+    body = CompletionRequest(model="default", prompt="hi", max_tokens=20, n=2)
+    job = preparer.completion(body, tenant(), "c-1")
+    per_choice = job.num_prompt_tokens + 20
+    assert job.kv_block_size == INFO.kv_block_size == 16
+    assert job.kv_tokens == 2 * -(-per_choice // 16) * 16  # rounded up, per choice
+    assert job.kv_tokens % 16 == 0 and job.kv_tokens >= 2 * per_choice

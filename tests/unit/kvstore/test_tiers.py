@@ -44,7 +44,9 @@ def test_device_host_disk_device_round_trip_is_bit_exact(tmp_path, dtype):
     assert store.disk is not None
     offloader = KVOffloader(pool, store)
     original = pool.read_pages([0, 1, 2, 3])
-    offloader.spill([(b, key(b)) for b in range(4)])  # host holds 2; the 2 older go to disk
+    offloader.spill(
+        [(b, key(b), "tenant") for b in range(4)]
+    )  # host holds 2; the 2 older go to disk
     assert [store.tier_of(key(b)) for b in range(4)] == [Tier.DISK] * 2 + [Tier.HOST] * 2
     store.disk.reap(wait=True)  # the writes have landed: the next reads come from the file
     assert not store.disk._pending
@@ -202,3 +204,37 @@ def test_spilling_never_pushes_out_the_pages_about_to_be_loaded(tmp_path):
     assert {store.tier_of(key(1)), store.tier_of(key(3))} == {Tier.HOST}
     store.check_integrity()
     store.close()
+
+
+def test_per_tenant_allowances_bound_each_tier(tmp_path):
+    store = TieredKVStore(4096, host_blocks=4, disk_blocks=8, disk_dir=tmp_path)
+    page = torch.zeros(4096, dtype=torch.uint8)
+    store.set_allowance("small", 1, 0)  # one page in host RAM, none on disk
+    store.set_allowance("no-host", 0, None)
+    store.put(key(1), page, owner="small")
+    store.put(key(2), page, owner="small")  # over its host allowance: its own page 1 goes
+    assert store.tier_of(key(2)) is Tier.HOST and store.tier_of(key(1)) is None  # dropped
+    store.put(key(3), page, owner="no-host")
+    assert store.tier_of(key(3)) is Tier.DISK
+    for i in range(10, 14):  # "big" has no allowance: it fills host RAM, pushing "small" out
+        store.put(key(i), page, owner="big")
+    assert store.tier_of(key(2)) is None  # 0 pages of disk for "small": dropped, not moved
+    assert store.pages_by_owner() == {"big": {"host": 4}, "no-host": {"disk": 1}}
+    store.set_allowance("small", None, None)
+    assert "small" not in store.allowances
+    store.check_integrity()
+    store.close()
+
+
+def test_block_manager_counts_blocks_per_tenant():
+    bm = BlockManager(8, 4)
+    bm.allocate("a1", 8, owner="acme")
+    bm.allocate("b1", 4, owner="beta")
+    hashes = chain_hashes(root_hash("x"), list(range(8)), 4, 0)
+    bm.commit("a1", hashes)
+    assert bm.blocks_by_owner() == {"acme": 2, "beta": 1}
+    bm.free("a1")  # acme's blocks stay cached, still charged to acme
+    assert bm.blocks_by_owner() == {"acme": 2, "beta": 1}
+    bm.allocate("b2", 4 * 7, owner="beta")  # takes every free block, evicting acme's
+    assert bm.blocks_by_owner() == {"beta": 8}
+    bm.check_integrity()
