@@ -7,6 +7,9 @@ the tenant's salt). Two requests share a block only when everything before it, a
 namespace, match. Blocks are reference counted; a cached block nobody holds stays findable
 on the free list until it is reallocated, least recently freed first.
 
+Free cached blocks are reused least recently freed first, except that a tenant over its
+share of the pool loses its cached blocks before one within its share does.
+
 With an offloader (kvstore/tiers.py), a cached block is not forgotten when it is reallocated:
 its page moves down to host RAM, and from there to disk, under the same hash. A later prompt
 whose chain continues below the device gets fresh blocks with those pages copied back in.
@@ -20,6 +23,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvstore.tiers import KVOffloader, Tier
+
+_SHARE_SCAN = 64  # free blocks looked at for one over its tenant's share
 
 
 def root_hash(namespace: str) -> bytes:
@@ -67,6 +72,7 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}
         self._owner: dict[str, str] = {}  # request id -> the tenant it runs for
         self._block_owner: dict[int, str] = {}  # cached block -> tenant that cached it last
+        self._cached_by_owner: dict[str, int] = {}  # cached blocks per tenant
         self.offloader = offloader if enable_caching else None
         self.num_hit_blocks = 0
         self.num_evicted_blocks = 0
@@ -137,6 +143,7 @@ class BlockManager:
         self._hash_of[block] = h
         self._cached[h] = block
         self._block_owner[block] = owner
+        self._cached_by_owner[owner] = self._cached_by_owner.get(owner, 0) + 1
 
     # -- allocation ---------------------------------------------------------------------------
 
@@ -182,7 +189,8 @@ class BlockManager:
         assert need <= len(self._free), "allocate() without can_allocate()"
         evicted: list[tuple[int, bytes, str]] = []
         for _ in range(need):
-            block, _ = self._free.popitem(last=False)
+            block = self._next_free()
+            del self._free[block]
             gone = self._evict(block)
             if gone is not None:
                 evicted.append((block, *gone))
@@ -192,6 +200,26 @@ class BlockManager:
             self.offloader.spill(evicted, keep=set(below))  # before anything overwrites them
         return table
 
+    def _next_free(self) -> int:
+        """The free block to hand out next: the least recently freed, unless it holds a
+        cached page of a tenant within its device share while a tenant over its share has a
+        cached page among the next few (then that one). A tenant's share is an equal split
+        of the pool between the tenants with cached pages on it."""
+        oldest = next(iter(self._free))
+        owner = self._block_owner.get(oldest)
+        if owner is None or len(self._cached_by_owner) < 2:
+            return oldest
+        share = self.num_blocks / len(self._cached_by_owner)
+        if self._cached_by_owner[owner] > share:
+            return oldest
+        for i, block in enumerate(self._free):
+            if i >= _SHARE_SCAN:
+                break
+            other = self._block_owner.get(block)
+            if other is not None and self._cached_by_owner[other] > share:
+                return block
+        return oldest
+
     def _evict(self, block: int) -> tuple[bytes, str] | None:
         """Forget a cached block; its hash and owner, or None if it was not cached."""
         h = self._hash_of.pop(block, None)
@@ -199,7 +227,11 @@ class BlockManager:
             return None
         del self._cached[h]
         self.num_evicted_blocks += 1
-        return h, self._block_owner.pop(block)
+        owner = self._block_owner.pop(block)
+        self._cached_by_owner[owner] -= 1
+        if not self._cached_by_owner[owner]:
+            del self._cached_by_owner[owner]
+        return h, owner
 
     def free(self, request_id: str) -> int:
         """Drop the request's hold on its blocks; returns how many it held. Blocks nobody
@@ -217,6 +249,7 @@ class BlockManager:
         self._hash_of.clear()
         self._cached.clear()
         self._block_owner.clear()
+        self._cached_by_owner.clear()
 
     def blocks_by_owner(self) -> dict[str, int]:
         """Device blocks per tenant: those its requests hold, and cached ones it left."""
@@ -250,6 +283,10 @@ class BlockManager:
         assert set(self._free) == free, "the free list is not the unheld blocks"
         assert len(self._cached) == len(self._hash_of), "cache maps disagree"
         assert set(self._block_owner) == set(self._hash_of), "cached blocks without owners"
+        counts: dict[str, int] = {}
+        for owner in self._block_owner.values():
+            counts[owner] = counts.get(owner, 0) + 1
+        assert counts == self._cached_by_owner, "cached-block counts per tenant disagree"
         assert set(self._owner) == set(self._tables), "tables without owners"
         for h, b in self._cached.items():
             assert self._hash_of.get(b) == h, "a cached hash points at the wrong block"

@@ -125,3 +125,23 @@ def test_a_duplicate_hash_keeps_the_first_block_and_caching_can_be_off():
     off.allocate("a", 4)
     off.commit("a", H[:1])
     assert off.lookup(H[:1]) == []
+
+
+def test_a_tenant_over_its_share_loses_cached_blocks_first():
+    bm = BlockManager(8, 4)
+
+    def cache(rid: str, owner: str, blocks: int, salt: str) -> None:
+        tokens = list(range(blocks * 4))
+        bm.allocate(rid, len(tokens), owner=owner)
+        bm.commit(rid, chain_hashes(root_hash(salt), tokens, 4, 0))
+        bm.free(rid)
+
+    cache("b", "beta", 2, "b")  # the oldest cached blocks, within beta's share (8 / 2)
+    cache("a", "acme", 6, "a")  # acme holds 6 > 4
+    assert bm.blocks_by_owner() == {"beta": 2, "acme": 6}
+    bm.allocate("new", 4 * 2, owner="gamma")  # needs 2 blocks: acme's go, not beta's
+    assert bm.blocks_by_owner() == {"beta": 2, "acme": 4, "gamma": 2}
+    bm.free("new")
+    bm.allocate("more", 4 * 6, owner="gamma")  # acme is at its share now: plain LRU order
+    assert bm.blocks_by_owner()["gamma"] == 6 and "beta" not in bm.blocks_by_owner()
+    bm.check_integrity()
