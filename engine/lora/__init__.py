@@ -1,0 +1,1 @@
+"""LoRA adapters: loading and validation (adapter.py)."""
