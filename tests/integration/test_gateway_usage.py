@@ -3,6 +3,7 @@ granularity (sums equal to the ledger), prices, tenant isolation, and the admin 
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
 import json
@@ -18,6 +19,22 @@ from tenants.ledger import Ledger
 from tests.integration.conftest import ADMIN_TOKEN
 
 MODEL = "SmolLM2-135M-Instruct"
+
+
+async def ledger_record(store_url: str, request_id: str):
+    """The ledger's record of a request, once the gateway has written it (10 s at most)."""
+    from tenants.store import connect
+
+    client = connect(store_url)
+    try:
+        ledger = Ledger(client)
+        deadline = time.monotonic() + 10
+        while (record := await ledger.get(request_id)) is None:
+            assert time.monotonic() < deadline, f"no ledger record for {request_id}"
+            await asyncio.sleep(0.05)
+        return record
+    finally:
+        await client.aclose()
 
 
 def chat(key: str, gateway, *, max_tokens: int, user: str | None = None) -> dict:
@@ -178,7 +195,6 @@ def test_admin_cli_mirrors_the_api(gateway, billed, tmp_path):
 
 
 async def test_prefix_cache_is_isolated_per_tenant_unless_shared(gateway, store_server):
-    from tenants.store import connect
 
     document = "Strata keeps the KV of long documents so questions about them start fast. " * 12
     body = {
@@ -208,20 +224,13 @@ async def test_prefix_cache_is_isolated_per_tenant_unless_shared(gateway, store_
     _, shared_b = gateway.new_tenant(shared_cache_namespace="public-docs")
     assert cached(await ask(shared_a)) == 0
     assert cached(await ask(shared_b)) == cached(hit)  # both opted into one namespace
-    client = connect(store_server.url)
-    ledger = Ledger(client)
-    deadline = time.monotonic() + 10
-    record = None
-    while record is None and time.monotonic() < deadline:
-        record = await ledger.get(hit["id"])
-    assert record is not None and record.cached_tokens == cached(hit)  # billed as cached
-    await client.aclose()
+    record = await ledger_record(store_server.url, hit["id"])
+    assert record.cached_tokens == cached(hit)  # billed as cached
 
 
 async def test_cached_tokens_are_broken_down_by_tier(store_server, strata_cache_dir, tmp_path):
     """A worker whose device pool holds about one document: a document asked about again
     after others comes back from host RAM and disk, and the API and the ledger say so."""
-    from tenants.store import connect
     from tests.integration.conftest import GatewayServer, WorkerProcess, gateway_settings
 
     worker = WorkerProcess(
@@ -255,17 +264,10 @@ async def test_cached_tokens_are_broken_down_by_tier(store_server, strata_cache_
         below = details["cached_tokens_host"] + details["cached_tokens_disk"]
         assert details["cached_tokens"] >= 150 and below > 0
         assert details["cached_tokens_host"] > 0 and details["cached_tokens_disk"] > 0
-        client = connect(store_server.url)
-        ledger = Ledger(client)
-        deadline = time.monotonic() + 10
-        record = None
-        while record is None and time.monotonic() < deadline:
-            record = await ledger.get(again["id"])
-        assert record is not None
+        record = await ledger_record(store_server.url, again["id"])
         assert record.cached_tokens == details["cached_tokens"]
         assert record.cached_host_tokens == details["cached_tokens_host"]
         assert record.cached_disk_tokens == details["cached_tokens_disk"]
-        await client.aclose()
         async with httpx.AsyncClient(base_url=server.url) as http:
             metrics = (await http.get("/metrics")).text
         for tier in ("device", "host", "disk"):  # the tenant's blocks, tier by tier
