@@ -271,6 +271,21 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Adapter slots: how many adapters the device holds at once (0 disables LoRA) and the
+    largest rank a slot takes."""
+
+    max_loras: int = 0
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 0:
+            raise ConfigError("max_loras must not be negative")
+        if not 1 <= self.max_lora_rank <= 64:
+            raise ConfigError("max_lora_rank must be in 1-64")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, composed once by the entry point."""
 
@@ -283,6 +298,7 @@ class EngineConfig:
     backend: KernelBackend = KernelBackend.AUTO
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads <= 0:

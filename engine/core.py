@@ -17,12 +17,14 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig
 from engine.kernels.cpu import CpuKernels
+from engine.lora.layers import LoRAManager, apply_lora
 from engine.model.llama import LlamaForCausalLM
 from engine.model_runner import ModelRunner
 from engine.protocol import (
     EngineStats,
     FinishReason,
     InvalidRequestError,
+    LoRARequest,
     ModelInfo,
     RequestOutput,
     SamplingParams,
@@ -84,12 +86,18 @@ class EngineCore:
             self.max_model_len,
             cache_namespace=f"{model_id}|{spec.dtype}",
         )
+        self.lora: LoRAManager | None = None
+        lora_batch = None
+        if config.lora.max_loras:
+            self.lora = LoRAManager(config.lora, mc, self.dtype, self.device)
+            lora_batch = apply_lora(model, self.lora)
         self.runner = ModelRunner(
             model,
             self.pool,
             self.device,
             seed=config.seed,
             kernels=kernels,
+            lora=lora_batch,
         )
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -103,8 +111,10 @@ class EngineCore:
         params: SamplingParams,
         *,
         scheduling: Scheduling | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
-        """Queue a request. Raises InvalidRequestError and changes nothing if it is bad."""
+        """Queue a request (through adapter `lora` if given). Raises InvalidRequestError and
+        changes nothing if it is bad."""
         if request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         if not prompt_token_ids:
@@ -126,9 +136,16 @@ class EngineCore:
                 None if sched.kv_host_tokens is None else sched.kv_host_tokens // bs,
                 None if sched.kv_disk_tokens is None else sched.kv_disk_tokens // bs,
             )
+        slot = 0
+        if lora is not None:
+            if self.lora is None:
+                raise InvalidRequestError("this engine serves no adapters (max_loras is 0)")
+            running = self.scheduler.requests.values()
+            slot = self.lora.slot_for(lora, lambda: {r.lora_slot for r in running})
         request = Request(
             request_id, prompt_token_ids, params, priority=sched.priority, tenant=sched.tenant,
             weight=sched.weight, cache_salt=sched.cache_salt, device=self.device,
+            lora_slot=slot, lora_key="" if lora is None else lora.key,
         )  # fmt: skip
         self.scheduler.add_request(request)
 

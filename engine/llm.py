@@ -12,7 +12,13 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.factory import create_engine
 from engine.output_processor import TextStream
-from engine.protocol import FinishReason, SamplingParams, Scheduling, TokenLogprob
+from engine.protocol import (
+    FinishReason,
+    LoRARequest,
+    SamplingParams,
+    Scheduling,
+    TokenLogprob,
+)
 from engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -64,10 +70,11 @@ class LLM:
         chat: bool = False,
         priorities: Sequence[int] | None = None,
         scheduling: Scheduling | None = None,
+        lora: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[Completion]:
         """Run all prompts as one continuously batched workload; results in prompt order.
         `scheduling` applies to every prompt (`priorities`, when given, override its
-        priority one by one).
+        priority one by one); `lora` is one adapter for all, or one (or None) per prompt.
 
         Raises InvalidRequestError (before anything runs) if any request is invalid.
         """
@@ -86,7 +93,8 @@ class LLM:
                 sched = scheduling
                 if priorities:
                     sched = msgspec.structs.replace(sched or Scheduling(), priority=priorities[i])
-                self.core.add_request(rid, ids, p, scheduling=sched)
+                adapter = lora if lora is None or isinstance(lora, LoRARequest) else lora[i]
+                self.core.add_request(rid, ids, p, scheduling=sched, lora=adapter)
                 added.append(rid)
                 results[rid] = Completion(rid, ids)
                 streams[rid] = TextStream(self.tokenizer, ids, p)

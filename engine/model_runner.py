@@ -12,6 +12,7 @@ import torch
 
 from engine.attention.paged import PagedAttention, SeqSlice
 from engine.kernels.cpu import CpuKernels
+from engine.lora.layers import LoRABatch
 from engine.model.llama import LlamaForCausalLM
 from engine.protocol import TokenLogprob
 from engine.request import Request
@@ -37,6 +38,7 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         kernels: CpuKernels | None = None,
+        lora: LoRABatch | None = None,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -44,6 +46,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.attn = PagedAttention(pool, model.config.num_heads, kernels=kernels)
         self.argmax = kernels.argmax if kernels is not None and device.type == "cpu" else None
+        self.lora = lora  # set to each token's adapter slot before every forward
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
@@ -59,6 +62,9 @@ class ModelRunner:
         ctx = self.attn.build_context(slices)
         ids_t = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        if self.lora is not None:
+            slots = [s.request.lora_slot for s in order for _ in range(s.num_new_tokens)]
+            self.lora.set(slots, self.device)
         hidden = self.model(ids_t, pos_t, self.attn, ctx)  # [T, hidden]
         if not sample_rows:
             return RunnerOutput([], [], [])

@@ -120,6 +120,19 @@ class Scheduling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                 raise InvalidRequestError(f"{name} must not be negative")
 
 
+class LoRARequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Serve a request through this adapter: a PEFT directory on the worker's filesystem,
+    identified by name and registration version (a new version is a different adapter)."""
+
+    name: str
+    version: int = 1
+    path: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     """The sampled token's logprob and the top-n alternatives (ids and logprobs)."""
 

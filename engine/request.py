@@ -32,6 +32,8 @@ class Request:
         tenant: str = "",
         weight: float = 1.0,
         cache_salt: str = "",
+        lora_slot: int = 0,
+        lora_key: str = "",
         arrival_time: float | None = None,
         device: torch.device | None = None,
     ) -> None:
@@ -43,6 +45,8 @@ class Request:
         self.tenant = tenant
         self.weight = weight
         self.cache_salt = cache_salt
+        self.lora_slot = lora_slot  # the adapter slot its tokens use (0: the base model)
+        self.lora_key = lora_key  # adapter name@version, part of its prefix-cache keys
         self.block_hashes: list[bytes] = []  # prefix-cache hash chain of its full blocks
         self.num_committed_blocks = 0  # leading blocks already offered to the prefix cache
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -165,7 +165,7 @@ class Scheduler:
         """The hash chain of the request's full blocks, extended to its current tokens."""
         hashes = request.block_hashes
         if len(hashes) < request.num_tokens // self.block_manager.block_size:
-            namespace = f"{self.cache_namespace}|{request.cache_salt}"
+            namespace = f"{self.cache_namespace}|{request.cache_salt}|{request.lora_key}"
             parent = hashes[-1] if hashes else root_hash(namespace)
             hashes += chain_hashes(
                 parent, request.all_token_ids, self.block_manager.block_size, len(hashes)

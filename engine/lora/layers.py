@@ -1,0 +1,173 @@
+"""Multi-LoRA in one batch: adapter slots on the device and the projections that use them.
+
+Each decoder projection the engine runs fused (qkv, o, gate_up, down) gets, per slot, one
+stacked A and one block-diagonal B covering its parts: for qkv, `A = [A_q; A_k; A_v]`
+(`3 * max_rank` rows) and B places `B_q`, `B_k`, `B_v` on the rows of q, k and v. Slot 0 is
+all zeros: the base model. A step gives every token the slot of its request, and
+`LoRALinear` adds `x A[slot]^T B[slot]^T` to the base projection:
+
+- few tokens (decode): each token gathers its slot's A and B, two batched matmuls (BGMV);
+- many tokens (prefill): one pair of matmuls per adapter present in the step, over its
+  tokens (SGMV); never a loop over requests.
+
+`LoRAManager` loads adapters into slots on demand and evicts the least recently used slot
+that no request in flight uses.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engine.config import LoRAConfig, ModelConfig
+from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter
+from engine.model.llama import DecoderLayer, LlamaForCausalLM
+from engine.protocol import InvalidRequestError, LoRARequest
+
+# fused projection -> the PEFT modules it is made of, in output order
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+_GATHER_MAX_TOKENS = 64  # up to this many tokens, gather per token (BGMV); above, per adapter
+
+
+class LoRAManager:
+    """`config.max_loras` adapter slots (plus the base slot 0) for every fused projection."""
+
+    def __init__(
+        self, config: LoRAConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        assert config.max_loras > 0
+        self.config = config
+        self.model_config = model
+        self.dtype = dtype
+        slots, r = config.max_loras + 1, config.max_lora_rank
+        self._sizes = _group_sizes(model)
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        for layer in range(model.num_layers):
+            for group, parts in GROUPS.items():
+                fan_in, outs = self._sizes[group]
+                rows = len(parts) * r
+                self.a[layer, group] = torch.zeros(slots, rows, fan_in, dtype=dtype, device=device)
+                self.b[layer, group] = torch.zeros(slots, sum(outs), rows, dtype=dtype,
+                                                   device=device)  # fmt: skip
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # adapter key -> slot, LRU first
+        self._free = list(range(config.max_loras, 0, -1))
+        self.num_loads = 0
+
+    def slot_for(self, lora: LoRARequest, in_use: Callable[[], set[int]]) -> int:
+        """The slot holding `lora`, loading it (over the least recently used slot that no
+        request in flight uses, from `in_use()`) if needed. Raises InvalidRequestError."""
+        slot = self._slot_of.get(lora.key)
+        if slot is not None:
+            self._slot_of.move_to_end(lora.key)
+            return slot
+        try:
+            adapter = load_adapter(lora.path, self.model_config, name=lora.name, dtype=self.dtype)
+        except AdapterError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        if adapter.rank > self.config.max_lora_rank:
+            raise InvalidRequestError(
+                f"{lora.name}: rank {adapter.rank} exceeds this engine's max_lora_rank "
+                f"{self.config.max_lora_rank}"
+            )
+        if not self._free:
+            busy = in_use()
+            victim = next((k for k, s in self._slot_of.items() if s not in busy), None)
+            if victim is None:
+                raise InvalidRequestError(
+                    f"all {self.config.max_loras} adapter slots are serving requests; retry"
+                )
+            self._free.append(self._slot_of.pop(victim))
+        slot = self._free.pop()
+        self._write(slot, adapter)
+        self._slot_of[lora.key] = slot
+        self.num_loads += 1
+        return slot
+
+    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+        r = self.config.max_lora_rank
+        for (layer, group), a in self.a.items():
+            b = self.b[layer, group]
+            a[slot].zero_()
+            b[slot].zero_()
+            row = 0
+            for i, part in enumerate(GROUPS[group]):
+                out = self._sizes[group][1][i]
+                w = adapter.weights.get((layer, part))
+                if w is not None:
+                    a[slot, i * r : i * r + adapter.rank] = w.a
+                    b[slot, row : row + out, i * r : i * r + adapter.rank] = w.b
+                row += out
+
+    @property
+    def loaded(self) -> list[str]:
+        return list(self._slot_of)
+
+
+def _group_sizes(config: ModelConfig) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Fused projection -> (in_features, out_features of each part)."""
+    h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    return {
+        "qkv_proj": (h, (q, kv, kv)),
+        "o_proj": (q, (h,)),
+        "gate_up_proj": (h, (i, i)),
+        "down_proj": (i, (h,)),
+    }
+
+
+class LoRABatch:
+    """The adapter slot of every token of the current step (set by the model runner)."""
+
+    def __init__(self) -> None:
+        self.slots: torch.Tensor | None = None  # [T] int64; None when every token is base
+        self.present: list[int] = []  # the distinct non-base slots, for the per-adapter path
+
+    def set(self, token_slots: list[int], device: torch.device) -> None:
+        present = sorted(set(token_slots) - {0})
+        self.present = present
+        self.slots = torch.tensor(token_slots, device=device) if present else None
+
+
+class LoRALinear(nn.Module):
+    """A fused projection plus the LoRA update of each token's adapter slot."""
+
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> None:
+        super().__init__()
+        self.base = base
+        self.a, self.b, self.batch = a, b, batch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        slots = self.batch.slots
+        if slots is None:
+            return y
+        if x.shape[0] <= _GATHER_MAX_TOKENS:  # BGMV: every token its own adapter
+            h = torch.bmm(self.a[slots], x.unsqueeze(-1))  # [T, R, 1]
+            return y + torch.bmm(self.b[slots], h).squeeze(-1).to(y.dtype)
+        delta = torch.zeros_like(y)
+        for slot in self.batch.present:  # SGMV: one segment per adapter in the step
+            rows = (slots == slot).nonzero().squeeze(1)
+            delta.index_add_(0, rows, (x[rows] @ self.a[slot].T) @ self.b[slot].T)
+        return y + delta
+
+
+def apply_lora(model: LlamaForCausalLM, manager: LoRAManager) -> LoRABatch:
+    """Wrap every fused projection of `model` in place; returns the batch object the runner
+    fills each step. Fused native decoder layers cannot take adapters: build the model
+    with `fuse_layers=False`."""
+    batch = LoRABatch()
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer), "LoRA needs unfused decoder layers"
+        for group in GROUPS:
+            key = (layer.layer_idx, group)
+            wrapped = LoRALinear(getattr(layer, group), manager.a[key], manager.b[key], batch)
+            setattr(layer, group, wrapped)
+    return batch
