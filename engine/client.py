@@ -19,6 +19,7 @@ from engine.protocol import (
     EngineDeadError,
     EngineStats,
     InvalidRequestError,
+    LoRARequest,
     ModelInfo,
     RequestOutput,
     SamplingParams,
@@ -110,6 +111,7 @@ class EngineClient:
         params: SamplingParams,
         *,
         scheduling: Scheduling | None = None,
+        lora: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit and stream outputs until the final one.
 
@@ -124,7 +126,7 @@ class EngineClient:
         finished = False
         try:
             self._send(
-                Submit(request_id, list(prompt_token_ids), params, scheduling or Scheduling())
+                Submit(request_id, list(prompt_token_ids), params, scheduling or Scheduling(), lora)
             )
             while True:
                 item = await stream.get()

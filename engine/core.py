@@ -52,6 +52,7 @@ class EngineCore:
         """`kernels`: native CPU kernels for attention (the model's own modules are swapped
         by `engine.model.native_cpu.apply_native_cpu` before the core is built)."""
         mc = model.config
+        self.model_config = mc
         self.config = config
         self.model_id = model_id
         self.device = next(model.parameters()).device
@@ -251,6 +252,7 @@ class EngineCore:
         return by_tenant
 
     def model_info(self) -> ModelInfo:
+        mc = self.model_config
         return ModelInfo(
             model_id=self.model_id,
             vocab_size=self.vocab_size,
@@ -261,6 +263,14 @@ class EngineCore:
             dtype=_dtype_name(self.dtype),
             device=str(self.device),
             kv_cache_dtype=_dtype_name(self.pool.spec.dtype),
+            hidden_size=mc.hidden_size,
+            intermediate_size=mc.intermediate_size,
+            num_layers=mc.num_layers,
+            num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            max_loras=self.config.lora.max_loras,
+            max_lora_rank=self.config.lora.max_lora_rank,
         )
 
     def check_integrity(self) -> None:

@@ -199,3 +199,12 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     dtype: str
     device: str
     kv_cache_dtype: str = ""
+    # the decoder's shapes (what a LoRA adapter must fit) and the engine's adapter slots
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_layers: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    max_loras: int = 0
+    max_lora_rank: int = 0

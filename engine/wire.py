@@ -12,7 +12,14 @@ from typing import Any
 
 import msgspec
 
-from engine.protocol import EngineStats, ModelInfo, RequestOutput, SamplingParams, Scheduling
+from engine.protocol import (
+    EngineStats,
+    LoRARequest,
+    ModelInfo,
+    RequestOutput,
+    SamplingParams,
+    Scheduling,
+)
 
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 _HEADER = struct.Struct(">I")
@@ -26,6 +33,7 @@ class Submit(msgspec.Struct, tag="submit"):
     prompt_token_ids: list[int]
     params: SamplingParams
     scheduling: Scheduling = msgspec.field(default_factory=Scheduling)
+    lora: LoRARequest | None = None
 
 
 class Abort(msgspec.Struct, tag="abort"):

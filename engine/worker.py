@@ -177,6 +177,7 @@ class Worker:
                     msg.prompt_token_ids,
                     msg.params,
                     scheduling=msg.scheduling,
+                    lora=msg.lora,
                 )
             except InvalidRequestError as exc:
                 self._post(cmd.conn_id, Rejected(msg.request_id, exc.code, str(exc)))

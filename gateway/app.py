@@ -15,6 +15,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
 from engine.factory import load_tokenizer_for
+from gateway.adapters import AdapterResolver
 from gateway.engines import EnginePool
 from gateway.errors import exception_handlers
 from gateway.metrics import GatewayMetrics
@@ -66,11 +67,12 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
         pipeline = Pipeline(
             engines, tokenizer, Admission(redis, lease_ttl_s=settings.lease_ttl_s), writer, metrics
         )
+        preparer = Preparer(tokenizer, info, aliases=(settings.model, "default"))
         app.state.gateway = GatewayState(
             settings=settings, redis=redis, registry=registry, keys=keys,
             admission=pipeline.admission, ledger=ledger, ledger_writer=writer,
-            engines=engines, tokenizer=tokenizer,
-            preparer=Preparer(tokenizer, info, aliases=(settings.model, "default")),
+            engines=engines, tokenizer=tokenizer, preparer=preparer,
+            adapters=AdapterResolver(registry, info, preparer.model_names),
             pipeline=pipeline, renderer=Renderer(tokenizer), metrics=metrics,
             started_at=time.time(),
         )  # fmt: skip

@@ -13,6 +13,7 @@ from engine.config import (
     EngineConfig,
     KernelBackend,
     KVCacheDtype,
+    LoRAConfig,
     SchedulerConfig,
     SchedulingPolicy,
 )
@@ -73,6 +74,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not reuse the KV of full blocks shared by earlier prompts",
     )
+    g.add_argument(
+        "--max-loras",
+        type=int,
+        default=0,
+        help="LoRA adapter slots served at once, from one batch (0: no adapters)",
+    )
+    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (1-64)")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument(
         "--max-num-batched-tokens",
@@ -120,6 +128,7 @@ def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
             disk_bytes=int(args.kv_disk_gb * _GIB),
             disk_path=args.kv_disk_path,
         ),
+        lora=LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -217,6 +226,8 @@ _ENGINE_FLAGS = (
     "kv_host_gb",
     "kv_disk_gb",
     "kv_disk_path",
+    "max_loras",
+    "max_lora_rank",
     "max_num_seqs",
     "max_num_batched_tokens",
     "max_model_len",

@@ -139,7 +139,9 @@ class Pipeline:
         client = self.engines.pick()
         stream = TextStream(self.tokenizer, job.prompt_ids, job.params)
         rid = f"{job.request_id}-{index}"
-        outputs = client.generate(rid, job.prompt_ids, job.params, scheduling=job.scheduling)
+        outputs = client.generate(
+            rid, job.prompt_ids, job.params, scheduling=job.scheduling, lora=job.lora
+        )
         if tally.engine_started is None:
             tally.engine_started = time.perf_counter()
         async with contextlib.aclosing(outputs):
@@ -201,7 +203,8 @@ class Pipeline:
         tenant_id = ticket.auth.tenant.id
         record = UsageRecord(
             request_id=job.request_id, tenant_id=tenant_id, key_id=ticket.auth.key.id,
-            model=job.model, user=job.user, endpoint=job.endpoint,
+            model=job.model, adapter=None if job.lora is None else job.lora.name,
+            user=job.user, endpoint=job.endpoint,
             prompt_tokens=job.num_prompt_tokens, cached_tokens=tally.cached_tokens,
             cached_host_tokens=tally.cached_host_tokens,
             cached_disk_tokens=tally.cached_disk_tokens,

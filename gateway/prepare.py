@@ -12,6 +12,7 @@ from typing import Literal
 from engine.protocol import (
     MAX_LOGPROBS,
     InvalidRequestError,
+    LoRARequest,
     ModelInfo,
     SamplingParams,
     Scheduling,
@@ -43,6 +44,7 @@ class Job:
     scheduling: Scheduling
     echo_text: str | None = None  # completions with echo=True
     kv_block_size: int = 1  # the engine's KV block, the unit its caches are held in
+    lora: LoRARequest | None = None  # the adapter it runs through (None: the base model)
     created: int = field(default_factory=lambda: int(time.time()))
     started_at: float = field(default_factory=time.time)
     started: float = field(default_factory=time.perf_counter)
@@ -83,6 +85,8 @@ class Preparer:
         self.model_names = {info.model_id, *aliases}
 
     def check_model(self, model: str, policy: Policy) -> None:
+        """The base model may serve `model` for this policy (adapters are resolved, and
+        their access checked, before a request gets here)."""
         if model not in self.model_names:
             raise APIError(
                 400, f"The model '{model}' does not exist or you do not have access to it.",
@@ -97,8 +101,15 @@ class Preparer:
                 param="model",
             )
 
-    def chat(self, body: ChatCompletionRequest, tenant: Tenant, request_id: str) -> Job:
-        self.check_model(body.model, tenant.policy)
+    def chat(
+        self,
+        body: ChatCompletionRequest,
+        tenant: Tenant,
+        request_id: str,
+        lora: LoRARequest | None = None,
+    ) -> Job:
+        if lora is None:
+            self.check_model(body.model, tenant.policy)
         if not body.messages:
             raise bad_request("messages must not be empty", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -116,12 +127,21 @@ class Preparer:
         elif body.top_logprobs is not None:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return self._job(
+        job = self._job(
             body, tenant, request_id, "chat.completions", prompt_ids, max_tokens, logprobs
         )
+        job.lora = lora
+        return job
 
-    def completion(self, body: CompletionRequest, tenant: Tenant, request_id: str) -> Job:
-        self.check_model(body.model, tenant.policy)
+    def completion(
+        self,
+        body: CompletionRequest,
+        tenant: Tenant,
+        request_id: str,
+        lora: LoRARequest | None = None,
+    ) -> Job:
+        if lora is None:
+            self.check_model(body.model, tenant.policy)
         prompt: str | list[int | str] = body.prompt
         if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
             if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -145,6 +165,7 @@ class Preparer:
             body, tenant, request_id, "completions", prompt_ids, body.max_tokens, body.logprobs
         )
         job.echo_text = echo
+        job.lora = lora
         return job
 
     def _job(

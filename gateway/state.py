@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.tokenizer import Tokenizer
+from gateway.adapters import AdapterResolver
 from gateway.engines import EnginePool
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
@@ -30,6 +31,7 @@ class GatewayState:
     engines: EnginePool
     tokenizer: Tokenizer
     preparer: Preparer
+    adapters: AdapterResolver
     pipeline: Pipeline
     renderer: Renderer
     metrics: GatewayMetrics

@@ -179,7 +179,7 @@ class TenantRegistry:
             if not raws:
                 continue
             latest = max((_adapter_decoder.decode(r) for r in raws), key=lambda a: a.version)
-            if tenant_id is None or _allows(latest, tenant_id):
+            if tenant_id is None or tenant_may_use(latest, tenant_id):
                 adapters.append(latest)
         return adapters
 
@@ -195,6 +195,10 @@ class TenantRegistry:
         if not raws:
             raise NotFoundError("adapter", ident)
         return max((_adapter_decoder.decode(r) for r in raws), key=lambda a: a.version)
+
+    async def adapter_known(self, name: str) -> bool:
+        """Whether `name` was ever registered (its version counter outlives deletion)."""
+        return bool(await self._redis.exists(keyspace.adapter_seq(name)))
 
     async def delete_adapter(self, name: str) -> None:
         """Delete every version of the adapter (its version counter is kept)."""
@@ -221,5 +225,6 @@ class TenantRegistry:
             raise NotFoundError("price", model)
 
 
-def _allows(adapter: Adapter, tenant_id: str) -> bool:
+def tenant_may_use(adapter: Adapter, tenant_id: str) -> bool:
+    """Whether the adapter's ACL admits the tenant."""
     return adapter.allowed_tenants is None or tenant_id in adapter.allowed_tenants

@@ -10,6 +10,7 @@ from litestar import Controller, Request, Response, delete, get, patch, post, pu
 from litestar.params import FromPath, FromQuery, JSONBody
 from litestar.response import Stream
 
+from gateway.adapters import check_adapter
 from gateway.auth import gateway_state, requires_admin_token
 from gateway.errors import bad_request
 from gateway.state import GatewayState
@@ -130,6 +131,7 @@ class AdapterController(Controller):
     @post("/")
     async def register(self, request: Req, data: JSONBody[AdapterCreate]) -> Adapter:
         gw = gateway_state(request)
+        await check_adapter(data.path, data.name, gw.preparer.info)  # 400 if it cannot serve
         return await gw.registry.register_adapter(data, gw.preparer.info.model_id)
 
     @get("/")

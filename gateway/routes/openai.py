@@ -59,7 +59,9 @@ class OpenAIController(Controller):
     ) -> Response[Any]:
         gw, rid = gateway_state(request), new_request_id("chat.completions")
         started = _start_request(request, rid)
-        job = gw.preparer.chat(data, auth_of(request).tenant, rid)
+        tenant = auth_of(request).tenant
+        lora = await gw.adapters.resolve(data.model, tenant)
+        job = gw.preparer.chat(data, tenant, rid, lora)
         job.started = started  # e2e and TTFT include tokenization
         return await respond(gw, request, job)
 
@@ -69,7 +71,9 @@ class OpenAIController(Controller):
     ) -> Response[Any]:
         gw, rid = gateway_state(request), new_request_id("completions")
         started = _start_request(request, rid)
-        job = gw.preparer.completion(data, auth_of(request).tenant, rid)
+        tenant = auth_of(request).tenant
+        lora = await gw.adapters.resolve(data.model, tenant)
+        job = gw.preparer.completion(data, tenant, rid, lora)
         job.started = started  # e2e and TTFT include tokenization
         return await respond(gw, request, job)
 

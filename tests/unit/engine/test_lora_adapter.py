@@ -3,16 +3,15 @@ serve."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from engine.config import ModelConfig
-from engine.lora.adapter import TARGET_MODULES, AdapterError, load_adapter, module_shape
+from engine.lora.adapter import TARGET_MODULES, AdapterError, load_adapter
+from tests.lora_files import write_adapter as write_files
 
 CONFIG = ModelConfig(
     vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -20,31 +19,8 @@ CONFIG = ModelConfig(
 )  # fmt: skip
 
 
-def write_adapter(
-    root: Path,
-    *,
-    rank: int = 8,
-    modules: tuple[str, ...] = TARGET_MODULES,
-    settings: dict | None = None,
-    tensors: dict[str, torch.Tensor] | None = None,
-) -> Path:
-    """A PEFT-format adapter directory, tensor names as PEFT saves them."""
-    root.mkdir(parents=True, exist_ok=True)
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": list(modules),
-              "bias": "none", "use_rslora": False} | (settings or {})  # fmt: skip
-    (root / "adapter_config.json").write_text(json.dumps(config))
-    if tensors is None:
-        g = torch.Generator().manual_seed(0)
-        tensors = {}
-        for layer in range(CONFIG.num_layers):
-            for m in modules:
-                fan_in, fan_out = module_shape(CONFIG, m)
-                part = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-                base = f"base_model.model.model.layers.{layer}.{part}.{m}"
-                tensors[f"{base}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g)
-                tensors[f"{base}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g)
-    save_file(tensors, str(root / "adapter_model.safetensors"))
-    return root
+def write_adapter(root: Path, **kw) -> Path:
+    return write_files(root, CONFIG, **kw)
 
 
 def test_a_peft_adapter_loads_with_its_scaling_folded_into_b(tmp_path):
