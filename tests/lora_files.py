@@ -1,15 +1,15 @@
-"""PEFT-format adapter directories for tests, with the tensor names PEFT writes."""
+"""PEFT-format adapter directories for tests: seeded random ones, or given tensors."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from engine.config import ModelConfig
-from engine.lora.adapter import TARGET_MODULES, module_shape
+from engine.lora.adapter import TARGET_MODULES
+from engine.lora.synthetic import write_random_adapter
 
 
 def write_adapter(
@@ -23,21 +23,10 @@ def write_adapter(
     scale: float = 1.0,
     seed: int = 0,
 ) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    adapter_config = {
-        "peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": list(modules),
-        "bias": "none", "use_rslora": False,
-    } | (settings or {})  # fmt: skip
-    (root / "adapter_config.json").write_text(json.dumps(adapter_config))
-    if tensors is None:
-        g = torch.Generator().manual_seed(seed)
-        tensors = {}
-        for layer in range(config.num_layers):
-            for m in modules:
-                fan_in, fan_out = module_shape(config, m)
-                part = "mlp" if m in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-                base = f"base_model.model.model.layers.{layer}.{part}.{m}"
-                tensors[f"{base}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * scale
-                tensors[f"{base}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * scale
-    save_file(tensors, str(root / "adapter_model.safetensors"))
+    """A random adapter, or one holding exactly `tensors` (to build broken ones)."""
+    root = write_random_adapter(
+        root, config, rank=rank, modules=modules, scale=scale, seed=seed, settings=settings
+    )
+    if tensors is not None:
+        save_file(tensors, str(root / "adapter_model.safetensors"))
     return root

@@ -3,6 +3,7 @@ manager driving them through a seeded stress run."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -110,33 +111,37 @@ def test_unusable_disk_path_disables_the_disk_tier_with_a_warning(tmp_path, capl
     assert store.tier_of(key(1)) is None and store.num_dropped == 1
 
 
-@pytest.fixture
+@contextlib.contextmanager
 def file_size_limit():
     """Cap this process's file size (the kernel then fails writes past it with EFBIG, as a
-    full disk fails them with ENOSPC); restored afterwards."""
+    full disk fails them with ENOSPC). Restored on leaving the block, before pytest writes
+    its report (which may go to a file larger than the cap)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
     def limit(nbytes: int) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
 
-    yield limit
-    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-    signal.signal(signal.SIGXFSZ, previous)
+    try:
+        yield limit
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
 
 
-def test_a_full_disk_degrades_to_fewer_cached_pages(tmp_path, caplog, file_size_limit):
+def test_a_full_disk_degrades_to_fewer_cached_pages(tmp_path, caplog):
     page = 8192
-    with caplog.at_level(logging.WARNING):
-        file_size_limit(3 * page)
+    with caplog.at_level(logging.WARNING), file_size_limit() as limit:
+        limit(3 * page)
         store = TieredKVStore(page, host_blocks=0, disk_blocks=10, disk_dir=tmp_path)
         disk = store.disk
-        assert disk is not None and disk.num_blocks == 2  # 10 -> 5 -> 2 pages fit
-        assert "only 2 of 10 pages fit" in caplog.text
-        file_size_limit(page)  # now the disk "fills up" under the pages already placed
+        assert disk is not None
+        limit(page)  # now the disk "fills up" under the pages already placed
         for b in range(2):
             store.put(key(b), torch.full((page,), b, dtype=torch.uint8))
         disk.reap(wait=True)
+    assert disk.num_blocks == 2  # 10 -> 5 -> 2 pages fit
+    assert "only 2 of 10 pages fit" in caplog.text
     assert disk.num_write_errors == 1  # the page past the limit failed and was let go
     assert "write failed" in caplog.text
     assert store.tier_of(key(0)) is Tier.DISK and store.tier_of(key(1)) is None
