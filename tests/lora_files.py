@@ -11,6 +11,12 @@ from engine.config import ModelConfig
 from engine.lora.adapter import TARGET_MODULES
 from engine.lora.synthetic import write_random_adapter
 
+# SmolLM2-135M's shapes, for adapters of the default model
+SMOLLM2 = ModelConfig(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+    num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
+)  # fmt: skip
+
 
 def write_adapter(
     root: Path,

@@ -7,6 +7,8 @@ import time
 
 import httpx
 
+from tests.lora_files import SMOLLM2, write_adapter
+
 MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -50,19 +52,24 @@ def test_policy_put_replaces_the_whole_policy(gateway):
         assert admin.get("/admin/tenants/t_missing/policy").status_code == 404
 
 
-def test_adapter_registry_and_model_listing(gateway):
+def test_adapter_registry_and_model_listing(gateway, tmp_path):
     tid, key = gateway.new_tenant()
     _, other_key = gateway.new_tenant()
+    first_dir = write_adapter(tmp_path / "a", SMOLLM2, seed=1)
+    second_dir = write_adapter(tmp_path / "b", SMOLLM2, seed=2)
     with gateway.admin() as admin:
+        missing = admin.post("/admin/adapters/", json={"name": "sql-helper", "path": "/srv/a"})
+        assert missing.status_code == 400  # checked at registration: nothing there
+        assert missing.json()["error"]["code"] == "invalid_adapter"
         first = admin.post(
             "/admin/adapters/",
-            json={"name": "sql-helper", "path": "/srv/a", "allowed_tenants": [tid]},
+            json={"name": "sql-helper", "path": str(first_dir), "allowed_tenants": [tid]},
         )
         assert first.status_code == 201
         assert first.json()["version"] == 1
         again = admin.post(
             "/admin/adapters/",
-            json={"name": "sql-helper", "path": "/srv/b", "allowed_tenants": [tid]},
+            json={"name": "sql-helper", "path": str(second_dir), "allowed_tenants": [tid]},
         )
         assert again.json()["version"] == 2
         assert [a["name"] for a in admin.get("/admin/adapters/").json()] == ["sql-helper"]

@@ -13,13 +13,8 @@ import pytest
 from engine.config import ModelConfig
 from tests.integration.conftest import GatewayServer, WorkerProcess, gateway_settings
 from tests.integration.test_gateway_usage import ledger_record
-from tests.lora_files import write_adapter
+from tests.lora_files import SMOLLM2, write_adapter
 
-# SmolLM2-135M's shapes
-SMOLLM2 = ModelConfig(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-    num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
-)  # fmt: skip
 TINY = ModelConfig(
     vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
     num_kv_heads=2, head_dim=8, max_position_embeddings=128,
