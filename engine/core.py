@@ -235,9 +235,9 @@ class EngineCore:
             num_kv_disk_blocks_used=0 if disk is None else disk.num_used,
             kv_blocks_by_tenant=self._blocks_by_tenant(),
             num_cache_hit_blocks={
-                "device": bm.num_hit_blocks,
-                "host": bm.num_tier_hit_blocks[Tier.HOST],
-                "disk": bm.num_tier_hit_blocks[Tier.DISK],
+                Tier.DEVICE.value: bm.num_hit_blocks,
+                Tier.HOST.value: bm.num_tier_hit_blocks[Tier.HOST],
+                Tier.DISK.value: bm.num_tier_hit_blocks[Tier.DISK],
             },
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
@@ -245,7 +245,9 @@ class EngineCore:
         )
 
     def _blocks_by_tenant(self) -> dict[str, dict[str, int]]:
-        by_tenant = {t: {"device": n} for t, n in self.block_manager.blocks_by_owner().items()}
+        by_tenant = {
+            t: {Tier.DEVICE.value: n} for t, n in self.block_manager.blocks_by_owner().items()
+        }
         if self.tiers is not None:
             for tenant, tiers in self.tiers.pages_by_owner().items():
                 by_tenant.setdefault(tenant, {}).update(tiers)

@@ -96,6 +96,10 @@ class HostKVPool:
     def num_used(self) -> int:
         return len(self.slots)
 
+    @property
+    def full(self) -> bool:
+        return not self._free
+
     def clear(self) -> None:
         """Forget every page."""
         self.slots.clear()
@@ -377,7 +381,7 @@ class TieredKVStore:
             victim = host.owners.oldest(host.slots, owner, keep)
             if victim is None:
                 return None
-        elif not host._free:
+        elif host.full:
             victim = host.owners.oldest(host.slots, None, keep)
             if victim is None:
                 return None
