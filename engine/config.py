@@ -27,12 +27,15 @@ class SchedulingPolicy(enum.Enum):
 
 
 class KernelBackend(enum.Enum):
-    """`auto`: Strata's native CPU kernels where they build (CPU devices), else torch ops.
-    `torch`: torch ops only. `native`: require the native kernels."""
+    """`auto`: Strata's native CPU kernels on CPU devices (where they build), the Triton
+    attention kernels on CUDA (where Triton is installed), torch ops for the rest.
+    `torch`: torch ops only. `native`: require the native CPU kernels. `triton`: require the
+    Triton kernels (on a CPU device they run under Triton's interpreter: slow, for tests)."""
 
     AUTO = "auto"
     TORCH = "torch"
     NATIVE = "native"
+    TRITON = "triton"
 
 
 class KVCacheDtype(enum.Enum):
@@ -296,6 +299,9 @@ class EngineConfig:
     num_threads: int | None = None
     cache_dir: str | None = None
     backend: KernelBackend = KernelBackend.AUTO
+    # decode steps from captured CUDA graphs (Triton backend only; engine/cuda_graphs.py)
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 256
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -303,6 +309,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads <= 0:
             raise ConfigError("num_threads must be positive")
+        if self.cuda_graph_max_batch < 1:
+            raise ConfigError("cuda_graph_max_batch must be positive")
         resolve_device(self.device)
         parse_dtype(self.dtype)
 

@@ -48,9 +48,12 @@ class EngineCore:
         model_id: str,
         eos_token_ids: frozenset[int],
         kernels: CpuKernels | None = None,
+        triton: bool = False,
     ) -> None:
         """`kernels`: native CPU kernels for attention (the model's own modules are swapped
-        by `engine.model.native_cpu.apply_native_cpu` before the core is built)."""
+        by `engine.model.native_cpu.apply_native_cpu` before the core is built).
+        `triton`: attention on the Triton kernels instead (engine/attention/triton_backend.py).
+        """
         mc = model.config
         self.model_config = mc
         self.config = config
@@ -99,7 +102,13 @@ class EngineCore:
             seed=config.seed,
             kernels=kernels,
             lora=lora_batch,
+            triton=triton,
         )
+        if triton and not config.enforce_eager and lora_batch is None:
+            self.runner.use_decode_graphs(
+                min(config.cuda_graph_max_batch, config.scheduler.max_num_seqs),
+                self.max_model_len,
+            )
         self.num_steps = 0
         self.num_generated_tokens = 0
 

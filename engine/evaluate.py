@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.paged import PagedAttention, SeqSlice
+from engine.attention.triton_backend import TritonPagedAttention
 from engine.core import EngineCore
 from kvstore.device_pool import DeviceKVPool
 
@@ -38,7 +39,11 @@ def perplexity(
     spec = core.pool.spec
     table = list(range(-(-window // spec.block_size)))
     pool = DeviceKVPool(spec, len(table), core.device)  # private: the core's cache is untouched
-    attn = PagedAttention(pool, runner.attn.num_heads, kernels=runner.attn.kernels)
+    attn: PagedAttention | TritonPagedAttention
+    if isinstance(runner.attn, TritonPagedAttention):
+        attn = TritonPagedAttention(pool, runner.attn.num_heads)
+    else:
+        attn = PagedAttention(pool, runner.attn.num_heads, kernels=runner.attn.kernels)
     model = runner.model
     nll, count = 0.0, 0
     for start in range(0, len(token_ids) - 1, window):

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 import engine.tokenizer
+from engine.attention.triton_backend import TritonUnavailableError, load_triton_kernels
 from engine.config import ConfigError, EngineConfig, KernelBackend
 from engine.core import EngineCore
 from engine.kernels.cpu import CpuKernels, load_cpu_kernels
@@ -111,13 +112,39 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
         model_id=checkpoint.model_id,
         eos_token_ids=tokenizer.eos_token_ids,
         kernels=kernels,
+        triton=use_triton(config),
     )
     return core, tokenizer
 
 
+def use_triton(config: EngineConfig) -> bool:
+    """Whether attention runs on the Triton kernels (see KernelBackend)."""
+    device = config.torch_device()
+    if config.backend is KernelBackend.TRITON:
+        _check_triton(device)
+        return True
+    if config.backend is not KernelBackend.AUTO or device.type != "cuda":
+        return False
+    try:
+        _check_triton(device)
+    except ConfigError as exc:
+        log.warning("attention falls back to torch ops: %s", exc)
+        return False
+    return True
+
+
+def _check_triton(device: torch.device) -> None:
+    try:
+        load_triton_kernels(device)
+    except TritonUnavailableError as exc:
+        raise ConfigError(f"the Triton backend is unavailable: {exc}") from exc
+
+
 def native_kernels(config: EngineConfig, dtype: torch.dtype) -> CpuKernels | None:
     """The native CPU kernels when the config and device allow them (see KernelBackend)."""
-    if config.backend is KernelBackend.TORCH or config.torch_device().type != "cpu":
+    if config.backend in (KernelBackend.TORCH, KernelBackend.TRITON) or (
+        config.torch_device().type != "cpu"
+    ):
         if config.backend is KernelBackend.NATIVE:
             raise ConfigError("the native backend runs on CPU devices only")
         return None

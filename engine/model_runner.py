@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.paged import PagedAttention, SeqSlice
+from engine.attention.triton_backend import TritonPagedAttention
+from engine.cuda_graphs import DecodeGraphs
 from engine.kernels.cpu import CpuKernels
 from engine.lora.layers import LoRABatch
 from engine.model.llama import LlamaForCausalLM
@@ -39,16 +41,29 @@ class ModelRunner:
         seed: int = 0,
         kernels: CpuKernels | None = None,
         lora: LoRABatch | None = None,
+        triton: bool = False,
     ) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.vocab_size = model.config.vocab_size
-        self.attn = PagedAttention(pool, model.config.num_heads, kernels=kernels)
+        self.attn: PagedAttention | TritonPagedAttention
+        if triton:
+            self.attn = TritonPagedAttention(pool, model.config.num_heads)
+        else:
+            self.attn = PagedAttention(pool, model.config.num_heads, kernels=kernels)
         self.argmax = kernels.argmax if kernels is not None and device.type == "cpu" else None
         self.lora = lora  # set to each token's adapter slot before every forward
+        self.graphs: DecodeGraphs | None = None
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+
+    def use_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Run decode-only steps of up to `max_batch` sequences from captured CUDA graphs
+        (over static, padded buffers on any device; captured on CUDA). Triton backend only."""
+        assert isinstance(self.attn, TritonPagedAttention)
+        self.graphs = DecodeGraphs(self.model, self.attn, max_batch, max_model_len)
+        self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
@@ -59,13 +74,10 @@ class ModelRunner:
         # decode tokens first: the attention backend batches them without padding
         order = sorted(step.scheduled, key=lambda s: s.num_new_tokens > 1)
         input_ids, positions, slices, sample_rows = self._flatten(order)
-        ctx = self.attn.build_context(slices)
-        ids_t = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        pos_t = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        lora_slots = None
         if self.lora is not None:
-            slots = [s.request.lora_slot for s in order for _ in range(s.num_new_tokens)]
-            self.lora.set(slots, self.device)
-        hidden = self.model(ids_t, pos_t, self.attn, ctx)  # [T, hidden]
+            lora_slots = [s.request.lora_slot for s in order for _ in range(s.num_new_tokens)]
+        hidden = self.forward(input_ids, positions, slices, lora_slots)  # [T, hidden]
         if not sample_rows:
             return RunnerOutput([], [], [])
         sampled = [s.request for s in order if s.completes_sequence]
@@ -74,6 +86,27 @@ class ModelRunner:
         batch = build_sampling_batch(sampled, self.vocab_size, self.device)
         out = sample(logits, batch, self.generator, self.argmax)
         return RunnerOutput(sampled, out.token_ids.tolist(), self._logprobs(sampled, out))
+
+    def forward(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slices: list[SeqSlice],
+        lora_slots: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the flattened step (decode sequences first);
+        writes the step's K/V. A decode-only step within the captured sizes replays a graph.
+        `lora_slots`: each token's adapter slot, when adapters are enabled."""
+        graphs = self.graphs
+        if graphs is not None and len(input_ids) == len(slices) and graphs.fits(len(slices)):
+            return graphs.run(input_ids, slices)
+        ctx = self.attn.build_context(slices)
+        ids_t = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos_t = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        if self.lora is not None:
+            assert lora_slots is not None
+            self.lora.set(lora_slots, self.device)
+        return self.model(ids_t, pos_t, self.attn, ctx)
 
     def _flatten(
         self, order: list[ScheduledRequest]

@@ -99,7 +99,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         "--backend",
         default="auto",
         choices=[k.value for k in KernelBackend],
-        help="auto: native CPU kernels where they build; torch: torch ops only",
+        help="auto: native kernels on CPU, Triton on CUDA; torch: torch ops only; "
+        "triton: force the Triton kernels (interpreted on CPU, slow)",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run decode steps eagerly instead of replaying captured CUDA graphs",
     )
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     g.add_argument(
@@ -118,6 +124,7 @@ def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
         num_threads=args.threads,
         cache_dir=args.cache_dir or settings.cache_dir(),
         backend=KernelBackend(args.backend),
+        enforce_eager=args.enforce_eager,
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_bytes=max(1, int(args.kv_cache_gb * _GIB)),

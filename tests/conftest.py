@@ -14,7 +14,7 @@ import torch
 
 from engine.config import EngineConfig, KernelBackend
 from engine.core import EngineCore
-from engine.factory import native_kernels
+from engine.factory import native_kernels, use_triton
 from engine.loader import build_model, load_checkpoint
 from engine.model.llama import LlamaForCausalLM
 from engine.model.native_cpu import apply_native_cpu
@@ -90,12 +90,13 @@ def make_core(smollm2_fp32, smollm2_fp32_torch, strata_cache_dir):
         cfg = config or EngineConfig()
         if cfg.cache_dir is None:
             cfg = dataclasses.replace(cfg, cache_dir=str(strata_cache_dir))
-        torch_only = cfg.backend is KernelBackend.TORCH
-        model, tokenizer, model_id = smollm2_fp32_torch if torch_only else smollm2_fp32
+        torch_model = cfg.backend in (KernelBackend.TORCH, KernelBackend.TRITON)
+        model, tokenizer, model_id = smollm2_fp32_torch if torch_model else smollm2_fp32
         kernels = native_kernels(cfg, torch.float32)
         return EngineCore(
-            model, cfg, model_id=model_id, eos_token_ids=tokenizer.eos_token_ids, kernels=kernels
-        )
+            model, cfg, model_id=model_id, eos_token_ids=tokenizer.eos_token_ids,
+            kernels=kernels, triton=use_triton(cfg),
+        )  # fmt: skip
 
     return make
 

@@ -64,6 +64,15 @@ class AttentionContext:
     rows: _Rows | None = None  # native path: every token at once
 
 
+def slot_indices(seqs: list[SeqSlice], block_size: int) -> list[int]:
+    """Flat pool slot of every new token, sequence by sequence."""
+    return [
+        s.block_table[pos // block_size] * block_size + pos % block_size
+        for s in seqs
+        for pos in range(s.context_len, s.context_len + s.query_len)
+    ]
+
+
 def _build_group(
     seqs: list[SeqSlice], block_size: int, device: torch.device, with_mask: bool
 ) -> _Group:
@@ -137,11 +146,7 @@ class PagedAttention:
         same order as their tokens in the flattened batch."""
         device = self.pool.device
         bs = self.block_size
-        slots = [
-            s.block_table[pos // bs] * bs + pos % bs
-            for s in seqs
-            for pos in range(s.context_len, s.context_len + s.query_len)
-        ]
+        slots = slot_indices(seqs, bs)
         slot_mapping = torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True)
         if self.kernels is not None:
             return AttentionContext(slot_mapping, 0, None, None, rows=_build_rows(seqs))

@@ -1,0 +1,290 @@
+"""Decode step time, tok/s and achieved memory bandwidth of the engine's decode path, by
+batch and context, with FP8 and 16-bit KV pages, against HF transformers `generate`.
+
+On a CUDA GPU the model is `synthetic:llama3-8b`: real Llama-3-8B shapes with random bf16
+weights (seeded), which is what the output says. The engine runs as configured by default
+there: Triton attention, decode steps replayed from CUDA graphs. On CPU the same script runs
+small (`synthetic:tiny`, the engine's CPU backend).
+
+Method, per KV dtype: one engine; its KV pool gets the pages of `batch` sequences of
+`context` tokens each (block tables over a shuffled range of pages; the page contents do not
+change the work), and every timed step is what the engine does for a decode step: the
+runner's forward for one token per sequence at position context - 1, the logits of every
+sequence, greedy argmax, and the read-back of the token ids (the step's one host sync).
+Step time is the median of `--steps` timed steps after warm-up.
+
+- bytes a step must read: every weight except the embedding table (only one row per
+  sequence is read), plus every layer's K and V pages and scales for every context token;
+- bandwidth fraction: those bytes / step time, over the device's measured copy bandwidth
+  (device-to-device `copy_` of 1 GiB, counted as read + write), measured in the same run;
+- weight-streaming limit: weight bytes / copy bandwidth, the floor for a batch-1 step;
+- peer: transformers' LlamaForCausalLM with the same weights (bf16, SDPA), decode tok/s
+  from `generate` at the same shapes: (time of 1 + N new tokens - time of 1) over N tokens.
+
+    python bench/gpu_decode.py            # on a GPU: the full grid
+    python bench/gpu_decode.py --quick    # fewer shapes and steps
+
+The last printed line is one JSON object; the full record goes to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import hf_model_for, machine_info, write_result
+from engine.attention.paged import SeqSlice
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    KVCacheDtype,
+    SchedulerConfig,
+    resolve_device,
+)
+from engine.core import EngineCore
+from engine.factory import create_engine
+
+_GIB = 1 << 30
+KV_DTYPES = {"fp8": KVCacheDtype.FP8_E4M3, "bf16": KVCacheDtype.AUTO}
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 10) -> float:
+    """Bytes per second of a device-to-device copy (read + write)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 2):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times[2:])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def weight_bytes(core: EngineCore) -> int:
+    model = core.runner.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_word_embeddings:  # the table is only indexed, never streamed
+        emb = model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def build_engine(args: argparse.Namespace, kv: str, device: torch.device) -> EngineCore:
+    """An engine whose KV pool takes what the GPU has left after the weights."""
+    max_len = max(args.contexts) + 1
+    config = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=str(device),
+        seed=args.seed,
+        cache=CacheConfig(
+            kv_cache_dtype=KV_DTYPES[kv],
+            kv_cache_memory_bytes=int(args.kv_gb * _GIB),
+            enable_prefix_caching=False,
+        ),
+        scheduler=SchedulerConfig(max_num_seqs=max(args.batches), max_model_len=max_len),
+        cuda_graph_max_batch=max(args.batches),
+    )
+    core, _ = create_engine(config, progress=False)
+    return core
+
+
+def decode_point(core: EngineCore, batch: int, context: int, steps: int, seed: int) -> float:
+    """Median seconds of one decode step of `batch` sequences at `context` tokens."""
+    bs = core.pool.spec.block_size
+    per_seq = -(-context // bs)
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randperm(core.pool.num_blocks, generator=gen)[: batch * per_seq].tolist()
+    slices = [
+        SeqSlice(1, context - 1, blocks[i * per_seq : (i + 1) * per_seq]) for i in range(batch)
+    ]
+    ids = torch.randint(0, core.vocab_size, (batch,), generator=gen).tolist()
+    positions = [context - 1] * batch
+    runner = core.runner
+    times = []
+    with torch.inference_mode():
+        for step in range(steps + 3):
+            start = time.perf_counter()
+            hidden = runner.forward(ids, positions, slices)
+            ids = runner.model.compute_logits(hidden).argmax(-1).tolist()
+            if step >= 3:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def hf_decode_tok_s(hf, batch: int, context: int, steps: int, device: torch.device) -> float:
+    gen = torch.Generator().manual_seed(batch * 100_003 + context)
+    prompt = torch.randint(0, hf.config.vocab_size, (batch, context - 1), generator=gen)
+    prompt = prompt.to(device)
+
+    def run(new: int) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                min_new_tokens=new, do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        _sync(device)
+        return time.perf_counter() - start
+
+    run(2)  # warm-up
+    first = run(1)
+    full = run(1 + steps)
+    return batch * steps / max(full - first, 1e-9)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--model", default=None, help="default: synthetic:llama3-8b on CUDA")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batches", default=None, help="default: 1,16,64,128 (CPU: 1,4)")
+    ap.add_argument("--contexts", default=None, help="default: 512,2048,8192 (CPU: 64,256)")
+    ap.add_argument("--kv", default="fp8,bf16")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 32, CPU 4)")
+    ap.add_argument("--kv-gb", type=float, default=None, help="KV pool (default: what fits)")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    device = resolve_device(args.device)
+    gpu = device.type == "cuda"
+    args.model = args.model or ("synthetic:llama3-8b" if gpu else "synthetic:tiny")
+    quick_grid = ("1,64", "512,2048") if gpu else ("1,4", "64")
+    full_grid = ("1,16,64,128", "512,2048,8192") if gpu else ("1,4", "64,256")
+    grid = quick_grid if args.quick else full_grid
+    args.batches = [int(b) for b in (args.batches or grid[0]).split(",")]
+    args.contexts = [int(c) for c in (args.contexts or grid[1]).split(",")]
+    args.steps = args.steps or (8 if args.quick else 32 if gpu else 4)
+    kv_names = args.kv.split(",")
+
+    bandwidth = copy_bandwidth(device, _GIB if gpu else 256 << 20)
+    print(f"device {machine_info(device)['device']}: copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    if args.model.startswith("synthetic:"):
+        print(f"model {args.model}: random weights (seeded {args.seed}), real shapes")
+    tok_s: dict[str, dict[str, float]] = {}
+    step_ms: dict[str, dict[str, float]] = {}
+    hbm_fraction: dict[str, dict[str, float]] = {}
+    skipped: list[str] = []
+    batch1_vs_limit: dict[str, float] = {}
+    config_used: dict[str, Any] = {}
+    for kv in kv_names:
+        if args.kv_gb is None:
+            args.kv_gb = _kv_budget_gib(args, device)
+        core = build_engine(args, kv, device)
+        wbytes = weight_bytes(core)
+        spec = core.pool.spec
+        config_used[kv] = {
+            "attention": type(core.runner.attn).__name__,
+            "decode_graphs": core.runner.graphs is not None,
+            "kv_bytes_per_token": spec.bytes_per_token,
+            "kv_pool_blocks": core.pool.num_blocks,
+            "weight_bytes_read": wbytes,
+        }
+        for context in args.contexts:
+            for batch in args.batches:
+                key = f"{kv}/b{batch}/c{context}"
+                if batch * -(-context // spec.block_size) > core.pool.num_blocks:
+                    skipped.append(f"{key}: KV exceeds the pool")
+                    continue
+                seconds = decode_point(core, batch, context, args.steps, args.seed)
+                need = wbytes + batch * context * spec.bytes_per_token
+                fraction = need / seconds / bandwidth
+                tok_s.setdefault(kv, {})[f"b{batch}/c{context}"] = round(batch / seconds, 1)
+                step_ms.setdefault(kv, {})[f"b{batch}/c{context}"] = round(seconds * 1e3, 3)
+                hbm_fraction.setdefault(kv, {})[f"b{batch}/c{context}"] = round(fraction, 3)
+                if batch == 1:
+                    limit = wbytes / bandwidth
+                    batch1_vs_limit[f"{kv}/c{context}"] = round(seconds / limit, 2)
+                print(
+                    f"{key:>18}: step {seconds * 1e3:8.2f} ms  {batch / seconds:9.1f} tok/s  "
+                    f"{need / seconds / 1e9:7.1f} GB/s ({fraction:.0%} of copy)",
+                    flush=True,
+                )
+        del core
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+
+    hf_tok_s: dict[str, float] = {}
+    ratio_vs_hf: dict[str, float] = {}
+    if not args.skip_hf:
+        config = EngineConfig(model=args.model, dtype=args.dtype, device=str(device),
+                              seed=args.seed)  # fmt: skip
+        hf = hf_model_for(config)
+        config_used["hf_attention"] = getattr(hf.config, "_attn_implementation", None)
+        for context in args.contexts:
+            for batch in args.batches:
+                shape = f"b{batch}/c{context}"
+                try:
+                    peer = hf_decode_tok_s(hf, batch, context, args.steps, device)
+                except torch.OutOfMemoryError:
+                    skipped.append(f"hf/{shape}: out of memory")
+                    gc.collect()
+                    if gpu:
+                        torch.cuda.empty_cache()
+                    continue
+                hf_tok_s[shape] = round(peer, 1)
+                best = max((tok_s[kv].get(shape, 0.0) for kv in tok_s), default=0.0)
+                ratio_vs_hf[shape] = round(best / peer, 2)
+                print(
+                    f"transformers {shape:>12}: {peer:9.1f} tok/s  (Strata {ratio_vs_hf[shape]}x)"
+                )
+    summary = {
+        "device": machine_info(device)["device"],
+        "tok_s": tok_s,
+        "hbm_fraction": hbm_fraction,
+        "hf_tok_s": hf_tok_s,
+        "ratio_vs_hf": ratio_vs_hf,
+    }
+    record = {
+        **machine_info(device),
+        "benchmark": "gpu_decode",
+        "model": args.model,
+        "weights": "random (seeded), real shapes" if "synthetic" in args.model else "checkpoint",
+        "dtype": args.dtype,
+        "steps": args.steps,
+        "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "step_ms": step_ms,
+        "batch1_step_vs_weight_streaming_limit": batch1_vs_limit,
+        "engine": config_used,
+        "skipped": skipped,
+        **summary,
+    }
+    path = write_result(args.out_dir, "gpu_decode", record)
+    print(f"wrote {path}")
+    print(json.dumps(summary))
+    return record
+
+
+def _kv_budget_gib(args: argparse.Namespace, device: torch.device) -> float:
+    """KV pool size: on a GPU, what is free minus the weights and a working margin; on CPU,
+    enough for the largest shape."""
+    if device.type != "cuda":
+        return 1.0
+    free, _ = torch.cuda.mem_get_info(device)
+    weights = 16.1 * _GIB if "8b" in args.model else 3 * _GIB
+    return max(1.0, (free - weights - 10 * _GIB) / _GIB)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Paged attention through the Triton kernels (engine/kernels/triton_attention.py).
+
+The same interface as `PagedAttention` (`build_context` once per step, `forward` per layer),
+so the model and runner do not know which backend they drive. Per layer: one fused K/V write
+(FP8 quantization included), then one attention launch for the step's decode tokens (split
+across programs for long contexts, plus a merge) and one for its prefill chunks.
+
+On CUDA the kernels are compiled; elsewhere they run under Triton's interpreter, which is
+slow and meant for tests (the torch backend is the CPU fast path).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from engine.attention.paged import SeqSlice, slot_indices
+from kvstore.device_pool import DeviceKVPool
+
+log = logging.getLogger(__name__)
+
+_KERNELS = "engine.kernels.triton_attention"
+_MAX_SPLITS = 16
+_TILE_ROWS = 64  # query rows (tokens x heads of a KV head's group) per prefill program
+
+
+class TritonUnavailableError(RuntimeError):
+    """Triton cannot run the kernels here (not installed, or loaded for another device)."""
+
+
+def load_triton_kernels(device: torch.device) -> ModuleType:
+    """The kernel module: compiled on CUDA, under the interpreter elsewhere.
+
+    Triton picks its mode once, when first imported (engine/__init__.py picks the
+    interpreter on machines with no GPU driver); a process in the wrong mode raises.
+    """
+    try:
+        import triton.language.standard  # noqa: PLC0415 (optional: absent where unsupported)
+        from triton.runtime.interpreter import InterpretedFunction  # noqa: PLC0415
+    except ImportError as exc:
+        raise TritonUnavailableError(f"Triton is not installed ({exc})") from exc
+    interpreted = isinstance(triton.language.standard.zeros, InterpretedFunction)
+    if interpreted != (device.type != "cuda"):
+        mode = "interpreter" if interpreted else "compiler"
+        raise TritonUnavailableError(
+            f"Triton was loaded for its {mode} in this process, which cannot run kernels on "
+            f"{device.type}; start Python with TRITON_INTERPRET="
+            f"{'0' if interpreted else '1'}"
+        )
+    return importlib.import_module(_KERNELS)
+
+
+@dataclass
+class TritonContext:
+    slot_mapping: torch.Tensor  # [T] int64; < 0 for padding rows (skipped)
+    block_table: torch.Tensor  # [S, max_blocks] int32, decode sequences first
+    num_decode: int
+    seq_lens: torch.Tensor | None  # [num_decode] int32: each decode sequence's length
+    tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    num_splits: int
+
+
+class TritonPagedAttention:
+    """Attention over a `DeviceKVPool` with the Triton kernels."""
+
+    def __init__(
+        self,
+        pool: DeviceKVPool,
+        num_heads: int,
+        scale: float | None = None,
+        *,
+        num_splits: int | None = None,
+        block_n: int = 64,
+    ) -> None:
+        """`num_splits`: programs per (decode sequence, KV head); None picks by occupancy.
+        `block_n`: KV tokens per inner iteration (at least 16)."""
+        self.kernels = load_triton_kernels(pool.device)
+        self.pool = pool
+        self.block_size = pool.spec.block_size
+        self.num_heads = num_heads
+        self.num_kv_heads = pool.spec.num_kv_heads
+        self.head_dim = pool.spec.head_dim
+        self.scale = scale if scale is not None else self.head_dim**-0.5
+        self.rotate_keys = pool.spec.rotate_keys
+        self.fixed_splits = num_splits
+        self.block_n = block_n
+        group = max(1, num_heads // self.num_kv_heads)
+        self.tokens_per_tile = max(1, _TILE_ROWS // (1 << (group - 1).bit_length()))
+        device = pool.device
+        self.num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else 1
+        )
+
+    def decode_splits(self, num_seqs: int, max_len: int) -> int:
+        """Programs per (sequence, KV head): enough for about two waves over the GPU's SMs,
+        never more than the longest context has KV tiles; a power of two."""
+        if self.fixed_splits is not None:
+            return self.fixed_splits
+        want = -(-2 * self.num_sms // max(1, num_seqs * self.num_kv_heads))
+        tiles = -(-max_len // self.block_n)
+        splits = 1
+        while splits < min(want, tiles, _MAX_SPLITS):
+            splits *= 2
+        return splits
+
+    def build_context(self, seqs: list[SeqSlice]) -> TritonContext:
+        """Metadata for one step; `seqs` lists every `query_len == 1` sequence first."""
+        device = self.pool.device
+        num_decode = 0
+        while num_decode < len(seqs) and seqs[num_decode].query_len == 1:
+            num_decode += 1
+        assert all(s.query_len > 1 for s in seqs[num_decode:]), "decodes must come first"
+        max_blocks = max(len(s.block_table) for s in seqs)
+        table = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            table[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        seq_lens = None
+        splits = 1
+        if num_decode:
+            lens = [s.context_len + 1 for s in seqs[:num_decode]]
+            seq_lens = torch.tensor(lens, dtype=torch.int32).to(device, non_blocking=True)
+            splits = self.decode_splits(num_decode, max(lens))
+        tiles = None
+        if num_decode < len(seqs):
+            rows: list[tuple[int, int, int, int]] = []
+            row = num_decode
+            for i, s in enumerate(seqs[num_decode:], start=num_decode):
+                for start in range(0, s.query_len, self.tokens_per_tile):
+                    length = min(self.tokens_per_tile, s.query_len - start)
+                    rows.append((i, row + start, length, s.context_len + start))
+                row += s.query_len
+            cols = torch.tensor(rows, dtype=torch.int32).t().contiguous().to(device)
+            tiles = (cols[0], cols[1], cols[2], cols[3])
+        slots = torch.tensor(slot_indices(seqs, self.block_size), dtype=torch.long)
+        return TritonContext(
+            slot_mapping=slots.to(device, non_blocking=True),
+            block_table=table.to(device, non_blocking=True),
+            num_decode=num_decode,
+            seq_lens=seq_lens,
+            tiles=tiles,
+            num_splits=splits,
+        )
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ctx: TritonContext,
+    ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]; writes k/v into the pool first."""
+        k_pages, v_pages = self.pool.layer(layer_idx)
+        k_scales, v_scales = self.pool.layer_scales(layer_idx) or (None, None)
+        kern = self.kernels
+        kern.kv_write(
+            k, v, k_pages, v_pages, ctx.slot_mapping, k_scales, v_scales,
+            rotate_keys=self.rotate_keys,
+        )  # fmt: skip
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        common = {
+            "k_scales": k_scales,
+            "v_scales": v_scales,
+            "rotated_keys": self.rotate_keys,
+            "block_n": self.block_n,
+        }
+        if ctx.seq_lens is not None:
+            nd = ctx.num_decode
+            kern.paged_attention(
+                q[:nd], k_pages, v_pages, out[:nd], ctx.block_table, self.scale,
+                seq_lens=ctx.seq_lens, num_splits=ctx.num_splits, **common,
+            )  # fmt: skip
+        if ctx.tiles is not None:
+            kern.paged_attention(
+                q, k_pages, v_pages, out, ctx.block_table, self.scale,
+                tiles=ctx.tiles, tokens_per_tile=self.tokens_per_tile, **common,
+            )  # fmt: skip
+        return out
