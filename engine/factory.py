@@ -26,6 +26,7 @@ from engine.loader import (
 )
 from engine.loader.synthetic import SYNTHETIC_PREFIX
 from engine.model.native_cpu import apply_native_cpu
+from engine.model.triton_layers import apply_triton_layers
 from engine.tokenizer import Tokenizer, byte_tokenizer
 
 log = logging.getLogger(__name__)
@@ -106,13 +107,16 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
     kernels = native_kernels(config, model.embed_tokens.weight.dtype)
     if kernels is not None:  # adapters wrap each projection: no whole-layer native kernels
         apply_native_cpu(model, kernels, fuse_layers=not config.lora.max_loras)
+    triton = use_triton(config)
+    if triton and config.torch_device().type == "cuda":  # interpreted, they only cost time
+        apply_triton_layers(model)
     core = EngineCore(
         model,
         config,
         model_id=checkpoint.model_id,
         eos_token_ids=tokenizer.eos_token_ids,
         kernels=kernels,
-        triton=use_triton(config),
+        triton=triton,
     )
     return core, tokenizer
 

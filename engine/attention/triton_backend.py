@@ -23,7 +23,6 @@ from kvstore.device_pool import DeviceKVPool
 
 log = logging.getLogger(__name__)
 
-_KERNELS = "engine.kernels.triton_attention"
 _MAX_SPLITS = 16
 _TILE_ROWS = 64  # query rows (tokens x heads of a KV head's group) per prefill program
 
@@ -32,8 +31,9 @@ class TritonUnavailableError(RuntimeError):
     """Triton cannot run the kernels here (not installed, or loaded for another device)."""
 
 
-def load_triton_kernels(device: torch.device) -> ModuleType:
-    """The kernel module: compiled on CUDA, under the interpreter elsewhere.
+def load_triton_kernels(device: torch.device, name: str = "triton_attention") -> ModuleType:
+    """A kernel module of engine/kernels (`triton_attention` or `triton_fused`): compiled on
+    CUDA, under the interpreter elsewhere.
 
     Triton picks its mode once, when first imported (engine/__init__.py picks the
     interpreter on machines with no GPU driver); a process in the wrong mode raises.
@@ -51,7 +51,7 @@ def load_triton_kernels(device: torch.device) -> ModuleType:
             f"{device.type}; start Python with TRITON_INTERPRET="
             f"{'0' if interpreted else '1'}"
         )
-    return importlib.import_module(_KERNELS)
+    return importlib.import_module(f"engine.kernels.{name}")
 
 
 @dataclass

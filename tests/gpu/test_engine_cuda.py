@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.attention.triton_backend import TritonPagedAttention
 from engine.config import CacheConfig, EngineConfig, KernelBackend, KVCacheDtype
 from engine.evaluate import greedy_agreement
 from engine.llm import LLM
@@ -44,7 +45,8 @@ def test_fp8_pages_on_cuda_follow_the_cpu_torch_path(strata_cache_dir):
 
 def test_bf16_chat_on_cuda_answers_paris(strata_cache_dir):
     llm = LLM(EngineConfig(dtype="bfloat16", device="cuda", cache_dir=str(strata_cache_dir)))
-    assert llm.core.runner.attn.use_sdpa
+    assert isinstance(llm.core.runner.attn, TritonPagedAttention)  # the CUDA default
+    assert llm.core.runner.graphs is not None and llm.core.runner.graphs.graphs
     (out,) = llm.generate(
         ["What is the capital of France?"],
         SamplingParams(max_tokens=40, temperature=0.0),

@@ -1,0 +1,147 @@
+"""Triton kernels that fuse the decoder's element-wise chains into one launch each.
+
+In eager torch, RMSNorm with its residual add is about seven kernels, rotary embedding about
+ten, SiLU-and-multiply three; at decode each moves a few KB, so a step over 32 layers spends
+more time launching them than computing. Each kernel below does one chain in one pass, with
+the rounding points of the torch modules in engine/model/llama.py: arithmetic is done in
+fp32 and rounded to the compute dtype wherever torch's 16-bit op would round (an add or
+multiply of two bf16 values is exact in fp32, so this is the same result), statistics stay
+in fp32. Both paths agree to the compute dtype's precision. (Computing in fp32 also keeps
+the kernels correct under Triton's interpreter, whose 16-bit arithmetic is unreliable.)
+
+Imported only through engine.attention.triton_backend.load_triton_kernels' rules: compiled on
+CUDA, interpreted elsewhere (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr):
+    """fp32 x rounded to `dtype` and widened back: one rounding point of the torch module."""
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, num_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_COLS)
+    mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
+    offs = rows.to(tl.int64)[:, None] * num_cols + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    dtype = x.dtype
+    xf = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        xf = _round(xf + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32), dtype)
+        tl.store(res_out_ptr + offs, xf.to(dtype), mask=mask)
+    var = tl.sum(xf * xf, axis=1) / num_cols
+    normed = _round(xf * tl.rsqrt(var + eps)[:, None], dtype)
+    w = tl.load(w_ptr + cols, mask=cols < num_cols, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (w[None, :] * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, num_tokens, stride_xt, stride_xh,
+    NUM_HEADS: tl.constexpr, HALF: tl.constexpr, H_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """Neox rotation of x [T, H, 2 * HALF] (strided rows) into a contiguous out."""
+    for i in range(BLOCK_T):
+        t = tl.program_id(0) * BLOCK_T + i
+        if t < num_tokens:
+            pos = tl.load(pos_ptr + t)
+            j = tl.arange(0, HALF_PAD)
+            h = tl.arange(0, H_PAD)
+            mask = (h < NUM_HEADS)[:, None] & (j < HALF)[None, :]
+            cos = tl.load(cos_ptr + pos * HALF + j, mask=j < HALF, other=0.0)
+            sin = tl.load(sin_ptr + pos * HALF + j, mask=j < HALF, other=0.0)
+            src = x_ptr + t.to(tl.int64) * stride_xt + h[:, None] * stride_xh + j[None, :]
+            x1 = tl.load(src, mask=mask, other=0.0)
+            dtype = x1.dtype
+            x1 = x1.to(tl.float32)
+            x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+            c = _round(cos, dtype)[None, :]  # the tables in the compute dtype, as torch has them
+            s = _round(sin, dtype)[None, :]
+            dst = out_ptr + (t.to(tl.int64) * NUM_HEADS + h[:, None]) * (2 * HALF) + j[None, :]
+            first = _round(x1 * c, dtype) - _round(x2 * s, dtype)
+            second = _round(x2 * c, dtype) + _round(x1 * s, dtype)
+            tl.store(dst, first.to(dtype), mask=mask)
+            tl.store(dst + HALF, second.to(dtype), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(
+    x_ptr, out_ptr, num_rows, inter, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr
+):
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (rows < num_rows)[:, None] & (cols < inter)[None, :]
+    src = x_ptr + rows.to(tl.int64)[:, None] * (2 * inter) + cols[None, :]
+    gate = tl.load(src, mask=mask, other=0.0)
+    up = tl.load(src + inter, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    silu = _round(g / (1.0 + tl.exp(-g)), gate.dtype)
+    dst = out_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :]
+    tl.store(dst, (silu * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def _rows_per_program(num_cols: int) -> int:
+    return max(1, min(16, 8192 // triton.next_power_of_2(num_cols)))
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual) * weight, x + residual) for x [T, hidden]; without a residual,
+    (norm(x) * weight, x). New tensors; the inputs are not changed."""
+    x = x.contiguous()
+    rows, cols = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    block_rows = _rows_per_program(cols)
+    _add_rms_norm_kernel[(triton.cdiv(rows, block_rows),)](
+        x, residual.contiguous() if residual is not None else x, weight, out, res_out,
+        rows, cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows,
+        BLOCK_COLS=triton.next_power_of_2(cols),
+    )  # fmt: skip
+    return out, res_out
+
+
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Neox rotary embedding of x [T, H, D] (rows may be strided) at `positions` [T], with
+    fp32 tables cos/sin [max_pos, D / 2]; returns a new contiguous tensor."""
+    tokens, heads, dim = x.shape
+    assert x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return out
+    block_t = 4
+    _rope_kernel[(triton.cdiv(tokens, block_t),)](
+        x, out, positions, cos, sin, tokens, x.stride(0), x.stride(1),
+        NUM_HEADS=heads, HALF=dim // 2, H_PAD=triton.next_power_of_2(heads),
+        HALF_PAD=triton.next_power_of_2(dim // 2), BLOCK_T=block_t,
+    )  # fmt: skip
+    return out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up) -> silu(gate) * up, [T, I]."""
+    x = x.contiguous()
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    block_cols = min(1024, triton.next_power_of_2(inter))
+    block_rows = _rows_per_program(block_cols)
+    grid = (triton.cdiv(rows, block_rows), triton.cdiv(inter, block_cols))
+    _silu_mul_kernel[grid](x, out, rows, inter, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols)
+    return out
