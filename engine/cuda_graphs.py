@@ -25,6 +25,7 @@ import torch
 
 from engine.attention.paged import SeqSlice, slot_indices
 from engine.attention.triton_backend import TritonContext, TritonPagedAttention
+from engine.device import to_device
 from engine.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -115,9 +116,7 @@ class DecodeGraphs:
             [input_ids, [s.context_len for s in seqs], slot_indices(seqs, self.attn.block_size)],
             dtype=torch.long,
         )
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        rows = host.to(self.device, non_blocking=True)
+        rows = to_device(host, self.device)
         self.input_ids[:n].copy_(rows[0])
         self.positions[:n].copy_(rows[1])
         self.slot_mapping[:n].copy_(rows[2])
@@ -126,7 +125,7 @@ class DecodeGraphs:
         table = torch.zeros(n, width, dtype=torch.int32)
         for i, s in enumerate(seqs):
             table[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        self.block_table[:n, :width].copy_(table.to(self.device, non_blocking=True))
+        self.block_table[:n, :width].copy_(to_device(table, self.device))
         self._reset_padding(n)
         graph = self.graphs.get(size)
         if graph is None:

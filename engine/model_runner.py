@@ -13,6 +13,7 @@ import torch
 from engine.attention.paged import PagedAttention, SeqSlice
 from engine.attention.triton_backend import TritonPagedAttention
 from engine.cuda_graphs import DecodeGraphs
+from engine.device import to_device
 from engine.kernels.cpu import CpuKernels
 from engine.lora.layers import LoRABatch
 from engine.model.llama import LlamaForCausalLM
@@ -65,27 +66,37 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.attn, max_batch, max_model_len)
         self.graphs.capture()
 
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         """Run the forward for every scheduled token; sample where a sequence is complete.
 
         Mutates only the KV pool (new K/V written) and the runner's random stream.
         """
+        sampled, out = self.launch(step)
+        if out is None:
+            return RunnerOutput([], [], [])
+        token_ids = out.token_ids.tolist()  # the step's one host sync
+        return RunnerOutput(sampled, token_ids, self._logprobs(sampled, out))
+
+    @torch.inference_mode()
+    def launch(self, step: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
+        """Queue the step's forward and sampling on the device without waiting for it;
+        returns the sampled requests and their (device) sampler output."""
         # decode tokens first: the attention backend batches them without padding
         order = sorted(step.scheduled, key=lambda s: s.num_new_tokens > 1)
         input_ids, positions, slices, sample_rows = self._flatten(order)
         lora_slots = None
         if self.lora is not None:
             lora_slots = [s.request.lora_slot for s in order for _ in range(s.num_new_tokens)]
-        hidden = self.forward(input_ids, positions, slices, lora_slots)  # [T, hidden]
-        if not sample_rows:
-            return RunnerOutput([], [], [])
+        # every host-side input is built and queued first: from here to the token ids the
+        # host never waits for the device
         sampled = [s.request for s in order if s.completes_sequence]
-        rows = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
+        batch = build_sampling_batch(sampled, self.vocab_size, self.device) if sampled else None
+        rows = to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)
+        hidden = self.forward(input_ids, positions, slices, lora_slots)  # [T, hidden]
+        if batch is None:
+            return [], None
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [S, vocab]
-        batch = build_sampling_batch(sampled, self.vocab_size, self.device)
-        out = sample(logits, batch, self.generator, self.argmax)
-        return RunnerOutput(sampled, out.token_ids.tolist(), self._logprobs(sampled, out))
+        return sampled, sample(logits, batch, self.generator, self.argmax)
 
     def forward(
         self,
@@ -101,8 +112,8 @@ class ModelRunner:
         if graphs is not None and len(input_ids) == len(slices) and graphs.fits(len(slices)):
             return graphs.run(input_ids, slices)
         ctx = self.attn.build_context(slices)
-        ids_t = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        pos_t = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        ids_t = to_device(torch.tensor(input_ids, dtype=torch.long), self.device)
+        pos_t = to_device(torch.tensor(positions, dtype=torch.long), self.device)
         if self.lora is not None:
             assert lora_slots is not None
             self.lora.set(lora_slots, self.device)

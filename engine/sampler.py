@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.device import to_device
 from engine.request import Request
 
 
@@ -23,6 +24,7 @@ class SamplingBatch:
     temperature: torch.Tensor  # [S] fp32, 0 = greedy
     all_greedy: bool
     top_k: torch.Tensor | None  # [S] long, vocab_size where disabled
+    top_k_max: int  # the largest k among rows (known on the host: no device sync)
     top_p: torch.Tensor | None  # [S] fp32
     min_p: torch.Tensor | None  # [S] fp32
     generators: list[torch.Generator | None]
@@ -48,7 +50,7 @@ def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor
     for i, r in enumerate(rows):
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out.to(device)
+    return to_device(out, device)
 
 
 def build_sampling_batch(
@@ -57,16 +59,16 @@ def build_sampling_batch(
     params = [r.params for r in requests]
 
     def col(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return to_device(torch.tensor(values, dtype=torch.float32), device)
 
     temperature = col([p.temperature for p in params])
     all_greedy = all(p.is_greedy for p in params)
     sampled = [p for p in params if not p.is_greedy]
     top_k = top_p = min_p = None
+    top_k_max = 0
     if any(p.top_k is not None for p in sampled):
-        top_k = torch.tensor(
-            [min(p.top_k or vocab_size, vocab_size) for p in params], device=device
-        )
+        ks = [min(p.top_k or vocab_size, vocab_size) for p in params]
+        top_k, top_k_max = to_device(torch.tensor(ks), device), max(ks)
     if any(p.top_p < 1.0 for p in sampled):
         top_p = col([p.top_p for p in params])
     if any(p.min_p > 0.0 for p in sampled):
@@ -86,6 +88,7 @@ def build_sampling_batch(
         temperature=temperature,
         all_greedy=all_greedy,
         top_k=top_k,
+        top_k_max=top_k_max,
         top_p=top_p,
         min_p=min_p,
         generators=[r.generator for r in requests],
@@ -124,24 +127,21 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
         logits.sub_(batch.presence_penalty * (out_counts > 0).float())
 
 
-def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> None:
-    k_max = int(top_k.max())
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int) -> None:
     k_max = min(logits.shape[1], k_max)
     kth = torch.topk(logits, k_max, dim=-1).values.gather(1, (top_k.clamp(max=k_max) - 1)[:, None])
     logits.masked_fill_(logits < kth, float("-inf"))
 
 
 def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> None:
-    rows = torch.nonzero(top_p < 1.0).flatten()
-    if rows.numel() == 0:
-        return
-    sub = logits.index_select(0, rows)
-    sorted_logits, order = sub.sort(dim=-1, descending=True)
+    # every row (rows at top_p = 1 drop nothing): selecting rows would need a device sync
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     # drop a token once the mass strictly before it already reaches top_p
-    drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p.index_select(0, rows)[:, None]
+    drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop_sorted &= (top_p < 1.0)[:, None]
     drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-    logits.index_copy_(0, rows, sub.masked_fill(drop, float("-inf")))
+    logits.masked_fill_(drop, float("-inf"))
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
@@ -172,7 +172,7 @@ def sample(
         temp = batch.temperature
         logits.div_(torch.where(temp > 0, temp, torch.ones_like(temp))[:, None])
         if batch.top_k is not None:
-            _apply_top_k(logits, batch.top_k)
+            _apply_top_k(logits, batch.top_k, batch.top_k_max)
         if batch.top_p is not None:
             _apply_top_p(logits, batch.top_p)
         if batch.min_p is not None:

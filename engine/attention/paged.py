@@ -116,7 +116,21 @@ def _build_rows(seqs: list[SeqSlice]) -> _Rows:
     )
 
 
-class PagedAttention:
+class PoolAttention:
+    """What every attention backend reads off its pool: the page geometry, the softmax scale
+    and whether FP8 keys are stored rotated."""
+
+    def __init__(self, pool: DeviceKVPool, num_heads: int, scale: float | None) -> None:
+        self.pool = pool
+        self.block_size = pool.spec.block_size
+        self.num_heads = num_heads
+        self.num_kv_heads = pool.spec.num_kv_heads
+        self.head_dim = pool.spec.head_dim
+        self.scale = scale if scale is not None else self.head_dim**-0.5
+        self.rotate_keys = pool.spec.rotate_keys
+
+
+class PagedAttention(PoolAttention):
     """Attention over a `DeviceKVPool`; native CPU kernels are used when given."""
 
     def __init__(
@@ -126,13 +140,7 @@ class PagedAttention:
         scale: float | None = None,
         kernels: CpuKernels | None = None,
     ) -> None:
-        self.pool = pool
-        self.block_size = pool.spec.block_size
-        self.num_heads = num_heads
-        self.num_kv_heads = pool.spec.num_kv_heads
-        self.head_dim = pool.spec.head_dim
-        self.scale = scale if scale is not None else self.head_dim**-0.5
-        self.rotate_keys = pool.spec.rotate_keys
+        super().__init__(pool, num_heads, scale)
         native = (
             kernels is not None
             and pool.device.type == "cpu"

@@ -18,7 +18,8 @@ from types import ModuleType
 
 import torch
 
-from engine.attention.paged import SeqSlice, slot_indices
+from engine.attention.paged import PoolAttention, SeqSlice, slot_indices
+from engine.device import to_device
 from kvstore.device_pool import DeviceKVPool
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class TritonContext:
     num_splits: int
 
 
-class TritonPagedAttention:
+class TritonPagedAttention(PoolAttention):
     """Attention over a `DeviceKVPool` with the Triton kernels."""
 
     def __init__(
@@ -78,14 +79,8 @@ class TritonPagedAttention:
     ) -> None:
         """`num_splits`: programs per (decode sequence, KV head); None picks by occupancy.
         `block_n`: KV tokens per inner iteration (at least 16)."""
+        super().__init__(pool, num_heads, scale)
         self.kernels = load_triton_kernels(pool.device)
-        self.pool = pool
-        self.block_size = pool.spec.block_size
-        self.num_heads = num_heads
-        self.num_kv_heads = pool.spec.num_kv_heads
-        self.head_dim = pool.spec.head_dim
-        self.scale = scale if scale is not None else self.head_dim**-0.5
-        self.rotate_keys = pool.spec.rotate_keys
         self.fixed_splits = num_splits
         self.block_n = block_n
         group = max(1, num_heads // self.num_kv_heads)
@@ -124,7 +119,7 @@ class TritonPagedAttention:
         splits = 1
         if num_decode:
             lens = [s.context_len + 1 for s in seqs[:num_decode]]
-            seq_lens = torch.tensor(lens, dtype=torch.int32).to(device, non_blocking=True)
+            seq_lens = to_device(torch.tensor(lens, dtype=torch.int32), device)
             splits = self.decode_splits(num_decode, max(lens))
         tiles = None
         if num_decode < len(seqs):
@@ -135,12 +130,12 @@ class TritonPagedAttention:
                     length = min(self.tokens_per_tile, s.query_len - start)
                     rows.append((i, row + start, length, s.context_len + start))
                 row += s.query_len
-            cols = torch.tensor(rows, dtype=torch.int32).t().contiguous().to(device)
+            cols = to_device(torch.tensor(rows, dtype=torch.int32).t().contiguous(), device)
             tiles = (cols[0], cols[1], cols[2], cols[3])
         slots = torch.tensor(slot_indices(seqs, self.block_size), dtype=torch.long)
         return TritonContext(
-            slot_mapping=slots.to(device, non_blocking=True),
-            block_table=table.to(device, non_blocking=True),
+            slot_mapping=to_device(slots, device),
+            block_table=to_device(table, device),
             num_decode=num_decode,
             seq_lens=seq_lens,
             tiles=tiles,

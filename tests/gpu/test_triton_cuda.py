@@ -97,3 +97,21 @@ def test_graph_replay_follows_eager_decode(strata_cache_dir):
         runs[eager] = [c.token_ids for c in llm.generate(prompts, params)]
     # padded batches run their matmuls at other sizes: equal up to bf16 rounding
     assert greedy_agreement(runs[True], runs[False]).token_rate > 0.9
+
+
+def test_a_decode_step_is_queued_without_any_host_sync(strata_cache_dir):
+    llm = LLM(EngineConfig(dtype="bfloat16", device="cuda", cache_dir=str(strata_cache_dir)))
+    core = llm.core
+    params = [SamplingParams(max_tokens=8), SamplingParams(temperature=0.8, top_p=0.9, top_k=20)]
+    for i, p in enumerate(params):
+        core.add_request(f"r{i}", llm.encode("The capital of France is"), p)
+    core.step()  # the prefill
+    step = core.scheduler.schedule()
+    assert all(s.num_new_tokens == 1 for s in step.scheduled)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sampled, out = core.runner.launch(step)  # graph replay, logits, sampling
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out is not None and len(out.token_ids.tolist()) == len(sampled) == 2

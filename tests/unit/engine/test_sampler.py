@@ -129,3 +129,15 @@ def test_logprobs_are_raw_log_softmax():
     assert out.top_logprobs is not None
     assert math.isclose(float(out.logprobs[0]), float(ref[0].max()), rel_tol=1e-5)
     assert out.top_ids[0].tolist() == torch.topk(ref[0], 3).indices.tolist()
+
+
+def test_top_p_applies_per_row_in_a_mixed_batch():
+    row = torch.log(torch.tensor([0.4, 0.35, 0.25] + [1e-9] * (V - 3)))
+    logits = torch.stack([row, row])
+    g = torch.Generator().manual_seed(5)
+    seen: list[set[int]] = [set(), set()]
+    for _ in range(300):
+        params = (SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0))
+        for i, t in enumerate(run(reqs(*params), logits, g).token_ids.tolist()):
+            seen[i].add(t)
+    assert seen == [{0, 1}, {0, 1, 2}]
