@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from engine.attention.triton_backend import load_triton_kernels
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig
 from engine.kernels.cpu import CpuKernels
@@ -94,7 +95,8 @@ class EngineCore:
         lora_batch = None
         if config.lora.max_loras:
             self.lora = LoRAManager(config.lora, mc, self.dtype, self.device)
-            lora_batch = apply_lora(model, self.lora)
+            ops = load_triton_kernels(self.device, "triton_lora") if triton else None
+            lora_batch = apply_lora(model, self.lora, ops)
         self.runner = ModelRunner(
             model,
             self.pool,

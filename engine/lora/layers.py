@@ -8,7 +8,8 @@ all zeros: the base model. A step gives every token the slot of its request, and
 
 - few tokens (decode): each token gathers its slot's A and B, two batched matmuls (BGMV);
 - many tokens (prefill): one pair of matmuls per adapter present in the step, over its
-  tokens (SGMV); never a loop over requests.
+  tokens (SGMV); never a loop over requests;
+- with the Triton backend: segment-gathered kernels for both (engine/kernels/triton_lora.py).
 
 `LoRAManager` loads adapters into slots on demand and evicts the least recently used slot
 that no request in flight uses.
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from engine.config import LoRAConfig, ModelConfig
+from engine.device import to_device
 from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter
 from engine.model.llama import DecoderLayer, LlamaForCausalLM
 from engine.protocol import InvalidRequestError, LoRARequest
@@ -124,16 +127,42 @@ def _group_sizes(config: ModelConfig) -> dict[str, tuple[int, tuple[int, ...]]]:
 
 
 class LoRABatch:
-    """The adapter slot of every token of the current step (set by the model runner)."""
+    """The adapter slot of every token of the current step (set by the model runner).
 
-    def __init__(self) -> None:
+    With the Triton kernels (`ops`, engine/kernels/triton_lora.py) the adapter tokens are
+    also grouped by slot once per step, for every projection's segment-gathered kernels.
+    """
+
+    def __init__(self, ops: ModuleType | None = None) -> None:
+        self.ops = ops
         self.slots: torch.Tensor | None = None  # [T] int64; None when every token is base
         self.present: list[int] = []  # the distinct non-base slots, for the per-adapter path
+        self.order: torch.Tensor | None = None  # Triton: adapter rows grouped by slot
+        self.tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
         present = sorted(set(token_slots) - {0})
         self.present = present
-        self.slots = torch.tensor(token_slots, device=device) if present else None
+        self.slots = to_device(torch.tensor(token_slots), device) if present else None
+        if self.ops is None or not present:
+            return
+        rows_of: dict[int, list[int]] = {s: [] for s in present}
+        for row, slot in enumerate(token_slots):
+            if slot:
+                rows_of[slot].append(row)
+        order: list[int] = []
+        tiles: list[tuple[int, int, int]] = []
+        per_tile = self.ops.BLOCK_T
+        for slot in present:
+            rows = rows_of[slot]
+            tiles += [
+                (slot, len(order) + i, min(per_tile, len(rows) - i))
+                for i in range(0, len(rows), per_tile)
+            ]
+            order += rows
+        self.order = to_device(torch.tensor(order, dtype=torch.int32), device)
+        cols = to_device(torch.tensor(tiles, dtype=torch.int32).t().contiguous(), device)
+        self.tiles = (cols[0], cols[1], cols[2])
 
 
 class LoRALinear(nn.Module):
@@ -146,9 +175,15 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        slots = self.batch.slots
+        batch = self.batch
+        slots = batch.slots
         if slots is None:
             return y
+        if batch.ops is not None:  # SGMV-style Triton kernels for every step size
+            assert batch.order is not None and batch.tiles is not None
+            out: torch.Tensor = batch.ops.lora_apply(y, x, self.a, self.b, batch.order,
+                                                     batch.tiles)  # fmt: skip
+            return out
         if x.shape[0] <= _GATHER_MAX_TOKENS:  # BGMV: every token its own adapter
             h = torch.bmm(self.a[slots], x.unsqueeze(-1))  # [T, R, 1]
             return y + torch.bmm(self.b[slots], h).squeeze(-1).to(y.dtype)
@@ -159,11 +194,13 @@ class LoRALinear(nn.Module):
         return y + delta
 
 
-def apply_lora(model: LlamaForCausalLM, manager: LoRAManager) -> LoRABatch:
+def apply_lora(
+    model: LlamaForCausalLM, manager: LoRAManager, ops: ModuleType | None = None
+) -> LoRABatch:
     """Wrap every fused projection of `model` in place; returns the batch object the runner
     fills each step. Fused native decoder layers cannot take adapters: build the model
-    with `fuse_layers=False`."""
-    batch = LoRABatch()
+    with `fuse_layers=False`. `ops`: the Triton LoRA kernels, else torch ops."""
+    batch = LoRABatch(ops)
     for layer in model.layers:
         assert isinstance(layer, DecoderLayer), "LoRA needs unfused decoder layers"
         for group in GROUPS:

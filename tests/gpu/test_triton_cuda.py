@@ -16,6 +16,7 @@ from engine.config import EngineConfig, KernelBackend
 from engine.cuda_graphs import batch_ladder
 from engine.evaluate import greedy_agreement
 from engine.llm import LLM
+from engine.lora.layers import LoRABatch, LoRALinear
 from engine.model.llama import RMSNorm, SiluAndMul
 from engine.model.triton_layers import TritonRMSNorm, TritonSiluMul
 from engine.protocol import SamplingParams
@@ -115,3 +116,22 @@ def test_a_decode_step_is_queued_without_any_host_sync(strata_cache_dir):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out is not None and len(out.token_ids.tolist()) == len(sampled) == 2
+
+
+@pytest.mark.parametrize("num_tokens", [32, 600])
+def test_lora_kernels_match_the_torch_path(num_tokens):
+    gen = torch.Generator().manual_seed(num_tokens)
+    slots, rows, fan_in, fan_out = 33, 48, 2048, 3072  # qkv of Llama-3.2-1B, rank 16
+    a = (torch.randn(slots, rows, fan_in, generator=gen) / 16).to(CUDA, torch.bfloat16)
+    b = (torch.randn(slots, fan_out, rows, generator=gen) / 16).to(CUDA, torch.bfloat16)
+    a[0], b[0] = 0, 0
+    base = torch.nn.Linear(fan_in, fan_out, bias=False).to(CUDA, torch.bfloat16)
+    x = torch.randn(num_tokens, fan_in, generator=gen).to(CUDA, torch.bfloat16)
+    token_slots = torch.randint(0, slots, (num_tokens,), generator=gen).tolist()
+    outs = []
+    for ops in (None, load_triton_kernels(CUDA, "triton_lora")):
+        batch = LoRABatch(ops)
+        batch.set(token_slots, CUDA)
+        with torch.inference_mode():
+            outs.append(LoRALinear(base, a, b, batch)(x).float())
+    torch.testing.assert_close(outs[1], outs[0], atol=3e-2, rtol=3e-2)
