@@ -13,6 +13,8 @@ share of the pool loses its cached blocks before one within its share does.
 With an offloader (kvstore/tiers.py), a cached block is not forgotten when it is reallocated:
 its page moves down to host RAM, and from there to disk, under the same hash. A later prompt
 whose chain continues below the device gets fresh blocks with those pages copied back in.
+Between steps, `spill_ahead` saves the pages of the blocks the next allocations will reuse
+(a watermark of free blocks), so allocating usually finds them saved and copies nothing.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class BlockManager:
         self.num_hit_blocks = 0
         self.num_evicted_blocks = 0
         self.num_tier_hit_blocks = {Tier.HOST: 0, Tier.DISK: 0}
+        self.num_spilled_ahead = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -199,6 +202,26 @@ class BlockManager:
         if evicted and self.offloader is not None:
             self.offloader.spill(evicted, keep=set(below))  # before anything overwrites them
         return table
+
+    def spill_ahead(self, watermark: int) -> int:
+        """Copy down now the cached pages among the next `watermark` free blocks to be handed
+        out (the least recently freed) that no tier below holds yet; they stay cached on the
+        device. Allocations that reuse those blocks then find their pages already saved and
+        copy nothing. Returns how many pages were copied."""
+        if self.offloader is None or watermark <= 0:
+            return 0
+        store = self.offloader.store
+        ahead: list[tuple[int, bytes, str]] = []
+        for i, block in enumerate(self._free):
+            if i >= watermark:
+                break
+            h = self._hash_of.get(block)
+            if h is not None and store.tier_of(h) is None:
+                ahead.append((block, h, self._block_owner[block]))
+        if ahead:
+            self.offloader.spill(ahead)
+            self.num_spilled_ahead += len(ahead)
+        return len(ahead)
 
     def _next_free(self) -> int:
         """The free block to hand out next: the least recently freed, unless it holds a

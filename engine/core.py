@@ -113,6 +113,11 @@ class EngineCore:
             )
         self.num_steps = 0
         self.num_generated_tokens = 0
+        # the most blocks one step can claim: a full token budget plus one per sequence
+        sc = config.scheduler
+        self.spill_watermark = min(
+            num_blocks, -(-sc.max_num_batched_tokens // spec.block_size) + sc.max_num_seqs
+        )
 
     # -- requests -----------------------------------------------------------------------
 
@@ -197,6 +202,8 @@ class EngineCore:
             self.num_generated_tokens += 1
             self.scheduler.check_stop(request, self.eos_token_ids)
             outputs.append(self._output(request))
+        # save the pages the next step's allocations may reuse, while nothing waits on them
+        self.block_manager.spill_ahead(self.spill_watermark)
         return outputs
 
     def _fail(self, request: Request, message: str) -> RequestOutput:

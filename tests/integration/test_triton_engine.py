@@ -1,7 +1,7 @@
-"""The engine on the Triton backend (SmolLM2, fp32 compute; the kernels run under Triton's
-interpreter on CPU, so the workload is small): the same greedy tokens as the torch backend
-with 32-bit and FP8 pages, through chunked prefill, mixed steps, decode steps over the padded
-graph buffers, and prefix-cache hits."""
+"""The engine on the Triton backend, whose kernels run under Triton's interpreter on CPU (so
+workloads stay small): the same greedy tokens as the torch backend with 32-bit and FP8
+pages, through chunked prefill, mixed steps, decode steps over the padded graph buffers,
+prefix-cache hits and adapters (synthetic:tiny), and the real SmolLM2 answer."""
 
 from __future__ import annotations
 
@@ -28,45 +28,45 @@ pytestmark = pytest.mark.skipif(
     reason="Triton compiles for the GPU here; tests/gpu runs the engine there",
 )
 
-PROMPTS = [
-    "The capital of France is",
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number, where fibonacci(0) is 0 '
-    'and fibonacci(1) is 1, computed iteratively."""\n    if n <',
-]
-GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-# 16-token chunks: prompts prefill over several steps, some beside the other's decodes
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+# 16-token chunks: prompts prefill over several steps, some beside other requests' decodes
 SMALL_STEPS = SchedulerConfig(max_num_batched_tokens=16)
 
 
+def tiny_engine(backend: KernelBackend, **options) -> LLM:
+    return LLM(EngineConfig(model="synthetic:tiny", dtype="float32", seed=4, backend=backend,
+                            scheduler=SMALL_STEPS, **options))  # fmt: skip
+
+
 @pytest.mark.parametrize("kv_dtype", [KVCacheDtype.AUTO, KVCacheDtype.FP8_E4M3])
-def test_triton_backend_generates_the_torch_backends_tokens(make_core, smollm2_fp32, kv_dtype):
-    tokenizer = smollm2_fp32[1]
+def test_triton_backend_generates_the_torch_backends_tokens(kv_dtype):
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((5, 44, 23))]
     cache = CacheConfig(kv_cache_dtype=kv_dtype)
-    engines = {
-        backend: LLM(
-            core=make_core(EngineConfig(backend=backend, cache=cache, scheduler=SMALL_STEPS)),
-            tokenizer=tokenizer,
-        )
-        for backend in (KernelBackend.TORCH, KernelBackend.TRITON)
-    }
-    triton = engines[KernelBackend.TRITON]
-    assert isinstance(triton.core.runner.attn, TritonPagedAttention)
-    assert triton.core.runner.graphs is not None, "decode steps use the padded graph buffers"
-    want = [c.token_ids for c in engines[KernelBackend.TORCH].generate(PROMPTS, GREEDY)]
-    got = [c.token_ids for c in triton.generate(PROMPTS, GREEDY)]
+    torch_llm = tiny_engine(KernelBackend.TORCH, cache=cache)
+    triton_llm = tiny_engine(KernelBackend.TRITON, cache=cache)
+    assert isinstance(triton_llm.core.runner.attn, TritonPagedAttention)
+    assert triton_llm.core.runner.graphs is not None, "decode steps use the graph buffers"
+    want = [c.token_ids for c in torch_llm.generate(prompts, GREEDY)]
+    got = [c.token_ids for c in triton_llm.generate(prompts, GREEDY)]
     assert got == want
-    # the second prompt again: its full blocks come from the prefix cache
-    (again,) = triton.generate(PROMPTS[1:], GREEDY)
+    assert len({tuple(t) for t in want}) == 3
+    # the longest prompt again: its full blocks come from the prefix cache
+    (again,) = triton_llm.generate(prompts[1:2], GREEDY)
     assert again.num_cached_tokens >= 32
     assert again.token_ids == want[1]
 
 
-def test_enforce_eager_runs_decode_without_graph_buffers(make_core, smollm2_fp32):
-    config = EngineConfig(backend=KernelBackend.TRITON, enforce_eager=True)
-    llm = LLM(core=make_core(config), tokenizer=smollm2_fp32[1])
-    assert llm.core.runner.graphs is None
-    (result,) = llm.generate(["The capital of France is"], SamplingParams(max_tokens=3))
-    assert result.text.strip().startswith("Paris")
+def test_real_model_on_triton_answers_like_the_torch_backend(make_core, smollm2_fp32):
+    fp8 = CacheConfig(kv_cache_dtype=KVCacheDtype.FP8_E4M3)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    results = {}
+    for backend in (KernelBackend.TORCH, KernelBackend.TRITON):
+        config = EngineConfig(backend=backend, cache=fp8, enforce_eager=True)
+        llm = LLM(core=make_core(config), tokenizer=smollm2_fp32[1])
+        (results[backend],) = llm.generate(["The capital of France is"], params)
+    assert llm.core.runner.graphs is None  # --enforce-eager
+    assert results[KernelBackend.TRITON].token_ids == results[KernelBackend.TORCH].token_ids
+    assert results[KernelBackend.TRITON].text.strip().startswith("Paris")
 
 
 def test_triton_backend_serves_adapters_like_the_torch_backend(tmp_path):
@@ -84,11 +84,7 @@ def test_triton_backend_serves_adapters_like_the_torch_backend(tmp_path):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     runs = {}
     for backend in (KernelBackend.TORCH, KernelBackend.TRITON):
-        config = EngineConfig(
-            model="synthetic:tiny", dtype="float32", seed=4, backend=backend,
-            lora=LoRAConfig(max_loras=4, max_lora_rank=8),
-        )  # fmt: skip
-        llm = LLM(config)
+        llm = tiny_engine(backend, lora=LoRAConfig(max_loras=4, max_lora_rank=8))
         assert (llm.core.runner.lora.ops is not None) == (backend is KernelBackend.TRITON)
         runs[backend] = [c.token_ids for c in llm.generate(prompts, params, lora=loras)]
     assert runs[KernelBackend.TRITON] == runs[KernelBackend.TORCH]

@@ -243,3 +243,36 @@ def test_block_manager_counts_blocks_per_tenant():
     bm.allocate("b2", 4 * 7, owner="beta")  # takes every free block, evicting acme's
     assert bm.blocks_by_owner() == {"beta": 8}
     bm.check_integrity()
+
+
+def test_spill_ahead_saves_the_next_reused_pages_so_allocation_copies_nothing(tmp_path):
+    pool = filled_pool(torch.float32, num_blocks=8)
+    store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=8, disk_blocks=0,
+                          disk_dir=tmp_path)  # fmt: skip
+    bm = BlockManager(8, 4, offloader=KVOffloader(pool, store))
+    docs = {f"r{i}": [10 * i + j for j in range(8)] for i in range(3)}  # two blocks each
+    hashes = {rid: chain_hashes(root_hash("t"), toks, 4, 0) for rid, toks in docs.items()}
+    for rid in docs:
+        bm.allocate(rid, 8, owner="t")
+        bm.commit(rid, hashes[rid])
+    originals = {rid: pool.read_pages(bm.block_table(rid)) for rid in docs}
+    bm.free("r0")
+    bm.free("r1")  # free list: 2 empty blocks, then r0's and r1's cached blocks
+    assert bm.spill_ahead(3) == 1, "only the cached blocks among the next 3"
+    assert bm.spill_ahead(6) == 3
+    assert bm.spill_ahead(6) == 0, "each page is saved once"
+    assert bm.num_spilled_ahead == 4
+    assert [store.tier_of(h) for h in hashes["r0"] + hashes["r1"]] == [Tier.HOST] * 4
+    assert len(bm.lookup(hashes["r1"])) == 2  # still cached on the device too
+    spilled = store.num_spilled[Tier.HOST]
+    bm.allocate("big", 24, owner="t")  # takes every free block: evicts all four pages
+    assert store.num_spilled[Tier.HOST] == spilled, "nothing left to copy at allocation"
+    assert bm.lookup(hashes["r0"]) == []
+    for rid in ("r0", "r1"):
+        assert bm.lookup_below(hashes[rid]) == hashes[rid]
+    bm.free("big")
+    fresh = bm.allocate("back", 8, owner="t")
+    assert bm.load_below("back", 0, hashes["r0"]) == [Tier.HOST, Tier.HOST]
+    assert torch.equal(pool.read_pages(fresh), originals["r0"])
+    bm.check_integrity()
+    store.close()
