@@ -4,14 +4,26 @@ the tenant may use it, and whether an adapter is fit to register at all."""
 from __future__ import annotations
 
 import asyncio
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import aiofiles
+import msgspec
+from litestar.datastructures import UploadFile
 
 from engine.config import ModelConfig
 from engine.lora.adapter import AdapterError, load_adapter
 from engine.protocol import LoRARequest, ModelInfo
-from gateway.errors import APIError
+from gateway.errors import APIError, bad_request
 from tenants.errors import NotFoundError
-from tenants.records import Tenant
+from tenants.records import Adapter, AdapterCreate, Tenant
 from tenants.registry import TenantRegistry, tenant_may_use
+
+if TYPE_CHECKING:
+    from gateway.state import GatewayState
 
 
 class AdapterResolver:
@@ -69,3 +81,47 @@ async def check_adapter(path: str, name: str, info: ModelInfo) -> None:
             400, f"{name}: rank {adapter.rank} exceeds the engine's max_lora_rank "
             f"{info.max_lora_rank}", code="invalid_adapter", param="path",
         )  # fmt: skip
+
+
+MAX_ADAPTER_UPLOAD_BYTES = 4 << 30
+_CHUNK = 1 << 20
+
+
+@dataclass
+class AdapterUpload:
+    """`POST /admin/adapters/upload` (multipart): the adapter's name, its two PEFT files,
+    and optionally the tenants allowed to use it (a JSON list of tenant ids)."""
+
+    name: str
+    adapter_config: UploadFile  # adapter_config.json
+    adapter_model: UploadFile  # adapter_model.safetensors
+    allowed_tenants: str | None = None
+
+
+async def register_upload(upload: AdapterUpload, gw: GatewayState, root: Path) -> Adapter:
+    """Write the uploaded files to a fresh directory under `root`, check them like a path
+    registration (400 and nothing kept when the engine could not serve them), register."""
+    try:
+        allowed = None
+        if upload.allowed_tenants:
+            allowed = msgspec.json.decode(upload.allowed_tenants, type=list[str])
+        spec = AdapterCreate(name=upload.name, path="", allowed_tenants=allowed)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        raise bad_request(f"invalid adapter upload: {exc}", code="invalid_adapter") from None
+    directory = root / f"{spec.name}-{secrets.token_hex(8)}"
+    try:
+        await asyncio.to_thread(directory.mkdir, parents=True)
+        for part, filename in ((upload.adapter_config, "adapter_config.json"),
+                               (upload.adapter_model, "adapter_model.safetensors")):  # fmt: skip
+            async with aiofiles.open(directory / filename, "wb") as out:
+                while chunk := await part.read(_CHUNK):
+                    await out.write(chunk)
+        await check_adapter(str(directory), spec.name, gw.preparer.info)
+    except BaseException:
+        await asyncio.to_thread(shutil.rmtree, directory, True)
+        raise
+    finally:
+        await upload.adapter_config.close()
+        await upload.adapter_model.close()
+    created = msgspec.structs.replace(spec, path=str(directory.resolve()))
+    return await gw.registry.register_adapter(created, gw.preparer.info.model_id)

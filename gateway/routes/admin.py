@@ -4,13 +4,20 @@ Every route needs the admin token; handlers only delegate to the tenants service
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 from litestar import Controller, Request, Response, delete, get, patch, post, put
-from litestar.params import FromPath, FromQuery, JSONBody
+from litestar.enums import RequestEncodingType
+from litestar.params import Body, FromPath, FromQuery, JSONBody
 from litestar.response import Stream
 
-from gateway.adapters import check_adapter
+from gateway.adapters import (
+    MAX_ADAPTER_UPLOAD_BYTES,
+    AdapterUpload,
+    check_adapter,
+    register_upload,
+)
 from gateway.auth import gateway_state, requires_admin_token
 from gateway.errors import bad_request
 from gateway.state import GatewayState
@@ -133,6 +140,17 @@ class AdapterController(Controller):
         gw = gateway_state(request)
         await check_adapter(data.path, data.name, gw.preparer.info)  # 400 if it cannot serve
         return await gw.registry.register_adapter(data, gw.preparer.info.model_id)
+
+    @post("/upload", request_max_body_size=MAX_ADAPTER_UPLOAD_BYTES, status_code=201)
+    async def upload(
+        self,
+        request: Req,
+        data: Annotated[AdapterUpload, Body(media_type=RequestEncodingType.MULTI_PART)],
+    ) -> Adapter:
+        """Register an adapter from its two PEFT files, sent as multipart form data; they are
+        kept under the gateway's data dir, which the engine workers must be able to read."""
+        gw = gateway_state(request)
+        return await register_upload(data, gw, Path(gw.settings.data_dir) / "adapters")
 
     @get("/")
     async def list_all(self, request: Req) -> list[Adapter]:

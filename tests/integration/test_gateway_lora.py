@@ -30,7 +30,10 @@ def lora_gateway(store_server, strata_cache_dir, tmp_path_factory):
         strata_cache_dir,
     )
     worker.start()
-    server = GatewayServer(gateway_settings(store_server.url, worker, strata_cache_dir))
+    settings = gateway_settings(
+        store_server.url, worker, strata_cache_dir, data_dir=str(root / "data")
+    )
+    server = GatewayServer(settings)
     server.start()
     yield server, root
     server.stop()
@@ -117,3 +120,46 @@ async def test_adapters_end_to_end(lora_gateway):
         assert admin.delete("/admin/adapters/colors").status_code == 204
     gone = chat(server, allowed, "colors")
     assert gone.status_code == 404
+
+
+def upload(admin: httpx.Client, name: str, adapter_dir, **fields) -> httpx.Response:
+    files = {
+        part: (f"{part}.{ext}", (adapter_dir / f"{part}.{ext}").read_bytes())
+        for part, ext in (("adapter_config", "json"), ("adapter_model", "safetensors"))
+    }
+    return admin.post("/admin/adapters/upload", data={"name": name, **fields}, files=files)
+
+
+def test_adapters_registered_by_upload(lora_gateway):
+    server, root = lora_gateway
+    tenant_id, key = server.new_tenant()
+    _, outsider = server.new_tenant()
+    uploads = root / "data" / "adapters"
+    source = write_adapter(root / "upload-src", SMOLLM2, rank=8, scale=0.05, seed=3)
+    with server.admin() as admin:
+        assert admin.post("/admin/adapters/upload").status_code == 400  # not multipart
+        broken = upload(admin, "tiny", write_adapter(root / "tiny-src", TINY))
+        assert broken.status_code == 400
+        assert broken.json()["error"]["code"] == "invalid_adapter"
+        assert not list(uploads.glob("tiny-*")), "a rejected upload leaves no files"
+        bad_acl = upload(admin, "up", source, allowed_tenants="not json")
+        assert bad_acl.status_code == 400
+        created = upload(admin, "up", source, allowed_tenants=json.dumps([tenant_id]))
+        assert created.status_code == 201, created.text
+        adapter = created.json()
+        assert adapter["name"] == "up" and adapter["version"] >= 1
+        (stored,) = uploads.glob("up-*")
+        assert adapter["path"] == str(stored.resolve())
+        assert (stored / "adapter_model.safetensors").read_bytes() == (
+            source / "adapter_model.safetensors"
+        ).read_bytes()
+    # served like any registered adapter: the same tokens as registering its source path
+    with server.admin() as admin:
+        same = admin.post("/admin/adapters/", json={
+            "name": "up-path", "path": str(source), "allowed_tenants": [tenant_id]})  # fmt: skip
+        assert same.status_code == 201
+    by_upload = chat(server, key, "up")
+    by_path = chat(server, key, "up-path")
+    assert by_upload.status_code == by_path.status_code == 200
+    assert by_upload.json()["choices"] == by_path.json()["choices"]
+    assert chat(server, outsider, "up").status_code == 403
