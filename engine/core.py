@@ -92,6 +92,7 @@ class EngineCore:
             cache_namespace=f"{model_id}|{spec.dtype}",
         )
         self.lora: LoRAManager | None = None
+        self._parked: dict[str, Request] = {}  # request id -> request waiting for its adapter
         lora_batch = None
         if config.lora.max_loras:
             self.lora = LoRAManager(config.lora, mc, self.dtype, self.device)
@@ -132,7 +133,7 @@ class EngineCore:
     ) -> None:
         """Queue a request (through adapter `lora` if given). Raises InvalidRequestError and
         changes nothing if it is bad."""
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or request_id in self._parked:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
@@ -153,46 +154,78 @@ class EngineCore:
                 None if sched.kv_host_tokens is None else sched.kv_host_tokens // bs,
                 None if sched.kv_disk_tokens is None else sched.kv_disk_tokens // bs,
             )
-        slot = 0
+        slot: int | None = 0
         if lora is not None:
             if self.lora is None:
                 raise InvalidRequestError("this engine serves no adapters (max_loras is 0)")
-            running = self.scheduler.requests.values()
-            slot = self.lora.slot_for(lora, lambda: {r.lora_slot for r in running})
+            self.lora.check(lora)
+            slot = self.lora.ready_slot(lora)
         request = Request(
             request_id, prompt_token_ids, params, priority=sched.priority, tenant=sched.tenant,
             weight=sched.weight, cache_salt=sched.cache_salt, device=self.device,
-            lora_slot=slot, lora_key="" if lora is None else lora.key,
+            lora_slot=slot or 0, lora_key="" if lora is None else lora.key,
         )  # fmt: skip
+        if slot is None:  # waits, outside the scheduler, for its adapter's weights
+            assert self.lora is not None and lora is not None
+            self.lora.start_load(lora)
+            self._parked[request_id] = request
+            return
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish a request now and free its blocks; None if it is not in flight."""
         request = self.scheduler.requests.get(request_id)
         if request is None:
-            return None
+            request = self._parked.pop(request_id, None)
+            if request is None:
+                return None
+            self.scheduler.add_request(request)  # finished through the scheduler, as usual
         self.scheduler.finish_request(request, FinishReason.ABORT)
         return self._output(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._parked) or self.scheduler.has_unfinished()
+
+    def _admit_loaded_adapters(self) -> list[RequestOutput]:
+        """Requests whose adapter is now in a slot join the scheduler; those whose adapter
+        failed to load finish with the error."""
+        if self.lora is None or not self._parked:
+            return []
+        in_use = {r.lora_slot for r in self.scheduler.requests.values()}
+        ready, failed = self.lora.finish_loads(in_use)
+        outputs = []
+        for rid, request in list(self._parked.items()):
+            if request.lora_key in ready:
+                request.lora_slot = ready[request.lora_key]
+            elif request.lora_key not in failed:
+                continue
+            del self._parked[rid]
+            self.scheduler.add_request(request)
+            if request.lora_key in failed:
+                outputs.append(self._fail(request, failed[request.lora_key]))
+        return outputs
 
     # -- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Advance every schedulable request by one step; returns their new outputs."""
+        outputs = self._admit_loaded_adapters()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            if self._parked and not outputs:
+                assert self.lora is not None
+                self.lora.wait(0.005)  # nothing to run until an adapter's weights are read
+            return outputs
         try:
             result = self.runner.execute(sched)
         except (RuntimeError, ValueError, IndexError) as exc:
             # a failed forward cannot be pinned on one request: fail this step's batch only
             log.exception("model step failed; failing %d requests", len(sched.scheduled))
-            return [self._fail(s.request, f"engine step failed: {exc}") for s in sched.scheduled]
+            failures = [self._fail(s.request, f"engine step failed: {exc}")
+                        for s in sched.scheduled]  # fmt: skip
+            return outputs + failures
         self.num_steps += 1
         self.scheduler.advance(sched)
-        outputs = []
         for request, token_id, logprob in zip(
             result.requests, result.token_ids, result.logprobs, strict=True
         ):
@@ -238,7 +271,7 @@ class EngineCore:
         host = None if self.tiers is None else self.tiers.host
         disk = None if self.tiers is None else self.tiers.disk
         return EngineStats(
-            num_waiting=self.scheduler.num_waiting,
+            num_waiting=self.scheduler.num_waiting + len(self._parked),
             num_running=self.scheduler.num_running,
             num_kv_blocks_total=bm.num_blocks,
             num_kv_blocks_used=bm.num_used_blocks,

@@ -84,14 +84,7 @@ def load_adapter(
     `config`. Raises AdapterError."""
     root = Path(path)
     name = name or root.name
-    settings = _read_config(root)
-    rank, alpha = settings.get("r"), settings.get("lora_alpha", settings.get("r"))
-    if not isinstance(rank, int) or not 1 <= rank <= MAX_RANK:
-        raise AdapterError(f"{name}: rank r={rank!r} is outside 1-{MAX_RANK}")
-    if not isinstance(alpha, int | float) or not math.isfinite(alpha):
-        raise AdapterError(f"{name}: lora_alpha={alpha!r} is not a finite number")
-    scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
-    targets = _targets(name, settings.get("target_modules"))
+    rank, scaling, targets = read_adapter_settings(root, name)
     tensors = _read_tensors(root, name)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -129,6 +122,23 @@ def load_adapter(
             a=a.to(dtype).contiguous(), b=(b.float() * scaling).to(dtype).contiguous()
         )
     return LoRAAdapter(name, rank, scaling, frozenset(m for _, m in weights), weights)
+
+
+def read_adapter_settings(path: str | Path, name: str) -> tuple[int, float, frozenset[str]]:
+    """(rank, scaling, target modules) from the adapter's config alone: the quick checks,
+    without reading its weights. Raises AdapterError."""
+    root = Path(path)
+    settings = _read_config(root)
+    rank, alpha = settings.get("r"), settings.get("lora_alpha", settings.get("r"))
+    if not isinstance(rank, int) or not 1 <= rank <= MAX_RANK:
+        raise AdapterError(f"{name}: rank r={rank!r} is outside 1-{MAX_RANK}")
+    if not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise AdapterError(f"{name}: lora_alpha={alpha!r} is not a finite number")
+    scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
+    targets = _targets(name, settings.get("target_modules"))
+    if not (root / WEIGHTS_FILE).is_file():
+        raise AdapterError(f"{name}: no {WEIGHTS_FILE} in {root}")
+    return rank, scaling, targets
 
 
 def _read_config(root: Path) -> dict[str, Any]:

@@ -12,13 +12,14 @@ all zeros: the base model. A step gives every token the slot of its request, and
 - with the Triton backend: segment-gathered kernels for both (engine/kernels/triton_lora.py).
 
 `LoRAManager` loads adapters into slots on demand and evicts the least recently used slot
-that no request in flight uses.
+that no request in flight uses. Weights are read on a loader thread; the engine copies them
+into a slot between steps, so the running batch never waits for a disk.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from concurrent import futures
 from types import ModuleType
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 
 from engine.config import LoRAConfig, ModelConfig
 from engine.device import to_device
-from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter
+from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter, read_adapter_settings
 from engine.model.llama import DecoderLayer, LlamaForCausalLM
 from engine.protocol import InvalidRequestError, LoRARequest
 
@@ -64,36 +65,80 @@ class LoRAManager:
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # adapter key -> slot, LRU first
         self._free = list(range(config.max_loras, 0, -1))
         self.num_loads = 0
+        # the loader thread: weights are read off the engine thread, so a load never stalls
+        # the running batch
+        self.loader = futures.ThreadPoolExecutor(1, thread_name_prefix="strata-lora")
+        self._loading: dict[str, futures.Future[LoRAAdapter]] = {}
 
-    def slot_for(self, lora: LoRARequest, in_use: Callable[[], set[int]]) -> int:
-        """The slot holding `lora`, loading it (over the least recently used slot that no
-        request in flight uses, from `in_use()`) if needed. Raises InvalidRequestError."""
+    def check(self, lora: LoRARequest) -> None:
+        """The quick checks of an adapter, from its config (no weights read): raises
+        InvalidRequestError for one this engine could never load."""
+        try:
+            rank, _, _ = read_adapter_settings(lora.path, lora.name)
+        except AdapterError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        if rank > self.config.max_lora_rank:
+            raise InvalidRequestError(
+                f"{lora.name}: rank {rank} exceeds this engine's max_lora_rank "
+                f"{self.config.max_lora_rank}"
+            )
+
+    def ready_slot(self, lora: LoRARequest) -> int | None:
+        """The slot already holding `lora` (now the most recently used), or None."""
         slot = self._slot_of.get(lora.key)
         if slot is not None:
             self._slot_of.move_to_end(lora.key)
-            return slot
-        try:
-            adapter = load_adapter(lora.path, self.model_config, name=lora.name, dtype=self.dtype)
-        except AdapterError as exc:
-            raise InvalidRequestError(str(exc)) from None
-        if adapter.rank > self.config.max_lora_rank:
-            raise InvalidRequestError(
-                f"{lora.name}: rank {adapter.rank} exceeds this engine's max_lora_rank "
-                f"{self.config.max_lora_rank}"
-            )
-        if not self._free:
-            busy = in_use()
-            victim = next((k for k, s in self._slot_of.items() if s not in busy), None)
-            if victim is None:
-                raise InvalidRequestError(
-                    f"all {self.config.max_loras} adapter slots are serving requests; retry"
-                )
-            self._free.append(self._slot_of.pop(victim))
-        slot = self._free.pop()
-        self._write(slot, adapter)
-        self._slot_of[lora.key] = slot
-        self.num_loads += 1
         return slot
+
+    def start_load(self, lora: LoRARequest) -> None:
+        """Read and validate the adapter's weights on the loader thread (once per key)."""
+        if lora.key not in self._loading:
+            self._loading[lora.key] = self.loader.submit(
+                load_adapter, lora.path, self.model_config, name=lora.name, dtype=self.dtype
+            )
+
+    @property
+    def loading(self) -> bool:
+        return bool(self._loading)
+
+    def wait(self, timeout: float) -> None:
+        """Block until a load finishes or `timeout` seconds pass."""
+        futures.wait(list(self._loading.values()), timeout, futures.FIRST_COMPLETED)
+
+    def finish_loads(self, in_use: set[int]) -> tuple[dict[str, int], dict[str, str]]:
+        """Put every adapter whose weights are read into a slot: the free ones, then the
+        least recently used that no request in `in_use` holds. Returns (key -> slot) for
+        the adapters now ready and (key -> error) for those that failed to load; one that
+        finds every slot busy stays pending."""
+        ready: dict[str, int] = {}
+        failed: dict[str, str] = {}
+        for key, future in list(self._loading.items()):
+            if not future.done():
+                continue
+            try:
+                adapter = future.result()
+            except AdapterError as exc:
+                del self._loading[key]
+                failed[key] = str(exc)
+                continue
+            slot = self._take_slot(in_use)
+            if slot is None:
+                continue
+            del self._loading[key]
+            self._write(slot, adapter)
+            self._slot_of[key] = slot
+            self.num_loads += 1
+            ready[key] = slot
+            in_use = in_use | {slot}
+        return ready, failed
+
+    def _take_slot(self, in_use: set[int]) -> int | None:
+        if not self._free:
+            victim = next((k for k, s in self._slot_of.items() if s not in in_use), None)
+            if victim is None:
+                return None
+            self._free.append(self._slot_of.pop(victim))
+        return self._free.pop()
 
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
         r = self.config.max_lora_rank

@@ -5,6 +5,8 @@ eviction and clear errors."""
 from __future__ import annotations
 
 import copy
+import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from engine.factory import native_kernels
 from engine.llm import LLM
 from engine.loader import build_model
 from engine.model.native_cpu import apply_native_cpu
-from engine.protocol import InvalidRequestError, LoRARequest, SamplingParams
+from engine.protocol import FinishReason, InvalidRequestError, LoRARequest, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4, 5,"]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -150,3 +152,67 @@ def test_an_engine_without_slots_refuses_adapters(make_core, smollm2_fp32, peft_
     llm = LLM(core=make_core(), tokenizer=smollm2_fp32[1])
     with pytest.raises(InvalidRequestError, match="max_loras"):
         llm.generate([PROMPTS[0]], GREEDY, lora=request("r8", peft_adapters))
+
+
+def _run(core, outputs: dict[str, list]) -> None:
+    for out in core.step():
+        outputs.setdefault(out.request_id, []).append(out)
+
+
+def test_loading_an_adapter_never_stalls_the_running_batch(lora_llm, peft_adapters):
+    core = lora_llm.core
+    manager = core.lora
+    assert manager is not None
+    gate = threading.Event()
+    manager.loader.submit(gate.wait)  # the loader thread is busy until the gate opens
+    ids = lora_llm.encode(PROMPTS[0])
+    base_params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    core.add_request("base", ids, base_params)
+    core.add_request("tuned", ids, GREEDY, lora=request("r16", peft_adapters, version=41))
+    outputs: dict[str, list] = {}
+    try:
+        for _ in range(10):
+            _run(core, outputs)
+        assert outputs["base"][-1].finished, "the base request ran while the adapter loads"
+        assert "tuned" not in outputs
+        assert core.has_unfinished() and core.stats().num_waiting == 1
+    finally:
+        gate.set()
+    while core.has_unfinished():
+        _run(core, outputs)
+    tuned = [t for out in outputs["tuned"] for t in out.new_token_ids]
+    assert tuned == hf_greedy(peft_adapters["r16"][1], lora_llm.tokenizer, PROMPTS[0])
+    core.check_integrity()
+
+
+def test_an_adapter_that_fails_to_load_fails_its_requests_only(lora_llm, peft_adapters, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(peft_adapters["r8"][0], broken)
+    (broken / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    core = lora_llm.core
+    ids = lora_llm.encode(PROMPTS[1])
+    core.add_request("doomed", ids, GREEDY, lora=LoRARequest(name="broken", path=str(broken)))
+    core.add_request("fine", ids, SamplingParams(max_tokens=4, temperature=0.0))
+    outputs: dict[str, list] = {}
+    while core.has_unfinished():
+        _run(core, outputs)
+    (failed,) = outputs["doomed"]
+    assert failed.finished and "corrupt" in (failed.error or "")
+    assert outputs["fine"][-1].finished and not outputs["fine"][-1].error
+    core.check_integrity()
+
+
+def test_a_request_waiting_for_its_adapter_can_be_aborted(lora_llm, peft_adapters):
+    core = lora_llm.core
+    gate = threading.Event()
+    assert core.lora is not None
+    core.lora.loader.submit(gate.wait)
+    try:
+        ids = lora_llm.encode(PROMPTS[2])
+        core.add_request("gone", ids, GREEDY, lora=request("r8", peft_adapters, version=51))
+        out = core.abort_request("gone")
+        assert out is not None and out.finished and out.finish_reason is FinishReason.ABORT
+        assert not core.has_unfinished()
+    finally:
+        gate.set()
+    core.check_integrity()
