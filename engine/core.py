@@ -20,6 +20,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.kernels.cpu import CpuKernels
 from engine.lora.layers import LoRAManager, apply_lora
 from engine.model.llama import LlamaForCausalLM
+from engine.model.native_cpu import NativeDecoderLayer
 from engine.model_runner import ModelRunner
 from engine.protocol import (
     EngineStats,
@@ -95,7 +96,8 @@ class EngineCore:
         self._parked: dict[str, Request] = {}  # request id -> request waiting for its adapter
         lora_batch = None
         if config.lora.max_loras:
-            self.lora = LoRAManager(config.lora, mc, self.dtype, self.device)
+            fused = any(isinstance(layer, NativeDecoderLayer) for layer in model.layers)
+            self.lora = LoRAManager(config.lora, mc, self.dtype, self.device, b_transposed=fused)
             ops = load_triton_kernels(self.device, "triton_lora") if triton else None
             lora_batch = apply_lora(model, self.lora, ops)
         self.runner = ModelRunner(

@@ -105,8 +105,8 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
     tokenizer = load_tokenizer(checkpoint, config.cache_dir)
     model = build_model(checkpoint, config.torch_dtype(), config.torch_device())
     kernels = native_kernels(config, model.embed_tokens.weight.dtype)
-    if kernels is not None:  # adapters wrap each projection: no whole-layer native kernels
-        apply_native_cpu(model, kernels, fuse_layers=not config.lora.max_loras)
+    if kernels is not None:
+        apply_native_cpu(model, kernels)
     triton = use_triton(config)
     if triton and config.torch_device().type == "cuda":  # interpreted, they only cost time
         apply_triton_layers(model)

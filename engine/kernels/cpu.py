@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ _SOURCES = (
     "attention_impl.h",
     "kv_fp8_impl.h",
     "linear.h",
+    "lora.h",
     "layer.h",
 )
 _PANEL = 64  # output columns per packed weight panel (linear.h)
@@ -44,7 +46,7 @@ _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 # `native` tunes for this CPU (AVX-512 paths where present); `portable` builds the scalar
 # fallbacks every kernel has, which tests compare against the same references
 _ARCH = {"native": "-march=native", "portable": "-march=x86-64-v2"}
-_ABI = 3
+_ABI = 4
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _PAGE_SUFFIX = {torch.float8_e4m3fn: "fp8"}  # page formats other than the compute dtype
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -140,9 +142,13 @@ class CpuKernels:
             _F,
             _P,
             _P,
+            *[_P] * 7,  # LoRA: A, B^T, ranks, part ends, part counts, token slots, scratch
         ]
         self._layer.argtypes = layer_args
         self._layer.restype = ctypes.c_int
+        self._lora = lib.strata_lora_bf16
+        self._lora.argtypes = [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P]
+        self._lora.restype = None
         self._linear = lib.strata_linear_packed_bf16
         self._linear.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
         self._linear.restype = ctypes.c_int
@@ -314,6 +320,33 @@ class CpuKernels:
             raise KernelError(f"packed linear rejected [{m}, {k}] x [{out_features}, {k}]")
         return out
 
+    def lora(
+        self,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        bt: torch.Tensor,
+        slots: torch.Tensor,
+        y: torch.Tensor,
+        part_ends: Sequence[int] = (),
+    ) -> None:
+        """y [T, N] += B[s] A[s] x[t] for each token whose slot s = slots[t] (int32) is not 0
+        (csrc/lora.h); bf16 x [T, K], a [S, R, K], B transposed bt [S, R, N]. `part_ends`:
+        where the columns of each module of a fused projection end (default: one module).
+        Mutates y."""
+        t, k = x.shape
+        rows, n = a.shape[1], bt.shape[2]
+        assert x.dtype == a.dtype == bt.dtype == y.dtype == torch.bfloat16
+        assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and bt.is_contiguous()
+        assert slots.dtype == torch.int32 and slots.shape == (t,) and y.shape == (t, n)
+        ends = list(part_ends) or [n]
+        assert ends[-1] == n and rows % len(ends) == 0
+        h = torch.empty(t * rows, dtype=torch.float32)
+        self._lora(
+            x.data_ptr(), x.stride(0), a.data_ptr(), bt.data_ptr(), slots.data_ptr(),
+            y.data_ptr(), y.stride(0), t, k, n, rows, (ctypes.c_int64 * len(ends))(*ends),
+            len(ends), h.data_ptr(),
+        )  # fmt: skip
+
     def decoder_layer(
         self,
         x: torch.Tensor,
@@ -322,11 +355,15 @@ class CpuKernels:
         w: LayerWeights,
         positions: torch.Tensor,
         pages: LayerPages,
+        lora: LayerLoRA | None = None,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One whole bf16 decoder layer (csrc/layer.h) -> the layer output [T, H].
 
         Mutates `residual` (initialised from `x` when `first`) and writes the step's K/V into
-        the pages; bit-identical to running the layer's native modules one by one.
+        the pages; bit-identical to running the layer's native modules one by one. With
+        `lora` and `lora_slots` (int32, each token's adapter slot), every projection adds
+        its tokens' adapter updates.
         """
         t, hidden = x.shape
         assert x.dtype == torch.bfloat16 and x.is_contiguous() and residual.is_contiguous()
@@ -338,6 +375,15 @@ class CpuKernels:
         qkv_size = q_size + 2 * w.num_kv_heads * w.head_dim
         ws = x.new_empty(t * (hidden + qkv_size + q_size + 3 * w.intermediate))
         out = torch.empty_like(x)
+        lora_args: list[int | None] = [None] * 7
+        if lora is not None and lora_slots is not None:
+            assert lora_slots.dtype == torch.int32 and lora_slots.shape == (t,)
+            lora_h = torch.empty(t * max(lora.rows), dtype=torch.float32)
+            lora_args = [
+                ctypes.addressof(lora.a_ptrs), ctypes.addressof(lora.b_ptrs),
+                ctypes.addressof(lora.rows_arr), ctypes.addressof(lora.part_ends),
+                ctypes.addressof(lora.parts), lora_slots.data_ptr(), lora_h.data_ptr(),
+            ]  # fmt: skip
         rc = self._layer(
             x.data_ptr(), residual.data_ptr(), first, w.in_norm.data_ptr(),
             w.post_norm.data_ptr(), w.eps, w.qkv.data_ptr(), _ptr(w.qkv_bias), w.o.data_ptr(),
@@ -346,11 +392,36 @@ class CpuKernels:
             _ptr(pages.v_scales), pages.rotated_keys, pages.slots.data_ptr(),
             pages.block_tables.data_ptr(), pages.seq_lens.data_ptr(), pages.block_tables.shape[1],
             t, hidden, w.num_heads, w.num_kv_heads, w.head_dim, w.intermediate,
-            pages.k.shape[1], pages.scale, ws.data_ptr(), out.data_ptr(),
+            pages.k.shape[1], pages.scale, ws.data_ptr(), out.data_ptr(), *lora_args,
         )  # fmt: skip
         if rc != 0:
             raise KernelError(f"decoder layer kernel failed (code {rc})")
         return out
+
+
+class LayerLoRA:
+    """One layer's adapter slots as `decoder_layer` reads them: A [slots, R, in] and B
+    transposed [slots, R, out] of qkv, o, gate_up and down, as pointer arrays for the C side
+    (the tensors are kept alive here)."""
+
+    def __init__(
+        self,
+        a: Sequence[torch.Tensor],
+        b: Sequence[torch.Tensor],
+        part_ends: Sequence[Sequence[int]],
+    ) -> None:
+        """`part_ends`: per projection, where each of its modules' output columns end."""
+        assert len(a) == len(b) == len(part_ends) == 4
+        assert all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (*a, *b))
+        assert all(1 <= len(e) <= 3 for e in part_ends)
+        self.tensors = (tuple(a), tuple(b))
+        self.rows = tuple(t.shape[1] for t in a)
+        self.a_ptrs = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in a))
+        self.b_ptrs = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in b))
+        self.rows_arr = (ctypes.c_int64 * 4)(*self.rows)
+        flat = [e[i] if i < len(e) else e[-1] for e in part_ends for i in range(3)]
+        self.part_ends = (ctypes.c_int64 * 12)(*flat)
+        self.parts = (ctypes.c_int64 * 4)(*(len(e) for e in part_ends))
 
 
 @dataclass(frozen=True)

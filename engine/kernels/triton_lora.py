@@ -25,19 +25,26 @@ from triton.runtime.interpreter import InterpretedFunction
 
 
 @triton.jit
+def _tile(order_ptr, tile_slot, tile_start, tile_len, BLOCK_T: tl.constexpr):
+    """This program's tile: its slot, which lanes hold a token, the tokens' rows in x and y,
+    and their rows in the h buffer (positions in `order`)."""
+    tile = tl.program_id(0)
+    slot = tl.load(tile_slot + tile).to(tl.int64)
+    start = tl.load(tile_start + tile)
+    i = tl.arange(0, BLOCK_T)
+    t_ok = i < tl.load(tile_len + tile)
+    rows = tl.load(order_ptr + start + i, mask=t_ok, other=0).to(tl.int64)
+    return slot, t_ok, rows, (start + i).to(tl.int64)
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, h_ptr, order_ptr, tile_slot, tile_start, tile_len,
     in_features, rank_rows, stride_xt, stride_as, stride_ar,
     BLOCK_T: tl.constexpr, R_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    slot = tl.load(tile_slot + tile).to(tl.int64)
-    start = tl.load(tile_start + tile)
-    count = tl.load(tile_len + tile)
-    i = tl.arange(0, BLOCK_T)
-    t_ok = i < count
-    rows = tl.load(order_ptr + start + i, mask=t_ok, other=0).to(tl.int64)
+    slot, t_ok, rows, h_rows = _tile(order_ptr, tile_slot, tile_start, tile_len, BLOCK_T)
     r = tl.arange(0, R_PAD)
     r_ok = r < rank_rows
     acc = tl.zeros([BLOCK_T, R_PAD], tl.float32)
@@ -49,8 +56,7 @@ def _shrink_kernel(
         a = tl.load(a_ptr + slot * stride_as + r[:, None] * stride_ar + k[None, :],
                     mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         acc += tl.dot(x.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-    dst = h_ptr + (start + i).to(tl.int64)[:, None] * R_PAD + r[None, :]
-    tl.store(dst, acc, mask=t_ok[:, None])
+    tl.store(h_ptr + h_rows[:, None] * R_PAD + r[None, :], acc, mask=t_ok[:, None])
 
 
 @triton.jit
@@ -60,18 +66,11 @@ def _expand_kernel(
     BLOCK_T: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot = tl.load(tile_slot + tile).to(tl.int64)
-    start = tl.load(tile_start + tile)
-    count = tl.load(tile_len + tile)
-    i = tl.arange(0, BLOCK_T)
-    t_ok = i < count
-    rows = tl.load(order_ptr + start + i, mask=t_ok, other=0).to(tl.int64)
+    slot, t_ok, rows, h_rows = _tile(order_ptr, tile_slot, tile_start, tile_len, BLOCK_T)
     r = tl.arange(0, R_PAD)
     n_ok = n < out_features
-    h = tl.load(h_ptr + (start + i).to(tl.int64)[:, None] * R_PAD + r[None, :],
-                mask=t_ok[:, None], other=0.0)  # fmt: skip
+    h = tl.load(h_ptr + h_rows[:, None] * R_PAD + r[None, :], mask=t_ok[:, None], other=0.0)
     y_ptrs = y_ptr + rows[:, None] * stride_yt + n[None, :]
     y_mask = t_ok[:, None] & n_ok[None, :]
     y = tl.load(y_ptrs, mask=y_mask, other=0.0)

@@ -27,8 +27,10 @@ from torch import nn
 
 from engine.config import LoRAConfig, ModelConfig
 from engine.device import to_device
+from engine.kernels.cpu import LayerLoRA
 from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter, read_adapter_settings
 from engine.model.llama import DecoderLayer, LlamaForCausalLM
+from engine.model.native_cpu import NativeDecoderLayer
 from engine.protocol import InvalidRequestError, LoRARequest
 
 # fused projection -> the PEFT modules it is made of, in output order
@@ -45,10 +47,19 @@ class LoRAManager:
     """`config.max_loras` adapter slots (plus the base slot 0) for every fused projection."""
 
     def __init__(
-        self, config: LoRAConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device
+        self,
+        config: LoRAConfig,
+        model: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        b_transposed: bool = False,
     ) -> None:
+        """`b_transposed`: keep B as [slots, rows, out] (what the native decoder layer reads)
+        instead of [slots, out, rows] (the torch and Triton paths)."""
         assert config.max_loras > 0
         self.config = config
+        self.b_transposed = b_transposed
         self.model_config = model
         self.dtype = dtype
         slots, r = config.max_loras + 1, config.max_lora_rank
@@ -60,8 +71,8 @@ class LoRAManager:
                 fan_in, outs = self._sizes[group]
                 rows = len(parts) * r
                 self.a[layer, group] = torch.zeros(slots, rows, fan_in, dtype=dtype, device=device)
-                self.b[layer, group] = torch.zeros(slots, sum(outs), rows, dtype=dtype,
-                                                   device=device)  # fmt: skip
+                shape = (slots, rows, sum(outs)) if b_transposed else (slots, sum(outs), rows)
+                self.b[layer, group] = torch.zeros(shape, dtype=dtype, device=device)
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # adapter key -> slot, LRU first
         self._free = list(range(config.max_loras, 0, -1))
         self.num_loads = 0
@@ -152,8 +163,19 @@ class LoRAManager:
                 w = adapter.weights.get((layer, part))
                 if w is not None:
                     a[slot, i * r : i * r + adapter.rank] = w.a
-                    b[slot, row : row + out, i * r : i * r + adapter.rank] = w.b
+                    if self.b_transposed:
+                        b[slot, i * r : i * r + adapter.rank, row : row + out] = w.b.T
+                    else:
+                        b[slot, row : row + out, i * r : i * r + adapter.rank] = w.b
                 row += out
+
+    def part_ends(self) -> list[list[int]]:
+        """Per fused projection (in GROUPS order), where each module's output columns end."""
+        ends = []
+        for group in GROUPS:
+            outs = self._sizes[group][1]
+            ends.append([sum(outs[: i + 1]) for i in range(len(outs))])
+        return ends
 
     @property
     def loaded(self) -> list[str]:
@@ -182,6 +204,7 @@ class LoRABatch:
         self.ops = ops
         self.slots: torch.Tensor | None = None  # [T] int64; None when every token is base
         self.present: list[int] = []  # the distinct non-base slots, for the per-adapter path
+        self.slots_i32: torch.Tensor | None = None  # native CPU layers: [T] int32, host
         self.order: torch.Tensor | None = None  # Triton: adapter rows grouped by slot
         self.tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -189,6 +212,8 @@ class LoRABatch:
         present = sorted(set(token_slots) - {0})
         self.present = present
         self.slots = to_device(torch.tensor(token_slots), device) if present else None
+        if present and device.type == "cpu":
+            self.slots_i32 = torch.tensor(token_slots, dtype=torch.int32)
         if self.ops is None or not present:
             return
         rows_of: dict[int, list[int]] = {s: [] for s in present}
@@ -242,12 +267,19 @@ class LoRALinear(nn.Module):
 def apply_lora(
     model: LlamaForCausalLM, manager: LoRAManager, ops: ModuleType | None = None
 ) -> LoRABatch:
-    """Wrap every fused projection of `model` in place; returns the batch object the runner
-    fills each step. Fused native decoder layers cannot take adapters: build the model
-    with `fuse_layers=False`. `ops`: the Triton LoRA kernels, else torch ops."""
+    """Wrap every fused projection of `model` in place (a whole native decoder layer gets
+    its slots' weights instead, and applies them in its kernel); returns the batch object
+    the runner fills each step. `ops`: the Triton LoRA kernels, else torch ops."""
     batch = LoRABatch(ops)
     for layer in model.layers:
-        assert isinstance(layer, DecoderLayer), "LoRA needs unfused decoder layers"
+        if isinstance(layer, NativeDecoderLayer):  # the layer kernel adds the updates itself
+            assert manager.b_transposed, "native decoder layers read B transposed"
+            i = layer.layer_idx
+            a = [manager.a[i, group] for group in GROUPS]
+            b = [manager.b[i, group] for group in GROUPS]
+            layer.use_lora(LayerLoRA(a, b, manager.part_ends()), batch)
+            continue
+        assert isinstance(layer, DecoderLayer) and not manager.b_transposed
         for group in GROUPS:
             key = (layer.layer_idx, group)
             wrapped = LoRALinear(getattr(layer, group), manager.a[key], manager.b[key], batch)

@@ -9,13 +9,13 @@ head when it is tied to the embedding table (the lookup still needs the rows).
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from engine.attention.paged import PagedAttention
-from engine.kernels.cpu import CpuKernels, LayerWeights
+from engine.kernels.cpu import CpuKernels, LayerLoRA, LayerWeights
 from engine.model.llama import (
     AttentionBackend,
     DecoderLayer,
@@ -23,6 +23,9 @@ from engine.model.llama import (
     RMSNorm,
     RotaryEmbedding,
 )
+
+if TYPE_CHECKING:
+    from engine.lora.layers import LoRABatch
 
 
 class NativeRMSNorm(nn.Module):
@@ -114,6 +117,12 @@ class NativeDecoderLayer(nn.Module):
             num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
             head_dim=layer.head_dim, intermediate=down.packed.numel() // down.out_features,
         )  # fmt: skip
+        self.lora: LayerLoRA | None = None
+        self.lora_batch: LoRABatch | None = None
+
+    def use_lora(self, lora: LayerLoRA, batch: LoRABatch) -> None:
+        """Add each token's adapter update inside the layer kernel (csrc/lora.h)."""
+        self.lora, self.lora_batch = lora, batch
 
     def forward(
         self,
@@ -128,9 +137,11 @@ class NativeDecoderLayer(nn.Module):
         assert isinstance(attn, PagedAttention)
         first = residual is None
         res = torch.empty_like(x) if residual is None else residual
+        batch = self.lora_batch
+        slots = None if batch is None or batch.slots is None else batch.slots_i32
         out = self.kernels.decoder_layer(
             x.contiguous(), res, first, self.weights, positions,
-            attn.layer_pages(self.layer_idx, ctx),
+            attn.layer_pages(self.layer_idx, ctx), self.lora, slots,
         )  # fmt: skip
         return out, res
 

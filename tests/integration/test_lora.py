@@ -14,11 +14,13 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, LoRAConfig
 from engine.core import EngineCore
+from engine.evaluate import greedy_agreement
 from engine.factory import native_kernels
 from engine.llm import LLM
 from engine.loader import build_model
 from engine.model.native_cpu import apply_native_cpu
 from engine.protocol import FinishReason, InvalidRequestError, LoRARequest, SamplingParams
+from tests.lora_files import SMOLLM2, write_adapter
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4, 5,"]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -216,3 +218,42 @@ def test_a_request_waiting_for_its_adapter_can_be_aborted(lora_llm, peft_adapter
     finally:
         gate.set()
     core.check_integrity()
+
+
+def test_whole_layer_kernels_apply_adapters_like_the_per_module_path(
+    smollm2_checkpoint, smollm2_tokenizer, strata_cache_dir, tmp_path
+):
+    """bf16: the native decoder layer adds each token's adapter update inside its kernel
+    (csrc/lora.h); the per-module path adds it around each native linear with torch ops.
+    Same base arithmetic and rounding points, sums in another order: greedy decoding follows
+    the same path until a near-tie, which strong random adapters make common."""
+    cfg = EngineConfig(
+        dtype="bfloat16", cache_dir=str(strata_cache_dir),
+        cache=CacheConfig(kv_cache_memory_bytes=1 << 27),
+        lora=LoRAConfig(max_loras=3, max_lora_rank=16),
+    )  # fmt: skip
+    kernels = native_kernels(cfg, torch.bfloat16)
+    assert kernels is not None
+    adapters = [
+        LoRARequest(name=f"w{i}", path=str(write_adapter(
+            tmp_path / f"w{i}", SMOLLM2, rank=rank, scale=0.15, seed=i)))
+        for i, rank in enumerate((8, 16, 4))
+    ]  # fmt: skip
+    loras = [adapters[0], None, adapters[1], adapters[2]]
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], " ".join(PROMPTS) * 6]  # and a long prefill
+    runs = {}
+    for fuse in (True, False):
+        model = build_model(smollm2_checkpoint, torch.bfloat16, torch.device("cpu"))
+        apply_native_cpu(model, kernels, fuse_layers=fuse)
+        core = EngineCore(
+            model, cfg, model_id=smollm2_checkpoint.model_id,
+            eos_token_ids=smollm2_tokenizer.eos_token_ids, kernels=kernels,
+        )  # fmt: skip
+        assert core.lora is not None and core.lora.b_transposed is fuse
+        llm = LLM(core=core, tokenizer=smollm2_tokenizer)
+        runs[fuse] = [c.token_ids for c in llm.generate(prompts, GREEDY, lora=loras)]
+        if fuse:
+            base = [c.token_ids for c in llm.generate(prompts, GREEDY)]
+    agreement = greedy_agreement(runs[False], runs[True])
+    assert agreement.identical >= 3 and agreement.prefix_rate > 0.9, agreement
+    assert greedy_agreement(base, runs[True]).token_rate < 0.7, "the adapters change the tokens"

@@ -5,8 +5,6 @@ prefix-cache hits and adapters (synthetic:tiny), and the real SmolLM2 answer."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from engine.attention.triton_backend import TritonPagedAttention
@@ -22,11 +20,9 @@ from engine.llm import LLM
 from engine.loader import PRESETS
 from engine.lora.synthetic import write_random_adapter
 from engine.protocol import LoRARequest, SamplingParams
+from tests.triton_marks import INTERPRETED
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton compiles for the GPU here; tests/gpu runs the engine there",
-)
+pytestmark = INTERPRETED
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 # 16-token chunks: prompts prefill over several steps, some beside other requests' decodes

@@ -5,8 +5,13 @@
 // arithmetic as the per-module path, so both give bit-identical results.
 //
 // x, out: [T, H]; residual: [T, H], updated in place (for the first layer pass first = 1 and
-// it is initialised from x). Pages are bf16, or FP8 bytes when k_scales/v_scales are given. Weights are packed by strata_pack_bf16. ws is scratch of
-// T * (H + qkv + heads * D + 3 * I) elements. Returns 0, or the failing kernel's code.
+// it is initialised from x). Pages are bf16, or FP8 bytes when k_scales/v_scales are given.
+// Weights are packed by strata_pack_bf16. ws is scratch of T * (H + qkv + heads * D + 3 * I)
+// elements. With lora_slots (one adapter slot per token), each projection also adds its
+// tokens' LoRA updates (lora.h): lora_a/lora_b hold the A [slots, R, in] and B transposed
+// [slots, R, out] of qkv, o, gate_up and down, lora_rows their R, lora_part_ends (3 per
+// projection) and lora_parts split each projection's columns by module, and lora_h is
+// scratch of T * max(R) floats. Returns 0, or the failing kernel's code.
 
 int strata_decoder_layer_bf16(
     const bf16_t* x, bf16_t* residual, int first, const bf16_t* in_norm, const bf16_t* post_norm,
@@ -16,7 +21,9 @@ int strata_decoder_layer_bf16(
     const int64_t* slots, const int64_t* block_tables,
     const int32_t* seq_lens, int64_t max_blocks, int64_t T, int64_t H, int64_t heads,
     int64_t kv_heads, int64_t D, int64_t I, int64_t block_size, float scale, bf16_t* ws,
-    bf16_t* out) {
+    bf16_t* out, const bf16_t* const* lora_a, const bf16_t* const* lora_b,
+    const int64_t* lora_rows, const int64_t* lora_part_ends, const int64_t* lora_parts,
+    const int32_t* lora_slots, float* lora_h) {
     const int64_t qn = heads * D, kvn = kv_heads * D, qkvn = qn + 2 * kvn;
     bf16_t* h = ws;                // [T, H]
     bf16_t* qkv = h + T * H;       // [T, qkvn]
@@ -31,6 +38,9 @@ int strata_decoder_layer_bf16(
         strata_rms_norm_bf16(x, residual, in_norm, h, T, H, eps, 1);
     }
     if ((rc = strata_linear_packed_bf16(h, w_qkv, b_qkv, qkv, T, qkvn, H, 0))) return rc;
+    if (lora_slots)
+        strata_lora_bf16(h, H, lora_a[0], lora_b[0], lora_slots, qkv, qkvn, T, H, qkvn,
+                         lora_rows[0], lora_part_ends, lora_parts[0], lora_h);
     strata_rope_bf16(qkv, qkv + qn, positions, cos_table, sin_table, T, heads, kv_heads, D, qkvn,
                      qkvn);
     if (k_scales) {
@@ -48,8 +58,18 @@ int strata_decoder_layer_bf16(
     }
     if (rc) return rc;
     if ((rc = strata_linear_packed_bf16(att, w_o, 0, out, T, H, qn, 0))) return rc;
+    if (lora_slots)
+        strata_lora_bf16(att, qn, lora_a[1], lora_b[1], lora_slots, out, H, T, qn, H,
+                         lora_rows[1], lora_part_ends + 3, lora_parts[1], lora_h);
     strata_rms_norm_bf16(out, residual, post_norm, h, T, H, eps, 1);
     if ((rc = strata_linear_packed_bf16(h, w_gate_up, 0, gate_up, T, 2 * I, H, 0))) return rc;
+    if (lora_slots)
+        strata_lora_bf16(h, H, lora_a[2], lora_b[2], lora_slots, gate_up, 2 * I, T, H, 2 * I,
+                         lora_rows[2], lora_part_ends + 6, lora_parts[2], lora_h);
     strata_silu_mul_bf16(gate_up, act, T, I);
-    return strata_linear_packed_bf16(act, w_down, 0, out, T, H, I, 0);
+    if ((rc = strata_linear_packed_bf16(act, w_down, 0, out, T, H, I, 0))) return rc;
+    if (lora_slots)
+        strata_lora_bf16(act, I, lora_a[3], lora_b[3], lora_slots, out, H, T, I, H,
+                         lora_rows[3], lora_part_ends + 9, lora_parts[3], lora_h);
+    return 0;
 }

@@ -9,7 +9,7 @@
 #include "common.h"
 #include "fp8.h"
 
-int strata_kernels_abi(void) { return 3; }
+int strata_kernels_abi(void) { return 4; }
 
 int strata_has_avx512_bf16(void) {
 #ifdef STRATA_AVX512BF16
@@ -99,4 +99,5 @@ void strata_argmax_f32(const float* x, int64_t* out, int64_t rows, int64_t cols)
 #define SUFFIX bf16
 
 #include "linear.h"
+#include "lora.h"
 #include "layer.h"

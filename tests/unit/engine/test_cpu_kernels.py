@@ -248,3 +248,27 @@ def test_fp8_paged_decode_matches_torch(kernels, dtype, heads, kv_heads, head_di
         k_scales=k_scales, v_scales=v_scales, rotated_keys=attn.rotate_keys,
     )  # fmt: skip
     torch.testing.assert_close(got.float(), expected.float(), atol=ATOL[dtype], rtol=2e-2)
+
+
+def test_lora_update_matches_the_torch_path(kernels):
+    """csrc/lora.h against LoRALinear's BGMV arithmetic: the same rounding points (h and the
+    update rounded to bf16), so results agree to accumulation order."""
+    g = gen(11)
+    slots_n, rows, k_in, n_out, t = 5, 48, 200, 136, 9  # odd widths: the scalar tails run too
+    ends = (40, 88, 136)  # three modules, like qkv: 16 rows each, B block-diagonal
+    a = (torch.randn(slots_n, rows, k_in, generator=g) / 8).bfloat16()
+    b = torch.zeros(slots_n, n_out, rows, dtype=torch.bfloat16)
+    for p, (start, end) in enumerate(zip((0, *ends[:-1]), ends, strict=True)):
+        block = torch.randn(slots_n, end - start, 16, generator=g) / 8
+        b[:, start:end, 16 * p : 16 * (p + 1)] = block.bfloat16()
+    a[0], b[0] = 0, 0
+    x = torch.randn(t, k_in, generator=g).bfloat16()
+    y = torch.randn(t, n_out, generator=g).bfloat16()
+    slots = torch.tensor([0, 1, 4, 4, 0, 2, 3, 1, 0], dtype=torch.int32)
+    h = torch.bmm(a[slots.long()], x.unsqueeze(-1))
+    want = y + torch.bmm(b[slots.long()], h).squeeze(-1)
+    got = y.clone()
+    kernels.lora(x, a, b.transpose(1, 2).contiguous(), slots, got, ends)
+    assert torch.equal(got[slots == 0], y[slots == 0]), "base tokens are untouched"
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert not torch.equal(got, y)

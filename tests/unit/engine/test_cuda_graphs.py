@@ -4,8 +4,6 @@ result, and padding rows write nothing into the KV pool."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -15,11 +13,9 @@ from engine.cuda_graphs import DecodeGraphs, batch_ladder
 from engine.loader import build_model, load_checkpoint
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
+from tests.triton_marks import INTERPRETED
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton compiles for the GPU here; tests/gpu checks the captured graphs",
-)
+pytestmark = INTERPRETED
 
 CPU = torch.device("cpu")
 BS = 4

@@ -4,8 +4,6 @@ with split-K, chunked prefill over cached pages, GQA, FP8 pages) gives the same 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,11 +15,9 @@ from engine.attention.triton_backend import (
 )
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
+from tests.triton_marks import INTERPRETED
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton compiles for the GPU here; tests/gpu checks the compiled kernels",
-)
+pytestmark = INTERPRETED
 
 FP8 = torch.float8_e4m3fn
 BS = 4

@@ -4,8 +4,6 @@ q/k views, SiLU-and-multiply."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -13,11 +11,9 @@ from engine.attention.triton_backend import load_triton_kernels
 from engine.config import ModelConfig
 from engine.model.llama import RMSNorm, RotaryEmbedding, SiluAndMul
 from engine.model.triton_layers import TritonRMSNorm, TritonRotary, TritonSiluMul
+from tests.triton_marks import INTERPRETED
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton compiles for the GPU here; tests/gpu checks the compiled kernels",
-)
+pytestmark = INTERPRETED
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

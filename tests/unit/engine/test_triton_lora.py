@@ -3,19 +3,15 @@ a step mixing base tokens and several adapters, at decode and prefill sizes."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import nn
 
 from engine.attention.triton_backend import load_triton_kernels
 from engine.lora.layers import LoRABatch, LoRALinear
+from tests.triton_marks import INTERPRETED
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton compiles for the GPU here; tests/gpu checks the compiled kernels",
-)
+pytestmark = INTERPRETED
 
 CPU = torch.device("cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
