@@ -13,8 +13,9 @@ share of the pool loses its cached blocks before one within its share does.
 With an offloader (kvstore/tiers.py), a cached block is not forgotten when it is reallocated:
 its page moves down to host RAM, and from there to disk, under the same hash. A later prompt
 whose chain continues below the device gets fresh blocks with those pages copied back in.
-Between steps, `spill_ahead` saves the pages of the blocks the next allocations will reuse
-(a watermark of free blocks), so allocating usually finds them saved and copies nothing.
+With spill-ahead on, `spill_ahead` saves between steps the pages of the blocks the next
+allocations will reuse (a watermark of free blocks), so allocating finds them saved and
+copies nothing.
 """
 
 from __future__ import annotations

@@ -236,6 +236,11 @@ class CacheConfig:
     host_memory_bytes: int = 0
     disk_bytes: int = 0
     disk_path: str | None = None  # a directory; default: the system's temporary directory
+    # save cooling prefix-cache pages to the host tier between steps, ahead of the
+    # allocations that reuse their blocks (BlockManager.spill_ahead). It pays where those
+    # copies overlap compute; with synchronous copies it only moves them, and it keeps the
+    # most recently freed pages in host RAM rather than the most recently evicted.
+    spill_ahead: bool = False
 
     def storage_dtype(self, compute: torch.dtype, device: torch.device) -> torch.dtype:
         """The dtype KV pages are stored in, for a model computing in `compute`."""

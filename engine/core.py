@@ -116,11 +116,14 @@ class EngineCore:
             )
         self.num_steps = 0
         self.num_generated_tokens = 0
-        # the most blocks one step can claim: a full token budget plus one per sequence
+        # with spill-ahead: the most blocks one step can claim (a full token budget plus
+        # one per sequence) are kept saved below the device
         sc = config.scheduler
-        self.spill_watermark = min(
-            num_blocks, -(-sc.max_num_batched_tokens // spec.block_size) + sc.max_num_seqs
-        )
+        self.spill_watermark = 0
+        if config.cache.spill_ahead:
+            self.spill_watermark = min(
+                num_blocks, -(-sc.max_num_batched_tokens // spec.block_size) + sc.max_num_seqs
+            )
 
     # -- requests -----------------------------------------------------------------------
 

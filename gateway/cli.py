@@ -69,6 +69,12 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         help="directory for the disk tier's page file (default: the system temp directory)",
     )
     g.add_argument(
+        "--kv-spill-ahead",
+        action="store_true",
+        help="save cooling prefix-cache pages to the host tier between steps, before their "
+        "blocks are reused",
+    )
+    g.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
         action="store_false",
@@ -134,6 +140,7 @@ def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
             host_memory_bytes=int(args.kv_host_gb * _GIB),
             disk_bytes=int(args.kv_disk_gb * _GIB),
             disk_path=args.kv_disk_path,
+            spill_ahead=args.kv_spill_ahead,
         ),
         lora=LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank),
         scheduler=SchedulerConfig(
@@ -242,6 +249,7 @@ _ENGINE_FLAGS = (
     "backend",
     "threads",
 )
+_ENGINE_SWITCHES = ("enforce_eager", "kv_spill_ahead")  # store_true options
 
 
 def _engine_argv(args: argparse.Namespace) -> list[str]:
@@ -252,6 +260,7 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, name)
         if value != getattr(defaults, name):
             argv += [f"--{name.replace('_', '-')}", str(value)]
+    argv += [f"--{name.replace('_', '-')}" for name in _ENGINE_SWITCHES if getattr(args, name)]
     return argv
 
 

@@ -11,6 +11,7 @@ import pytest
 from engine.config import CacheConfig, EngineConfig, KVCacheDtype
 from engine.llm import LLM
 from engine.protocol import SamplingParams
+from kvstore.tiers import Tier
 
 DOCS = [
     "Photosynthesis converts light energy into chemical energy stored in glucose. " * 6,
@@ -95,4 +96,29 @@ def test_blocks_are_accounted_per_tenant_and_tier_allowances_hold(
     assert by_tenant["beta"]["disk"] == 2  # 32 tokens = 2 blocks on disk, no more
     total = sum(t.get("device", 0) for t in by_tenant.values())
     assert total <= llm.core.stats().num_kv_blocks_total
+    llm.core.check_integrity()
+
+
+def test_spill_ahead_saves_pages_before_their_blocks_are_reused(make_core, smollm2_fp32, tmp_path):
+    """With --kv-spill-ahead the engine saves cooling pages between steps: allocations that
+    reuse their blocks copy nothing more, and the document comes back from host RAM."""
+    cache = CacheConfig(num_blocks=24, host_memory_bytes=64 << 20, disk_bytes=0,
+                        disk_path=str(tmp_path), spill_ahead=True)  # fmt: skip
+    llm = LLM(core=make_core(EngineConfig(cache=cache)), tokenizer=smollm2_fp32[1])
+    assert llm.core.spill_watermark == 24
+    bm, tiers = llm.core.block_manager, llm.core.tiers
+    assert tiers is not None
+    docs = [f"Document {d}: " + f"fact {d} about the ocean and the tide. " * 20 for d in range(2)]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    first = llm.generate([docs[0]], params)[0]
+    full_blocks = len(first.prompt_token_ids) // 16
+    assert bm.num_spilled_ahead >= full_blocks - 1  # saved as they cooled
+    ahead, saved = bm.num_spilled_ahead, tiers.num_spilled[Tier.HOST]
+    llm.generate([docs[1]], params)  # takes over most of docs[0]'s blocks
+    assert bm.num_evicted_blocks > 0
+    new_saves = tiers.num_spilled[Tier.HOST] - saved
+    assert new_saves == bm.num_spilled_ahead - ahead, "the allocation itself copied nothing"
+    again = llm.generate([docs[0]], params)[0]
+    assert again.num_cached_host_tokens > 0
+    assert again.num_cached_tokens >= 16 * (full_blocks - 1)
     llm.core.check_integrity()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.config import KVCacheDtype
+from engine.config import KernelBackend, KVCacheDtype
 from gateway.cli import _engine_argv, _engine_config, build_parser
 
 
@@ -34,3 +34,8 @@ def test_serve_passes_engine_options_to_its_worker():
     assert argv[argv.index("--kv-host-gb") + 1] == "4.0"
     assert "--no-prefix-caching" in argv
     assert _engine_argv(parser.parse_args(["serve"])) == []
+    switches = _engine_argv(parser.parse_args(["serve", "--enforce-eager", "--kv-spill-ahead"]))
+    assert switches == ["--enforce-eager", "--kv-spill-ahead"]
+    engine = _engine_config(parser.parse_args(["engine", *switches, "--backend", "triton"]))
+    assert engine.enforce_eager and engine.cache.spill_ahead
+    assert engine.backend is KernelBackend.TRITON
