@@ -94,8 +94,12 @@ def _kv_write_kernel(
     mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
     block, within = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     page_off = block * stride_pb + within * stride_pt + head * stride_ph
-    k = tl.load(k_ptr + t[:, None] * stride_kt + head * stride_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + t[:, None] * stride_vt + head * stride_vh + d[None, :], mask=mask)
+    k = tl.load(
+        k_ptr + t[:, None] * stride_kt + head * stride_kh + d[None, :], mask=mask, other=0.0
+    )
+    v = tl.load(
+        v_ptr + t[:, None] * stride_vt + head * stride_vh + d[None, :], mask=mask, other=0.0
+    )
     if FP8:
         scale_off = block * stride_sb + within * stride_st + head
         k = k.to(tl.float32)
