@@ -135,3 +135,17 @@ def test_lora_kernels_match_the_torch_path(num_tokens):
         with torch.inference_mode():
             outs.append(LoRALinear(base, a, b, batch)(x).float())
     torch.testing.assert_close(outs[1], outs[0], atol=3e-2, rtol=3e-2)
+
+
+def test_fp8_write_of_a_padded_head_dim_matches_the_torch_path():
+    """head_dim 24 runs in 32 lanes: the masked lanes must not reach the row maximum."""
+    spec = KVCacheSpec(1, 2, 24, BS, torch.float8_e4m3fn)
+    pools = [DeviceKVPool(spec, 8, CUDA) for _ in range(2)]
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(40, 2, 24, generator=gen).to(CUDA, torch.bfloat16) for _ in range(2))
+    seqs = [SeqSlice(40, 0, [3, 1, 6, 0, 2, 7, 4, 5][: -(-40 // BS)])]
+    q = torch.randn(40, 4, 24, generator=gen).to(CUDA, torch.bfloat16)
+    for attn in (PagedAttention(pools[0], 4), TritonPagedAttention(pools[1], 4)):
+        attn.forward(0, q, k, v, attn.build_context(seqs))
+    assert torch.equal(pools[0].kv.view(torch.uint8), pools[1].kv.view(torch.uint8))
+    assert torch.equal(pools[0].scales, pools[1].scales)
