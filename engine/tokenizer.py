@@ -195,8 +195,12 @@ class Tokenizer:
         return clone
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` adds BOS/EOS only where the model does."""
-        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of `text`; `add_special_tokens` adds BOS/EOS only where the model does.
+
+        Releases the GIL while it works (the batch entry point does; the single one does
+        not), so other threads keep running during a long text."""
+        batch = self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+        return list(batch[0].ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; ids outside the tokenizer's vocabulary decode to nothing."""

@@ -61,6 +61,7 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
     writer.start()
     engines = EnginePool(settings.engine_addresses)
     metrics = GatewayMetrics()
+    preparer: Preparer | None = None
     try:
         info = await engines.connect()
         tokenizer = load_tokenizer_for(settings.model, settings.cache_dir)
@@ -83,6 +84,8 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
         left = await writer.drain(timeout=10.0)
         if left:
             log.error("%d usage records could not be written before shutdown", left)
+        if preparer is not None:
+            preparer.close()
         await keys.stop()
         await engines.close()
         await redis.aclose()

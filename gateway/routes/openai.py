@@ -61,7 +61,7 @@ class OpenAIController(Controller):
         started = _start_request(request, rid)
         tenant = auth_of(request).tenant
         lora = await gw.adapters.resolve(data.model, tenant)
-        job = gw.preparer.chat(data, tenant, rid, lora)
+        job = await gw.preparer.chat(data, tenant, rid, lora)
         job.started = started  # e2e and TTFT include tokenization
         return await respond(gw, request, job)
 
@@ -73,7 +73,7 @@ class OpenAIController(Controller):
         started = _start_request(request, rid)
         tenant = auth_of(request).tenant
         lora = await gw.adapters.resolve(data.model, tenant)
-        job = gw.preparer.completion(data, tenant, rid, lora)
+        job = await gw.preparer.completion(data, tenant, rid, lora)
         job.started = started  # e2e and TTFT include tokenization
         return await respond(gw, request, job)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator
+
 import pytest
 
 from engine.protocol import ModelInfo, Scheduling
@@ -17,8 +20,10 @@ INFO = ModelInfo(
 
 
 @pytest.fixture
-def preparer(smollm2_tokenizer) -> Preparer:
-    return Preparer(smollm2_tokenizer, INFO, aliases=("default",))
+def preparer(smollm2_tokenizer) -> Iterator[Preparer]:
+    preparer = Preparer(smollm2_tokenizer, INFO, aliases=("default",))
+    yield preparer
+    preparer.close()
 
 
 def tenant(tenant_id: str = "acme", **policy) -> Tenant:
@@ -28,20 +33,21 @@ def tenant(tenant_id: str = "acme", **policy) -> Tenant:
     )  # fmt: skip
 
 
-def test_job_carries_the_tenants_priority_and_weight(preparer):
+async def test_job_carries_the_tenants_priority_and_weight(preparer):
     body = ChatCompletionRequest(model="default", messages=[ChatMessage(role="user", content="hi")])
-    job = preparer.chat(body, tenant(priority=3, weight=2.5), "chatcmpl-1")
+    job = await preparer.chat(body, tenant(priority=3, weight=2.5), "chatcmpl-1")
     assert job.scheduling == Scheduling(
         priority=3, tenant="acme", weight=2.5, cache_salt="tenant:secret-of-acme"
     )
-    job = preparer.completion(CompletionRequest(model="smollm2", prompt="hi"), tenant(), "c-2")
+    body = CompletionRequest(model="smollm2", prompt="hi")
+    job = await preparer.completion(body, tenant(), "c-2")
     assert job.scheduling.weight == 1.0 and job.scheduling.priority == 0
     assert job.scheduling.kv_host_tokens is None and job.scheduling.kv_disk_tokens is None
 
 
-def test_job_carries_the_tenants_kv_tier_allowances(preparer):
+async def test_job_carries_the_tenants_kv_tier_allowances(preparer):
     body = CompletionRequest(model="default", prompt="hi")
-    job = preparer.completion(body, tenant(kv_host_tokens=4096, kv_disk_tokens=0), "c-1")
+    job = await preparer.completion(body, tenant(kv_host_tokens=4096, kv_disk_tokens=0), "c-1")
     assert (job.scheduling.kv_host_tokens, job.scheduling.kv_disk_tokens) == (4096, 0)
 
 
@@ -53,31 +59,61 @@ def test_kv_tier_allowances_must_not_be_negative():
     assert Policy(kv_disk_tokens=0).kv_disk_tokens == 0  # 0 = nothing on disk
 
 
-def test_cache_salt_is_per_tenant_unless_both_share_a_namespace(preparer):
+async def test_cache_salt_is_per_tenant_unless_both_share_a_namespace(preparer):
     body = CompletionRequest(model="default", prompt="hi")
 
-    def salt(t: Tenant) -> str:
-        return preparer.completion(body, t, "c-1").scheduling.cache_salt
+    async def salt(t: Tenant) -> str:
+        return (await preparer.completion(body, t, "c-1")).scheduling.cache_salt
 
-    assert salt(tenant("a")) != salt(tenant("b"))
+    assert await salt(tenant("a")) != await salt(tenant("b"))
     shared = [tenant(t, shared_cache_namespace="public-rag") for t in ("a", "b")]
-    assert salt(shared[0]) == salt(shared[1]) != salt(tenant("a"))
+    assert await salt(shared[0]) == await salt(shared[1]) != await salt(tenant("a"))
 
 
-def test_unknown_model_and_context_cap(preparer):
+async def test_unknown_model_and_context_cap(preparer):
     with pytest.raises(APIError) as err:
-        preparer.completion(CompletionRequest(model="gpt-9", prompt="hi"), tenant(), "c-1")
+        await preparer.completion(CompletionRequest(model="gpt-9", prompt="hi"), tenant(), "c-1")
     assert err.value.status == 400
     long = CompletionRequest(model="default", prompt="word " * 100)
     with pytest.raises(APIError) as err:
-        preparer.completion(long, tenant(max_context_tokens=10), "c-2")
+        await preparer.completion(long, tenant(max_context_tokens=10), "c-2")
     assert err.value.status == 413
 
 
-def test_kv_reservation_counts_whole_blocks(preparer):
+async def test_kv_reservation_counts_whole_blocks(preparer):
     body = CompletionRequest(model="default", prompt="hi", max_tokens=20, n=2)
-    job = preparer.completion(body, tenant(), "c-1")
+    job = await preparer.completion(body, tenant(), "c-1")
     per_choice = job.num_prompt_tokens + 20
     assert job.kv_block_size == INFO.kv_block_size == 16
     assert job.kv_tokens == 2 * -(-per_choice // 16) * 16  # rounded up, per choice
     assert job.kv_tokens % 16 == 0 and job.kv_tokens >= 2 * per_choice
+
+
+async def test_long_prompts_are_tokenized_off_the_event_loop(preparer, smollm2_tokenizer):
+    """While a long prompt is tokenized, other coroutines (every open stream) keep running;
+    the tokens are the same as inline."""
+    text = "The quick brown fox jumps over the lazy dog. " * 150  # ~7 KB, ~1,500 tokens
+    body = CompletionRequest(model="default", prompt=text)
+    events: list[str] = []
+
+    async def prepare() -> None:
+        job = await preparer.completion(body, tenant(), "c-1")
+        events.append("prepared")
+        assert job.prompt_ids == smollm2_tokenizer.encode(text)
+
+    async def other_stream() -> None:
+        await asyncio.sleep(0)
+        events.append("other stream ran")
+
+    await asyncio.gather(prepare(), other_stream())
+    assert events == ["other stream ran", "prepared"]
+    # a short prompt is tokenized inline: nothing else runs before it is done
+    events.clear()
+    body = CompletionRequest(model="default", prompt="hi")
+
+    async def prepare_short() -> None:
+        await preparer.completion(body, tenant(), "c-2")
+        events.append("prepared")
+
+    await asyncio.gather(prepare_short(), other_stream())
+    assert events == ["prepared", "other stream ran"]
