@@ -2,18 +2,27 @@
 admission, ledger) vs the same request through `EngineClient` straight to the worker.
 
 Both paths hit the same engine worker with the same prompt tokens and `max_tokens=1`, at
-1, 16 and 64 concurrent clients, alternating path by path. Everything runs on this machine:
-an embedded store, one engine worker (the default model) and one gateway replica, each in
-its own process. Two measures of overhead:
+1, 16 and 64 concurrent clients. Everything runs on this machine: an embedded store, one
+engine worker (the default model) and one gateway replica, each in its own process. The
+clients of the main run alternate paths request by request (client i starts on path i % 2),
+so at every moment the engine serves a mix of both and its batching hits the two alike.
 
-- `overhead_ms` (per request, paired): the client's latency minus the time the gateway's
-  own `EngineClient` waited on the engine for that request (the `engine` entry of the
-  response's `Server-Timing`). What is left is HTTP, auth, tokenization, admission and
-  rendering: the gateway's added latency, free of the engine's step-to-step variance.
-- `e2e_delta_ms`: gateway latency minus direct latency at the same percentile, from two
-  separate runs. When the engine is saturated its batching swings these percentiles by
-  tens of ms either way, so read it next to `rps`, which shows any throughput the
-  gateway costs.
+- `overhead_ms` (the headline): per gateway request, the client's latency minus the time
+  the gateway itself waited on the engine (the `engine` entry of the response's
+  `Server-Timing`): HTTP, auth, tokenization, admission, rendering, and the time spent
+  queued in the gateway behind other requests. Stable from run to run, and an upper bound:
+  some of that queueing would, without a gateway, happen in the engine's queue instead.
+- `e2e_delta_ms`: gateway latency minus direct latency at the same percentile, in the same
+  mixed run. This is the literal added latency, but both distributions are as wide as the
+  engine's step-to-step variance (tens of ms once it is saturated), so at 16 and 64 it
+  moves by ± 10 ms between runs.
+- `rps`: each path alone, in turn, at the same concurrency: the throughput the gateway
+  costs.
+- `cpu_ms_per_request`: in those runs, the CPU time each process spent per request (engine
+  worker, gateway, store, and this load generator). Requests that one engine step finishes
+  together reach the gateway together and are handled one after another on the core the
+  engine leaves free, so at concurrency N the median request waits for about N/2 others'
+  gateway, store and client time: this is what the overhead at 16 and 64 is made of.
 
     python bench/gateway_overhead.py            # full run
     python bench/gateway_overhead.py --quick    # smoke run
@@ -47,6 +56,10 @@ from tenants.store import EmbeddedStore
 
 ADMIN = "bench-admin-token-0123456789"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT_PATH = "/v1/chat/completions"
+CHAT_BODY = json.dumps(
+    {"model": "default", "messages": MESSAGES, "max_tokens": 1, "temperature": 0}
+).encode()
 
 
 def _port() -> int:
@@ -63,28 +76,15 @@ def _wait(predicate, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-async def run_direct(address: str, ids: list[int], n: int, conc: int) -> list[float]:
-    client = EngineClient(address)
-    await client.connect()
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    latencies: list[float] = []
-    counter = iter(range(n))
-
-    async def one_client() -> None:
-        for i in counter:
-            start = time.perf_counter()
-            async for _ in client.generate(f"d{i}-{time.monotonic_ns()}", ids, params):
-                pass
-            latencies.append(time.perf_counter() - start)
-
-    await asyncio.gather(*(one_client() for _ in range(conc)))
-    await client.close()
-    return latencies
 
 
 class HTTPConnection:
@@ -132,32 +132,56 @@ def engine_ms(server_timing: str) -> float:
     raise ValueError(f"no engine timing in {server_timing!r}")
 
 
-async def run_gateway(url: str, key: str, n: int, conc: int) -> tuple[list[float], list[float]]:
-    """Latencies and, per request, latency minus the engine time the gateway reported."""
-    body = json.dumps(
-        {"model": "default", "messages": MESSAGES, "max_tokens": 1, "temperature": 0}
-    ).encode()
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    latencies: list[float] = []
-    overheads: list[float] = []
+async def run_load(
+    address: str | None, url: str | None, key: str, ids: list[int], n: int, conc: int
+) -> dict[str, list[float]]:
+    """`n` requests from `conc` clients, each with one request in flight at a time.
+
+    Given both an engine address and a gateway URL, client c alternates paths, starting on
+    path c % 2; given one, every request takes it. Returns latencies (s) by path, and under
+    `server_timing` each gateway request's latency minus the engine time it reported.
+    """
+    paths = [name for name, target in (("direct", address), ("gateway", url)) if target]
+    out: dict[str, list[float]] = {"direct": [], "gateway": [], "server_timing": []}
+    client = EngineClient(address) if address else None
+    if client is not None:
+        await client.connect()
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    host, _, port = (url or "http://:0").removeprefix("http://").rpartition(":")
     counter = iter(range(n))
 
-    async def one_client() -> None:
+    async def direct(i: int) -> None:
+        assert client is not None
+        start = time.perf_counter()
+        async for _ in client.generate(f"d{i}-{time.monotonic_ns()}", ids, params):
+            pass
+        out["direct"].append(time.perf_counter() - start)
+
+    async def gateway(conn: HTTPConnection) -> None:
+        start = time.perf_counter()
+        status, headers, reply = await conn.post(CHAT_PATH, CHAT_BODY)
+        latency = time.perf_counter() - start
+        assert status == 200, reply
+        out["gateway"].append(latency)
+        out["server_timing"].append(latency - engine_ms(headers["server-timing"]) / 1e3)
+
+    async def one_client(c: int) -> None:
         conn = HTTPConnection(host, int(port), {"authorization": f"Bearer {key}"})
         try:
-            await conn.post("/v1/chat/completions", body)  # open the connection
-            for _ in counter:
-                start = time.perf_counter()
-                status, headers, reply = await conn.post("/v1/chat/completions", body)
-                latency = time.perf_counter() - start
-                assert status == 200, reply
-                latencies.append(latency)
-                overheads.append(latency - engine_ms(headers["server-timing"]) / 1e3)
+            if url:
+                await conn.post(CHAT_PATH, CHAT_BODY)  # open the connection
+            for turn, i in enumerate(counter):
+                if paths[(c + turn) % len(paths)] == "direct":
+                    await direct(i)
+                else:
+                    await gateway(conn)
         finally:
             conn.close()
 
-    await asyncio.gather(*(one_client() for _ in range(conc)))
-    return latencies, overheads
+    await asyncio.gather(*(one_client(c) for c in range(conc)))
+    if client is not None:
+        await client.close()
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -230,42 +254,45 @@ def main(argv: list[str] | None = None) -> dict:
         delta: dict[str, dict[str, float]] = {}
         rps: dict[str, dict[str, float]] = {}
         latency: dict[str, dict[str, float]] = {}
+        cpu: dict[str, dict[str, dict[str, float]]] = {}
+        assert store.proc is not None
+        pids = {"engine": procs[0].pid, "gateway": procs[1].pid, "store": store.proc.pid}
         for conc in levels:
-            direct, via, paired = [], [], []
-            for _ in range(2):  # alternate the paths, twice, to share any drift fairly
-                t0 = time.perf_counter()
-                direct += asyncio.run(run_direct(engine_addr, ids, args.requests // 2, conc))
-                t1 = time.perf_counter()
-                lat, over = asyncio.run(run_gateway(url, key, args.requests // 2, conc))
-                via += lat
-                paired += over
-                t2 = time.perf_counter()
+            mixed = asyncio.run(run_load(engine_addr, url, key, ids, args.requests, conc))
+            alone: dict[str, float] = {}
+            n_alone = args.requests // 2
+            for name, target in (("direct", (engine_addr, None)), ("gateway", (None, url))):
+                before = {k: cpu_seconds(pid) for k, pid in pids.items()}
+                client_before, start = time.process_time(), time.perf_counter()
+                asyncio.run(run_load(*target, key, ids, n_alone, conc))
+                alone[name] = round(n_alone / (time.perf_counter() - start), 1)
+                used = {k: cpu_seconds(pid) - before[k] for k, pid in pids.items()}
+                used["client"] = time.process_time() - client_before
+                cpu.setdefault(str(conc), {})[name] = {
+                    k: round(v * 1e3 / n_alone, 3) for k, v in used.items()
+                }
             p = {
                 name: {q: percentile(v, qq) * 1e3 for q, qq in (("p50", 0.5), ("p99", 0.99))}
-                for name, v in (("direct", direct), ("gateway", via), ("paired", paired))
+                for name, v in mixed.items()
             }
-            overhead[str(conc)] = {q: round(p["paired"][q], 3) for q in ("p50", "p99")}
-            delta[str(conc)] = {
-                q: round(p["gateway"][q] - p["direct"][q], 3) for q in ("p50", "p99")
-            }
-            rps[str(conc)] = {
-                "direct": round(len(direct) / (2 * (t1 - t0)), 1),
-                "gateway": round(len(via) / (2 * (t2 - t1)), 1),
-            }
-            latency[str(conc)] = {
+            level = str(conc)
+            overhead[level] = {q: round(v, 3) for q, v in p["server_timing"].items()}
+            delta[level] = {q: round(p["gateway"][q] - p["direct"][q], 3) for q in ("p50", "p99")}
+            rps[level] = alone
+            latency[level] = {
                 f"{name}_{q}": round(v, 3)
                 for name in ("direct", "gateway")
                 for q, v in p[name].items()
             }
             print(
-                f"concurrency {conc:>3}: overhead p50 {overhead[str(conc)]['p50']:.2f} ms, "
-                f"p99 {overhead[str(conc)]['p99']:.2f} ms | e2e delta p50 "
-                f"{delta[str(conc)]['p50']:.2f} ms, p99 {delta[str(conc)]['p99']:.2f} ms | "
-                f"direct p50 {p['direct']['p50']:.2f} ms, "
-                f"gateway p50 {p['gateway']['p50']:.2f} ms | "
-                f"rps gateway {rps[str(conc)]['gateway']} (direct {rps[str(conc)]['direct']})",
+                f"concurrency {conc:>3}: overhead p50 {overhead[level]['p50']:.2f} ms, "
+                f"p99 {overhead[level]['p99']:.2f} ms | e2e delta p50 "
+                f"{delta[level]['p50']:.2f} ms, p99 {delta[level]['p99']:.2f} ms (direct p50 "
+                f"{p['direct']['p50']:.2f}, gateway p50 {p['gateway']['p50']:.2f}) | rps "
+                f"gateway {rps[level]['gateway']} (direct {rps[level]['direct']})",
                 flush=True,
             )
+            print(f"  CPU ms per request, each path alone: {cpu[level]}", flush=True)
     finally:
         for proc in reversed(procs):
             proc.terminate()
@@ -278,10 +305,11 @@ def main(argv: list[str] | None = None) -> dict:
     record = {
         "benchmark": "gateway_overhead",
         **machine_info(torch.device("cpu")),
-        "requests_per_level": args.requests,
+        "requests_per_level": args.requests,  # in the mixed run; half per path alone
         "quick": args.quick,
         "engine_threads": args.engine_threads or "all",
         "latency_ms": latency,
+        "cpu_ms_per_request": cpu,
         **summary,
     }
     print(f"wrote {write_result(args.out_dir, 'gateway_overhead', record)}")
