@@ -4,7 +4,16 @@ Same model, dtype and seeded prompts for both (default: 128 prompt tokens, 128 n
 greedy, EOS ignored so every request produces exactly `new_tokens`). Tokens/s = generated
 tokens / wall time from submission to the last token, prefill included. Each configuration
 runs `--repeats` times, alternating the two engines, and the median is reported (shared
-machines drift by 10-20% over minutes; alternating keeps the comparison fair).
+machines drift by 10-20% over minutes; alternating keeps the comparison fair). Strata's
+prefix cache is off: the repeats send the same prompts, and transformers has no cache to
+skip their prefill with.
+
+On CPU the record also holds a roofline for the workload: the rate of Strata's packed bf16
+GEMM on the model's largest projection at prefill size, the machine's memory read
+bandwidth, and from them `ceiling_tok_s`, what no engine could beat here: prefill at that
+GEMM rate, and each decode step as long as the larger of its weight FLOPs at that rate and
+its bytes (the weights plus every cached K/V byte, read once) at that bandwidth, with norms,
+attention arithmetic, sampling and scheduling free.
 
     python bench/engine_throughput.py            # SmolLM2, bf16, CPU: 1/8/32/64 concurrent
     python bench/engine_throughput.py --quick    # a fast smoke run
@@ -29,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import hf_model_for, machine_info, write_result
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.factory import create_engine
+from engine.kernels.cpu import load_cpu_kernels
 from engine.protocol import SamplingParams
 
 
@@ -70,6 +80,55 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int, device: torch.devic
     return produced / elapsed
 
 
+def _rate(fn, work: float, repeats: int = 5, best: bool = True) -> float:
+    """`work` units per second over timed calls of `fn`: the best call, or the median."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return work / (min(times) if best else statistics.median(times))
+
+
+def cpu_roofline(core, batches: list[int], prompt_len: int, new_tokens: int) -> dict | None:
+    """The workload's ceiling on this CPU (see the module docstring); None off the bf16
+    native-kernel path."""
+    kernels = load_cpu_kernels(core.config.cache_dir)
+    if kernels is None or core.device.type != "cpu" or core.dtype != torch.bfloat16:
+        return None
+    mc = core.model_config
+    hidden, inter = mc.hidden_size, mc.intermediate_size
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    body = mc.num_layers * hidden * (q + 2 * kv + q + 3 * inter)  # weights per token
+    head = mc.vocab_size * hidden
+    if not kernels.can_pack(torch.empty(2 * inter, hidden, dtype=torch.bfloat16)):
+        return None
+    x = torch.randn(2048, hidden).bfloat16()
+    packed = kernels.pack_bf16(torch.randn(2 * inter, hidden).bfloat16())
+    gemm = _rate(
+        lambda: kernels.linear_packed(x, packed, None, 2 * inter, torch.bfloat16),
+        2.0 * 2048 * 2 * inter * hidden,
+    )
+    buf = torch.ones(64 << 20, dtype=torch.float64)  # 512 MiB, far past the caches
+    read = _rate(buf.sum, buf.numel() * 8.0, best=False)  # shared memory bus: the median
+    kv_bytes = core.pool.spec.bytes_per_token
+    weight_bytes = (body + head) * core.dtype.itemsize
+    ceiling: dict[str, float] = {}
+    for n in batches:
+        # prefill (and the first token's logits) is compute-bound
+        seconds = 2.0 * n * (prompt_len * body + head) / gemm
+        for t in range(1, new_tokens):  # each decode step: compute or memory, whichever is more
+            step_bytes = weight_bytes + n * (prompt_len + t) * kv_bytes
+            seconds += max(2.0 * n * (body + head) / gemm, step_bytes / read)
+        ceiling[str(n)] = round(n * new_tokens / seconds, 1)
+    return {
+        "gemm_gflops": round(gemm / 1e9, 1),
+        "read_gb_s": round(read / 1e9, 1),
+        "ceiling_tok_s": ceiling,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -95,7 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
-        cache=CacheConfig(kv_cache_memory_bytes=int(args.kv_cache_gb * (1 << 30))),
+        cache=CacheConfig(
+            kv_cache_memory_bytes=int(args.kv_cache_gb * (1 << 30)), enable_prefix_caching=False
+        ),
         scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=2048),
     )
     core, _ = create_engine(config, progress=False)
@@ -129,6 +190,13 @@ def main(argv: list[str] | None = None) -> dict:
         print(line, flush=True)
 
     summary = {"strata_tok_s": strata_tok_s, "hf_tok_s": hf_tok_s, "ratio": ratio}
+    roofline = cpu_roofline(core, batches, args.prompt_len, args.new_tokens)
+    if roofline is not None:
+        print(
+            f"roofline: packed GEMM {roofline['gemm_gflops']} GFLOP/s, memory reads "
+            f"{roofline['read_gb_s']} GB/s -> ceiling tok/s {roofline['ceiling_tok_s']}",
+            flush=True,
+        )
     record = {
         "benchmark": "engine_throughput",
         **machine_info(device),
@@ -141,6 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
         "quick": args.quick,
         "repeats": args.repeats,
         "seed": args.seed,
+        "prefix_caching": False,
+        "roofline": roofline,
         **summary,
     }
     path = write_result(args.out_dir, "engine_throughput", record)

@@ -14,6 +14,11 @@
 // block_size, num_kv_heads] (FP8 only, else NULL); block_tables [num_seqs, max_blocks] int64;
 // seq_lens [num_seqs] int32 (tokens attended, including the new one).
 // Returns 0, or a negative code when the shape is unsupported.
+//
+// A sequence's KV heads share its token rows, so once its first head has pulled them from
+// DRAM the others compute on cached rows and memory sits idle. With enough sequences per
+// thread, each thread therefore takes a few consecutive sequences and, while it computes
+// heads 1.. of one, prefetches the next one's pages (KVWarm): DRAM streams all the time.
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
@@ -140,7 +145,7 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
     const ELEM* q, const PELEM* k_pages, const PELEM* v_pages, const float* k_scales,
     const float* v_scales, ELEM* out, const int64_t* table, int64_t len, int64_t block_shift,
     int64_t kv_heads, int64_t row, int64_t page, float scale, int rotated, float* scores,
-    int64_t score_stride, int64_t head_offset, const int G, const int D) {
+    int64_t score_stride, int64_t head_offset, KVWarm* warm, const int G, const int D) {
     (void)k_scales, (void)v_scales, (void)kv_heads, (void)rotated;
     // prefetches cover whole token rows (every KV head), so the items of this sequence's
     // other heads find their rows in cache
@@ -189,6 +194,7 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
             const char* ahead = (const char*)(k_pages - head_offset + table[nx >> block_shift] * page +
                                               (nx & block_mask) * row);
             for (int c = 0; c < row_bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+            kv_warm(warm);
         }
         for (int g = 0; g < G; g++) {
             __m512 acc[16];
@@ -260,6 +266,7 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
         const char* ahead = (const char*)(v_pages - head_offset + table[nx >> block_shift] * page +
                                           (nx & block_mask) * row);
         for (int c = 0; c < row_bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+        kv_warm(warm);
         __m512 p[8];
         for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(scores[g * score_stride + t] * vs);
         for (int i = 0; i < NV; i++) {
@@ -276,7 +283,7 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
 #define STRATA_ATTEND_CASE(G_, D_)                                                          \
     if (group == G_ && head_dim == D_) {                                                    \
         FN(attend_fast)(qs, kp, vp, ks, vs, os, tb, len, block_shift, kv_heads, row, page,  \
-                        scale, rotated, scores, max_len, head_offset, G_, D_);              \
+                        scale, rotated, scores, max_len, head_offset, warm, G_, D_);        \
         return 1;                                                                           \
     }
 
@@ -286,7 +293,7 @@ static int FN(attend_dispatch)(const ELEM* qs, const PELEM* kp, const PELEM* vp,
                                int64_t len, int64_t group, int64_t head_dim, int64_t block_shift,
                                int64_t kv_heads, int64_t row, int64_t page, float scale,
                                int rotated, float* scores, int64_t max_len,
-                               int64_t head_offset) {
+                               int64_t head_offset, KVWarm* warm) {
     STRATA_ATTEND_CASE(1, 64) STRATA_ATTEND_CASE(2, 64) STRATA_ATTEND_CASE(3, 64)
     STRATA_ATTEND_CASE(4, 64) STRATA_ATTEND_CASE(5, 64) STRATA_ATTEND_CASE(6, 64)
     STRATA_ATTEND_CASE(7, 64) STRATA_ATTEND_CASE(8, 64)
@@ -324,33 +331,57 @@ int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const PELEM* k_page
     while (((int64_t)1 << block_shift) < block_size) block_shift++;
     if (((int64_t)1 << block_shift) != block_size) return -4;  // power of two only
     int failed = 0;
-#pragma omp parallel if (num_seqs * num_kv_heads > 1)
+    // sequences per work item: up to 8, while every thread still gets two items or more
+    int64_t chunk = num_kv_heads > 1 ? num_seqs / (2 * (int64_t)omp_get_max_threads()) : 1;
+    chunk = chunk < 1 ? 1 : chunk > 8 ? 8 : chunk;
+    const int64_t items = chunk > 1 ? (num_seqs + chunk - 1) / chunk : num_seqs * num_kv_heads;
+#pragma omp parallel if (items > 1)
     {
         float* scores = (float*)malloc(sizeof(float) * (size_t)(group * max_len));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for collapse(2) schedule(dynamic, 8)
-        for (int64_t s = 0; s < num_seqs; s++) {
-            for (int64_t h = 0; h < num_kv_heads; h++) {
-                if (!scores) continue;
-                const ELEM* qs = q + s * q_stride + h * group * head_dim;
-                const PELEM* kp = k_pages + h * head_dim;
-                const PELEM* vp = v_pages + h * head_dim;
-                const float* ks = k_scales ? k_scales + h : 0;
-                const float* vs = v_scales ? v_scales + h : 0;
-                ELEM* os = out + (s * num_heads + h * group) * head_dim;
-                const int64_t* tb = block_tables + s * max_blocks;
+#pragma omp for schedule(dynamic, chunk > 1 ? 1 : 8)
+        for (int64_t item = 0; item < items; item++) {
+            if (!scores) continue;
+            // one (sequence, KV head), or `chunk` sequences with every KV head
+            const int64_t s0 = chunk > 1 ? item * chunk : item / num_kv_heads;
+            const int64_t s1 = chunk > 1 ? (s0 + chunk < num_seqs ? s0 + chunk : num_seqs) : s0 + 1;
+            for (int64_t s = s0; s < s1; s++) {
+                KVWarm warm = {0};
+                if (chunk > 1 && s + 1 < s1) {
+                    warm.k = (const char*)k_pages;
+                    warm.v = (const char*)v_pages;
+                    warm.table = block_tables + (s + 1) * max_blocks;
+                    warm.page_bytes = page * (int64_t)sizeof(PELEM);
+                    warm.blocks = (seq_lens[s + 1] + block_size - 1) / block_size;
+                    // spread over both passes of heads 1..: one call per token and pass
+                    const int64_t lines = warm.blocks * ((warm.page_bytes + 63) / 64);
+                    const int64_t calls = (num_kv_heads - 1) * 2 * seq_lens[s];
+                    warm.per_call = (lines + calls - 1) / calls;
+                }
+                const int64_t h0 = chunk > 1 ? 0 : item % num_kv_heads;
+                const int64_t h1 = chunk > 1 ? num_kv_heads : h0 + 1;
+                for (int64_t h = h0; h < h1; h++) {
+                    KVWarm* wp = warm.k && h > 0 ? &warm : 0;
+                    const ELEM* qs = q + s * q_stride + h * group * head_dim;
+                    const PELEM* kp = k_pages + h * head_dim;
+                    const PELEM* vp = v_pages + h * head_dim;
+                    const float* ks = k_scales ? k_scales + h : 0;
+                    const float* vs = v_scales ? v_scales + h : 0;
+                    ELEM* os = out + (s * num_heads + h * group) * head_dim;
+                    const int64_t* tb = block_tables + s * max_blocks;
 #ifdef STRATA_AVX512
-                if (FN(attend_dispatch)(qs, kp, vp, ks, vs, os, tb, seq_lens[s], group,
-                                        head_dim, block_shift, kv_heads, row, page, scale,
-                                        rotated, scores, max_len, h * head_dim))
-                    continue;
+                    if (FN(attend_dispatch)(qs, kp, vp, ks, vs, os, tb, seq_lens[s], group,
+                                            head_dim, block_shift, kv_heads, row, page, scale,
+                                            rotated, scores, max_len, h * head_dim, wp))
+                        continue;
 #endif
-                FN(attend_one)(qs, kp, vp, ks, vs, os, tb, seq_lens[s], group, head_dim,
-                               block_size, kv_heads, row, page, scale, rotated, scores,
-                               max_len);
+                    FN(attend_one)(qs, kp, vp, ks, vs, os, tb, seq_lens[s], group, head_dim,
+                                   block_size, kv_heads, row, page, scale, rotated, scores,
+                                   max_len);
+                }
             }
         }
         free(scores);

@@ -33,6 +33,33 @@ static inline bf16_t f32_to_bf16(float f) {
 }
 
 static inline float f32_id(float x) { return x; }
+
+// Warming the KV pages of the sequence a thread attends to next (attention_impl.h): L2
+// prefetches, a few cache lines of K and V per call, issued while the thread computes on
+// rows it already has in cache, so that DRAM streams the next sequence in the meantime.
+typedef struct {
+    const char* k;  // K and V pools (bytes)
+    const char* v;
+    const int64_t* table;  // the next sequence's block table
+    int64_t page_bytes;    // one block of one pool
+    int64_t blocks;        // blocks to warm
+    int64_t block, offset;  // cursor
+    int64_t per_call;       // cache lines per call
+} KVWarm;
+
+static inline void kv_warm(KVWarm* w) {
+    if (!w) return;
+    for (int64_t i = 0; i < w->per_call && w->block < w->blocks; i++) {
+        const int64_t at = w->table[w->block] * w->page_bytes + w->offset;
+        __builtin_prefetch(w->k + at, 0, 2);
+        __builtin_prefetch(w->v + at, 0, 2);
+        w->offset += 64;
+        if (w->offset >= w->page_bytes) {
+            w->offset = 0;
+            w->block++;
+        }
+    }
+}
 static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
 #ifdef STRATA_AVX512

@@ -4,6 +4,7 @@
 // from them (layer.h). Built on first use by
 // engine/kernels/cpu.py and called through ctypes.
 
+#include <omp.h>
 #include <stdlib.h>
 
 #include "common.h"

@@ -130,6 +130,41 @@ def test_paged_decode_matches_torch(kernels, dtype, heads, kv_heads, head_dim, b
     torch.testing.assert_close(got.float(), expected.float(), atol=ATOL[dtype], rtol=2e-2)
 
 
+@pytest.mark.parametrize("page_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_paged_decode_rows_do_not_depend_on_the_batch(kernels, page_dtype):
+    """A large batch is split into runs of sequences per thread (each warming the next one's
+    pages); every sequence's output is bit-identical to attending it alone."""
+    spec = KVCacheSpec(1, 3, 64, 16, page_dtype)
+    pool = DeviceKVPool(spec, 400, torch.device("cpu"))
+    if page_dtype == torch.bfloat16:
+        pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen()))
+    else:
+        pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen()).to(page_dtype))
+        pool.scales.copy_(torch.rand(pool.scales.shape, generator=gen(3)) + 0.5)
+    lengths = torch.randint(1, 120, (40,), generator=gen(1)).tolist()
+    perm = torch.randperm(400, generator=gen(2)).tolist()
+    seqs, start = [], 0
+    for n in lengths:
+        blocks = -(-n // 16)
+        seqs.append(SeqSlice(1, n - 1, perm[start : start + blocks]))
+        start += blocks
+    ctx = PagedAttention(pool, 9).build_context(seqs)
+    assert ctx.decode is not None
+    q = torch.randn(len(seqs), 9, 64, generator=gen(4)).bfloat16()
+    k_pages, v_pages = pool.layer(0)
+    extra = {}
+    if page_dtype != torch.bfloat16:
+        k_scales, v_scales = pool.layer_scales(0)  # type: ignore[misc]
+        extra = {"k_scales": k_scales, "v_scales": v_scales}
+    table, lens = ctx.decode.block_table, ctx.decode.seq_lens
+    batched = kernels.paged_decode(q, k_pages, v_pages, table, lens, 0.125, **extra)
+    for i in range(len(seqs)):
+        alone = kernels.paged_decode(
+            q[i : i + 1], k_pages, v_pages, table[i : i + 1], lens[i : i + 1], 0.125, **extra
+        )
+        assert torch.equal(batched[i : i + 1], alone), f"sequence {i} depends on its batch"
+
+
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 64])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_packed_linear_matches_fp32_matmul(kernels, m, out_dtype):
