@@ -46,7 +46,7 @@ _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 # `native` tunes for this CPU (AVX-512 paths where present); `portable` builds the scalar
 # fallbacks every kernel has, which tests compare against the same references
 _ARCH = {"native": "-march=native", "portable": "-march=x86-64-v2"}
-_ABI = 4
+_ABI = 5
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _PAGE_SUFFIX = {torch.float8_e4m3fn: "fp8"}  # page formats other than the compute dtype
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -146,6 +146,14 @@ class CpuKernels:
         ]
         self._layer.argtypes = layer_args
         self._layer.restype = ctypes.c_int
+        self._stack = lib.strata_decoder_stack_bf16
+        # layers, x, residual | 2 norm arrays, eps | 5 weight arrays | positions, cos, sin |
+        # 4 page arrays, rotated | slots, tables, lens | 8 sizes | scale, workspace, 2 outs
+        self._stack.argtypes = [
+            _I, _P, _P, _P, _P, _F, *[_P] * 5, *[_P] * 3, *[_P] * 4, _C, *[_P] * 3,
+            *[_I] * 8, _F, *[_P] * 3,
+        ]  # fmt: skip
+        self._stack.restype = ctypes.c_int
         self._lora = lib.strata_lora_bf16
         self._lora.argtypes = [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P]
         self._lora.restype = None
@@ -398,6 +406,39 @@ class CpuKernels:
             raise KernelError(f"decoder layer kernel failed (code {rc})")
         return out
 
+    def decoder_stack(
+        self,
+        x: torch.Tensor,
+        stack: StackWeights,
+        positions: torch.Tensor,
+        pages: LayerPages,
+        pool: StackPages,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer of `stack` in one call (csrc/layer.h), no adapters -> (the last
+        layer's output, the residual); bit-identical to `decoder_layer` layer by layer.
+        `pages` gives this step's slots, block tables and lengths, `pool` every layer's
+        pages."""
+        t, hidden = x.shape
+        assert x.dtype == torch.bfloat16 and x.is_contiguous()
+        w = stack.layers[0]
+        q_size = w.num_heads * w.head_dim
+        qkv_size = q_size + 2 * w.num_kv_heads * w.head_dim
+        ws = x.new_empty(t * (hidden + qkv_size + q_size + 3 * w.intermediate))
+        residual, out0, out1 = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+        rc = self._stack(
+            len(stack.layers), x.data_ptr(), residual.data_ptr(), stack.in_norm,
+            stack.post_norm, w.eps, stack.qkv, stack.qkv_bias, stack.o, stack.gate_up,
+            stack.down, positions.data_ptr(), w.cos.data_ptr(), w.sin.data_ptr(), pool.k,
+            pool.v, pool.k_scales, pool.v_scales, pages.rotated_keys, pages.slots.data_ptr(),
+            pages.block_tables.data_ptr(), pages.seq_lens.data_ptr(),
+            pages.block_tables.shape[1], t, hidden, w.num_heads, w.num_kv_heads, w.head_dim,
+            w.intermediate, pages.k.shape[1], pages.scale, ws.data_ptr(), out0.data_ptr(),
+            out1.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            raise KernelError(f"decoder stack kernel failed (code {rc})")
+        return (out0 if len(stack.layers) % 2 else out1), residual
+
 
 class LayerLoRA:
     """One layer's adapter slots as `decoder_layer` reads them: A [slots, R, in] and B
@@ -457,6 +498,47 @@ class LayerPages:
     k_scales: torch.Tensor | None = None  # [num_blocks, block, Hkv] float32 for FP8 pages
     v_scales: torch.Tensor | None = None
     rotated_keys: bool = False  # FP8 keys stored Hadamard-rotated
+
+
+def _pointers(tensors: Sequence[torch.Tensor | None]) -> Any:
+    """A C array of the tensors' data pointers (NULL for None)."""
+    return (ctypes.c_void_p * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
+
+
+class StackWeights:
+    """Every layer's `LayerWeights` as the pointer arrays `decoder_stack` reads (the
+    tensors stay alive through `layers`)."""
+
+    def __init__(self, layers: Sequence[LayerWeights]) -> None:
+        assert layers
+        self.layers = tuple(layers)
+        self.in_norm = _pointers([w.in_norm for w in layers])
+        self.post_norm = _pointers([w.post_norm for w in layers])
+        self.qkv = _pointers([w.qkv for w in layers])
+        has_bias = [w.qkv_bias is not None for w in layers]
+        assert all(has_bias) or not any(has_bias), "qkv bias on some layers only"
+        self.qkv_bias = _pointers([w.qkv_bias for w in layers]) if has_bias[0] else None
+        self.o = _pointers([w.o for w in layers])
+        self.gate_up = _pointers([w.gate_up for w in layers])
+        self.down = _pointers([w.down for w in layers])
+
+
+class StackPages:
+    """Every layer's K/V pages (and FP8 scales) as pointer arrays for `decoder_stack`."""
+
+    def __init__(self, layers: Sequence[LayerPages]) -> None:
+        first = layers[0]
+        fp8 = first.k.dtype in _PAGE_SUFFIX
+        for pages in layers:
+            if fp8:
+                _check_scales(pages.k, pages.k_scales, pages.v_scales)
+            else:
+                assert pages.k.dtype == torch.bfloat16 and pages.k_scales is None
+        self.tensors = tuple(layers)
+        self.k = _pointers([p.k for p in layers])
+        self.v = _pointers([p.v for p in layers])
+        self.k_scales = _pointers([p.k_scales for p in layers]) if fp8 else None
+        self.v_scales = _pointers([p.v_scales for p in layers]) if fp8 else None
 
 
 def _check_scales(

@@ -8,6 +8,7 @@ Attention (including the KV-cache write) is delegated to the backend passed to `
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -162,12 +163,18 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: nn.Module = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # a backend may run every layer in one call (model/native_cpu.py); it returns None
+        # for a step it cannot take, which then runs layer by layer
+        self.layer_stack: Callable[..., tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, ctx: Any
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
         x = self.embed_tokens(input_ids)
+        stacked = None if self.layer_stack is None else self.layer_stack(x, positions, attn, ctx)
+        if stacked is not None:
+            return self.norm(*stacked)[0]
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rope, attn, ctx)

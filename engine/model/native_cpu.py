@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.attention.paged import PagedAttention
-from engine.kernels.cpu import CpuKernels, LayerLoRA, LayerWeights
+from engine.kernels.cpu import CpuKernels, LayerLoRA, LayerWeights, StackPages, StackWeights
 from engine.model.llama import (
     AttentionBackend,
     DecoderLayer,
@@ -146,6 +146,35 @@ class NativeDecoderLayer(nn.Module):
         return out, res
 
 
+class NativeDecoderStack:
+    """Every fused layer in one kernel call per step: no Python runs between layers, and the
+    kernel threads never wait on it there. Steps with adapters go layer by layer (None)."""
+
+    def __init__(self, layers: list[NativeDecoderLayer], kernels: CpuKernels) -> None:
+        self.layers = layers
+        self.kernels = kernels
+        self.weights = StackWeights([layer.weights for layer in layers])
+        self._pages: tuple[tuple[int, ...], StackPages] | None = None
+
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor, attn: Any, ctx: Any
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not isinstance(attn, PagedAttention):
+            return None
+        if any(layer.lora_batch is not None and layer.lora_batch.slots is not None
+               for layer in self.layers):  # fmt: skip
+            return None
+        shared = attn.layer_pages(0, ctx)
+        # every layer's pages, rebuilt only if the pool's storage moved
+        key = (shared.k.data_ptr(), shared.v.data_ptr(), len(self.layers))
+        if self._pages is None or self._pages[0] != key:
+            layers = [attn.layer_pages(layer.layer_idx, ctx) for layer in self.layers]
+            self._pages = key, StackPages(layers)
+        return self.kernels.decoder_stack(
+            x.contiguous(), self.weights, positions, shared, self._pages[1]
+        )
+
+
 def apply_native_cpu(
     model: LlamaForCausalLM, kernels: CpuKernels, *, fuse_layers: bool = True
 ) -> None:
@@ -175,5 +204,7 @@ def apply_native_cpu(
     if fuse_layers and all(packable_layer(cast(DecoderLayer, b)) for b in model.layers):
         for i, block in enumerate(model.layers):
             model.layers[i] = NativeDecoderLayer(cast(DecoderLayer, block), rope, kernels)
+        fused = [cast(NativeDecoderLayer, layer) for layer in model.layers]
+        model.layer_stack = NativeDecoderStack(fused, kernels)
     if packable(model.lm_head):
         model.lm_head = NativeLinear(model.lm_head, kernels, out_dtype=torch.float32)

@@ -73,3 +73,34 @@ int strata_decoder_layer_bf16(
                          lora_rows[3], lora_part_ends + 9, lora_parts[3], lora_h);
     return 0;
 }
+
+// Every decoder layer in one call: layer l reads x (l = 0) or layer l-1's output and writes
+// out0 (even l) or out1 (odd l); the last layer's output is in out0 when the layer count is
+// odd, else in out1. The per-layer arrays hold each layer's weights and pages (b_qkv,
+// k_scales and v_scales may be NULL: no bias, bf16 pages). The same kernels run in the same
+// order as one strata_decoder_layer_bf16 call per layer, so results are bit-identical;
+// what goes is the caller's work between layers. No LoRA: with adapters, call layers one
+// by one.
+int strata_decoder_stack_bf16(
+    int64_t layers, const bf16_t* x, bf16_t* residual, const bf16_t* const* in_norm,
+    const bf16_t* const* post_norm, float eps, const bf16_t* const* w_qkv,
+    const bf16_t* const* b_qkv, const bf16_t* const* w_o, const bf16_t* const* w_gate_up,
+    const bf16_t* const* w_down, const int64_t* positions, const float* cos_table,
+    const float* sin_table, void* const* k_pages, void* const* v_pages, float* const* k_scales,
+    float* const* v_scales, int rotated, const int64_t* slots, const int64_t* block_tables,
+    const int32_t* seq_lens, int64_t max_blocks, int64_t T, int64_t H, int64_t heads,
+    int64_t kv_heads, int64_t D, int64_t I, int64_t block_size, float scale, bf16_t* ws,
+    bf16_t* out0, bf16_t* out1) {
+    for (int64_t l = 0; l < layers; l++) {
+        const bf16_t* in = l == 0 ? x : (l % 2 ? out0 : out1);
+        bf16_t* out = l % 2 ? out1 : out0;
+        const int rc = strata_decoder_layer_bf16(
+            in, residual, l == 0, in_norm[l], post_norm[l], eps, w_qkv[l], b_qkv ? b_qkv[l] : 0,
+            w_o[l], w_gate_up[l], w_down[l], positions, cos_table, sin_table, k_pages[l],
+            v_pages[l], k_scales ? k_scales[l] : 0, v_scales ? v_scales[l] : 0, rotated, slots,
+            block_tables, seq_lens, max_blocks, T, H, heads, kv_heads, D, I, block_size, scale,
+            ws, out, 0, 0, 0, 0, 0, 0, 0);
+        if (rc) return rc;
+    }
+    return 0;
+}

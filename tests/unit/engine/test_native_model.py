@@ -11,7 +11,7 @@ from engine.config import CacheConfig, EngineConfig, KVCacheDtype
 from engine.core import EngineCore
 from engine.kernels.cpu import load_cpu_kernels
 from engine.loader import build_model, load_checkpoint
-from engine.model.native_cpu import NativeDecoderLayer, apply_native_cpu
+from engine.model.native_cpu import NativeDecoderLayer, NativeDecoderStack, apply_native_cpu
 from engine.protocol import SamplingParams
 
 CPU = torch.device("cpu")
@@ -66,9 +66,14 @@ def test_fused_layers_are_bit_identical_to_native_modules(kernels, kv):
         assert not any(isinstance(m, NativeDecoderLayer) for m in fused.runner.model.layers)
         return
     assert all(isinstance(m, NativeDecoderLayer) for m in fused.runner.model.layers)
+    assert isinstance(fused.runner.model.layer_stack, NativeDecoderStack)
+    layered = engine(kernels, "fused", kv)
+    layered.runner.model.layer_stack = None  # one kernel call per layer instead of one in all
     gen = torch.Generator().manual_seed(0)
     seqs = [(torch.randint(0, 512, (n,), generator=gen).tolist(), 0) for n in (1, 9, 23)]
-    assert torch.equal(step_logits(fused, seqs), step_logits(modules, seqs))
+    logits = step_logits(fused, seqs)
+    assert torch.equal(logits, step_logits(modules, seqs))
+    assert torch.equal(logits, step_logits(layered, seqs))
     # the K/V both wrote into their pools are the same bytes too (and the same FP8 scales)
     assert torch.equal(fused.pool.kv.view(torch.uint8), modules.pool.kv.view(torch.uint8))
     if kv is KVCacheDtype.FP8_E4M3:
