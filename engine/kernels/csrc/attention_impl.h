@@ -17,8 +17,9 @@
 //
 // A sequence's KV heads share its token rows, so once its first head has pulled them from
 // DRAM the others compute on cached rows and memory sits idle. With enough sequences per
-// thread, each thread therefore takes a few consecutive sequences and, while it computes
-// heads 1.. of one, prefetches the next one's pages (KVWarm): DRAM streams all the time.
+// thread, each thread therefore takes a run of consecutive sequences and, while it computes
+// one, prefetches the next one's pages into L2 a few lines per token (KVWarm): DRAM streams
+// all the time, and every sequence but the first of a run starts on cached rows.
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
@@ -332,7 +333,7 @@ int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const PELEM* k_page
     if (((int64_t)1 << block_shift) != block_size) return -4;  // power of two only
     int failed = 0;
     // sequences per work item: up to 8, while every thread still gets two items or more
-    int64_t chunk = num_kv_heads > 1 ? num_seqs / (2 * (int64_t)omp_get_max_threads()) : 1;
+    int64_t chunk = num_seqs / (2 * (int64_t)omp_get_max_threads());
     chunk = chunk < 1 ? 1 : chunk > 8 ? 8 : chunk;
     const int64_t items = chunk > 1 ? (num_seqs + chunk - 1) / chunk : num_seqs * num_kv_heads;
 #pragma omp parallel if (items > 1)
@@ -356,15 +357,15 @@ int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const PELEM* k_page
                     warm.table = block_tables + (s + 1) * max_blocks;
                     warm.page_bytes = page * (int64_t)sizeof(PELEM);
                     warm.blocks = (seq_lens[s + 1] + block_size - 1) / block_size;
-                    // spread over both passes of heads 1..: one call per token and pass
+                    // spread over both passes of every head: one call per token and pass
                     const int64_t lines = warm.blocks * ((warm.page_bytes + 63) / 64);
-                    const int64_t calls = (num_kv_heads - 1) * 2 * seq_lens[s];
+                    const int64_t calls = num_kv_heads * 2 * seq_lens[s];
                     warm.per_call = (lines + calls - 1) / calls;
                 }
                 const int64_t h0 = chunk > 1 ? 0 : item % num_kv_heads;
                 const int64_t h1 = chunk > 1 ? num_kv_heads : h0 + 1;
                 for (int64_t h = h0; h < h1; h++) {
-                    KVWarm* wp = warm.k && h > 0 ? &warm : 0;
+                    KVWarm* wp = warm.k ? &warm : 0;
                     const ELEM* qs = q + s * q_stride + h * group * head_dim;
                     const PELEM* kp = k_pages + h * head_dim;
                     const PELEM* vp = v_pages + h * head_dim;
