@@ -46,7 +46,7 @@ _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 # `native` tunes for this CPU (AVX-512 paths where present); `portable` builds the scalar
 # fallbacks every kernel has, which tests compare against the same references
 _ARCH = {"native": "-march=native", "portable": "-march=x86-64-v2"}
-_ABI = 5
+_ABI = 6
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _PAGE_SUFFIX = {torch.float8_e4m3fn: "fp8"}  # page formats other than the compute dtype
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -148,10 +148,11 @@ class CpuKernels:
         self._layer.restype = ctypes.c_int
         self._stack = lib.strata_decoder_stack_bf16
         # layers, x, residual | 2 norm arrays, eps | 5 weight arrays | positions, cos, sin |
-        # 4 page arrays, rotated | slots, tables, lens | 8 sizes | scale, workspace, 2 outs
+        # 4 page arrays, rotated | slots, tables, lens | 8 sizes | scale, workspace, 2 outs |
+        # LoRA, as for one layer, with every layer's arrays concatenated
         self._stack.argtypes = [
             _I, _P, _P, _P, _P, _F, *[_P] * 5, *[_P] * 3, *[_P] * 4, _C, *[_P] * 3,
-            *[_I] * 8, _F, *[_P] * 3,
+            *[_I] * 8, _F, *[_P] * 3, *[_P] * 7,
         ]  # fmt: skip
         self._stack.restype = ctypes.c_int
         self._lora = lib.strata_lora_bf16
@@ -413,11 +414,13 @@ class CpuKernels:
         positions: torch.Tensor,
         pages: LayerPages,
         pool: StackPages,
+        lora: StackLoRA | None = None,
+        lora_slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer of `stack` in one call (csrc/layer.h), no adapters -> (the last
-        layer's output, the residual); bit-identical to `decoder_layer` layer by layer.
-        `pages` gives this step's slots, block tables and lengths, `pool` every layer's
-        pages."""
+        """Every layer of `stack` in one call (csrc/layer.h) -> (the last layer's output,
+        the residual); bit-identical to `decoder_layer` layer by layer. `pages` gives this
+        step's slots, block tables and lengths, `pool` every layer's pages; `lora` and
+        `lora_slots` as for `decoder_layer`, for every layer."""
         t, hidden = x.shape
         assert x.dtype == torch.bfloat16 and x.is_contiguous()
         w = stack.layers[0]
@@ -425,6 +428,15 @@ class CpuKernels:
         qkv_size = q_size + 2 * w.num_kv_heads * w.head_dim
         ws = x.new_empty(t * (hidden + qkv_size + q_size + 3 * w.intermediate))
         residual, out0, out1 = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+        lora_args: list[int | None] = [None] * 7
+        if lora is not None and lora_slots is not None:
+            assert lora_slots.dtype == torch.int32 and lora_slots.shape == (t,)
+            lora_h = torch.empty(t * lora.max_rows, dtype=torch.float32)
+            lora_args = [
+                ctypes.addressof(lora.a_ptrs), ctypes.addressof(lora.b_ptrs),
+                ctypes.addressof(lora.rows), ctypes.addressof(lora.part_ends),
+                ctypes.addressof(lora.parts), lora_slots.data_ptr(), lora_h.data_ptr(),
+            ]  # fmt: skip
         rc = self._stack(
             len(stack.layers), x.data_ptr(), residual.data_ptr(), stack.in_norm,
             stack.post_norm, w.eps, stack.qkv, stack.qkv_bias, stack.o, stack.gate_up,
@@ -433,7 +445,7 @@ class CpuKernels:
             pages.block_tables.data_ptr(), pages.seq_lens.data_ptr(),
             pages.block_tables.shape[1], t, hidden, w.num_heads, w.num_kv_heads, w.head_dim,
             w.intermediate, pages.k.shape[1], pages.scale, ws.data_ptr(), out0.data_ptr(),
-            out1.data_ptr(),
+            out1.data_ptr(), *lora_args,
         )  # fmt: skip
         if rc != 0:
             raise KernelError(f"decoder stack kernel failed (code {rc})")
@@ -521,6 +533,24 @@ class StackWeights:
         self.o = _pointers([w.o for w in layers])
         self.gate_up = _pointers([w.gate_up for w in layers])
         self.down = _pointers([w.down for w in layers])
+
+
+class StackLoRA:
+    """Every layer's `LayerLoRA`, concatenated as `decoder_stack` reads them."""
+
+    def __init__(self, layers: Sequence[LayerLoRA]) -> None:
+        self.layers = tuple(layers)  # keeps their arrays (and tensors) alive
+        n = len(layers)
+
+        def cat(kind: Any, size: int, name: str) -> Any:
+            return (kind * (size * n))(*(v for layer in layers for v in getattr(layer, name)))
+
+        self.a_ptrs = cat(ctypes.c_void_p, 4, "a_ptrs")
+        self.b_ptrs = cat(ctypes.c_void_p, 4, "b_ptrs")
+        self.rows = cat(ctypes.c_int64, 4, "rows_arr")
+        self.part_ends = cat(ctypes.c_int64, 12, "part_ends")
+        self.parts = cat(ctypes.c_int64, 4, "parts")
+        self.max_rows = max(max(layer.rows) for layer in layers)
 
 
 class StackPages:

@@ -15,7 +15,14 @@ import torch
 from torch import nn
 
 from engine.attention.paged import PagedAttention
-from engine.kernels.cpu import CpuKernels, LayerLoRA, LayerWeights, StackPages, StackWeights
+from engine.kernels.cpu import (
+    CpuKernels,
+    LayerLoRA,
+    LayerWeights,
+    StackLoRA,
+    StackPages,
+    StackWeights,
+)
 from engine.model.llama import (
     AttentionBackend,
     DecoderLayer,
@@ -147,23 +154,30 @@ class NativeDecoderLayer(nn.Module):
 
 
 class NativeDecoderStack:
-    """Every fused layer in one kernel call per step: no Python runs between layers, and the
-    kernel threads never wait on it there. Steps with adapters go layer by layer (None)."""
+    """Every fused layer in one kernel call per step, adapters included: no Python runs
+    between layers, and the kernel threads never wait on it there."""
 
     def __init__(self, layers: list[NativeDecoderLayer], kernels: CpuKernels) -> None:
         self.layers = layers
         self.kernels = kernels
         self.weights = StackWeights([layer.weights for layer in layers])
         self._pages: tuple[tuple[int, ...], StackPages] | None = None
+        self._lora: StackLoRA | None = None
 
     def __call__(
         self, x: torch.Tensor, positions: torch.Tensor, attn: Any, ctx: Any
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not isinstance(attn, PagedAttention):
             return None
-        if any(layer.lora_batch is not None and layer.lora_batch.slots is not None
-               for layer in self.layers):  # fmt: skip
-            return None
+        lora, slots = None, None
+        batch = self.layers[0].lora_batch
+        if batch is not None and batch.slots is not None:
+            loras = [layer.lora for layer in self.layers]
+            if None in loras or any(layer.lora_batch is not batch for layer in self.layers):
+                return None  # adapters on some layers only: layer by layer
+            if self._lora is None or self._lora.layers != tuple(loras):
+                self._lora = StackLoRA(cast(list[LayerLoRA], loras))
+            lora, slots = self._lora, batch.slots_i32
         shared = attn.layer_pages(0, ctx)
         # every layer's pages, rebuilt only if the pool's storage moved
         key = (shared.k.data_ptr(), shared.v.data_ptr(), len(self.layers))
@@ -171,7 +185,7 @@ class NativeDecoderStack:
             layers = [attn.layer_pages(layer.layer_idx, ctx) for layer in self.layers]
             self._pages = key, StackPages(layers)
         return self.kernels.decoder_stack(
-            x.contiguous(), self.weights, positions, shared, self._pages[1]
+            x.contiguous(), self.weights, positions, shared, self._pages[1], lora, slots
         )
 
 

@@ -79,8 +79,9 @@ int strata_decoder_layer_bf16(
 // odd, else in out1. The per-layer arrays hold each layer's weights and pages (b_qkv,
 // k_scales and v_scales may be NULL: no bias, bf16 pages). The same kernels run in the same
 // order as one strata_decoder_layer_bf16 call per layer, so results are bit-identical;
-// what goes is the caller's work between layers. No LoRA: with adapters, call layers one
-// by one.
+// what goes is the caller's work between layers. With lora_slots, layer l's adapters are
+// lora_a/lora_b/lora_rows/lora_parts[4 l .. 4 l + 3] and lora_part_ends[12 l .. 12 l + 11]
+// (the per-layer arrays of strata_decoder_layer_bf16, concatenated).
 int strata_decoder_stack_bf16(
     int64_t layers, const bf16_t* x, bf16_t* residual, const bf16_t* const* in_norm,
     const bf16_t* const* post_norm, float eps, const bf16_t* const* w_qkv,
@@ -90,7 +91,9 @@ int strata_decoder_stack_bf16(
     float* const* v_scales, int rotated, const int64_t* slots, const int64_t* block_tables,
     const int32_t* seq_lens, int64_t max_blocks, int64_t T, int64_t H, int64_t heads,
     int64_t kv_heads, int64_t D, int64_t I, int64_t block_size, float scale, bf16_t* ws,
-    bf16_t* out0, bf16_t* out1) {
+    bf16_t* out0, bf16_t* out1, const bf16_t* const* lora_a, const bf16_t* const* lora_b,
+    const int64_t* lora_rows, const int64_t* lora_part_ends, const int64_t* lora_parts,
+    const int32_t* lora_slots, float* lora_h) {
     for (int64_t l = 0; l < layers; l++) {
         const bf16_t* in = l == 0 ? x : (l % 2 ? out0 : out1);
         bf16_t* out = l % 2 ? out1 : out0;
@@ -99,7 +102,9 @@ int strata_decoder_stack_bf16(
             w_o[l], w_gate_up[l], w_down[l], positions, cos_table, sin_table, k_pages[l],
             v_pages[l], k_scales ? k_scales[l] : 0, v_scales ? v_scales[l] : 0, rotated, slots,
             block_tables, seq_lens, max_blocks, T, H, heads, kv_heads, D, I, block_size, scale,
-            ws, out, 0, 0, 0, 0, 0, 0, 0);
+            ws, out, lora_slots ? lora_a + 4 * l : 0, lora_slots ? lora_b + 4 * l : 0,
+            lora_slots ? lora_rows + 4 * l : 0, lora_slots ? lora_part_ends + 12 * l : 0,
+            lora_slots ? lora_parts + 4 * l : 0, lora_slots, lora_h);
         if (rc) return rc;
     }
     return 0;
