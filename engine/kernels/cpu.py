@@ -380,19 +380,9 @@ class CpuKernels:
             _check_scales(pages.k, pages.k_scales, pages.v_scales)
         else:
             assert pages.k.dtype == x.dtype and pages.k_scales is None
-        q_size = w.num_heads * w.head_dim
-        qkv_size = q_size + 2 * w.num_kv_heads * w.head_dim
-        ws = x.new_empty(t * (hidden + qkv_size + q_size + 3 * w.intermediate))
+        ws = _workspace(x, w)
         out = torch.empty_like(x)
-        lora_args: list[int | None] = [None] * 7
-        if lora is not None and lora_slots is not None:
-            assert lora_slots.dtype == torch.int32 and lora_slots.shape == (t,)
-            lora_h = torch.empty(t * max(lora.rows), dtype=torch.float32)
-            lora_args = [
-                ctypes.addressof(lora.a_ptrs), ctypes.addressof(lora.b_ptrs),
-                ctypes.addressof(lora.rows_arr), ctypes.addressof(lora.part_ends),
-                ctypes.addressof(lora.parts), lora_slots.data_ptr(), lora_h.data_ptr(),
-            ]  # fmt: skip
+        lora_args, _scratch = _lora_args(lora, lora_slots, t)
         rc = self._layer(
             x.data_ptr(), residual.data_ptr(), first, w.in_norm.data_ptr(),
             w.post_norm.data_ptr(), w.eps, w.qkv.data_ptr(), _ptr(w.qkv_bias), w.o.data_ptr(),
@@ -424,19 +414,9 @@ class CpuKernels:
         t, hidden = x.shape
         assert x.dtype == torch.bfloat16 and x.is_contiguous()
         w = stack.layers[0]
-        q_size = w.num_heads * w.head_dim
-        qkv_size = q_size + 2 * w.num_kv_heads * w.head_dim
-        ws = x.new_empty(t * (hidden + qkv_size + q_size + 3 * w.intermediate))
+        ws = _workspace(x, w)
         residual, out0, out1 = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
-        lora_args: list[int | None] = [None] * 7
-        if lora is not None and lora_slots is not None:
-            assert lora_slots.dtype == torch.int32 and lora_slots.shape == (t,)
-            lora_h = torch.empty(t * lora.max_rows, dtype=torch.float32)
-            lora_args = [
-                ctypes.addressof(lora.a_ptrs), ctypes.addressof(lora.b_ptrs),
-                ctypes.addressof(lora.rows), ctypes.addressof(lora.part_ends),
-                ctypes.addressof(lora.parts), lora_slots.data_ptr(), lora_h.data_ptr(),
-            ]  # fmt: skip
+        lora_args, _scratch = _lora_args(lora, lora_slots, t)
         rc = self._stack(
             len(stack.layers), x.data_ptr(), residual.data_ptr(), stack.in_norm,
             stack.post_norm, w.eps, stack.qkv, stack.qkv_bias, stack.o, stack.gate_up,
@@ -469,6 +449,7 @@ class LayerLoRA:
         assert all(1 <= len(e) <= 3 for e in part_ends)
         self.tensors = (tuple(a), tuple(b))
         self.rows = tuple(t.shape[1] for t in a)
+        self.max_rows = max(self.rows)
         self.a_ptrs = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in a))
         self.b_ptrs = (ctypes.c_void_p * 4)(*(t.data_ptr() for t in b))
         self.rows_arr = (ctypes.c_int64 * 4)(*self.rows)
@@ -512,6 +493,30 @@ class LayerPages:
     rotated_keys: bool = False  # FP8 keys stored Hadamard-rotated
 
 
+def _workspace(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+    """Scratch for the layer kernels over x's tokens (csrc/layer.h)."""
+    q_size = w.num_heads * w.head_dim
+    qkv_size = q_size + 2 * w.num_kv_heads * w.head_dim
+    return x.new_empty(x.shape[0] * (x.shape[1] + qkv_size + q_size + 3 * w.intermediate))
+
+
+def _lora_args(
+    lora: LayerLoRA | StackLoRA | None, slots: torch.Tensor | None, tokens: int
+) -> tuple[list[int | None], torch.Tensor | None]:
+    """The layer kernels' seven LoRA arguments (all NULL without adapters), and the scratch
+    tensor they point into, which the caller keeps alive through the call."""
+    if lora is None or slots is None:
+        return [None] * 7, None
+    assert slots.dtype == torch.int32 and slots.shape == (tokens,)
+    scratch = torch.empty(tokens * lora.max_rows, dtype=torch.float32)
+    args: list[int | None] = [
+        ctypes.addressof(lora.a_ptrs), ctypes.addressof(lora.b_ptrs),
+        ctypes.addressof(lora.rows_arr), ctypes.addressof(lora.part_ends),
+        ctypes.addressof(lora.parts), slots.data_ptr(), scratch.data_ptr(),
+    ]  # fmt: skip
+    return args, scratch
+
+
 def _pointers(tensors: Sequence[torch.Tensor | None]) -> Any:
     """A C array of the tensors' data pointers (NULL for None)."""
     return (ctypes.c_void_p * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
@@ -547,7 +552,7 @@ class StackLoRA:
 
         self.a_ptrs = cat(ctypes.c_void_p, 4, "a_ptrs")
         self.b_ptrs = cat(ctypes.c_void_p, 4, "b_ptrs")
-        self.rows = cat(ctypes.c_int64, 4, "rows_arr")
+        self.rows_arr = cat(ctypes.c_int64, 4, "rows_arr")
         self.part_ends = cat(ctypes.c_int64, 12, "part_ends")
         self.parts = cat(ctypes.c_int64, 4, "parts")
         self.max_rows = max(max(layer.rows) for layer in layers)
