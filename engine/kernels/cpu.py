@@ -555,7 +555,7 @@ class StackLoRA:
         self.rows_arr = cat(ctypes.c_int64, 4, "rows_arr")
         self.part_ends = cat(ctypes.c_int64, 12, "part_ends")
         self.parts = cat(ctypes.c_int64, 4, "parts")
-        self.max_rows = max(max(layer.rows) for layer in layers)
+        self.max_rows = max(layer.max_rows for layer in layers)
 
 
 class StackPages:

@@ -34,6 +34,8 @@ static inline bf16_t f32_to_bf16(float f) {
 
 static inline float f32_id(float x) { return x; }
 
+static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
 // Warming the KV pages of the sequence a thread attends to next (attention_impl.h): L2
 // prefetches, a few cache lines of K and V per call, issued while the thread computes on
 // rows it already has in cache, so that DRAM streams the next sequence in the meantime.
@@ -60,7 +62,6 @@ static inline void kv_warm(KVWarm* w) {
         }
     }
 }
-static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
 #ifdef STRATA_AVX512
 static inline __m512 v_load_bf16(const bf16_t* p) {
