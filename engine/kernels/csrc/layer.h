@@ -31,16 +31,22 @@ int strata_decoder_layer_bf16(
     bf16_t* gate_up = att + T * qn;  // [T, 2I]
     bf16_t* act = gate_up + T * 2 * I;  // [T, I]
     int rc;
+    // each projection's adapter update, run (and warmed) by the linear it follows (lora.h)
+    LoRAUpdate lu[4];
+    const bf16_t* ins[4] = {h, att, h, act};
+    bf16_t* outs[4] = {qkv, out, gate_up, out};
+    const int64_t ks[4] = {H, qn, H, I}, ns[4] = {qkvn, H, 2 * I, H};
+    for (int i = 0; lora_slots && i < 4; i++)
+        lu[i] = (LoRAUpdate){ins[i], ks[i], lora_a[i], lora_b[i], lora_slots, outs[i], ns[i], T,
+                             ks[i], ns[i], lora_rows[i], lora_part_ends + 3 * i, lora_parts[i],
+                             lora_h};
     if (first) {
         memcpy(residual, x, (size_t)(T * H) * sizeof(bf16_t));
         strata_rms_norm_bf16(residual, 0, in_norm, h, T, H, eps, 0);
     } else {
         strata_rms_norm_bf16(x, residual, in_norm, h, T, H, eps, 1);
     }
-    if ((rc = strata_linear_packed_bf16(h, w_qkv, b_qkv, qkv, T, qkvn, H, 0))) return rc;
-    if (lora_slots)
-        strata_lora_bf16(h, H, lora_a[0], lora_b[0], lora_slots, qkv, qkvn, T, H, qkvn,
-                         lora_rows[0], lora_part_ends, lora_parts[0], lora_h);
+    if ((rc = lin_packed(h, w_qkv, b_qkv, qkv, T, qkvn, H, 0, lora_slots ? &lu[0] : 0))) return rc;
     strata_rope_bf16(qkv, qkv + qn, positions, cos_table, sin_table, T, heads, kv_heads, D, qkvn,
                      qkvn);
     if (k_scales) {
@@ -57,20 +63,12 @@ int strata_decoder_layer_bf16(
                                       scale, 0);
     }
     if (rc) return rc;
-    if ((rc = strata_linear_packed_bf16(att, w_o, 0, out, T, H, qn, 0))) return rc;
-    if (lora_slots)
-        strata_lora_bf16(att, qn, lora_a[1], lora_b[1], lora_slots, out, H, T, qn, H,
-                         lora_rows[1], lora_part_ends + 3, lora_parts[1], lora_h);
+    if ((rc = lin_packed(att, w_o, 0, out, T, H, qn, 0, lora_slots ? &lu[1] : 0))) return rc;
     strata_rms_norm_bf16(out, residual, post_norm, h, T, H, eps, 1);
-    if ((rc = strata_linear_packed_bf16(h, w_gate_up, 0, gate_up, T, 2 * I, H, 0))) return rc;
-    if (lora_slots)
-        strata_lora_bf16(h, H, lora_a[2], lora_b[2], lora_slots, gate_up, 2 * I, T, H, 2 * I,
-                         lora_rows[2], lora_part_ends + 6, lora_parts[2], lora_h);
+    if ((rc = lin_packed(h, w_gate_up, 0, gate_up, T, 2 * I, H, 0, lora_slots ? &lu[2] : 0)))
+        return rc;
     strata_silu_mul_bf16(gate_up, act, T, I);
-    if ((rc = strata_linear_packed_bf16(act, w_down, 0, out, T, H, I, 0))) return rc;
-    if (lora_slots)
-        strata_lora_bf16(act, I, lora_a[3], lora_b[3], lora_slots, out, H, T, I, H,
-                         lora_rows[3], lora_part_ends + 9, lora_parts[3], lora_h);
+    if ((rc = lin_packed(act, w_down, 0, out, T, H, I, 0, lora_slots ? &lu[3] : 0))) return rc;
     return 0;
 }
 

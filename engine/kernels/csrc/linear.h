@@ -40,17 +40,20 @@ static inline __attribute__((always_inline)) void lin_block(const bf16_t* x, con
                                                            const bf16_t* bias, void* y,
                                                            int64_t K, int64_t N, int out_f32,
                                                            const char* warm, int64_t warm_lines,
+                                                           LoRAWarm* lw, int64_t lw_lines,
                                                            const int MR) {
     __m512 acc[LIN_MR][4];
     for (int r = 0; r < MR; r++)
         for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
     const int32_t* xp = (const int32_t*)x;  // k-pairs of x as 32-bit words
     const int64_t pairs = K / 2;
-    int64_t warm_err = 0;
+    int64_t warm_err = 0, lw_err = 0;
     for (int64_t kk = 0; kk < pairs; kk++) {
-        // spread `warm_lines` L2 prefetches evenly over the k loop
+        // spread `warm_lines` L2 prefetches (and the `lw_lines` adapter lines in lw) over the
+        // k loop
         for (warm_err += warm_lines; warm_err >= pairs; warm_err -= pairs, warm += 64)
             __builtin_prefetch(warm, 0, 2);
+        for (lw_err += lw_lines; lw_err >= pairs; lw_err -= pairs) lora_warm_one(lw);
         const bf16_t* wk = panel + kk * 2 * LIN_PANEL;
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
@@ -77,10 +80,13 @@ static inline __attribute__((always_inline)) void lin_block(const bf16_t* x, con
 }
 #endif
 
-int strata_linear_packed_bf16(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, void* y,
-                              int64_t M, int64_t N, int64_t K, int out_f32) {
+// The product, then `lora`'s update of its output (lora.h; NULL: none) in the same parallel
+// region. In a decode step (T <= LORA_WARM_MAX_TOKENS) each thread warms the adapters of its
+// share of the update while it computes its share of the product.
+static int lin_packed(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, void* y, int64_t M,
+                      int64_t N, int64_t K, int out_f32, const LoRAUpdate* lora) {
 #ifndef STRATA_AVX512BF16
-    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)out_f32;
+    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)out_f32, (void)lora;
     return -1;
 #else
     if (!strata_linear_packable(N, K) || M < 1) return -1;
@@ -94,30 +100,58 @@ int strata_linear_packed_bf16(const bf16_t* x, const bf16_t* wp, const bf16_t* b
     // the hardware prefetcher already follows (measured: warming there costs ~10%).
     const int64_t panel_lines = K * LIN_PANEL * (int64_t)sizeof(bf16_t) / 64;
     const int64_t slice = (panel_lines + blocks - 1) / blocks;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        for (int64_t blk = 0; blk < blocks; blk++) {
-            const int64_t m0 = blk * LIN_MR;
-            const int64_t mr = M - m0 < LIN_MR ? M - m0 : LIN_MR;
-            const bf16_t* xs = x + m0 * K;
-            const bf16_t* panel = wp + p * K * LIN_PANEL;
-            const bf16_t* bs = bias ? bias + p * LIN_PANEL : 0;
-            void* ys = (char*)y + (size_t)(m0 * N + p * LIN_PANEL) * elem;
-            const int64_t first = blk * slice;
-            const int64_t lines = blocks >= LIN_WARM_BLOCKS && p + 1 < panels && first < panel_lines
-                                      ? (panel_lines - first < slice ? panel_lines - first : slice)
-                                      : 0;
-            const char* warm = lines ? (const char*)(panel + K * LIN_PANEL) + first * 64 : 0;
-            switch (mr) {
-                case 1: lin_block(xs, panel, bs, ys, K, N, out_f32, warm, lines, 1); break;
-                case 2: lin_block(xs, panel, bs, ys, K, N, out_f32, warm, lines, 2); break;
-                case 3: lin_block(xs, panel, bs, ys, K, N, out_f32, warm, lines, 3); break;
-                case 4: lin_block(xs, panel, bs, ys, K, N, out_f32, warm, lines, 4); break;
-                case 5: lin_block(xs, panel, bs, ys, K, N, out_f32, warm, lines, 5); break;
-                default: lin_block(xs, panel, bs, ys, K, N, out_f32, warm, lines, 6); break;
+    const int64_t items = panels * blocks;
+    const LoRAUpdate* lw =
+        lora && lora->T <= LORA_WARM_MAX_TOKENS && blocks >= LIN_WARM_BLOCKS ? lora : 0;
+#pragma omp parallel
+    {
+        LoRAWarm warm_lora = {0};
+        int64_t lw_lines = 0;
+        if (lw) {
+            const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+            lora_warm_start(&warm_lora, lw, tid * lw->T / nth, (tid + 1) * lw->T / nth);
+            const int64_t mine = items / nth + (tid < items % nth);
+            lw_lines = mine ? (lora_warm_lines(&warm_lora) + mine - 1) / mine : 0;
+        }
+#pragma omp for collapse(2) schedule(static) nowait
+        for (int64_t p = 0; p < panels; p++) {
+            for (int64_t blk = 0; blk < blocks; blk++) {
+                const int64_t m0 = blk * LIN_MR;
+                const int64_t mr = M - m0 < LIN_MR ? M - m0 : LIN_MR;
+                const bf16_t* xs = x + m0 * K;
+                const bf16_t* panel = wp + p * K * LIN_PANEL;
+                const bf16_t* bs = bias ? bias + p * LIN_PANEL : 0;
+                void* ys = (char*)y + (size_t)(m0 * N + p * LIN_PANEL) * elem;
+                const int64_t first = blk * slice;
+                const int64_t lines =
+                    blocks >= LIN_WARM_BLOCKS && p + 1 < panels && first < panel_lines
+                        ? (panel_lines - first < slice ? panel_lines - first : slice)
+                        : 0;
+                const char* warm = lines ? (const char*)(panel + K * LIN_PANEL) + first * 64 : 0;
+                LoRAWarm* wl = &warm_lora;
+#define LIN_CASE(R) lin_block(xs, panel, bs, ys, K, N, out_f32, warm, lines, wl, lw_lines, R)
+                switch (mr) {
+                    case 1: LIN_CASE(1); break;
+                    case 2: LIN_CASE(2); break;
+                    case 3: LIN_CASE(3); break;
+                    case 4: LIN_CASE(4); break;
+                    case 5: LIN_CASE(5); break;
+                    default: LIN_CASE(6); break;
+                }
+#undef LIN_CASE
             }
+        }
+        if (lora) {
+            lora_shrink(lora);  // reads x only: no need to wait for the product
+#pragma omp barrier
+            lora_expand(lora);
         }
     }
     return 0;
 #endif
+}
+
+int strata_linear_packed_bf16(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, void* y,
+                              int64_t M, int64_t N, int64_t K, int out_f32) {
+    return lin_packed(x, wp, bias, y, M, N, K, out_f32, 0);
 }

@@ -99,6 +99,6 @@ void strata_argmax_f32(const float* x, int64_t* out, int64_t rows, int64_t cols)
 #undef SUFFIX
 #define SUFFIX bf16
 
-#include "linear.h"
 #include "lora.h"
+#include "linear.h"
 #include "layer.h"

@@ -307,3 +307,34 @@ def test_lora_update_matches_the_torch_path(kernels):
     assert torch.equal(got[slots == 0], y[slots == 0]), "base tokens are untouched"
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     assert not torch.equal(got, y)
+
+
+@pytest.mark.parametrize("rank", [7, 16])
+def test_lora_expand_sums_rows_in_order_bit_for_bit(kernels, rank):
+    """The expand adds h[r] B[r] for r ascending in fp32, whichever instructions do it (two
+    rows per bf16 dot product, one row per FMA, scalar tails): against that sum computed
+    row by row in torch, with h made exact (each row of A picks one element of x)."""
+    g = gen(12)
+    slots_n, k_in, t = 4, 96, 6
+    ends = (128, 208, 232)  # 64-column blocks, a 16-column tail, a scalar tail
+    rows, n_out = 3 * rank, ends[-1]
+    a = torch.zeros(slots_n, rows, k_in, dtype=torch.bfloat16)
+    picks = torch.randint(0, k_in, (slots_n, rows), generator=g)
+    a.scatter_(2, picks.unsqueeze(-1), 1.0)
+    bt = (torch.randn(slots_n, rows, n_out, generator=g) / 4).bfloat16()
+    x = torch.randn(t, k_in, generator=g).bfloat16()
+    y = torch.randn(t, n_out, generator=g).bfloat16()
+    slots = torch.tensor([1, 3, 0, 2, 1, 3], dtype=torch.int32)
+    want = y.clone()
+    for i, s in enumerate(slots.tolist()):
+        if s == 0:
+            continue
+        h = x[i].float()[picks[s]]  # exact: one product per dot
+        for p, (start, end) in enumerate(zip((0, *ends[:-1]), ends, strict=True)):
+            acc = torch.zeros(end - start)
+            for r in range(p * rank, (p + 1) * rank):
+                acc = acc + h[r] * bt[s, r, start:end].float()  # exact products, fp32 sums
+            want[i, start:end] = (y[i, start:end].float() + acc.bfloat16().float()).bfloat16()
+    got = y.clone()
+    kernels.lora(x, a, bt, slots, got, ends)
+    assert torch.equal(got, want)
