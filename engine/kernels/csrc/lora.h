@@ -114,31 +114,35 @@ static inline float lora_dot_bf16(const bf16_t* x, const bf16_t* w, int64_t k_le
     return acc;
 }
 
-#define LORA_COLS 64  // output columns per work item of the expand
+#define LORA_COLS 128  // output columns per work item of the expand
+#define LORA_GROUPS 4  // 32-column groups the expand keeps in registers at most
 
 #ifdef STRATA_AVX512
-// y[0, 64) += round_bf16(sum over r in [r0, r1) of h[r] B^T[r, 0, 64)), B^T rows `ld` apart.
+// y[0, 32 G) += round_bf16(sum over r in [r0, r1) of h[r] B^T[r, 0, 32 G)), the rows of
+// B^T `ld` apart.
 // With AVX512-BF16, two rows per dot-product instruction: it adds the odd element's product,
 // then the even one's, each rounded, and bf16 products are exact in fp32, so placing row r at
 // the odd element gives the fp32 sums of the one-row-at-a-time path bit for bit (outside
 // denormals, which it flushes). Rows are interleaved in registers: B^T stays as stored.
-static inline void lora_expand64(const float* h, const bf16_t* b, int64_t ld, int64_t r0,
-                                 int64_t r1, bf16_t* y) {
-    __m512 acc[4];
-    for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
+static inline __attribute__((always_inline)) void lora_expand_cols(const float* h,
+                                                                  const bf16_t* b, int64_t ld,
+                                                                  int64_t r0, int64_t r1,
+                                                                  bf16_t* y, const int G) {
+    __m512 acc[2 * LORA_GROUPS];  // G groups of 32 columns
+    for (int i = 0; i < 2 * G; i++) acc[i] = _mm512_setzero_ps();
     int64_t r = r0;
 #ifdef STRATA_AVX512BF16
     // The unpacks interleave rows r + 1 (even elements) and r within 128-bit lanes, so the
     // accumulators hold columns in the order 0-3 8-11 16-19 24-27 (lo) and 4-7 12-15 20-23
     // 28-31 (hi) of each 32; they are put back in order once, after the row loop.
-    __m512 lo[2], hi[2];
-    for (int i = 0; i < 2; i++) lo[i] = hi[i] = _mm512_setzero_ps();
+    __m512 lo[LORA_GROUPS], hi[LORA_GROUPS];
+    for (int i = 0; i < G; i++) lo[i] = hi[i] = _mm512_setzero_ps();
     for (; r + 2 <= r1; r += 2) {
         uint32_t h0, h1;
         memcpy(&h0, h + r, 4);
         memcpy(&h1, h + r + 1, 4);
         const __m512bh hp = (__m512bh)_mm512_set1_epi32((int)((h0 & 0xffff0000u) | (h1 >> 16)));
-        for (int i = 0; i < 2; i++) {
+        for (int i = 0; i < G; i++) {
             const __m512i a = _mm512_loadu_si512(b + r * ld + 32 * i);
             const __m512i c = _mm512_loadu_si512(b + (r + 1) * ld + 32 * i);
             lo[i] = _mm512_dpbf16_ps(lo[i], hp, (__m512bh)_mm512_unpacklo_epi16(c, a));
@@ -148,17 +152,17 @@ static inline void lora_expand64(const float* h, const bf16_t* b, int64_t ld, in
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second =
         _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < G; i++) {
         acc[2 * i] = _mm512_permutex2var_ps(lo[i], first, hi[i]);
         acc[2 * i + 1] = _mm512_permutex2var_ps(lo[i], second, hi[i]);
     }
 #endif
     for (; r < r1; r++) {
         const __m512 hr = _mm512_set1_ps(h[r]);
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < 2 * G; i++)
             acc[i] = _mm512_fmadd_ps(hr, v_load_bf16(b + r * ld + 16 * i), acc[i]);
     }
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 2 * G; i++)
         v_store_bf16(y + 16 * i, _mm512_add_ps(v_load_bf16(y + 16 * i), v_round_bf16(acc[i])));
 }
 #endif
@@ -206,7 +210,8 @@ static void lora_expand(const LoRAUpdate* u) {
                 const int64_t r0 = p * (R / parts), r1 = r0 + R / parts;
                 const float* ht = h + t * R;
 #ifdef STRATA_AVX512
-                for (; n + 64 <= n1; n += 64) lora_expand64(ht, bs + n, N, r0, r1, yr + n);
+                for (; n + 128 <= n1; n += 128) lora_expand_cols(ht, bs + n, N, r0, r1, yr + n, 4);
+                for (; n + 32 <= n1; n += 32) lora_expand_cols(ht, bs + n, N, r0, r1, yr + n, 1);
                 for (; n + 16 <= n1; n += 16) {  // 16 columns at a time, h[r] broadcast
                     __m512 acc = _mm512_setzero_ps();
                     for (int64_t r = r0; r < r1; r++)
