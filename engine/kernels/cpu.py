@@ -46,7 +46,7 @@ _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 # `native` tunes for this CPU (AVX-512 paths where present); `portable` builds the scalar
 # fallbacks every kernel has, which tests compare against the same references
 _ARCH = {"native": "-march=native", "portable": "-march=x86-64-v2"}
-_ABI = 6
+_ABI = 7
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _PAGE_SUFFIX = {torch.float8_e4m3fn: "fp8"}  # page formats other than the compute dtype
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -157,7 +157,7 @@ class CpuKernels:
         self._stack.restype = ctypes.c_int
         self._lora = lib.strata_lora_bf16
         self._lora.argtypes = [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P]
-        self._lora.restype = None
+        self._lora.restype = ctypes.c_int
         self._linear = lib.strata_linear_packed_bf16
         self._linear.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
         self._linear.restype = ctypes.c_int
@@ -350,11 +350,13 @@ class CpuKernels:
         ends = list(part_ends) or [n]
         assert ends[-1] == n and rows % len(ends) == 0
         h = torch.empty(t * rows, dtype=torch.float32)
-        self._lora(
+        rc = self._lora(
             x.data_ptr(), x.stride(0), a.data_ptr(), bt.data_ptr(), slots.data_ptr(),
             y.data_ptr(), y.stride(0), t, k, n, rows, (ctypes.c_int64 * len(ends))(*ends),
             len(ends), h.data_ptr(),
         )  # fmt: skip
+        if rc != 0:
+            raise KernelError(f"LoRA update failed ({rc}): out of memory")
 
     def decoder_layer(
         self,

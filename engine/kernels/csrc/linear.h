@@ -103,6 +103,8 @@ static int lin_packed(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, voi
     const int64_t items = panels * blocks;
     const LoRAUpdate* lw =
         lora && lora->T <= LORA_WARM_MAX_TOKENS && blocks >= LIN_WARM_BLOCKS ? lora : 0;
+    LoRAGroups groups = {0, 0, 0};
+    if (lora && (groups = lora_update_groups(lora)).n < 0) return -3;
 #pragma omp parallel
     {
         LoRAWarm warm_lora = {0};
@@ -142,11 +144,12 @@ static int lin_packed(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, voi
             }
         }
         if (lora) {
-            lora_shrink(lora);  // reads x only: no need to wait for the product
+            lora_shrink(lora, &groups);  // reads x only: no need to wait for the product
 #pragma omp barrier
-            lora_expand(lora);
+            lora_expand(lora, &groups);
         }
     }
+    free(groups.tok);
     return 0;
 #endif
 }

@@ -114,6 +114,68 @@ static inline float lora_dot_bf16(const bf16_t* x, const bf16_t* w, int64_t k_le
     return acc;
 }
 
+// Tokens that share an adapter share its weights' loads: the update runs on groups of up to
+// LORA_TOKENS tokens of one slot (every thread builds the same groups), and each token's sums
+// are the ones it would get alone, so results do not depend on its batch mates.
+#define LORA_TOKENS 4
+
+typedef struct {
+    int32_t* tok;  // group g: tok[g LORA_TOKENS .. + size[g])
+    int8_t* size;
+    int64_t n;     // groups; -1: out of memory
+} LoRAGroups;
+
+static LoRAGroups lora_groups(const int32_t* slots, int64_t T) {
+    LoRAGroups g = {0, 0, 0};
+    char* mem = malloc((size_t)T * (LORA_TOKENS * sizeof(int32_t) + 1 + sizeof(int64_t)) + 1);
+    if (!mem) {
+        g.n = -1;
+        return g;
+    }
+    g.tok = (int32_t*)mem;
+    int64_t* open = (int64_t*)(mem + (size_t)T * LORA_TOKENS * sizeof(int32_t));
+    g.size = (int8_t*)(open + T);
+    int64_t n_open = 0;
+    for (int64_t t = 0; t < T; t++) {
+        const int32_t s = slots[t];
+        if (s == 0) continue;
+        int64_t j = n_open - 1;  // an open group of the same slot, the latest first
+        while (j >= 0 && slots[g.tok[open[j] * LORA_TOKENS]] != s) j--;
+        if (j < 0) {
+            g.tok[g.n * LORA_TOKENS] = (int32_t)t;
+            g.size[g.n] = 1;
+            open[n_open++] = g.n++;
+            continue;
+        }
+        const int64_t k = open[j];
+        g.tok[k * LORA_TOKENS + g.size[k]++] = (int32_t)t;
+        if (g.size[k] == LORA_TOKENS) open[j] = open[--n_open];
+    }
+    return g;
+}
+
+// lora_dot_bf16 of one row of A with the x of NT tokens, loading the row once.
+static inline __attribute__((always_inline)) void lora_dots_nt(const bf16_t* const* x,
+                                                               const bf16_t* w, int64_t k_len,
+                                                               float* out, const int NT) {
+    int64_t k = 0;
+    float acc[LORA_TOKENS] = {0};
+#ifdef STRATA_AVX512BF16
+    __m512 v[LORA_TOKENS];
+    for (int i = 0; i < NT; i++) v[i] = _mm512_setzero_ps();
+    for (; k + 32 <= k_len; k += 32) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+        for (int i = 0; i < NT; i++)
+            v[i] = _mm512_dpbf16_ps(v[i], (__m512bh)_mm512_loadu_si512(x[i] + k), wv);
+    }
+    for (int i = 0; i < NT; i++) acc[i] = _mm512_reduce_add_ps(v[i]);
+#endif
+    for (int i = 0; i < NT; i++) {
+        for (int64_t j = k; j < k_len; j++) acc[i] += bf16_to_f32(x[i][j]) * bf16_to_f32(w[j]);
+        out[i] = acc[i];
+    }
+}
+
 #define LORA_COLS 128  // output columns per work item of the expand
 #define LORA_GROUPS 4  // 32-column groups the expand keeps in registers at most
 
@@ -124,83 +186,103 @@ static inline float lora_dot_bf16(const bf16_t* x, const bf16_t* w, int64_t k_le
 // then the even one's, each rounded, and bf16 products are exact in fp32, so placing row r at
 // the odd element gives the fp32 sums of the one-row-at-a-time path bit for bit (outside
 // denormals, which it flushes). Rows are interleaved in registers: B^T stays as stored.
-static inline __attribute__((always_inline)) void lora_expand_cols(const float* h,
-                                                                  const bf16_t* b, int64_t ld,
-                                                                  int64_t r0, int64_t r1,
-                                                                  bf16_t* y, const int G) {
-    __m512 acc[2 * LORA_GROUPS];  // G groups of 32 columns
-    for (int i = 0; i < 2 * G; i++) acc[i] = _mm512_setzero_ps();
+static inline __attribute__((always_inline)) void lora_expand_cols(
+    const float* const* h, const bf16_t* b, int64_t ld, int64_t r0, int64_t r1,
+    bf16_t* const* y, const int G, const int NT) {
+    __m512 acc[LORA_TOKENS][2 * LORA_GROUPS];  // per token, G groups of 32 columns
+    for (int k = 0; k < NT; k++)
+        for (int i = 0; i < 2 * G; i++) acc[k][i] = _mm512_setzero_ps();
     int64_t r = r0;
 #ifdef STRATA_AVX512BF16
     // The unpacks interleave rows r + 1 (even elements) and r within 128-bit lanes, so the
     // accumulators hold columns in the order 0-3 8-11 16-19 24-27 (lo) and 4-7 12-15 20-23
     // 28-31 (hi) of each 32; they are put back in order once, after the row loop.
-    __m512 lo[LORA_GROUPS], hi[LORA_GROUPS];
-    for (int i = 0; i < G; i++) lo[i] = hi[i] = _mm512_setzero_ps();
+    __m512 lo[LORA_TOKENS][LORA_GROUPS], hi[LORA_TOKENS][LORA_GROUPS];
+    for (int k = 0; k < NT; k++)
+        for (int i = 0; i < G; i++) lo[k][i] = hi[k][i] = _mm512_setzero_ps();
     for (; r + 2 <= r1; r += 2) {
-        uint32_t h0, h1;
-        memcpy(&h0, h + r, 4);
-        memcpy(&h1, h + r + 1, 4);
-        const __m512bh hp = (__m512bh)_mm512_set1_epi32((int)((h0 & 0xffff0000u) | (h1 >> 16)));
+        __m512bh hp[LORA_TOKENS];
+        for (int k = 0; k < NT; k++) {
+            uint32_t h0, h1;
+            memcpy(&h0, h[k] + r, 4);
+            memcpy(&h1, h[k] + r + 1, 4);
+            hp[k] = (__m512bh)_mm512_set1_epi32((int)((h0 & 0xffff0000u) | (h1 >> 16)));
+        }
         for (int i = 0; i < G; i++) {
             const __m512i a = _mm512_loadu_si512(b + r * ld + 32 * i);
             const __m512i c = _mm512_loadu_si512(b + (r + 1) * ld + 32 * i);
-            lo[i] = _mm512_dpbf16_ps(lo[i], hp, (__m512bh)_mm512_unpacklo_epi16(c, a));
-            hi[i] = _mm512_dpbf16_ps(hi[i], hp, (__m512bh)_mm512_unpackhi_epi16(c, a));
+            const __m512bh ul = (__m512bh)_mm512_unpacklo_epi16(c, a);
+            const __m512bh uh = (__m512bh)_mm512_unpackhi_epi16(c, a);
+            for (int k = 0; k < NT; k++) {
+                lo[k][i] = _mm512_dpbf16_ps(lo[k][i], hp[k], ul);
+                hi[k][i] = _mm512_dpbf16_ps(hi[k][i], hp[k], uh);
+            }
         }
     }
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second =
         _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int i = 0; i < G; i++) {
-        acc[2 * i] = _mm512_permutex2var_ps(lo[i], first, hi[i]);
-        acc[2 * i + 1] = _mm512_permutex2var_ps(lo[i], second, hi[i]);
-    }
+    for (int k = 0; k < NT; k++)
+        for (int i = 0; i < G; i++) {
+            acc[k][2 * i] = _mm512_permutex2var_ps(lo[k][i], first, hi[k][i]);
+            acc[k][2 * i + 1] = _mm512_permutex2var_ps(lo[k][i], second, hi[k][i]);
+        }
 #endif
-    for (; r < r1; r++) {
-        const __m512 hr = _mm512_set1_ps(h[r]);
+    for (; r < r1; r++)
+        for (int i = 0; i < 2 * G; i++) {
+            const __m512 bv = v_load_bf16(b + r * ld + 16 * i);
+            for (int k = 0; k < NT; k++)
+                acc[k][i] = _mm512_fmadd_ps(_mm512_set1_ps(h[k][r]), bv, acc[k][i]);
+        }
+    for (int k = 0; k < NT; k++)
         for (int i = 0; i < 2 * G; i++)
-            acc[i] = _mm512_fmadd_ps(hr, v_load_bf16(b + r * ld + 16 * i), acc[i]);
-    }
-    for (int i = 0; i < 2 * G; i++)
-        v_store_bf16(y + 16 * i, _mm512_add_ps(v_load_bf16(y + 16 * i), v_round_bf16(acc[i])));
+            v_store_bf16(y[k] + 16 * i,
+                         _mm512_add_ps(v_load_bf16(y[k] + 16 * i), v_round_bf16(acc[k][i])));
 }
 #endif
 
 // h = A x for every token with an adapter: the calling thread's share of the items of the
 // enclosing parallel region, without waiting for the others.
-static void lora_shrink(const LoRAUpdate* u) {
+static void lora_shrink(const LoRAUpdate* u, const LoRAGroups* g) {
     const bf16_t *x = u->x, *a = u->a;
-    const int32_t* slots = u->slots;
-    const int64_t ldx = u->ldx, T = u->T, K = u->K, R = u->R;
+    const int64_t ldx = u->ldx, K = u->K, R = u->R;
     float* h = u->h;
 #pragma omp for collapse(2) schedule(static) nowait
-    for (int64_t t = 0; t < T; t++)
+    for (int64_t gi = 0; gi < g->n; gi++)
         for (int64_t r = 0; r < R; r++) {
-            const int64_t s = slots[t];
-            if (s == 0) continue;
-            h[t * R + r] = round_bf16(lora_dot_bf16(x + t * ldx, a + (s * R + r) * K, K));
+            const int32_t* tk = g->tok + gi * LORA_TOKENS;
+            const int nt = g->size[gi];
+            const bf16_t* xs[LORA_TOKENS];
+            float dots[LORA_TOKENS];
+            for (int k = 0; k < nt; k++) xs[k] = x + tk[k] * ldx;
+            const bf16_t* w = a + (u->slots[tk[0]] * R + r) * K;
+            switch (nt) {
+                case 1: lora_dots_nt(xs, w, K, dots, 1); break;
+                case 2: lora_dots_nt(xs, w, K, dots, 2); break;
+                case 3: lora_dots_nt(xs, w, K, dots, 3); break;
+                default: lora_dots_nt(xs, w, K, dots, 4); break;
+            }
+            for (int k = 0; k < nt; k++) h[tk[k] * R + r] = round_bf16(dots[k]);
         }
 }
 
 // y += B h, once every thread's h (and y, when y is a linear's output) is complete: a
 // worksharing loop of the enclosing parallel region, ending at its barrier.
-static void lora_expand(const LoRAUpdate* u) {
+static void lora_expand(const LoRAUpdate* u, const LoRAGroups* g) {
     const bf16_t* bt = u->bt;
-    const int32_t* slots = u->slots;
-    bf16_t* y = u->y;
-    const int64_t ldy = u->ldy, T = u->T, N = u->N, R = u->R, parts = u->parts;
+    const int64_t ldy = u->ldy, N = u->N, R = u->R, parts = u->parts;
     const int64_t* part_ends = u->part_ends;
-    const float* h = u->h;
     const int64_t chunks = (N + LORA_COLS - 1) / LORA_COLS;
 #pragma omp for collapse(2) schedule(static)
-    for (int64_t t = 0; t < T; t++)
+    for (int64_t gi = 0; gi < g->n; gi++)
         for (int64_t c = 0; c < chunks; c++) {
-            const int64_t s = slots[t];
-            if (s == 0) continue;
+            const int32_t* tk = g->tok + gi * LORA_TOKENS;
+            const int nt = g->size[gi];
+            const float* hs[LORA_TOKENS];
+            bf16_t* ys[LORA_TOKENS];
+            for (int k = 0; k < nt; k++) hs[k] = u->h + tk[k] * R, ys[k] = u->y + tk[k] * ldy;
             const int64_t end = (c + 1) * LORA_COLS < N ? (c + 1) * LORA_COLS : N;
-            const bf16_t* bs = bt + s * R * N;  // B^T of slot s: [R, N]
-            bf16_t* yr = y + t * ldy;
+            const bf16_t* bs = bt + u->slots[tk[0]] * R * N;  // B^T of the slot: [R, N]
             // the columns of part p only read rows [p R / parts, (p + 1) R / parts) of B^T
             // and h: the rest of a fused projection's B is zero
             int64_t p = 0;
@@ -208,35 +290,63 @@ static void lora_expand(const LoRAUpdate* u) {
                 while (part_ends[p] <= n) p++;
                 const int64_t n1 = part_ends[p] < end ? part_ends[p] : end;
                 const int64_t r0 = p * (R / parts), r1 = r0 + R / parts;
-                const float* ht = h + t * R;
 #ifdef STRATA_AVX512
-                for (; n + 128 <= n1; n += 128) lora_expand_cols(ht, bs + n, N, r0, r1, yr + n, 4);
-                for (; n + 32 <= n1; n += 32) lora_expand_cols(ht, bs + n, N, r0, r1, yr + n, 1);
-                for (; n + 16 <= n1; n += 16) {  // 16 columns at a time, h[r] broadcast
-                    __m512 acc = _mm512_setzero_ps();
-                    for (int64_t r = r0; r < r1; r++)
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(ht[r]), v_load_bf16(bs + r * N + n),
-                                              acc);
-                    v_store_bf16(yr + n, _mm512_add_ps(v_load_bf16(yr + n), v_round_bf16(acc)));
-                }
+                bf16_t* yn[LORA_TOKENS];
+#define LORA_EXPAND(W, G_)                                                                \
+    for (; n + (W) <= n1; n += (W)) {                                                     \
+        for (int k = 0; k < nt; k++) yn[k] = ys[k] + n;                                   \
+        switch (nt) {                                                                     \
+            case 1: lora_expand_cols(hs, bs + n, N, r0, r1, yn, G_, 1); break;            \
+            case 2: lora_expand_cols(hs, bs + n, N, r0, r1, yn, G_, 2); break;            \
+            case 3: lora_expand_cols(hs, bs + n, N, r0, r1, yn, G_, 3); break;            \
+            default: lora_expand_cols(hs, bs + n, N, r0, r1, yn, G_, 4); break;           \
+        }                                                                                 \
+    }
+                if (nt == 1)  // one token: 4 groups of 32 columns in registers
+                    for (; n + 128 <= n1; n += 128) {
+                        yn[0] = ys[0] + n;
+                        lora_expand_cols(hs, bs + n, N, r0, r1, yn, 4, 1);
+                    }
+                LORA_EXPAND(64, 2)
+                LORA_EXPAND(32, 1)
+#undef LORA_EXPAND
+                for (int64_t m = n; m + 16 <= n1; m += 16)  // 16 columns, h[r] broadcast
+                    for (int k = 0; k < nt; k++) {
+                        __m512 acc = _mm512_setzero_ps();
+                        for (int64_t r = r0; r < r1; r++)
+                            acc = _mm512_fmadd_ps(_mm512_set1_ps(hs[k][r]),
+                                                  v_load_bf16(bs + r * N + m), acc);
+                        v_store_bf16(ys[k] + m,
+                                     _mm512_add_ps(v_load_bf16(ys[k] + m), v_round_bf16(acc)));
+                    }
+                n += (n1 - n) / 16 * 16;
 #endif
-                for (; n < n1; n++) {
-                    float acc = 0.0f;
-                    for (int64_t r = r0; r < r1; r++) acc += ht[r] * bf16_to_f32(bs[r * N + n]);
-                    yr[n] = f32_to_bf16(bf16_to_f32(yr[n]) + round_bf16(acc));
-                }
+                for (; n < n1; n++)
+                    for (int k = 0; k < nt; k++) {
+                        float acc = 0.0f;
+                        for (int64_t r = r0; r < r1; r++)
+                            acc += hs[k][r] * bf16_to_f32(bs[r * N + n]);
+                        ys[k][n] = f32_to_bf16(bf16_to_f32(ys[k][n]) + round_bf16(acc));
+                    }
             }
         }
 }
 
-void strata_lora_bf16(const bf16_t* x, int64_t ldx, const bf16_t* a, const bf16_t* bt,
+// Groups for `u`, built before the parallel region that runs it (lin_packed, linear.h).
+static LoRAGroups lora_update_groups(const LoRAUpdate* u) { return lora_groups(u->slots, u->T); }
+
+int strata_lora_bf16(const bf16_t* x, int64_t ldx, const bf16_t* a, const bf16_t* bt,
                       const int32_t* slots, bf16_t* y, int64_t ldy, int64_t T, int64_t K,
                       int64_t N, int64_t R, const int64_t* part_ends, int64_t parts, float* h) {
     const LoRAUpdate u = {x, ldx, a, bt, slots, y, ldy, T, K, N, R, part_ends, parts, h};
+    LoRAGroups g = lora_update_groups(&u);
+    if (g.n < 0) return -3;
 #pragma omp parallel
     {
-        lora_shrink(&u);
+        lora_shrink(&u, &g);
 #pragma omp barrier
-        lora_expand(&u);
+        lora_expand(&u, &g);
     }
+    free(g.tok);
+    return 0;
 }

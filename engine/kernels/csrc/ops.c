@@ -10,7 +10,7 @@
 #include "common.h"
 #include "fp8.h"
 
-int strata_kernels_abi(void) { return 6; }
+int strata_kernels_abi(void) { return 7; }
 
 int strata_has_avx512_bf16(void) {
 #ifdef STRATA_AVX512BF16

@@ -315,7 +315,7 @@ def test_lora_expand_sums_rows_in_order_bit_for_bit(kernels, rank):
     rows per bf16 dot product, one row per FMA, scalar tails): against that sum computed
     row by row in torch, with h made exact (each row of A picks one element of x)."""
     g = gen(12)
-    slots_n, k_in, t = 4, 96, 6
+    slots_n, k_in, t = 4, 96, 12
     ends = (128, 208, 232)  # 64-column blocks, a 16-column tail, a scalar tail
     rows, n_out = 3 * rank, ends[-1]
     a = torch.zeros(slots_n, rows, k_in, dtype=torch.bfloat16)
@@ -324,7 +324,8 @@ def test_lora_expand_sums_rows_in_order_bit_for_bit(kernels, rank):
     bt = (torch.randn(slots_n, rows, n_out, generator=g) / 4).bfloat16()
     x = torch.randn(t, k_in, generator=g).bfloat16()
     y = torch.randn(t, n_out, generator=g).bfloat16()
-    slots = torch.tensor([1, 3, 0, 2, 1, 3], dtype=torch.int32)
+    # tokens sharing an adapter run together, up to four: groups of 4 + 1, 3, 2 and 1
+    slots = torch.tensor([1, 3, 0, 2, 1, 3, 1, 1, 1, 2, 0, 3], dtype=torch.int32)
     want = y.clone()
     for i, s in enumerate(slots.tolist()):
         if s == 0:
@@ -338,3 +339,23 @@ def test_lora_expand_sums_rows_in_order_bit_for_bit(kernels, rank):
     got = y.clone()
     kernels.lora(x, a, bt, slots, got, ends)
     assert torch.equal(got, want)
+
+
+def test_lora_update_of_a_token_does_not_depend_on_its_batch(kernels):
+    """Tokens that share an adapter are updated together (shared loads of A and B): each
+    token's result equals its update alone, bit for bit, whatever its batch mates."""
+    g = gen(13)
+    slots_n, rows, k_in, n_out = 4, 32, 200, 320  # two modules of 16 rows, like gate/up
+    ends = (160, 320)
+    a = (torch.randn(slots_n, rows, k_in, generator=g) / 8).bfloat16()
+    bt = (torch.randn(slots_n, rows, n_out, generator=g) / 8).bfloat16()
+    slots = torch.tensor([1, 2, 1, 1, 0, 3, 1, 2, 1, 1, 3], dtype=torch.int32)
+    x = torch.randn(len(slots), k_in, generator=g).bfloat16()
+    y = torch.randn(len(slots), n_out, generator=g).bfloat16()
+    batch = y.clone()
+    kernels.lora(x, a, bt, slots, batch, ends)
+    for i in range(len(slots)):
+        alone = y[i : i + 1].clone()
+        kernels.lora(x[i : i + 1], a, bt, slots[i : i + 1], alone, ends)
+        assert torch.equal(batch[i], alone[0]), i
+    assert not torch.equal(batch, y)
