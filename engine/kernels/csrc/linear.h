@@ -104,7 +104,7 @@ static int lin_packed(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, voi
     const LoRAUpdate* lw =
         lora && lora->T <= LORA_WARM_MAX_TOKENS && blocks >= LIN_WARM_BLOCKS ? lora : 0;
     LoRAGroups groups = {0, 0, 0};
-    if (lora && (groups = lora_update_groups(lora)).n < 0) return -3;
+    if (lora && (groups = lora_groups(lora->slots, lora->T)).n < 0) return -3;
 #pragma omp parallel
     {
         LoRAWarm warm_lora = {0};

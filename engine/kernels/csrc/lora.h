@@ -100,23 +100,9 @@ static inline void lora_warm_one(LoRAWarm* w) {
     w->at += 64;
 }
 
-static inline float lora_dot_bf16(const bf16_t* x, const bf16_t* w, int64_t k_len) {
-    int64_t k = 0;
-    float acc = 0.0f;
-#ifdef STRATA_AVX512BF16
-    __m512 v = _mm512_setzero_ps();
-    for (; k + 32 <= k_len; k += 32)
-        v = _mm512_dpbf16_ps(v, (__m512bh)_mm512_loadu_si512(x + k),
-                             (__m512bh)_mm512_loadu_si512(w + k));
-    acc = _mm512_reduce_add_ps(v);
-#endif
-    for (; k < k_len; k++) acc += bf16_to_f32(x[k]) * bf16_to_f32(w[k]);
-    return acc;
-}
-
 // Tokens that share an adapter share its weights' loads: the update runs on groups of up to
-// LORA_TOKENS tokens of one slot (every thread builds the same groups), and each token's sums
-// are the ones it would get alone, so results do not depend on its batch mates.
+// LORA_TOKENS tokens of one slot (built once per update, before its parallel region), and each
+// token's sums are the ones it would get alone, so results do not depend on its batch mates.
 #define LORA_TOKENS 4
 
 typedef struct {
@@ -154,7 +140,8 @@ static LoRAGroups lora_groups(const int32_t* slots, int64_t T) {
     return g;
 }
 
-// lora_dot_bf16 of one row of A with the x of NT tokens, loading the row once.
+// One row of A dotted with the x of NT tokens, loading the row once: each token's sum runs in
+// the same order whatever NT (32-element bf16 dot products, their sum, then the tail).
 static inline __attribute__((always_inline)) void lora_dots_nt(const bf16_t* const* x,
                                                                const bf16_t* w, int64_t k_len,
                                                                float* out, const int NT) {
@@ -332,14 +319,11 @@ static void lora_expand(const LoRAUpdate* u, const LoRAGroups* g) {
         }
 }
 
-// Groups for `u`, built before the parallel region that runs it (lin_packed, linear.h).
-static LoRAGroups lora_update_groups(const LoRAUpdate* u) { return lora_groups(u->slots, u->T); }
-
 int strata_lora_bf16(const bf16_t* x, int64_t ldx, const bf16_t* a, const bf16_t* bt,
                       const int32_t* slots, bf16_t* y, int64_t ldy, int64_t T, int64_t K,
                       int64_t N, int64_t R, const int64_t* part_ends, int64_t parts, float* h) {
     const LoRAUpdate u = {x, ldx, a, bt, slots, y, ldy, T, K, N, R, part_ends, parts, h};
-    LoRAGroups g = lora_update_groups(&u);
+    LoRAGroups g = lora_groups(slots, T);
     if (g.n < 0) return -3;
 #pragma omp parallel
     {
