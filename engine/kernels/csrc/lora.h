@@ -27,9 +27,10 @@ typedef struct {
 // (lin_packed, linear.h). In a decode step every token may bring its own adapter, and reading
 // their A and B from DRAM after the linear cost as much as the linear itself; the linear is
 // bound by its dot products, so the same bytes can stream in while it computes. Each thread
-// warms the adapters of the tokens its share of the update handles: every distinct slot's A
-// rows and the B^T row segments the update reads (a fused projection's B is block-diagonal),
-// spread evenly over its items of the product. (Warming further ahead, through the next
+// warms the adapters of its share of the tokens (the update splits its work by groups of
+// tokens, which with distinct adapters is the same split): every distinct slot's A rows and
+// the B^T row segments the update reads (a fused projection's B is block-diagonal), spread
+// evenly over its items of the product. (Warming further ahead, through the next
 // projections' adapters at a fixed rate, measured no faster than not warming at all.)
 #define LORA_WARM_MAX_TOKENS 128  // more tokens (prefill) share adapters and are compute-bound
 
