@@ -8,6 +8,13 @@ import torch
 
 from kvstore.base import KVCacheSpec
 from kvstore.fp8 import SCALE_DTYPE
+from kvstore.hostmem import host_zeros
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":  # every decode step reads the batch's pages: huge pages
+        return host_zeros(*shape, dtype=dtype)
+    return torch.zeros(*shape, dtype=dtype, device=device)
 
 
 class DeviceKVPool:
@@ -26,10 +33,8 @@ class DeviceKVPool:
         self.device = device
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads)
         # kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv = torch.zeros(*shape, spec.head_dim, dtype=spec.dtype, device=device)
-        self.scales = (
-            torch.zeros(shape, dtype=SCALE_DTYPE, device=device) if spec.quantized else None
-        )
+        self.kv = _zeros((*shape, spec.head_dim), spec.dtype, device)
+        self.scales = _zeros(shape, SCALE_DTYPE, device) if spec.quantized else None
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) page tensors of one layer, each [num_blocks, block_size, kv_heads, D]."""

@@ -300,10 +300,13 @@ class CpuKernels:
         n, k = weight.shape
         return weight.dtype == torch.bfloat16 and bool(self._packable(n, k))
 
-    def pack_bf16(self, weight: torch.Tensor) -> torch.Tensor:
-        """[N, K] bf16 -> the panel layout `linear_packed` reads (same number of elements)."""
+    def pack_bf16(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, K] bf16 -> the panel layout `linear_packed` reads (same number of elements),
+        in `out` (contiguous, that many bf16 elements) when given."""
         assert self.can_pack(weight) and weight.is_contiguous()
-        packed = torch.empty_like(weight).view(-1)
+        packed = torch.empty_like(weight).view(-1) if out is None else out.view(-1)
+        assert packed.dtype == torch.bfloat16 and packed.is_contiguous()
+        assert packed.numel() == weight.numel()
         self._pack(weight.data_ptr(), packed.data_ptr(), weight.shape[0], weight.shape[1])
         return packed
 

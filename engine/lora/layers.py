@@ -32,6 +32,7 @@ from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter, read_ad
 from engine.model.llama import DecoderLayer, LlamaForCausalLM
 from engine.model.native_cpu import NativeDecoderLayer
 from engine.protocol import InvalidRequestError, LoRARequest
+from kvstore.hostmem import HostArena
 
 # fused projection -> the PEFT modules it is made of, in output order
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -64,15 +65,24 @@ class LoRAManager:
         self.dtype = dtype
         slots, r = config.max_loras + 1, config.max_lora_rank
         self._sizes = _group_sizes(model)
-        self.a: dict[tuple[int, str], torch.Tensor] = {}
-        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        shapes: dict[tuple[int, str], tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
         for layer in range(model.num_layers):
             for group, parts in GROUPS.items():
                 fan_in, outs = self._sizes[group]
                 rows = len(parts) * r
-                self.a[layer, group] = torch.zeros(slots, rows, fan_in, dtype=dtype, device=device)
-                shape = (slots, rows, sum(outs)) if b_transposed else (slots, sum(outs), rows)
-                self.b[layer, group] = torch.zeros(shape, dtype=dtype, device=device)
+                b_shape = (slots, rows, sum(outs)) if b_transposed else (slots, sum(outs), rows)
+                shapes[layer, group] = (slots, rows, fan_in), b_shape
+        self.a: dict[tuple[int, str], torch.Tensor] = {}
+        self.b: dict[tuple[int, str], torch.Tensor] = {}
+        # on the host, every slot in one huge-page arena: a step may read them all
+        flat = [(shape, dtype) for pair in shapes.values() for shape in pair]
+        arena = HostArena(HostArena.size_of(flat)) if device.type == "cpu" else None
+        for key, (a_shape, b_shape) in shapes.items():
+            if arena is None:
+                self.a[key] = torch.zeros(a_shape, dtype=dtype, device=device)
+                self.b[key] = torch.zeros(b_shape, dtype=dtype, device=device)
+            else:
+                self.a[key], self.b[key] = arena.take(a_shape, dtype), arena.take(b_shape, dtype)
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # adapter key -> slot, LRU first
         self._free = list(range(config.max_loras, 0, -1))
         self.num_loads = 0

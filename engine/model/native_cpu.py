@@ -30,6 +30,7 @@ from engine.model.llama import (
     RMSNorm,
     RotaryEmbedding,
 )
+from kvstore.hostmem import HostArena
 
 if TYPE_CHECKING:
     from engine.lora.layers import LoRABatch
@@ -84,11 +85,17 @@ class NativeLinear(nn.Module):
     packed: torch.Tensor
 
     def __init__(
-        self, linear: nn.Module, kernels: CpuKernels, out_dtype: torch.dtype | None = None
+        self,
+        linear: nn.Module,
+        kernels: CpuKernels,
+        out_dtype: torch.dtype | None = None,
+        arena: HostArena | None = None,
     ) -> None:
         super().__init__()
         assert isinstance(linear, nn.Linear)
-        self.register_buffer("packed", kernels.pack_bf16(linear.weight.data), persistent=False)
+        weight = linear.weight.data
+        out = None if arena is None else arena.take(weight.shape, weight.dtype)
+        self.register_buffer("packed", kernels.pack_bf16(weight, out), persistent=False)
         self.bias = linear.bias
         self.out_features = linear.out_features
         self.kernels = kernels
@@ -200,18 +207,23 @@ def apply_native_cpu(
     def packable(linear: nn.Module) -> bool:
         return isinstance(linear, nn.Linear) and kernels.can_pack(linear.weight)
 
+    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
     def packable_layer(layer: DecoderLayer) -> bool:
-        names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         return all(isinstance(getattr(layer, n), NativeLinear) for n in names)
 
+    linears = [getattr(block, name) for block in model.layers for name in names]
+    # every packed weight in one huge-page arena: a decode step reads them all
+    packed = [m.weight for m in [*linears, model.lm_head] if packable(m)]
+    arena = HostArena(HostArena.size_of([(w.shape, w.dtype) for w in packed]))
     for block in model.layers:
         layer = cast(DecoderLayer, block)
         layer.input_norm = NativeRMSNorm(layer.input_norm, kernels)
         layer.post_attn_norm = NativeRMSNorm(layer.post_attn_norm, kernels)
         layer.act = NativeSiluAndMul(kernels)
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        for name in names:
             if packable(getattr(layer, name)):
-                setattr(layer, name, NativeLinear(getattr(layer, name), kernels))
+                setattr(layer, name, NativeLinear(getattr(layer, name), kernels, arena=arena))
     model.norm = NativeRMSNorm(model.norm, kernels)
     rope = NativeRotary(model.rope, kernels)
     model.rope = rope
@@ -221,4 +233,4 @@ def apply_native_cpu(
         fused = [cast(NativeDecoderLayer, layer) for layer in model.layers]
         model.layer_stack = NativeDecoderStack(fused, kernels)
     if packable(model.lm_head):
-        model.lm_head = NativeLinear(model.lm_head, kernels, out_dtype=torch.float32)
+        model.lm_head = NativeLinear(model.lm_head, kernels, torch.float32, arena)

@@ -13,6 +13,7 @@ from engine.kernels.cpu import load_cpu_kernels
 from engine.loader import build_model, load_checkpoint
 from engine.model.native_cpu import NativeDecoderLayer, NativeDecoderStack, apply_native_cpu
 from engine.protocol import SamplingParams
+from tests.huge_pages import huge_kib, needs_thp
 
 CPU = torch.device("cpu")
 
@@ -101,3 +102,16 @@ def test_native_bf16_tracks_the_torch_path(kernels, kv):
     seqs = [(torch.randint(0, 512, (n,), generator=gen).tolist(), 0) for n in (5, 40)]
     a, b = step_logits(native, seqs), step_logits(plain, seqs)
     assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
+
+
+@needs_thp
+def test_packed_weights_share_one_huge_page_arena(kernels):
+    """A decode step reads every packed weight: they sit together, in 2 MiB pages."""
+    ckpt = load_checkpoint("synthetic:smollm2-135m", None, seed=1)
+    model = build_model(ckpt, torch.bfloat16, CPU)
+    apply_native_cpu(model, kernels)
+    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    packed = [model.lm_head.packed]
+    packed += [getattr(layer.inner, name).packed for layer in model.layers for name in names]
+    assert len({t.untyped_storage().data_ptr() for t in packed}) == 1
+    assert huge_kib(packed[0]) * 1024 >= 0.9 * sum(t.numel() * 2 for t in packed)

@@ -1,0 +1,79 @@
+"""Long-lived host tensors in transparent huge pages.
+
+A CPU decode step sweeps every weight, the batch's KV pages and its adapters' slots. In
+4 KiB pages that is one TLB miss per page touched (a page walk, twice as long under a
+hypervisor); in 2 MiB pages the misses all but vanish. Linux backs anonymous memory with
+huge pages where it is advised to (`madvise(MADV_HUGEPAGE)`) before its first touch, so the
+engine takes its large buffers from arenas mapped and advised here, not from torch's
+allocator, which advises nothing by default.
+
+Set STRATA_HUGE_PAGES=0 to use torch's allocator instead.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+from collections.abc import Sequence
+
+import torch
+
+HUGE_PAGE = 2 << 20
+_ALIGN = 64  # every tensor starts on a cache line
+
+
+def huge_pages_enabled() -> bool:
+    return os.environ.get("STRATA_HUGE_PAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+class HostArena:
+    """One anonymous mapping, advised for huge pages, handed out as zero-filled tensors.
+
+    `take` carves consecutive cache-line-aligned tensors until `nbytes` is used up. The
+    mapping lives as long as any tensor taken from it.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self.capacity = nbytes
+        self.used = 0
+        self.huge = huge_pages_enabled() and nbytes >= HUGE_PAGE
+        if not self.huge:
+            self._raw: torch.Tensor | None = None
+            return
+        span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+        # private: shared anonymous memory is shmem, which gets no huge pages by default
+        mapping = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+        self._start = -raw.data_ptr() % HUGE_PAGE
+        mapping.madvise(mmap.MADV_HUGEPAGE, self._start, span)
+        self._raw = raw
+
+    @staticmethod
+    def size_of(shapes: Sequence[tuple[Sequence[int], torch.dtype]]) -> int:
+        """Bytes an arena needs to hand out tensors of these shapes and dtypes."""
+        return sum(_aligned(_nbytes(shape, dtype)) for shape, dtype in shapes)
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled contiguous CPU tensor (torch.zeros where huge pages are off)."""
+        nbytes = _nbytes(shape, dtype)
+        if self._raw is None:
+            return torch.zeros(*shape, dtype=dtype)
+        if self.used + nbytes > self.capacity:
+            raise MemoryError(f"host arena of {self.capacity} bytes has no room for {nbytes}")
+        begin = self._start + self.used
+        self.used += _aligned(nbytes)
+        return self._raw[begin : begin + nbytes].view(dtype).view(*shape)
+
+
+def host_zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """A large zero-filled CPU tensor of its own, in huge pages where possible."""
+    return HostArena(_nbytes(shape, dtype)).take(shape, dtype)
