@@ -146,11 +146,11 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
     const ELEM* q, const PELEM* k_pages, const PELEM* v_pages, const float* k_scales,
     const float* v_scales, ELEM* out, const int64_t* table, int64_t len, int64_t block_shift,
     int64_t kv_heads, int64_t row, int64_t page, float scale, int rotated, float* scores,
-    int64_t score_stride, int64_t head_offset, KVWarm* warm, const int G, const int D) {
+    int64_t score_stride, KVWarm* warm, const int G, const int D) {
     (void)k_scales, (void)v_scales, (void)kv_heads, (void)rotated;
-    // prefetches cover whole token rows (every KV head), so the items of this sequence's
-    // other heads find their rows in cache
-    const int row_bytes = (int)(row * (int64_t)sizeof(PELEM));
+    // rows 16 tokens ahead are prefetched into L1, this head's part of them only: KVWarm has
+    // brought the whole pages to L2, and three times the prefetches cost more than they gain
+    const int head_bytes = (int)(D * (int64_t)sizeof(PELEM));
     const int NV = D / 16;
     const int64_t block_mask = ((int64_t)1 << block_shift) - 1;
     __m512 qv[8][8];
@@ -192,9 +192,9 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
 #endif
             // pages are scattered: fetch the next 16 rows while these are being used
             const int64_t nx = jj + 16 < len ? jj + 16 : len - 1;
-            const char* ahead = (const char*)(k_pages - head_offset + table[nx >> block_shift] * page +
-                                              (nx & block_mask) * row);
-            for (int c = 0; c < row_bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+            const char* ahead =
+                (const char*)(k_pages + table[nx >> block_shift] * page + (nx & block_mask) * row);
+            for (int c = 0; c < head_bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
             kv_warm(warm);
         }
         for (int g = 0; g < G; g++) {
@@ -264,9 +264,9 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
         const PELEM* vr = v_pages + slot * row;
         const float vs = ROW_SCALE(v_scales, slot);
         const int64_t nx = t + 16 < len ? t + 16 : len - 1;
-        const char* ahead = (const char*)(v_pages - head_offset + table[nx >> block_shift] * page +
-                                          (nx & block_mask) * row);
-        for (int c = 0; c < row_bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+        const char* ahead =
+            (const char*)(v_pages + table[nx >> block_shift] * page + (nx & block_mask) * row);
+        for (int c = 0; c < head_bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
         kv_warm(warm);
         __m512 p[8];
         for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(scores[g * score_stride + t] * vs);
@@ -284,7 +284,7 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
 #define STRATA_ATTEND_CASE(G_, D_)                                                          \
     if (group == G_ && head_dim == D_) {                                                    \
         FN(attend_fast)(qs, kp, vp, ks, vs, os, tb, len, block_shift, kv_heads, row, page,  \
-                        scale, rotated, scores, max_len, head_offset, warm, G_, D_);        \
+                        scale, rotated, scores, max_len, warm, G_, D_);                     \
         return 1;                                                                           \
     }
 
@@ -294,7 +294,7 @@ static int FN(attend_dispatch)(const ELEM* qs, const PELEM* kp, const PELEM* vp,
                                int64_t len, int64_t group, int64_t head_dim, int64_t block_shift,
                                int64_t kv_heads, int64_t row, int64_t page, float scale,
                                int rotated, float* scores, int64_t max_len,
-                               int64_t head_offset, KVWarm* warm) {
+                               KVWarm* warm) {
     STRATA_ATTEND_CASE(1, 64) STRATA_ATTEND_CASE(2, 64) STRATA_ATTEND_CASE(3, 64)
     STRATA_ATTEND_CASE(4, 64) STRATA_ATTEND_CASE(5, 64) STRATA_ATTEND_CASE(6, 64)
     STRATA_ATTEND_CASE(7, 64) STRATA_ATTEND_CASE(8, 64)
@@ -376,7 +376,7 @@ int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const PELEM* k_page
 #ifdef STRATA_AVX512
                     if (FN(attend_dispatch)(qs, kp, vp, ks, vs, os, tb, seq_lens[s], group,
                                             head_dim, block_shift, kv_heads, row, page, scale,
-                                            rotated, scores, max_len, h * head_dim, wp))
+                                            rotated, scores, max_len, wp))
                         continue;
 #endif
                     FN(attend_one)(qs, kp, vp, ks, vs, os, tb, seq_lens[s], group, head_dim,
