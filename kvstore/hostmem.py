@@ -12,12 +12,15 @@ Set STRATA_HUGE_PAGES=0 to use torch's allocator instead.
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
 from collections.abc import Sequence
 
 import torch
+
+log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # every tensor starts on a cache line
@@ -38,8 +41,9 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 class HostArena:
     """One anonymous mapping, advised for huge pages, handed out as zero-filled tensors.
 
-    `take` carves consecutive cache-line-aligned tensors until `nbytes` is used up. The
-    mapping lives as long as any tensor taken from it.
+    `huge` tells whether the kernel took the advice. `take` carves consecutive
+    cache-line-aligned tensors until `nbytes` is used up. The mapping lives as long as any
+    tensor taken from it.
     """
 
     def __init__(self, nbytes: int) -> None:
@@ -54,8 +58,12 @@ class HostArena:
         mapping = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         raw = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
         self._start = -raw.data_ptr() % HUGE_PAGE
-        mapping.madvise(mmap.MADV_HUGEPAGE, self._start, span)
         self._raw = raw
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE, self._start, span)
+        except OSError as exc:  # a kernel without THP, or a sandbox that refuses the advice
+            log.warning("host arena left in small pages: madvise(MADV_HUGEPAGE) failed: %s", exc)
+            self.huge = False
 
     @staticmethod
     def size_of(shapes: Sequence[tuple[Sequence[int], torch.dtype]]) -> int:

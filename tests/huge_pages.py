@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 needs_thp = pytest.mark.skipif(
-    not _THP.exists() or "[never]" in _THP.read_text(),
+    not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
     reason="transparent huge pages are off on this machine",
 )
 

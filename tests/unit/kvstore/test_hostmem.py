@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import mmap
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
 from kvstore.hostmem import HUGE_PAGE, HostArena, host_zeros
-from tests.huge_pages import huge_kib, needs_thp
+from tests.huge_pages import THP_MODE, huge_kib, needs_thp
 
 
 def test_arena_hands_out_zeroed_aligned_disjoint_tensors() -> None:
@@ -47,6 +49,19 @@ def test_huge_pages_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not arena.huge
     t = arena.take((4 << 20,), torch.uint8)
     assert t.numel() == 4 << 20 and not t.any()
+
+
+def test_refused_advice_leaves_a_working_arena_in_small_pages(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(mmap, "MADV_HUGEPAGE", 4096)  # no such advice: the kernel says EINVAL
+    arena = HostArena(4 << 20)
+    assert not arena.huge
+    assert "small pages" in caplog.text
+    t = arena.take((4 << 20,), torch.uint8)
+    t.fill_(3)
+    assert int(t.sum()) == 3 * (4 << 20)
+    assert huge_kib(t) == 0 or "[always]" in Path(THP_MODE).read_text()
 
 
 @needs_thp
