@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     strata_tok_s: dict[str, float] = {}
     hf_tok_s: dict[str, float] = {}
     ratio: dict[str, float] = {}
+    rounds: dict[str, dict[str, list[float]]] = {}  # every run, for the spread behind a median
     for n in batches:
         prompts = make_prompts(n, args.prompt_len, vocab, args.seed + n)
         ours: list[float] = []
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
             ours.append(run_strata(core, prompts, args.new_tokens))
             if hf is not None:
                 peer.append(run_hf(hf, prompts, args.new_tokens, device))
+        rounds[str(n)] = {"strata": [round(x, 1) for x in ours], "hf": [round(x, 1) for x in peer]}
         strata_tok_s[str(n)] = round(statistics.median(ours), 1)
         line = f"concurrency {n:>3}: strata {strata_tok_s[str(n)]:8.1f} tok/s"
         if hf is not None:
@@ -212,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prefix_caching": False,
         "roofline": roofline,
         **summary,
+        "rounds": rounds,
     }
     path = write_result(args.out_dir, "engine_throughput", record)
     print(f"wrote {path}")
