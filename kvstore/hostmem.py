@@ -64,6 +64,9 @@ class HostArena:
         except OSError as exc:  # a kernel without THP, or a sandbox that refuses the advice
             log.warning("host arena left in small pages: madvise(MADV_HUGEPAGE) failed: %s", exc)
             self.huge = False
+        # touch every page now: a missing page then fails the start, not a request, and no
+        # step pays for faulting (and zeroing) pages it is the first to write
+        raw[self._start : self._start + span].zero_()
 
     @staticmethod
     def size_of(shapes: Sequence[tuple[Sequence[int], torch.dtype]]) -> int:

@@ -37,10 +37,9 @@ def test_arena_hands_out_zeroed_aligned_disjoint_tensors() -> None:
 
 
 @needs_thp
-def test_arena_memory_is_backed_by_huge_pages() -> None:
+def test_arena_memory_is_backed_by_huge_pages_from_the_start() -> None:
     t = host_zeros(8 << 20, dtype=torch.uint8)
-    t.fill_(1)
-    assert huge_kib(t) >= 4 << 10
+    assert huge_kib(t) >= 8 << 10  # every page faulted in when the arena was made
 
 
 def test_huge_pages_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,5 +69,4 @@ def test_host_kv_pool_lives_in_huge_pages() -> None:
                        dtype=torch.bfloat16)  # fmt: skip
     pool = DeviceKVPool(spec, num_blocks=256, device=torch.device("cpu"))
     assert pool.kv.numel() * 2 == 8 << 20 and not pool.kv.any()
-    pool.kv.fill_(1)
-    assert huge_kib(pool.kv) >= 4 << 10
+    assert huge_kib(pool.kv) >= 8 << 10
