@@ -35,7 +35,7 @@ def _aligned(nbytes: int) -> int:
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 class HostArena:
