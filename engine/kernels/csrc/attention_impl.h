@@ -168,7 +168,16 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
 #endif
     for (int g = 0; g < G; g++)
         for (int i = 0; i < NV; i++) qv[g][i] = _mm512_mul_ps(V_LOAD(q + g * D + 16 * i), vscale);
-    // pass 1: scores, 16 tokens per horizontal sum
+    // With blocks of 16 tokens or more, a 16-token group (j a multiple of 16) lies in one
+    // block: its rows are consecutive, and one table lookup serves the whole group.
+    const int grouped = block_shift >= 4;
+    // pass 1: scores, 16 tokens per horizontal sum, and each head's running maximum
+    __m512 vmax[8];
+    float tail_max[8];
+    for (int g = 0; g < G; g++) {
+        vmax[g] = _mm512_set1_ps(-INFINITY);
+        tail_max[g] = -INFINITY;
+    }
     int64_t j = 0;
 #if defined(ELEM_IS_BF16) && defined(STRATA_AVX512BF16) && !defined(PAGE_FP8)
 #define DOT_BF16 1
@@ -183,19 +192,35 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
 #ifdef PAGE_FP8
         float row_scales[16];
 #endif
-        for (int t = 0; t < 16; t++) {
-            const int64_t jj = j + t;
-            const int64_t slot = (table[jj >> block_shift] << block_shift) + (jj & block_mask);
-            rows[t] = k_pages + slot * row;
+        if (grouped) {
+            const int64_t slot0 = (table[j >> block_shift] << block_shift) + (j & block_mask);
+            // pages are scattered: fetch the next group's rows while these are being used
+            const int64_t nx = j + 16 < len ? j + 16 : j;
+            const char* ahead = (const char*)(k_pages + ((table[nx >> block_shift] << block_shift) +
+                                                         (nx & block_mask)) * row);
+            for (int t = 0; t < 16; t++) {
+                rows[t] = k_pages + (slot0 + t) * row;
 #ifdef PAGE_FP8
-            row_scales[t] = ROW_SCALE(k_scales, slot);
+                row_scales[t] = ROW_SCALE(k_scales, slot0 + t);
 #endif
-            // pages are scattered: fetch the next 16 rows while these are being used
-            const int64_t nx = jj + 16 < len ? jj + 16 : len - 1;
-            const char* ahead =
-                (const char*)(k_pages + table[nx >> block_shift] * page + (nx & block_mask) * row);
-            for (int c = 0; c < head_bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
-            kv_warm(warm);
+                for (int c = 0; c < head_bytes; c += 64)
+                    _mm_prefetch(ahead + t * row * (int64_t)sizeof(PELEM) + c, _MM_HINT_T0);
+            }
+            kv_warm_n(warm, 16);
+        } else {
+            for (int t = 0; t < 16; t++) {
+                const int64_t jj = j + t;
+                const int64_t slot = (table[jj >> block_shift] << block_shift) + (jj & block_mask);
+                rows[t] = k_pages + slot * row;
+#ifdef PAGE_FP8
+                row_scales[t] = ROW_SCALE(k_scales, slot);
+#endif
+                const int64_t nx = jj + 16 < len ? jj + 16 : len - 1;
+                const char* ahead = (const char*)(k_pages + table[nx >> block_shift] * page +
+                                                  (nx & block_mask) * row);
+                for (int c = 0; c < head_bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+                kv_warm(warm);
+            }
         }
         for (int g = 0; g < G; g++) {
             __m512 acc[16];
@@ -207,8 +232,7 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
                         a, qb[g][i], (__m512bh)_mm512_loadu_si512((const void*)(rows[t] + 32 * i)));
                 acc[t] = a;
             }
-            _mm512_storeu_ps(scores + g * score_stride + j,
-                             _mm512_mul_ps(v_hsum16(acc), vscale));
+            const __m512 s = _mm512_mul_ps(v_hsum16(acc), vscale);
 #else
             for (int t = 0; t < 16; t++) {
                 __m512 a = _mm512_mul_ps(qv[g][0], PV_LOAD(rows[t]));
@@ -216,12 +240,13 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
                 acc[t] = a;
             }
 #ifdef PAGE_FP8
-            _mm512_storeu_ps(scores + g * score_stride + j,
-                             _mm512_mul_ps(v_hsum16(acc), _mm512_loadu_ps(row_scales)));
+            const __m512 s = _mm512_mul_ps(v_hsum16(acc), _mm512_loadu_ps(row_scales));
 #else
-            _mm512_storeu_ps(scores + g * score_stride + j, v_hsum16(acc));
+            const __m512 s = v_hsum16(acc);
 #endif
 #endif
+            _mm512_storeu_ps(scores + g * score_stride + j, s);
+            vmax[g] = _mm512_max_ps(vmax[g], s);
         }
     }
     for (; j < len; j++) {
@@ -231,15 +256,17 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
         for (int g = 0; g < G; g++) {
             __m512 a = _mm512_mul_ps(qv[g][0], PV_LOAD(kr));
             for (int i = 1; i < NV; i++) a = _mm512_fmadd_ps(qv[g][i], PV_LOAD(kr + 16 * i), a);
-            scores[g * score_stride + j] = _mm512_reduce_add_ps(a) * ks;
+            const float sc = _mm512_reduce_add_ps(a) * ks;
+            scores[g * score_stride + j] = sc;
+            tail_max[g] = sc > tail_max[g] ? sc : tail_max[g];
         }
     }
     // softmax
     float inv_sum[8];
     for (int g = 0; g < G; g++) {
         float* sg = scores + g * score_stride;
-        float m = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
+        const float vm_max = _mm512_reduce_max_ps(vmax[g]);
+        const float m = vm_max > tail_max[g] ? vm_max : tail_max[g];
         const __m512 vm = _mm512_set1_ps(m);
         __m512 vsum = _mm512_setzero_ps();
         int64_t t = 0;
@@ -248,31 +275,47 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
             _mm512_storeu_ps(sg + t, e);
             vsum = _mm512_add_ps(vsum, e);
         }
-        sum = _mm512_reduce_add_ps(vsum);
+        float sum = _mm512_reduce_add_ps(vsum);
         for (; t < len; t++) {
             sg[t] = expf(sg[t] - m);
             sum += sg[t];
         }
         inv_sum[g] = 1.0f / sum;
     }
-    // pass 2: weighted V
+    // pass 2: weighted V, by the same 16-token groups
     __m512 acc[8][8];
     for (int g = 0; g < G; g++)
         for (int i = 0; i < NV; i++) acc[g][i] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; t++) {
-        const int64_t slot = (table[t >> block_shift] << block_shift) + (t & block_mask);
-        const PELEM* vr = v_pages + slot * row;
-        const float vs = ROW_SCALE(v_scales, slot);
-        const int64_t nx = t + 16 < len ? t + 16 : len - 1;
-        const char* ahead =
-            (const char*)(v_pages + table[nx >> block_shift] * page + (nx & block_mask) * row);
-        for (int c = 0; c < head_bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
-        kv_warm(warm);
-        __m512 p[8];
-        for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(scores[g * score_stride + t] * vs);
-        for (int i = 0; i < NV; i++) {
-            const __m512 vv = PV_LOAD(vr + 16 * i);
-            for (int g = 0; g < G; g++) acc[g][i] = _mm512_fmadd_ps(p[g], vv, acc[g][i]);
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t n = len - t0 < 16 ? len - t0 : 16;
+        const int whole = grouped && n == 16;
+        const int64_t slot0 = (table[t0 >> block_shift] << block_shift) + (t0 & block_mask);
+        const int64_t nx0 = t0 + 16 < len ? t0 + 16 : t0;
+        const char* ahead = (const char*)(v_pages + ((table[nx0 >> block_shift] << block_shift) +
+                                                     (nx0 & block_mask)) * row);
+        if (whole) kv_warm_n(warm, 16);
+        for (int64_t u = 0; u < n; u++) {
+            const int64_t tt = t0 + u;
+            int64_t slot = slot0 + u;
+            if (whole) {
+                for (int c = 0; c < head_bytes; c += 64)
+                    _mm_prefetch(ahead + u * row * (int64_t)sizeof(PELEM) + c, _MM_HINT_T0);
+            } else {
+                slot = (table[tt >> block_shift] << block_shift) + (tt & block_mask);
+                const int64_t nx = tt + 16 < len ? tt + 16 : len - 1;
+                const char* ah = (const char*)(v_pages + table[nx >> block_shift] * page +
+                                               (nx & block_mask) * row);
+                for (int c = 0; c < head_bytes; c += 64) _mm_prefetch(ah + c, _MM_HINT_T0);
+                kv_warm(warm);
+            }
+            const PELEM* vr = v_pages + slot * row;
+            const float vs = ROW_SCALE(v_scales, slot);
+            __m512 p[8];
+            for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(scores[g * score_stride + tt] * vs);
+            for (int i = 0; i < NV; i++) {
+                const __m512 vv = PV_LOAD(vr + 16 * i);
+                for (int g = 0; g < G; g++) acc[g][i] = _mm512_fmadd_ps(p[g], vv, acc[g][i]);
+            }
         }
     }
     for (int g = 0; g < G; g++) {
@@ -350,22 +393,24 @@ int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const PELEM* k_page
             const int64_t s0 = chunk > 1 ? item * chunk : item / num_kv_heads;
             const int64_t s1 = chunk > 1 ? (s0 + chunk < num_seqs ? s0 + chunk : num_seqs) : s0 + 1;
             for (int64_t s = s0; s < s1; s++) {
-                KVWarm warm = {0};
-                if (chunk > 1 && s + 1 < s1) {
-                    warm.k = (const char*)k_pages;
-                    warm.v = (const char*)v_pages;
-                    warm.table = block_tables + (s + 1) * max_blocks;
-                    warm.page_bytes = page * (int64_t)sizeof(PELEM);
-                    warm.blocks = (seq_lens[s + 1] + block_size - 1) / block_size;
-                    // spread over both passes of every head: one call per token and pass
-                    const int64_t lines = warm.blocks * ((warm.page_bytes + 63) / 64);
-                    const int64_t calls = num_kv_heads * 2 * seq_lens[s];
-                    warm.per_call = (lines + calls - 1) / calls;
-                }
+                // The first sequence of a run has had no warm: its first head fetches all of
+                // its pages during its scores pass (many misses in flight, not one row at a
+                // time), and the other heads' passes warm the next sequence.
+                const int64_t page_bytes = page * (int64_t)sizeof(PELEM);
+                const int self_warm = chunk > 1 && s == s0 && num_kv_heads > 1;
+                KVWarm warm = {0}, self = {0};
+                if (self_warm)
+                    self = kv_warm_seq(k_pages, v_pages, block_tables + s * max_blocks,
+                                       page_bytes, (seq_lens[s] + block_size - 1) / block_size,
+                                       seq_lens[s]);
+                if (chunk > 1 && s + 1 < s1)  // one call per token, pass and (warming) head
+                    warm = kv_warm_seq(k_pages, v_pages, block_tables + (s + 1) * max_blocks,
+                                       page_bytes, (seq_lens[s + 1] + block_size - 1) / block_size,
+                                       (num_kv_heads - self_warm) * 2 * seq_lens[s]);
                 const int64_t h0 = chunk > 1 ? 0 : item % num_kv_heads;
                 const int64_t h1 = chunk > 1 ? num_kv_heads : h0 + 1;
                 for (int64_t h = h0; h < h1; h++) {
-                    KVWarm* wp = warm.k ? &warm : 0;
+                    KVWarm* wp = self_warm && h == 0 ? &self : warm.k ? &warm : 0;
                     const ELEM* qs = q + s * q_stride + h * group * head_dim;
                     const PELEM* kp = k_pages + h * head_dim;
                     const PELEM* vp = v_pages + h * head_dim;

@@ -51,16 +51,41 @@ typedef struct {
 
 static inline void kv_warm(KVWarm* w) {
     if (!w) return;
-    for (int64_t i = 0; i < w->per_call && w->block < w->blocks; i++) {
-        const int64_t at = w->table[w->block] * w->page_bytes + w->offset;
-        __builtin_prefetch(w->k + at, 0, 2);
-        __builtin_prefetch(w->v + at, 0, 2);
-        w->offset += 64;
-        if (w->offset >= w->page_bytes) {
+    for (int64_t left = w->per_call * 64; left > 0 && w->block < w->blocks;) {
+        const int64_t base = w->table[w->block] * w->page_bytes;
+        const int64_t end = w->offset + left < w->page_bytes ? w->offset + left : w->page_bytes;
+        const char* k = w->k + base;
+        const char* v = w->v + base;
+        for (int64_t at = w->offset; at < end; at += 64) {
+            __builtin_prefetch(k + at, 0, 2);
+            __builtin_prefetch(v + at, 0, 2);
+        }
+        left -= end - w->offset;
+        w->offset = end;
+        if (end >= w->page_bytes) {
             w->offset = 0;
             w->block++;
         }
     }
+}
+
+// A warm of one sequence's pages (`blocks` blocks of `page_bytes` through `table`), spread
+// over `calls` calls of kv_warm.
+static inline KVWarm kv_warm_seq(const void* k, const void* v, const int64_t* table,
+                                 int64_t page_bytes, int64_t blocks, int64_t calls) {
+    const int64_t lines = blocks * ((page_bytes + 63) / 64);
+    calls = calls < 1 ? 1 : calls;
+    return (KVWarm){(const char*)k, (const char*)v, table, page_bytes, blocks, 0, 0,
+                    (lines + calls - 1) / calls};
+}
+
+// `calls` calls' worth of kv_warm at once (for a loop that handles several tokens per pass).
+static inline void kv_warm_n(KVWarm* w, int64_t calls) {
+    if (!w) return;
+    const int64_t per_call = w->per_call;
+    w->per_call = per_call * calls;
+    kv_warm(w);
+    w->per_call = per_call;
 }
 
 #ifdef STRATA_AVX512
