@@ -205,8 +205,8 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
 #endif
                 for (int c = 0; c < head_bytes; c += 64)
                     _mm_prefetch(ahead + t * row * (int64_t)sizeof(PELEM) + c, _MM_HINT_T0);
+                kv_warm(warm);
             }
-            kv_warm_n(warm, 16);
         } else {
             for (int t = 0; t < 16; t++) {
                 const int64_t jj = j + t;
@@ -293,13 +293,13 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
         const int64_t nx0 = t0 + 16 < len ? t0 + 16 : t0;
         const char* ahead = (const char*)(v_pages + ((table[nx0 >> block_shift] << block_shift) +
                                                      (nx0 & block_mask)) * row);
-        if (whole) kv_warm_n(warm, 16);
         for (int64_t u = 0; u < n; u++) {
             const int64_t tt = t0 + u;
             int64_t slot = slot0 + u;
             if (whole) {
                 for (int c = 0; c < head_bytes; c += 64)
                     _mm_prefetch(ahead + u * row * (int64_t)sizeof(PELEM) + c, _MM_HINT_T0);
+                kv_warm(warm);
             } else {
                 slot = (table[tt >> block_shift] << block_shift) + (tt & block_mask);
                 const int64_t nx = tt + 16 < len ? tt + 16 : len - 1;

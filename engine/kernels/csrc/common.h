@@ -79,15 +79,6 @@ static inline KVWarm kv_warm_seq(const void* k, const void* v, const int64_t* ta
                     (lines + calls - 1) / calls};
 }
 
-// `calls` calls' worth of kv_warm at once (for a loop that handles several tokens per pass).
-static inline void kv_warm_n(KVWarm* w, int64_t calls) {
-    if (!w) return;
-    const int64_t per_call = w->per_call;
-    w->per_call = per_call * calls;
-    kv_warm(w);
-    w->per_call = per_call;
-}
-
 #ifdef STRATA_AVX512
 static inline __m512 v_load_bf16(const bf16_t* p) {
     __m256i raw = _mm256_loadu_si256((const __m256i*)p);
