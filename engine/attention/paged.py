@@ -73,14 +73,20 @@ def slot_indices(seqs: list[SeqSlice], block_size: int) -> list[int]:
     ]
 
 
+def _padded_tables(seqs: list[SeqSlice]) -> torch.Tensor:
+    """[B, max_blocks] int64: each sequence's block table, zero-padded (one tensor built from
+    one nested list: a copy per row cost more than the rest of a decode step's metadata)."""
+    width = max(len(s.block_table) for s in seqs)
+    rows = [[*s.block_table, *[0] * (width - len(s.block_table))] for s in seqs]
+    return torch.tensor(rows, dtype=torch.long)
+
+
 def _build_group(
     seqs: list[SeqSlice], block_size: int, device: torch.device, with_mask: bool
 ) -> _Group:
     max_q = max(s.query_len for s in seqs)
     max_blocks = max(len(s.block_table) for s in seqs)
-    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
-    for b, s in enumerate(seqs):
-        tables[b, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
+    tables = _padded_tables(seqs)
     q_start = torch.tensor([s.context_len for s in seqs], dtype=torch.long)
     total = q_start + torch.tensor([s.query_len for s in seqs], dtype=torch.long)
     mask = None
@@ -104,16 +110,12 @@ def _build_group(
 
 
 def _build_rows(seqs: list[SeqSlice]) -> _Rows:
-    max_blocks = max(len(s.block_table) for s in seqs)
-    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
-    for b, s in enumerate(seqs):
-        tables[b, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.long)
-    query_lens = torch.tensor([s.query_len for s in seqs])
+    tables = _padded_tables(seqs)
+    if any(s.query_len != 1 for s in seqs):  # a row per token, not per sequence
+        query_lens = torch.tensor([s.query_len for s in seqs])
+        tables = tables.repeat_interleave(query_lens, dim=0)
     lens = [pos + 1 for s in seqs for pos in range(s.context_len, s.context_len + s.query_len)]
-    return _Rows(
-        block_table=tables.repeat_interleave(query_lens, dim=0),
-        seq_lens=torch.tensor(lens, dtype=torch.int32),
-    )
+    return _Rows(block_table=tables, seq_lens=torch.tensor(lens, dtype=torch.int32))
 
 
 class PoolAttention:
