@@ -11,8 +11,9 @@ and the prefix cache is off, so every run pays its prefill.
 `tok_s` is decode throughput: the tokens after each request's first over the time they took,
 that is, a run of N new tokens minus a run of one (prefill and first token). `e2e_tok_s`
 counts every generated token over the whole run, prefill included. The configurations take
-turns for --repeats rounds and each figure is the median of its rounds, so that a drift of
-this shared machine's speed falls on all of them alike.
+turns for --repeats rounds (every other round in reverse order) and each figure is the
+median of its rounds, so that a drift of this shared machine's speed falls on all of them
+alike.
 
     python bench/lora.py            # full run
     python bench/lora.py --quick    # 16 new tokens, one round
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default="default")
@@ -97,8 +98,11 @@ def main(argv: list[str] | None = None) -> dict:
     for engine, loras in runs.values():  # warm up: kernels built, every adapter loaded
         engine.generate(prompts, SamplingParams(max_tokens=2), lora=loras)
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
-    for _ in range(args.repeats):
-        for name, (engine, loras) in runs.items():
+    for i in range(args.repeats):
+        # every other round in reverse order, so that a drift within a round does not always
+        # favour the configurations measured first
+        order = list(runs.items())
+        for name, (engine, loras) in order[::-1] if i % 2 else order:
             rounds[name].append(measure(engine, prompts, loras, args.new_tokens))
 
     def median(name: str, key: str) -> float:
