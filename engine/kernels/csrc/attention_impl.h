@@ -169,7 +169,8 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
     for (int g = 0; g < G; g++)
         for (int i = 0; i < NV; i++) qv[g][i] = _mm512_mul_ps(V_LOAD(q + g * D + 16 * i), vscale);
     // With blocks of 16 tokens or more, a 16-token group (j a multiple of 16) lies in one
-    // block: its rows are consecutive, and one table lookup serves the whole group.
+    // block: its rows are consecutive, and one table lookup serves the whole group. (Both
+    // cases are written out: one loop choosing per token measured 8-10% slower.)
     const int grouped = block_shift >= 4;
     // pass 1: scores, 16 tokens per horizontal sum, and each head's running maximum
     __m512 vmax[8];
