@@ -85,8 +85,8 @@ def _build_group(
     seqs: list[SeqSlice], block_size: int, device: torch.device, with_mask: bool
 ) -> _Group:
     max_q = max(s.query_len for s in seqs)
-    max_blocks = max(len(s.block_table) for s in seqs)
     tables = _padded_tables(seqs)
+    max_blocks = tables.shape[1]
     q_start = torch.tensor([s.context_len for s in seqs], dtype=torch.long)
     total = q_start + torch.tensor([s.query_len for s in seqs], dtype=torch.long)
     mask = None
