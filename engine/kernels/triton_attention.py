@@ -59,12 +59,14 @@ def _round_e4m3(v):
 
     The rounding is done in fp32 so the final cast is exact whatever rounding mode the cast
     itself has: quantum 2^(e - 3) for normal values (3 mantissa bits), 2^-9 below 2^-6.
+    Scaling by exact powers of two keeps every step exact (a compiled fp32 `/` is not IEEE).
     """
     bits = v.to(tl.int32, bitcast=True)
     exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3
     quantum = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+    inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)  # 1 / quantum
     big = 12582912.0  # 1.5 * 2^23: adding and removing it rounds to an integer, ties to even
-    r = ((v / quantum + big) - big) * quantum
+    r = ((v * inverse + big) - big) * quantum
     return tl.where(r == 0.0, v * 0.0, r).to(tl.float8e4nv)  # keep the sign of zero
 
 
