@@ -24,6 +24,7 @@ from tests.lora_files import SMOLLM2, write_adapter
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4, 5,"]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+LOGPROBS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (rank, rsLoRA, target modules)
 ADAPTERS = {
@@ -225,8 +226,9 @@ def test_whole_layer_kernels_apply_adapters_like_the_per_module_path(
 ):
     """bf16: the native decoder layer adds each token's adapter update inside its kernel
     (csrc/lora.h); the per-module path adds it around each native linear with torch ops.
-    Same base arithmetic and rounding points, sums in another order: greedy decoding follows
-    the same path until a near-tie, which strong random adapters make common."""
+    Same base arithmetic and rounding points, sums in another order. Strong random adapters
+    make near-ties common, so free-running greedy paths part early; the comparison is made on
+    the same tokens instead: the per-module path scores the fused path's continuations."""
     cfg = EngineConfig(
         dtype="bfloat16", cache_dir=str(strata_cache_dir),
         cache=CacheConfig(kv_cache_memory_bytes=1 << 27),
@@ -254,11 +256,27 @@ def test_whole_layer_kernels_apply_adapters_like_the_per_module_path(
         )  # fmt: skip
         assert core.lora is not None and core.lora.b_transposed is fuse
         llm = LLM(core=core, tokenizer=smollm2_tokenizer)
-        runs[mode] = [c.token_ids for c in llm.generate(prompts, GREEDY, lora=loras)]
+        done = llm.generate(prompts, LOGPROBS, lora=loras)
+        runs[mode] = [c.token_ids for c in done]
         if mode == "stack":
+            fused = done
             base = [c.token_ids for c in llm.generate(prompts, GREEDY)]
     # the whole stack in one call runs the same kernels in the same order as layer by layer
     assert runs["stack"] == runs["layers"]
-    agreement = greedy_agreement(runs["modules"], runs["stack"])
-    assert agreement.identical >= 3 and agreement.prefix_rate > 0.9, agreement
     assert greedy_agreement(base, runs["stack"]).token_rate < 0.7, "the adapters change the tokens"
+    # llm is the per-module path's: it scores every prefix of the fused path's continuations
+    prefixes = [(i, j) for i, c in enumerate(fused) for j in range(len(c.token_ids))]
+    scored = llm.generate(
+        [fused[i].prompt_token_ids + fused[i].token_ids[:j] for i, j in prefixes],
+        SamplingParams(max_tokens=1, temperature=0.0, logprobs=LOGPROBS.logprobs),
+        lora=[loras[i] for i, _ in prefixes],
+    )
+    gaps = []
+    for (i, j), c in zip(prefixes, scored, strict=True):
+        want, got = fused[i].logprobs[j], c.logprobs[0]
+        assert want.token_id in got.top_ids, f"prompt {i}, token {j}: not in the top 5"
+        gaps.append(abs(want.logprob - got.top_logprobs[got.top_ids.index(want.token_id)]))
+        margin = want.top_logprobs[0] - want.top_logprobs[1]
+        if margin > 0.5:  # no near-tie: both paths pick the same token
+            assert got.top_ids[0] == want.token_id, f"prompt {i}, token {j}"
+    assert sum(gaps) / len(gaps) < 0.15 and max(gaps) < 1.0, gaps

@@ -20,6 +20,10 @@
 // thread, each thread therefore takes a run of consecutive sequences and, while it computes
 // one, prefetches the next one's pages into L2 a few lines per token (KVWarm): DRAM streams
 // all the time, and every sequence but the first of a run starts on cached rows.
+//
+// A prefill step has a row per prompt token, and a prompt's rows read the same pages: runs of
+// such rows (up to 16) go together (attend_rows), each K and V row loaded once for the whole
+// run, every output bit for bit what the row would get alone.
 
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
@@ -27,6 +31,12 @@
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
+
+// bf16 pages with bf16 queries: both passes run bf16 dot products on the stored pairs (pass 2
+// with the softmax weights rounded to bf16), and prefill rows go in tiles (attend_rows)
+#if defined(ELEM_IS_BF16) && defined(STRATA_AVX512BF16) && !defined(PAGE_FP8)
+#define DOT_BF16 1
+#endif
 
 #ifdef PAGE_FP8
 #define PELEM uint8_t
@@ -140,6 +150,179 @@ static void FN(attend_one)(const ELEM* q, const PELEM* k_pages, const PELEM* v_p
 }
 
 #ifdef STRATA_AVX512
+// One key's score for one query head in fp32 (qv: the query times the softmax scale): the
+// keys past a sequence's last whole group of 16.
+static inline __attribute__((always_inline)) float FN(score_one)(const __m512* qv,
+                                                                 const PELEM* kr, const int NV) {
+    __m512 a = _mm512_mul_ps(qv[0], PV_LOAD(kr));
+    for (int i = 1; i < NV; i++) a = _mm512_fmadd_ps(qv[i], PV_LOAD(kr + 16 * i), a);
+    return _mm512_reduce_add_ps(a);
+}
+
+// Softmax over one query's scores (m: each head's maximum): inv_sum gets each head's
+// 1 / sum, and the scores become their exponentials. With DOT_BF16 these are rounded to
+// bf16 for pass 2's dot products and written over the start of the head's scores row
+// (weight j at byte 2 j: each store lands on scores already read).
+static inline __attribute__((always_inline)) void FN(attend_softmax)(
+    float* scores, int64_t score_stride, const float* m, int64_t len, float* inv_sum,
+    const int G) {
+    for (int g = 0; g < G; g++) {
+        float* sg = scores + g * score_stride;
+        const __m512 vm = _mm512_set1_ps(m[g]);
+        __m512 vsum = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t + 16 <= len; t += 16) {
+            const __m512 e = v_exp(_mm512_sub_ps(_mm512_loadu_ps(sg + t), vm));
+#ifdef DOT_BF16
+            _mm256_storeu_si256((__m256i*)((char*)sg + 2 * t), v_pack_bf16(e));
+#else
+            _mm512_storeu_ps(sg + t, e);
+#endif
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        float sum = _mm512_reduce_add_ps(vsum);
+        for (; t < len; t++) {
+            const float e = expf(sg[t] - m[g]);
+#ifdef DOT_BF16
+            const bf16_t w = f32_to_bf16(e);
+            memcpy((char*)sg + 2 * t, &w, 2);
+#else
+            sg[t] = e;
+#endif
+            sum += e;
+        }
+        inv_sum[g] = 1.0f / sum;
+    }
+}
+
+// The pool slot of a sequence's key j.
+static inline int64_t FN(key_slot)(const int64_t* table, int64_t j, int64_t block_shift) {
+    return (table[j >> block_shift] << block_shift) + (j & (((int64_t)1 << block_shift) - 1));
+}
+
+#ifdef DOT_BF16
+// Pass 2 on bf16 pairs: rows v0, v1 of two consecutive keys (v1 NULL: a zero row), their
+// weights w (per head, one dword: key 0's bf16 in the low half). The two rows' elements are
+// interleaved in 128-bit lanes, so acc[g][2c] holds dims 32c + (0-3, 8-11, 16-19, 24-27) and
+// acc[g][2c + 1] dims 32c + (4-7, 12-15, 20-23, 28-31); attend_store puts them back in order.
+static inline __attribute__((always_inline)) void FN(attend_pair)(
+    __m512 acc[8][8], const __m512bh* w, const bf16_t* v0, const bf16_t* v1, const int G,
+    const int D) {
+    for (int c = 0; c < D / 32; c++) {
+        const __m512i a = _mm512_loadu_si512(v0 + 32 * c);
+        const __m512i b = v1 ? _mm512_loadu_si512(v1 + 32 * c) : _mm512_setzero_si512();
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int g = 0; g < G; g++) {
+            acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], w[g], lo);
+            acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], w[g], hi);
+        }
+    }
+}
+
+// The weights of keys j, j + 1 for each head (second NULL when j + 1 is past the end).
+static inline __attribute__((always_inline)) void FN(attend_weights)(
+    __m512bh* w, const float* scores, int64_t score_stride, int64_t j, int last, const int G) {
+    for (int g = 0; g < G; g++) {
+        uint32_t d;
+        memcpy(&d, (const char*)(scores + g * score_stride) + 2 * j, 4);
+        w[g] = (__m512bh)_mm512_set1_epi32((int)(last ? d & 0xffffu : d));
+    }
+}
+
+static inline __attribute__((always_inline)) void FN(attend_store)(
+    bf16_t* out, __m512 acc[8][8], const float* inv_sum, const int G, const int D) {
+    // dims 0-15 of a 32: lanes 0-3 of the low half, 0-3 of the high half (16-19), 4-7, 20-23
+    const __m512i lo_idx =
+        _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi_idx =
+        _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int g = 0; g < G; g++) {
+        const __m512 vi = _mm512_set1_ps(inv_sum[g]);
+        for (int c = 0; c < D / 32; c++) {
+            const __m512 a = acc[g][2 * c], b = acc[g][2 * c + 1];
+            v_store_bf16(out + g * D + 32 * c,
+                         _mm512_mul_ps(_mm512_permutex2var_ps(a, lo_idx, b), vi));
+            v_store_bf16(out + g * D + 32 * c + 16,
+                         _mm512_mul_ps(_mm512_permutex2var_ps(a, hi_idx, b), vi));
+        }
+    }
+}
+#endif
+
+// Softmax and pass 2, the weighted V rows by 16-token groups, into out.
+static inline __attribute__((always_inline)) void FN(attend_finish)(
+    float* scores, int64_t score_stride, const float* m, int64_t len, const PELEM* v_pages,
+    const float* v_scales, const int64_t* table, int64_t block_shift, int64_t kv_heads,
+    int64_t row, int64_t page, KVWarm* warm, ELEM* out, const int G, const int D) {
+    (void)v_scales, (void)kv_heads;
+    const int head_bytes = (int)(D * (int64_t)sizeof(PELEM));
+    const int NV = D / 16;
+    const int64_t block_mask = ((int64_t)1 << block_shift) - 1;
+    const int grouped = block_shift >= 4;
+    float inv_sum[8];
+    FN(attend_softmax)(scores, score_stride, m, len, inv_sum, G);
+    // pass 2: weighted V, by the same 16-token groups
+#ifdef DOT_BF16
+    const PELEM* v_even = 0;
+#endif
+    __m512 acc[8][8];
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < NV; i++) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+        const int64_t n = len - t0 < 16 ? len - t0 : 16;
+        const int whole = grouped && n == 16;
+        const int64_t slot0 = (table[t0 >> block_shift] << block_shift) + (t0 & block_mask);
+        const int64_t nx0 = t0 + 16 < len ? t0 + 16 : t0;
+        const char* ahead = (const char*)(v_pages + ((table[nx0 >> block_shift] << block_shift) +
+                                                     (nx0 & block_mask)) * row);
+        for (int64_t u = 0; u < n; u++) {
+            const int64_t tt = t0 + u;
+            int64_t slot = slot0 + u;
+            if (whole) {
+                for (int c = 0; c < head_bytes; c += 64)
+                    _mm_prefetch(ahead + u * row * (int64_t)sizeof(PELEM) + c, _MM_HINT_T0);
+                kv_warm(warm);
+            } else {
+                slot = (table[tt >> block_shift] << block_shift) + (tt & block_mask);
+                const int64_t nx = tt + 16 < len ? tt + 16 : len - 1;
+                const char* ah = (const char*)(v_pages + table[nx >> block_shift] * page +
+                                               (nx & block_mask) * row);
+                for (int c = 0; c < head_bytes; c += 64) _mm_prefetch(ah + c, _MM_HINT_T0);
+                kv_warm(warm);
+            }
+            const PELEM* vr = v_pages + slot * row;
+#ifdef DOT_BF16
+            // keys by pairs: an even key waits for the next one, unless it is the last
+            if (!(u & 1) && u + 1 < n) {
+                v_even = vr;
+                continue;
+            }
+            const int odd = (int)(u & 1);
+            __m512bh w[8];
+            FN(attend_weights)(w, scores, score_stride, odd ? tt - 1 : tt, !odd, G);
+            FN(attend_pair)(acc, w, odd ? v_even : vr, odd ? vr : 0, G, D);
+#else
+            const float vs = ROW_SCALE(v_scales, slot);
+            __m512 p[8];
+            for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(scores[g * score_stride + tt] * vs);
+            for (int i = 0; i < NV; i++) {
+                const __m512 vv = PV_LOAD(vr + 16 * i);
+                for (int g = 0; g < G; g++) acc[g][i] = _mm512_fmadd_ps(p[g], vv, acc[g][i]);
+            }
+#endif
+        }
+    }
+#ifdef DOT_BF16
+    FN(attend_store)(out, acc, inv_sum, G, D);
+#else
+    for (int g = 0; g < G; g++) {
+        const __m512 vi = _mm512_set1_ps(inv_sum[g]);
+        for (int i = 0; i < NV; i++) V_STORE(out + g * D + 16 * i, _mm512_mul_ps(acc[g][i], vi));
+    }
+#endif
+}
+
 // Specialised for compile-time (group, head_dim) so that queries and accumulators live in
 // registers. Scores for 16 tokens at a time come out of one 16-way horizontal sum.
 static inline __attribute__((always_inline)) void FN(attend_fast)(
@@ -180,8 +363,7 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
         tail_max[g] = -INFINITY;
     }
     int64_t j = 0;
-#if defined(ELEM_IS_BF16) && defined(STRATA_AVX512BF16) && !defined(PAGE_FP8)
-#define DOT_BF16 1
+#ifdef DOT_BF16
     // bf16 pages: dot products straight on the stored pairs, no conversion of K rows
     __m512bh qb[8][4];
     for (int g = 0; g < G; g++)
@@ -255,75 +437,195 @@ static inline __attribute__((always_inline)) void FN(attend_fast)(
         const PELEM* kr = k_pages + slot * row;
         const float ks = ROW_SCALE(k_scales, slot);
         for (int g = 0; g < G; g++) {
-            __m512 a = _mm512_mul_ps(qv[g][0], PV_LOAD(kr));
-            for (int i = 1; i < NV; i++) a = _mm512_fmadd_ps(qv[g][i], PV_LOAD(kr + 16 * i), a);
-            const float sc = _mm512_reduce_add_ps(a) * ks;
+            const float sc = FN(score_one)(qv[g], kr, NV) * ks;
             scores[g * score_stride + j] = sc;
             tail_max[g] = sc > tail_max[g] ? sc : tail_max[g];
         }
     }
-    // softmax
-    float inv_sum[8];
+    // softmax and pass 2
+    float m[8];
     for (int g = 0; g < G; g++) {
-        float* sg = scores + g * score_stride;
         const float vm_max = _mm512_reduce_max_ps(vmax[g]);
-        const float m = vm_max > tail_max[g] ? vm_max : tail_max[g];
-        const __m512 vm = _mm512_set1_ps(m);
-        __m512 vsum = _mm512_setzero_ps();
-        int64_t t = 0;
-        for (; t + 16 <= len; t += 16) {
-            const __m512 e = v_exp(_mm512_sub_ps(_mm512_loadu_ps(sg + t), vm));
-            _mm512_storeu_ps(sg + t, e);
-            vsum = _mm512_add_ps(vsum, e);
-        }
-        float sum = _mm512_reduce_add_ps(vsum);
-        for (; t < len; t++) {
-            sg[t] = expf(sg[t] - m);
-            sum += sg[t];
-        }
-        inv_sum[g] = 1.0f / sum;
+        m[g] = vm_max > tail_max[g] ? vm_max : tail_max[g];
     }
-    // pass 2: weighted V, by the same 16-token groups
-    __m512 acc[8][8];
-    for (int g = 0; g < G; g++)
-        for (int i = 0; i < NV; i++) acc[g][i] = _mm512_setzero_ps();
-    for (int64_t t0 = 0; t0 < len; t0 += 16) {
-        const int64_t n = len - t0 < 16 ? len - t0 : 16;
-        const int whole = grouped && n == 16;
-        const int64_t slot0 = (table[t0 >> block_shift] << block_shift) + (t0 & block_mask);
-        const int64_t nx0 = t0 + 16 < len ? t0 + 16 : t0;
-        const char* ahead = (const char*)(v_pages + ((table[nx0 >> block_shift] << block_shift) +
-                                                     (nx0 & block_mask)) * row);
-        for (int64_t u = 0; u < n; u++) {
-            const int64_t tt = t0 + u;
-            int64_t slot = slot0 + u;
-            if (whole) {
-                for (int c = 0; c < head_bytes; c += 64)
-                    _mm_prefetch(ahead + u * row * (int64_t)sizeof(PELEM) + c, _MM_HINT_T0);
-                kv_warm(warm);
-            } else {
-                slot = (table[tt >> block_shift] << block_shift) + (tt & block_mask);
-                const int64_t nx = tt + 16 < len ? tt + 16 : len - 1;
-                const char* ah = (const char*)(v_pages + table[nx >> block_shift] * page +
-                                               (nx & block_mask) * row);
-                for (int c = 0; c < head_bytes; c += 64) _mm_prefetch(ah + c, _MM_HINT_T0);
-                kv_warm(warm);
-            }
-            const PELEM* vr = v_pages + slot * row;
-            const float vs = ROW_SCALE(v_scales, slot);
-            __m512 p[8];
-            for (int g = 0; g < G; g++) p[g] = _mm512_set1_ps(scores[g * score_stride + tt] * vs);
-            for (int i = 0; i < NV; i++) {
-                const __m512 vv = PV_LOAD(vr + 16 * i);
-                for (int g = 0; g < G; g++) acc[g][i] = _mm512_fmadd_ps(p[g], vv, acc[g][i]);
-            }
-        }
-    }
-    for (int g = 0; g < G; g++) {
-        const __m512 vi = _mm512_set1_ps(inv_sum[g]);
-        for (int i = 0; i < NV; i++) V_STORE(out + g * D + 16 * i, _mm512_mul_ps(acc[g][i], vi));
-    }
+    FN(attend_finish)(scores, score_stride, m, len, v_pages, v_scales, table, block_shift,
+                      kv_heads, row, page, warm, out, G, D);
 }
+
+#ifdef DOT_BF16
+// Prefill: R <= 16 query rows of one sequence (lens nondecreasing, every row's keys behind
+// `table`), one KV head. Pass 1 puts the rows in the vector lanes, so each K row is loaded
+// once for all of them and each score needs no horizontal sum of its own. Every score is
+// still attend_fast's bit for bit: there, lane l of a key's accumulator holds the dword pairs
+// l, 16 + l, ... of the dot product, and its 16-way sum (v_hsum16) adds the lanes as
+// ((0 + 2) + (1 + 3)) + ((4 + 6) + (5 + 7)), then those two quads' sum plus the other two's;
+// here partial l is that same chain of pairs, summed in that same order. The keys past a
+// row's last whole 16-token group and the softmax are attend_fast's, row by row; pass 2
+// interleaves each block of V rows in pairs once for all the rows, and runs each row's sums
+// over its key pairs in attend_finish's order. scores: R * G rows of score_stride; out rows
+// out_stride apart.
+static inline __attribute__((always_inline)) void FN(attend_rows)(
+    const ELEM* q, int64_t q_stride, const PELEM* k_pages, const PELEM* v_pages, ELEM* out,
+    int64_t out_stride, const int64_t* table, const int32_t* lens, int R, int64_t block_shift,
+    int64_t row, float scale, float* scores, int64_t score_stride, const int G, const int D) {
+    const int NP = D / 2;  // bf16 pairs per head
+    const int NV = D / 16;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    __m512i qt[8 * 64];  // [g][pair]: lane r holds row r's pair (zero past R)
+    for (int g = 0; g < G; g++)
+        for (int p = 0; p < NP; p++) {
+            int32_t lanes[16] = {0};
+            for (int r = 0; r < R; r++) memcpy(&lanes[r], q + r * q_stride + g * D + 2 * p, 4);
+            qt[g * NP + p] = _mm512_loadu_si512(lanes);
+        }
+    __m512 vmax[16][8];  // [row][g], as attend_fast keeps them
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) vmax[r][g] = _mm512_set1_ps(-INFINITY);
+    const int64_t whole = lens[R - 1] & ~(int64_t)15;  // the longest row's whole groups
+    for (int64_t j = 0; j < whole; j += 16) {
+        __m512 st[8][16];  // [g][key]: the rows' scores in the lanes
+        const PELEM* kr[16];
+        for (int t = 0; t < 16; t++) {
+            const int64_t jj = j + t;
+            kr[t] = k_pages + FN(key_slot)(table, jj, block_shift) * row;
+            // the next group's rows: pages are scattered
+            const char* ahead = (const char*)(k_pages +
+                                              FN(key_slot)(table, jj + 16 < whole ? jj + 16 : jj,
+                                                           block_shift) * row);
+            for (int c = 0; c < D * (int)sizeof(PELEM); c += 64)
+                _mm_prefetch(ahead + c, _MM_HINT_T0);
+        }
+        for (int g = 0; g < G; g++) {
+            // by quads of partials, their query pairs held in registers across the 16 keys
+            __m512 xs[4][16];
+            for (int k = 0; k < 4; k++) {
+                __m512bh qk[4][4];  // [i][c]: partial 4k + i, pair 16c + 4k + i
+                for (int i = 0; i < 4; i++)
+                    for (int c = 0; c < NP / 16; c++)
+                        qk[i][c] = (__m512bh)qt[g * NP + 16 * c + 4 * k + i];
+                for (int t = 0; t < 16; t++) {
+                    __m512 part[4];
+                    for (int i = 0; i < 4; i++) {
+                        __m512 a = _mm512_setzero_ps();
+                        for (int c = 0; c < NP / 16; c++) {
+                            int32_t v;
+                            memcpy(&v, kr[t] + 2 * (16 * c + 4 * k + i), 4);
+                            a = _mm512_dpbf16_ps(a, qk[i][c], (__m512bh)_mm512_set1_epi32(v));
+                        }
+                        part[i] = a;
+                    }
+                    xs[k][t] = _mm512_add_ps(_mm512_add_ps(part[0], part[2]),
+                                             _mm512_add_ps(part[1], part[3]));
+                }
+            }
+            for (int t = 0; t < 16; t++)
+                st[g][t] = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(xs[0][t], xs[1][t]),
+                                                       _mm512_add_ps(xs[2][t], xs[3][t])),
+                                         vscale);
+        }
+        for (int g = 0; g < G; g++) {
+            v_transpose16(st[g]);  // st[g][r]: row r's 16 scores
+            for (int r = 0; r < R; r++)
+                if (j + 16 <= lens[r]) {
+                    _mm512_storeu_ps(scores + (r * G + g) * score_stride + j, st[g][r]);
+                    vmax[r][g] = _mm512_max_ps(vmax[r][g], st[g][r]);
+                }
+        }
+    }
+    float inv_sum[16][8];
+    for (int r = 0; r < R; r++) {
+        const int64_t len = lens[r];
+        float* sr = scores + r * G * score_stride;
+        float m[8];
+        __m512 qv[8][8];
+        for (int g = 0; g < G; g++) {
+            for (int i = 0; i < NV; i++)
+                qv[g][i] = _mm512_mul_ps(V_LOAD(q + r * q_stride + g * D + 16 * i), vscale);
+            m[g] = -INFINITY;
+        }
+        for (int64_t jj = len & ~(int64_t)15; jj < len; jj++) {
+            const PELEM* kr = k_pages + FN(key_slot)(table, jj, block_shift) * row;
+            for (int g = 0; g < G; g++) {
+                const float sc = FN(score_one)(qv[g], kr, NV);
+                sr[g * score_stride + jj] = sc;
+                m[g] = sc > m[g] ? sc : m[g];
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const float vm_max = _mm512_reduce_max_ps(vmax[r][g]);
+            m[g] = vm_max > m[g] ? vm_max : m[g];
+        }
+        FN(attend_softmax)(sr, score_stride, m, len, inv_sum[r], G);
+    }
+    // pass 2, by blocks of keys
+    __m512 acc[16][8][8];  // [row][g][attend_pair's halves]
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < NV; i++) acc[r][g][i] = _mm512_setzero_ps();
+    enum { VB = 64 };  // keys per block, even
+    __m512bh vp2[VB / 2][8];
+    for (int64_t j = 0; j < lens[R - 1]; j += VB) {
+        const int64_t n = lens[R - 1] - j < VB ? lens[R - 1] - j : VB;
+        for (int64_t u = 0; u < n; u += 2) {
+            const PELEM* v0 = v_pages + FN(key_slot)(table, j + u, block_shift) * row;
+            const PELEM* v1 =
+                u + 1 < n ? v_pages + FN(key_slot)(table, j + u + 1, block_shift) * row : 0;
+            for (int c = 0; c < D / 32; c++) {
+                const __m512i x = _mm512_loadu_si512(v0 + 32 * c);
+                const __m512i y = v1 ? _mm512_loadu_si512(v1 + 32 * c) : _mm512_setzero_si512();
+                vp2[u / 2][2 * c] = (__m512bh)_mm512_unpacklo_epi16(x, y);
+                vp2[u / 2][2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t nr = lens[r] - j < n ? lens[r] - j : n;
+            const float* sr = scores + r * G * score_stride;
+            __m512 a[8][8];
+            for (int g = 0; g < G; g++)
+                for (int i = 0; i < NV; i++) a[g][i] = acc[r][g][i];
+            __m512bh w[8];
+            for (int64_t u = 0; u + 1 < nr; u += 2) {
+                FN(attend_weights)(w, sr, score_stride, j + u, 0, G);
+                for (int i = 0; i < NV; i++)
+                    for (int g = 0; g < G; g++)
+                        a[g][i] = _mm512_dpbf16_ps(a[g][i], w[g], vp2[u / 2][i]);
+            }
+            if (nr > 0 && nr & 1) {  // the row's last key, alone
+                FN(attend_weights)(w, sr, score_stride, j + nr - 1, 1, G);
+                const PELEM* v0 = v_pages + FN(key_slot)(table, j + nr - 1, block_shift) * row;
+                FN(attend_pair)(a, w, v0, 0, G, D);
+            }
+            for (int g = 0; g < G; g++)
+                for (int i = 0; i < NV; i++) acc[r][g][i] = a[g][i];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        FN(attend_store)(out + r * out_stride, acc[r], inv_sum[r], G, D);
+}
+
+#define STRATA_ROWS_CASE(G_, D_)                                                            \
+    if (group == G_ && head_dim == D_) {                                                    \
+        FN(attend_rows)(q, q_stride, kp, vp, out, out_stride, table, lens, R, block_shift,  \
+                        row, scale, scores, score_stride, G_, D_);                          \
+        return 1;                                                                           \
+    }
+
+// Returns 1 when a specialisation handled the rows.
+static int FN(rows_dispatch)(const ELEM* q, int64_t q_stride, const PELEM* kp, const PELEM* vp,
+                             ELEM* out, int64_t out_stride, const int64_t* table,
+                             const int32_t* lens, int R, int64_t group, int64_t head_dim,
+                             int64_t block_shift, int64_t row, float scale, float* scores,
+                             int64_t score_stride) {
+    STRATA_ROWS_CASE(1, 64) STRATA_ROWS_CASE(2, 64) STRATA_ROWS_CASE(3, 64)
+    STRATA_ROWS_CASE(4, 64) STRATA_ROWS_CASE(5, 64) STRATA_ROWS_CASE(6, 64)
+    STRATA_ROWS_CASE(7, 64) STRATA_ROWS_CASE(8, 64)
+    STRATA_ROWS_CASE(1, 128) STRATA_ROWS_CASE(2, 128) STRATA_ROWS_CASE(3, 128)
+    STRATA_ROWS_CASE(4, 128) STRATA_ROWS_CASE(5, 128) STRATA_ROWS_CASE(6, 128)
+    STRATA_ROWS_CASE(7, 128) STRATA_ROWS_CASE(8, 128)
+    return 0;
+}
+#undef STRATA_ROWS_CASE
+#endif
 
 #define STRATA_ATTEND_CASE(G_, D_)                                                          \
     if (group == G_ && head_dim == D_) {                                                    \
@@ -376,13 +678,23 @@ int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const PELEM* k_page
     while (((int64_t)1 << block_shift) < block_size) block_shift++;
     if (((int64_t)1 << block_shift) != block_size) return -4;  // power of two only
     int failed = 0;
-    // sequences per work item: up to 8, while every thread still gets two items or more
+    // Consecutive rows that share their blocks (a prompt's rows in a prefill step) go in tiles
+    // of up to 16 (attend_rows).
+    int tiles = 0;
+#ifdef DOT_BF16
+    if ((head_dim == 64 || head_dim == 128) && group <= 8)
+        for (int64_t s = 0; s + 1 < num_seqs && !tiles; s++)
+            tiles = rows_share(block_tables, seq_lens, max_blocks, block_size, s, s + 1);
+#endif
+    // sequences per work item: up to 8 (16 with tiles), while every thread still gets two
+    // items or more
     int64_t chunk = num_seqs / (2 * (int64_t)omp_get_max_threads());
-    chunk = chunk < 1 ? 1 : chunk > 8 ? 8 : chunk;
+    chunk = chunk < 1 ? 1 : chunk > 8 + 8 * tiles ? 8 + 8 * tiles : chunk;
     const int64_t items = chunk > 1 ? (num_seqs + chunk - 1) / chunk : num_seqs * num_kv_heads;
 #pragma omp parallel if (items > 1)
     {
-        float* scores = (float*)malloc(sizeof(float) * (size_t)(group * max_len));
+        const int64_t rows = tiles ? 16 : 1;  // scores of up to 16 rows at once
+        float* scores = (float*)malloc(sizeof(float) * (size_t)(rows * group * max_len));
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -394,6 +706,26 @@ int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const PELEM* k_page
             const int64_t s0 = chunk > 1 ? item * chunk : item / num_kv_heads;
             const int64_t s1 = chunk > 1 ? (s0 + chunk < num_seqs ? s0 + chunk : num_seqs) : s0 + 1;
             for (int64_t s = s0; s < s1; s++) {
+#ifdef DOT_BF16
+                if (tiles && chunk > 1) {
+                    int64_t e = s + 1;
+                    while (e < s1 && e - s < 16 &&
+                           rows_share(block_tables, seq_lens, max_blocks, block_size, e - 1, e))
+                        e++;
+                    if (e - s >= 2) {
+                        for (int64_t h = 0; h < num_kv_heads; h++)
+                            FN(rows_dispatch)(q + s * q_stride + h * group * head_dim, q_stride,
+                                              k_pages + h * head_dim, v_pages + h * head_dim,
+                                              out + (s * num_heads + h * group) * head_dim,
+                                              num_heads * head_dim,
+                                              block_tables + (e - 1) * max_blocks, seq_lens + s,
+                                              (int)(e - s), group, head_dim, block_shift, row,
+                                              scale, scores, max_len);
+                        s = e - 1;
+                        continue;
+                    }
+                }
+#endif
                 // The first sequence of a run has had no warm: its first head fetches all of
                 // its pages during its scores pass (many misses in flight, not one row at a
                 // time), and the other heads' passes warm the next sequence.

@@ -79,6 +79,16 @@ static inline KVWarm kv_warm_seq(const void* k, const void* v, const int64_t* ta
                     (lines + calls - 1) / calls};
 }
 
+// Whether attention row b reads every key of row a through the same blocks, and at least as
+// many keys: the consecutive rows of one prompt in a prefill step.
+static inline int rows_share(const int64_t* tables, const int32_t* lens, int64_t max_blocks,
+                             int64_t block_size, int64_t a, int64_t b) {
+    if (lens[b] < lens[a]) return 0;
+    const int64_t blocks = (lens[a] + block_size - 1) / block_size;
+    return !memcmp(tables + a * max_blocks, tables + b * max_blocks,
+                   (size_t)blocks * sizeof(int64_t));
+}
+
 #ifdef STRATA_AVX512
 static inline __m512 v_load_bf16(const bf16_t* p) {
     __m256i raw = _mm256_loadu_si256((const __m256i*)p);
@@ -123,6 +133,35 @@ static inline __m512 v_exp(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
+}
+
+// In-place transpose of a 16 x 16 matrix held as 16 row vectors.
+static inline void v_transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  // r[4i + c], 128-bit block k: column 4k + c, rows 4i..4i+3
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int c = 0; c < 4; c++) {
+        t[c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
+        t[4 + c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+        t[8 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+        t[12 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
+        r[4 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
+        r[12 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xDD);
+    }
 }
 
 // Horizontal sums of 16 vectors at once: lane t of the result is the sum of a[t]'s lanes.

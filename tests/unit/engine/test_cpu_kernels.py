@@ -165,6 +165,64 @@ def test_paged_decode_rows_do_not_depend_on_the_batch(kernels, page_dtype):
         assert torch.equal(batched[i : i + 1], alone), f"sequence {i} depends on its batch"
 
 
+def reference_attention(q, k_pages, v_pages, table, lens, scale):
+    """Each row's attention in fp64 over its first `lens[i]` keys: [B, H * D]."""
+    _, block, kv_heads, head_dim = k_pages.shape
+    heads = q.shape[1]
+    out = []
+    for i in range(q.shape[0]):
+        length = int(lens[i])
+        slots = (table[i, :, None] * block + torch.arange(block)).flatten()[:length]
+        k = k_pages.reshape(-1, kv_heads, head_dim)[slots].double()
+        v = v_pages.reshape(-1, kv_heads, head_dim)[slots].double()
+        qi = q[i].double().view(kv_heads, heads // kv_heads, head_dim)
+        probs = (torch.einsum("hgd,lhd->hgl", qi, k) * scale).softmax(-1)
+        out.append(torch.einsum("hgl,lhd->hgd", probs, v).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [
+        (9, 3, 64, 16),
+        (8, 2, 128, 16),
+        (4, 4, 64, 8),
+        (12, 2, 64, 32),
+        (6, 2, 64, 4),
+        (6, 3, 48, 16),
+    ],
+)
+def test_prefill_rows_match_fp64_and_each_row_alone(kernels, heads, kv_heads, head_dim, block_size):
+    """A prefill step's rows (a row per token; one prompt's rows share their blocks, and the
+    kernel takes them in tiles) next to decode rows: every row is close to fp64 attention and
+    bit-identical to attending it alone, whatever its tile."""
+    spec = KVCacheSpec(1, kv_heads, head_dim, block_size, torch.bfloat16)
+    pool = DeviceKVPool(spec, 256, torch.device("cpu"))
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=gen()))
+    perm = torch.randperm(256, generator=gen(1)).tolist()
+    # decodes, a whole prompt of odd length, a chunk after 21 cached tokens, a 1-token prompt
+    shapes = [(1, 40), (1, 7), (1, 130), (333, 0), (50, 21), (1, 0)]
+    seqs, start = [], 0
+    for query_len, context_len in shapes:
+        blocks = -(-(query_len + context_len) // block_size)
+        seqs.append(SeqSlice(query_len, context_len, perm[start : start + blocks]))
+        start += blocks
+    rows = PagedAttention(pool, heads, kernels=kernels).build_context(seqs).rows
+    assert rows is not None
+    table, lens = rows.block_table, rows.seq_lens
+    q = torch.randn(len(lens), heads, head_dim, generator=gen(2)).bfloat16()
+    k_pages, v_pages = pool.layer(0)
+    scale = head_dim**-0.5
+    got = kernels.paged_decode(q, k_pages, v_pages, table, lens, scale)
+    expected = reference_attention(q, k_pages, v_pages, table, lens, scale)
+    torch.testing.assert_close(got.double(), expected, atol=8e-3, rtol=2e-2)
+    for i in range(len(lens)):
+        alone = kernels.paged_decode(
+            q[i : i + 1], k_pages, v_pages, table[i : i + 1], lens[i : i + 1], scale
+        )
+        assert torch.equal(got[i : i + 1], alone), f"row {i} depends on its batch"
+
+
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 64])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_packed_linear_matches_fp32_matmul(kernels, m, out_dtype):
