@@ -31,6 +31,10 @@
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
+// the (group, head_dim) pairs with kernels specialised at compile time
+#define STRATA_SPECIALISED_SHAPES(X)                                                        \
+    X(1, 64) X(2, 64) X(3, 64) X(4, 64) X(5, 64) X(6, 64) X(7, 64) X(8, 64)                \
+    X(1, 128) X(2, 128) X(3, 128) X(4, 128) X(5, 128) X(6, 128) X(7, 128) X(8, 128)
 
 // bf16 pages with bf16 queries: both passes run bf16 dot products on the stored pairs (pass 2
 // with the softmax weights rounded to bf16), and prefill rows go in tiles (attend_rows)
@@ -616,12 +620,7 @@ static int FN(rows_dispatch)(const ELEM* q, int64_t q_stride, const PELEM* kp, c
                              const int32_t* lens, int R, int64_t group, int64_t head_dim,
                              int64_t block_shift, int64_t row, float scale, float* scores,
                              int64_t score_stride) {
-    STRATA_ROWS_CASE(1, 64) STRATA_ROWS_CASE(2, 64) STRATA_ROWS_CASE(3, 64)
-    STRATA_ROWS_CASE(4, 64) STRATA_ROWS_CASE(5, 64) STRATA_ROWS_CASE(6, 64)
-    STRATA_ROWS_CASE(7, 64) STRATA_ROWS_CASE(8, 64)
-    STRATA_ROWS_CASE(1, 128) STRATA_ROWS_CASE(2, 128) STRATA_ROWS_CASE(3, 128)
-    STRATA_ROWS_CASE(4, 128) STRATA_ROWS_CASE(5, 128) STRATA_ROWS_CASE(6, 128)
-    STRATA_ROWS_CASE(7, 128) STRATA_ROWS_CASE(8, 128)
+    STRATA_SPECIALISED_SHAPES(STRATA_ROWS_CASE)
     return 0;
 }
 #undef STRATA_ROWS_CASE
@@ -641,12 +640,7 @@ static int FN(attend_dispatch)(const ELEM* qs, const PELEM* kp, const PELEM* vp,
                                int64_t kv_heads, int64_t row, int64_t page, float scale,
                                int rotated, float* scores, int64_t max_len,
                                KVWarm* warm) {
-    STRATA_ATTEND_CASE(1, 64) STRATA_ATTEND_CASE(2, 64) STRATA_ATTEND_CASE(3, 64)
-    STRATA_ATTEND_CASE(4, 64) STRATA_ATTEND_CASE(5, 64) STRATA_ATTEND_CASE(6, 64)
-    STRATA_ATTEND_CASE(7, 64) STRATA_ATTEND_CASE(8, 64)
-    STRATA_ATTEND_CASE(1, 128) STRATA_ATTEND_CASE(2, 128) STRATA_ATTEND_CASE(3, 128)
-    STRATA_ATTEND_CASE(4, 128) STRATA_ATTEND_CASE(5, 128) STRATA_ATTEND_CASE(6, 128)
-    STRATA_ATTEND_CASE(7, 128) STRATA_ATTEND_CASE(8, 128)
+    STRATA_SPECIALISED_SHAPES(STRATA_ATTEND_CASE)
     return 0;
 }
 #undef STRATA_ATTEND_CASE
@@ -773,6 +767,7 @@ int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const PELEM* k_page
 #undef CAT_
 #undef MAX_HEAD_DIM
 #undef MAX_GROUP
+#undef STRATA_SPECIALISED_SHAPES
 #undef PELEM
 #undef PS_LOAD
 #undef PV_LOAD
