@@ -109,6 +109,8 @@ def hf_model_for(config: Any) -> torch.nn.Module:
     Built from the same checkpoint as the engine (for synthetic models: the same seed), via
     an untransformed Strata model whose fused weights are split back into HF names.
     """
+    import transformers
+    from packaging.version import Version
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine.loader import build_model, load_checkpoint
@@ -118,8 +120,11 @@ def hf_model_for(config: Any) -> torch.nn.Module:
     model = build_model(checkpoint, dtype, device)
     raw = model.config.to_hf()
     hf_config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    # `dtype` since transformers 4.56; a GPU image may carry an older one
+    key = "torch_dtype" if Version(transformers.__version__) < Version("4.56") else "dtype"
     with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        hf = AutoModelForCausalLM.from_config(hf_config, **{key: dtype})
+    assert next(hf.parameters()).dtype == dtype
     missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
     assert not unexpected, unexpected
     assert all("rotary" in k for k in missing), missing
