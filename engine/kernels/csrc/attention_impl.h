@@ -31,6 +31,7 @@
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
+#define TILE_MIN 8  // rows of a prefill tile at least (attend_rows)
 // the (group, head_dim) pairs with kernels specialised at compile time
 #define STRATA_SPECIALISED_SHAPES(X)                                                        \
     X(1, 64) X(2, 64) X(3, 64) X(4, 64) X(5, 64) X(6, 64) X(7, 64) X(8, 64)                \
@@ -673,17 +674,21 @@ int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const PELEM* k_page
     if (((int64_t)1 << block_shift) != block_size) return -4;  // power of two only
     int failed = 0;
     // Consecutive rows that share their blocks (a prompt's rows in a prefill step) go in tiles
-    // of up to 16 (attend_rows).
+    // (attend_rows). A tile's scores pass costs the same for 1 row as for 16, so runs shorter
+    // than TILE_MIN rows take the one-row path, and tiles are used only when every thread can
+    // have one of TILE_MIN rows or more.
+    const int64_t threads = omp_get_max_threads();
     int tiles = 0;
 #ifdef DOT_BF16
-    if ((head_dim == 64 || head_dim == 128) && group <= 8)
+    if ((head_dim == 64 || head_dim == 128) && group <= 8 && num_seqs >= TILE_MIN * threads)
         for (int64_t s = 0; s + 1 < num_seqs && !tiles; s++)
             tiles = rows_share(block_tables, seq_lens, max_blocks, block_size, s, s + 1);
 #endif
-    // sequences per work item: up to 8 (16 with tiles), while every thread still gets two
-    // items or more
-    int64_t chunk = num_seqs / (2 * (int64_t)omp_get_max_threads());
-    chunk = chunk < 1 ? 1 : chunk > 8 + 8 * tiles ? 8 + 8 * tiles : chunk;
+    // sequences per work item: up to 8, while every thread still gets two items or more; with
+    // tiles, 16 rows, or one item per thread
+    int64_t chunk = num_seqs / (2 * threads);
+    chunk = chunk < 1 ? 1 : chunk > 8 ? 8 : chunk;
+    if (tiles) chunk = num_seqs / threads < 16 ? num_seqs / threads : 16;
     const int64_t items = chunk > 1 ? (num_seqs + chunk - 1) / chunk : num_seqs * num_kv_heads;
 #pragma omp parallel if (items > 1)
     {
@@ -706,7 +711,7 @@ int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const PELEM* k_page
                     while (e < s1 && e - s < 16 &&
                            rows_share(block_tables, seq_lens, max_blocks, block_size, e - 1, e))
                         e++;
-                    if (e - s >= 2) {
+                    if (e - s >= TILE_MIN) {
                         for (int64_t h = 0; h < num_kv_heads; h++)
                             FN(rows_dispatch)(q + s * q_stride + h * group * head_dim, q_stride,
                                               k_pages + h * head_dim, v_pages + h * head_dim,
@@ -768,6 +773,7 @@ int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const PELEM* k_page
 #undef MAX_HEAD_DIM
 #undef MAX_GROUP
 #undef STRATA_SPECIALISED_SHAPES
+#undef TILE_MIN
 #undef PELEM
 #undef PS_LOAD
 #undef PV_LOAD
