@@ -241,6 +241,9 @@ class CacheConfig:
     # copies overlap compute; with synchronous copies it only moves them, and it keeps the
     # most recently freed pages in host RAM rather than the most recently evicted.
     spill_ahead: bool = False
+    # how pages come back from those tiers (kvstore/transfer.py): "auto" (a CUDA stream,
+    # layer by layer, on GPU; synchronous on CPU), "sync", "thread" or "stream"
+    kv_load: str = "auto"
 
     def storage_dtype(self, compute: torch.dtype, device: torch.device) -> torch.dtype:
         """The dtype KV pages are stored in, for a model computing in `compute`."""
@@ -258,6 +261,8 @@ class CacheConfig:
             raise ConfigError("kv_cache_memory_bytes must be positive")
         if self.host_memory_bytes < 0 or self.disk_bytes < 0:
             raise ConfigError("KV host and disk tier sizes must not be negative")
+        if self.kv_load not in ("auto", "sync", "thread", "stream"):
+            raise ConfigError("kv_load must be auto, sync, thread or stream")
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ class EngineCore:
                 f"the KV budget fits {num_blocks} blocks of {spec.bytes_per_block} bytes; "
                 "raise kv_cache_memory_bytes"
             )
-        self.pool = DeviceKVPool(spec, num_blocks, self.device)
+        self.pool = DeviceKVPool(spec, num_blocks, self.device, config.cache.kv_load)
         self.tiers = _lower_tiers(config.cache, spec, self.device)
         self.block_manager = BlockManager(
             num_blocks,
@@ -229,6 +229,10 @@ class EngineCore:
             failures = [self._fail(s.request, f"engine step failed: {exc}")
                         for s in sched.scheduled]  # fmt: skip
             return outputs + failures
+        finally:
+            # the step has waited for its loads; a failed step may not have: no block freed
+            # from here on can still be receiving pages
+            self.pool.loads.finish()
         self.num_steps += 1
         self.scheduler.advance(sched)
         for request, token_id, logprob in zip(

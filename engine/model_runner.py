@@ -110,6 +110,7 @@ class ModelRunner:
         `lora_slots`: each token's adapter slot, when adapters are enabled."""
         graphs = self.graphs
         if graphs is not None and len(input_ids) == len(slices) and graphs.fits(len(slices)):
+            self.attn.pool.loads.wait_all()  # a graph's kernels wait on no layer's loads
             return graphs.run(input_ids, slices)
         ctx = self.attn.build_context(slices)
         ids_t = to_device(torch.tensor(input_ids, dtype=torch.long), self.device)

@@ -69,6 +69,14 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         help="directory for the disk tier's page file (default: the system temp directory)",
     )
     g.add_argument(
+        "--kv-load",
+        default="auto",
+        choices=["auto", "sync", "thread", "stream"],
+        help="how pages come back from host RAM and disk: layer by layer on a CUDA stream "
+        "(stream, CuPy where installed), on a worker thread (thread) or before the step "
+        "(sync); auto: stream on CUDA, sync elsewhere",
+    )
+    g.add_argument(
         "--kv-spill-ahead",
         action="store_true",
         help="save cooling prefix-cache pages to the host tier between steps, before their "
@@ -141,6 +149,7 @@ def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
             disk_bytes=int(args.kv_disk_gb * _GIB),
             disk_path=args.kv_disk_path,
             spill_ahead=args.kv_spill_ahead,
+            kv_load=args.kv_load,
         ),
         lora=LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank),
         scheduler=SchedulerConfig(
@@ -240,6 +249,7 @@ _ENGINE_FLAGS = (
     "kv_host_gb",
     "kv_disk_gb",
     "kv_disk_path",
+    "kv_load",
     "max_loras",
     "max_lora_rank",
     "max_num_seqs",

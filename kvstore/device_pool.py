@@ -9,6 +9,7 @@ import torch
 from kvstore.base import KVCacheSpec
 from kvstore.fp8 import SCALE_DTYPE
 from kvstore.hostmem import host_zeros
+from kvstore.transfer import LoadMode, PageLoads
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -24,9 +25,17 @@ class DeviceKVPool:
     pools add K and V scales, each `[num_blocks, block_size, num_kv_heads]` float32.
     Zero-filling matters: masked-out slots of a gathered page must hold finite values.
     The pool only stores bytes; which block belongs to whom is the block manager's business.
+    Pages loaded from the tiers below arrive layer by layer (`load_pages`, kvstore/transfer.py):
+    `layer` makes what runs next wait for that layer's pages.
     """
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        device: torch.device,
+        load_mode: LoadMode | str = LoadMode.AUTO,
+    ) -> None:
         assert num_blocks > 0
         self.spec = spec
         self.num_blocks = num_blocks
@@ -35,9 +44,12 @@ class DeviceKVPool:
         # kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv = _zeros((*shape, spec.head_dim), spec.dtype, device)
         self.scales = _zeros(shape, SCALE_DTYPE, device) if spec.quantized else None
+        self.loads = PageLoads(self, load_mode)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) page tensors of one layer, each [num_blocks, block_size, kv_heads, D]."""
+        """(K, V) page tensors of one layer, each [num_blocks, block_size, kv_heads, D], once
+        the pages loading into it have arrived (on CUDA: for the kernels queued next)."""
+        self.loads.wait_layer(layer_idx)
         return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
 
     def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -49,13 +61,23 @@ class DeviceKVPool:
 
     # -- whole pages, for the tiers below -------------------------------------------------
 
-    def _page_parts(self) -> list[torch.Tensor]:
+    def page_parts(self) -> list[torch.Tensor]:
         """Byte views [num_layers * 2, num_blocks, bytes of one layer's K or V block] of the
         values, then (FP8) the scales: a page is each part's row of its block, in order."""
         parts = [self.kv.view(torch.uint8)]
         if self.scales is not None:
             parts.append(self.scales.view(torch.uint8))
         return [p.view(2 * self.spec.num_layers, self.num_blocks, -1) for p in parts]
+
+    def layer_parts(self, layer_idx: int) -> list[torch.Tensor]:
+        """Layer `layer_idx`'s rows of `page_parts`, each [2 (K, V), num_blocks, width]."""
+        return [p[2 * layer_idx : 2 * layer_idx + 2] for p in self.page_parts()]
+
+    def load_pages(self, blocks: Sequence[int], pages: Sequence[torch.Tensor]) -> None:
+        """Store `pages` (host rows as `read_pages` returns them) into `blocks`, layer by
+        layer and, on CUDA, asynchronously (`layer` waits). The rows may be reused as soon
+        as this returns."""
+        self.loads.start(blocks, pages)
 
     def read_pages(self, blocks: Sequence[int]) -> torch.Tensor:
         """The pages of `blocks` as bytes, [n, spec.bytes_per_block] uint8 on the pool's
@@ -71,7 +93,7 @@ class DeviceKVPool:
         read (or written to disk) as soon as it returns."""
         assert len(out) == len(blocks)
         offset = 0
-        for part in self._page_parts():
+        for part in self.page_parts():
             width = part.shape[0] * part.shape[2]
             for block, row in zip(blocks, out, strict=True):  # one strided copy per page
                 dst = row[offset : offset + width].view(part.shape[0], -1)
@@ -84,7 +106,7 @@ class DeviceKVPool:
         stream before any later kernel or copy that touches these blocks or rows."""
         assert len(pages) == len(blocks)
         offset = 0
-        for part in self._page_parts():
+        for part in self.page_parts():
             width = part.shape[0] * part.shape[2]
             for block, page in zip(blocks, pages, strict=True):
                 assert page.shape == (self.spec.bytes_per_block,) and page.dtype == torch.uint8

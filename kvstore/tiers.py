@@ -437,8 +437,8 @@ class TieredKVStore:
 class KVOffloader:
     """Moves prefix-cache pages between a device pool and the tiers below it.
 
-    On CPU every copy is synchronous; on CUDA the device-to-host copies go through pinned
-    host memory.
+    Spills are synchronous (on CUDA through pinned host memory). Loads go through the pool's
+    layer-wise loads: on CUDA they run on their own stream while earlier layers compute.
     """
 
     def __init__(self, pool: DeviceKVPool, store: TieredKVStore) -> None:
@@ -485,6 +485,6 @@ class KVOffloader:
                 break
             pages.append(got[0])
             tiers.append(got[1])
-        if pages:
-            self.pool.write_pages(blocks[: len(pages)], pages)
+        if pages:  # layer by layer, asynchronously on CUDA (kvstore/transfer.py)
+            self.pool.load_pages(blocks[: len(pages)], pages)
         return tiers

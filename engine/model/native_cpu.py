@@ -191,6 +191,7 @@ class NativeDecoderStack:
         if self._pages is None or self._pages[0] != key:
             layers = [attn.layer_pages(layer.layer_idx, ctx) for layer in self.layers]
             self._pages = key, StackPages(layers)
+        attn.pool.loads.wait_all()  # the kernel reads every layer's pages
         return self.kernels.decoder_stack(
             x.contiguous(), self.weights, positions, shared, self._pages[1], lora, slots
         )

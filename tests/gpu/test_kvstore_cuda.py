@@ -1,10 +1,14 @@
-"""The FP8 page format on a CUDA device: the torch path stores the bytes it stores on CPU."""
+"""The KV store on a CUDA device: FP8 pages store the bytes the CPU path stores, and pages
+from the host tier come back layer by layer on a copy stream (CuPy where installed)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvstore import transfer
+from kvstore.base import KVCacheSpec
+from kvstore.device_pool import DeviceKVPool
 from kvstore.fp8 import quantize_fp8
 
 pytestmark = pytest.mark.gpu
@@ -16,3 +20,79 @@ def test_fp8_quantization_on_cuda_is_bit_identical_to_cpu():
     values, scales = quantize_fp8(x.cuda())
     assert torch.equal(scales.cpu(), cpu_scales)
     assert torch.equal(values.cpu().view(torch.uint8), cpu_values.view(torch.uint8))
+
+
+SPECS = {
+    "bf16": KVCacheSpec(16, 8, 64, 16, torch.bfloat16),
+    "fp8": KVCacheSpec(16, 8, 128, 16, torch.float8_e4m3fn),
+}
+
+
+def pinned_pages(spec: KVCacheSpec, n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    pages = torch.randint(0, 120, (n, spec.bytes_per_block), generator=g, dtype=torch.uint8)
+    return list(pages.pin_memory())
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_stream_loads_land_bit_for_bit_and_use_cupy_where_installed(name):
+    spec = SPECS[name]
+    pool = DeviceKVPool(spec, 64, torch.device("cuda"))  # auto: a CUDA stream
+    assert pool.loads.backend == ("cupy" if transfer._cupy() is not None else "torch")
+    pages = pinned_pages(spec, 24)
+    blocks = list(range(63, 15, -2))
+    pool.load_pages(blocks, pages)
+    pool.loads.wait_all()
+    got = pool.read_pages(blocks).cpu()
+    assert torch.equal(got, torch.stack(pages))
+    pool.loads.finish()
+    assert not pool.loads.pending
+
+
+def test_each_layer_waits_on_the_gpu_for_its_own_pages():
+    """The copy stream is held back by a long kernel, so the copies are still queued when the
+    compute stream reads layer 0 then the last layer: each read waits for its layer's event
+    (on the GPU; the host does not block) and sees the loaded pages."""
+    spec = SPECS["fp8"]
+    pool = DeviceKVPool(spec, 32, torch.device("cuda"))
+    reference = DeviceKVPool(spec, 32, torch.device("cpu"), load_mode="sync")
+    pages = pinned_pages(spec, 8)
+    blocks = list(range(8, 16))
+    reference.load_pages(blocks, pages)
+    with torch.cuda.stream(pool.loads._torch_stream):
+        torch.cuda._sleep(200_000_000)  # a spinning kernel ahead of the copies
+    pool.load_pages(blocks, pages)
+    for layer in (0, spec.num_layers - 1):
+        pool.layer(layer)  # queues the wait for this layer's pages only
+        for got, want in zip(pool.layer_parts(layer), reference.layer_parts(layer), strict=True):
+            assert torch.equal(got[:, blocks].cpu(), want[:, blocks]), layer
+    pool.loads.finish()
+
+
+def test_the_engine_gives_the_same_tokens_with_pages_loading_on_a_stream(strata_cache_dir):
+    """Pages spilled to host RAM come back through the copy stream while layers compute."""
+    from engine.config import CacheConfig, EngineConfig, KVCacheDtype
+    from engine.llm import LLM
+    from engine.protocol import SamplingParams
+
+    doc = "The Roman Empire reached its greatest extent under Trajan in 117 AD. " * 8
+    prompts = [f"{doc}\nQuestion {i}: what is this about?" for i in range(3)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for load in ("sync", "stream"):
+        cache = CacheConfig(
+            num_blocks=20, kv_cache_dtype=KVCacheDtype.AUTO, host_memory_bytes=256 << 20,
+            kv_load=load,
+        )  # fmt: skip
+        cfg = EngineConfig(dtype="float32", device="cuda", cache=cache,
+                           cache_dir=str(strata_cache_dir))  # fmt: skip
+        llm = LLM(cfg)
+        filler = "Filler text that pushes the document's pages out of the device pool. " * 10
+        outs = []
+        for p in prompts:  # each question after a filler request: the document comes back
+            llm.generate([filler], params)
+            outs.append(llm.generate([p], params)[0])
+        runs[load] = [o.token_ids for o in outs]
+        assert sum(o.num_cached_host_tokens for o in outs[1:]) > 0
+        llm.core.check_integrity()
+    assert runs["stream"] == runs["sync"]

@@ -33,17 +33,21 @@ def tiny_tiers(tmp_path, kv: KVCacheDtype, **overrides) -> CacheConfig:
     return dataclasses.replace(tiers, **overrides)
 
 
-@pytest.mark.parametrize("kv", [KVCacheDtype.AUTO, KVCacheDtype.FP8_E4M3])
+@pytest.mark.parametrize(
+    ("kv", "load"),
+    [(KVCacheDtype.AUTO, "sync"), (KVCacheDtype.FP8_E4M3, "sync"), (KVCacheDtype.AUTO, "thread")],
+)  # "thread": pages arrive layer by layer on a worker thread while the step computes
 def test_pages_back_from_host_and_disk_give_the_tokens_of_a_recompute(
-    make_core, smollm2_fp32, tmp_path, kv
+    make_core, smollm2_fp32, tmp_path, kv, load
 ):
     prompts = [f"{doc}\n{q}" for q in QUESTIONS for doc in DOCS]  # documents interleaved
     recompute = CacheConfig(kv_cache_dtype=kv, enable_prefix_caching=False)
     cold = LLM(core=make_core(EngineConfig(cache=recompute)), tokenizer=smollm2_fp32[1])
     reference = [cold.generate([p], GREEDY)[0].token_ids for p in prompts]
 
-    tiered = LLM(core=make_core(EngineConfig(cache=tiny_tiers(tmp_path, kv))),
+    tiered = LLM(core=make_core(EngineConfig(cache=tiny_tiers(tmp_path, kv, kv_load=load))),
                  tokenizer=smollm2_fp32[1])  # fmt: skip
+    assert tiered.core.pool.loads.backend == load
     outs = [tiered.generate([p], GREEDY)[0] for p in prompts]
     assert [o.token_ids for o in outs] == reference
     second_round = outs[len(DOCS) :]
@@ -65,7 +69,7 @@ def test_preempted_requests_swap_through_the_tiers(make_core, smollm2_fp32, tmp_
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     roomy = LLM(core=make_core(), tokenizer=smollm2_fp32[1])
     reference = [c.token_ids for c in roomy.generate(prompts, params)]
-    cache = tiny_tiers(tmp_path, KVCacheDtype.AUTO, num_blocks=16)
+    cache = tiny_tiers(tmp_path, KVCacheDtype.AUTO, num_blocks=16, kv_load="thread")
     tiny = LLM(core=make_core(EngineConfig(cache=cache)), tokenizer=smollm2_fp32[1])
     assert [c.token_ids for c in tiny.generate(prompts, params)] == reference
     stats = tiny.core.stats()
@@ -122,3 +126,36 @@ def test_spill_ahead_saves_pages_before_their_blocks_are_reused(make_core, smoll
     assert again.num_cached_host_tokens > 0
     assert again.num_cached_tokens >= 16 * (full_blocks - 1)
     llm.core.check_integrity()
+
+
+def test_the_native_layer_stack_waits_for_pages_loading_on_a_thread(
+    strata_cache_dir, tmp_path, monkeypatch
+):
+    """bf16 runs every layer in one kernel call (where the CPU has the native stack): it
+    starts once every layer's pages are in, and gives the tokens of the synchronous loads.
+    The worker's copies are slowed, so that a step that did not wait would read empty pages."""
+    import time
+
+    from engine.factory import create_engine
+    from kvstore import transfer
+
+    copy = transfer._scatter
+
+    def slow(*args):
+        time.sleep(0.002)
+        copy(*args)
+
+    monkeypatch.setattr(transfer, "_scatter", slow)
+
+    prompts = [f"{doc}\n{q}" for q in QUESTIONS for doc in DOCS]
+    runs = {}
+    for load in ("sync", "thread"):
+        cache = tiny_tiers(tmp_path / load, KVCacheDtype.AUTO, kv_load=load)
+        config = EngineConfig(dtype="bfloat16", cache=cache, cache_dir=str(strata_cache_dir))
+        core, tokenizer = create_engine(config, progress=False)
+        llm = LLM(core=core, tokenizer=tokenizer)
+        outs = [llm.generate([p], GREEDY)[0] for p in prompts]
+        runs[load] = [o.token_ids for o in outs]
+        assert sum(o.num_cached_host_tokens + o.num_cached_disk_tokens for o in outs) > 0
+        core.check_integrity()
+    assert runs["thread"] == runs["sync"]

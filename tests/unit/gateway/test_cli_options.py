@@ -20,7 +20,10 @@ def test_kv_tier_options_reach_the_config():
     cache = _engine_config(args).cache
     assert cache.host_memory_bytes == 2 << 30 and cache.disk_bytes == 1 << 29
     assert cache.disk_path == "/srv/kv"
-    assert _engine_config(build_parser().parse_args(["engine"])).cache.host_memory_bytes == 0
+    default = _engine_config(build_parser().parse_args(["engine"])).cache
+    assert default.host_memory_bytes == 0 and default.kv_load == "auto"
+    threaded = build_parser().parse_args(["engine", "--kv-load", "thread"])
+    assert _engine_config(threaded).cache.kv_load == "thread"
 
 
 def test_serve_passes_engine_options_to_its_worker():
@@ -32,6 +35,7 @@ def test_serve_passes_engine_options_to_its_worker():
     )
     assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
     assert argv[argv.index("--kv-host-gb") + 1] == "4.0"
+    assert _engine_argv(parser.parse_args(["serve", "--kv-load", "sync"])) == ["--kv-load", "sync"]
     assert "--no-prefix-caching" in argv
     assert _engine_argv(parser.parse_args(["serve"])) == []
     switches = _engine_argv(parser.parse_args(["serve", "--enforce-eager", "--kv-spill-ahead"]))

@@ -1,0 +1,307 @@
+"""Layer-wise page loads into the device pool: copies that run while earlier layers compute.
+
+A page found below the device (host RAM or disk) comes back when the scheduler admits the
+request that hits it, before the step that reads it. A load gathers its pages into a staging
+buffer laid out layer by layer, then copies layer 0's K/V (and FP8 scales) into the pool,
+then layer 1's, and so on, each layer marked done by its own event. Attention waits for its
+own layer's event only (`DeviceKVPool.layer`), so the copy of layer l + 1 overlaps the
+compute of layer l, and a step that starts while pages are still in flight waits at most for
+the first layer's share.
+
+Modes (`CacheConfig.kv_load`):
+- `stream`, on CUDA: the copies run on a dedicated stream. With CuPy (`cupy` importable) they
+  are CuPy async host-to-device copies from pinned staging and CuPy events, one per layer;
+  without it, torch's. The compute stream waits on the GPU; the host never does.
+- `sync`: every copy runs before `start` returns (the default on CPU).
+- `thread`: the copies run on a worker thread, with a `threading.Event` per layer.
+
+The staging copy is taken synchronously, so a host-tier slot can be reused as soon as
+`start` returns. A load into a block is always ordered after the work already queued on the
+block (the copy stream first waits for the compute stream).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from kvstore.device_pool import DeviceKVPool
+
+log = logging.getLogger(__name__)
+
+
+class LoadMode(enum.StrEnum):
+    AUTO = "auto"  # stream on CUDA, sync elsewhere
+    SYNC = "sync"
+    THREAD = "thread"
+    STREAM = "stream"
+
+
+def _cupy() -> Any:
+    try:
+        import cupy  # noqa: PLC0415 (GPU machines only)
+    except Exception:
+        return None
+    return cupy
+
+
+class _Staged:
+    """One load's pages, gathered layer by layer: `layer(l)` holds, per part of a page (the
+    values, then FP8 scales), a [n, 2 * width] tensor of every page's K and V rows of layer
+    l, in page order."""
+
+    def __init__(self, pool: DeviceKVPool, pages: Sequence[torch.Tensor], pin: bool) -> None:
+        self.pages = pages
+        self.pin = pin
+        self.parts: list[tuple[int, int]] = []  # (offset in a page, width of one K or V row)
+        offset = 0
+        for part in pool.page_parts():
+            self.parts.append((offset, part.shape[2]))
+            offset += part.shape[0] * part.shape[2]
+        for page in pages:
+            assert page.shape == (offset,) and page.dtype == torch.uint8
+        self.layers: dict[int, list[torch.Tensor]] = {}
+
+    def gather(self, layer: int) -> list[torch.Tensor]:
+        out = []
+        for offset, width in self.parts:
+            start = offset + 2 * layer * width
+            rows = [page[start : start + 2 * width] for page in self.pages]
+            dst = torch.empty(len(rows), 2 * width, dtype=torch.uint8, pin_memory=self.pin)
+            torch.stack(rows, out=dst)
+            out.append(dst)
+        self.layers[layer] = out
+        return out
+
+
+def _scatter(dst: list[torch.Tensor], src: list[torch.Tensor], index: torch.Tensor) -> None:
+    """One layer's rows into the pool: dst parts [2, num_blocks, width] (DeviceKVPool.
+    layer_parts), src parts [n, 2 * width] as gathered."""
+    for d, s in zip(dst, src, strict=True):
+        d.index_copy_(1, index, s.view(s.shape[0], 2, -1).transpose(0, 1))
+
+
+class PageLoads:
+    """The page loads of one device pool, in flight or done."""
+
+    def __init__(self, pool: DeviceKVPool, mode: LoadMode | str = LoadMode.AUTO) -> None:
+        mode = LoadMode(mode)
+        cuda = pool.device.type == "cuda"
+        if mode is LoadMode.AUTO:
+            mode = LoadMode.STREAM if cuda else LoadMode.SYNC
+        if mode is LoadMode.STREAM and not cuda:
+            raise ValueError("stream loads need a CUDA device pool")
+        self.pool = pool
+        self.mode = mode
+        self.num_layers = pool.spec.num_layers
+        self._pending: list[Any] = []  # loads not known to be done, oldest first
+        self._worker: ThreadPoolExecutor | None = None
+        self._gatherers: ThreadPoolExecutor | None = None
+        self._cupy = _cupy() if mode is LoadMode.STREAM else None
+        self._stream: Any = None
+        self._torch_stream: torch.cuda.Stream | None = None
+        if mode is LoadMode.STREAM:
+            if self._cupy is not None:
+                with self._cupy.cuda.Device(pool.device.index or 0):
+                    self._stream = self._cupy.cuda.Stream(non_blocking=True)
+                self._torch_stream = torch.cuda.ExternalStream(self._stream.ptr, device=pool.device)
+            else:
+                self._torch_stream = torch.cuda.Stream(device=pool.device)
+            log.info("KV page loads: layer-wise on a CUDA stream (%s)",
+                     "CuPy" if self._cupy is not None else "torch")  # fmt: skip
+
+    @property
+    def backend(self) -> str:
+        """What runs the copies: sync, thread, cupy or torch (CUDA streams)."""
+        if self.mode is LoadMode.STREAM:
+            return "cupy" if self._cupy is not None else "torch"
+        return self.mode.value
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def start(self, blocks: Sequence[int], pages: Sequence[torch.Tensor]) -> None:
+        """Copy `pages` (rows as `DeviceKVPool.read_pages` returns them, on the host) into
+        device `blocks`, layer by layer. The pages are read before this returns."""
+        assert len(blocks) == len(pages)
+        if not pages:
+            return
+        if self.mode is LoadMode.SYNC:  # straight from the rows, nothing staged
+            self.pool.write_pages(blocks, pages)
+            return
+        self._prune()
+        staged = _Staged(self.pool, pages, pin=self.mode is LoadMode.STREAM)
+        index = torch.tensor(list(blocks), dtype=torch.long)
+        if self.mode is LoadMode.THREAD:
+            for layer in range(self.num_layers):  # read the rows before returning
+                staged.gather(layer)
+            self._pending.append(self._start_thread(staged, index))
+        else:
+            self._pending.append(self._start_stream(staged, index))
+
+    # -- CPU worker thread --------------------------------------------------------------------
+
+    def _gather_pool(self) -> ThreadPoolExecutor:
+        if self._gatherers is None:
+            workers = max(1, min(8, (os.cpu_count() or 2) // 2))
+            self._gatherers = ThreadPoolExecutor(workers, thread_name_prefix="strata-kv-gather")
+        return self._gatherers
+
+    def _start_thread(self, staged: _Staged, index: torch.Tensor) -> _ThreadLoad:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="strata-kv-load")
+        load = _ThreadLoad(self.num_layers)
+        parts = [self.pool.layer_parts(layer) for layer in range(self.num_layers)]
+
+        def run() -> None:
+            for layer in range(self.num_layers):
+                _scatter(parts[layer], staged.layers[layer], index)
+                load.done[layer].set()
+
+        load.future = self._worker.submit(run)
+        load.future.add_done_callback(load.finished)
+        return load
+
+    # -- CUDA stream --------------------------------------------------------------------------
+
+    def _start_stream(self, staged: _Staged, index: torch.Tensor) -> _StreamLoad:
+        if self._cupy is None:
+            return self._queue_stream(staged, index)
+        with self._cupy.cuda.Device(self.pool.device.index or 0):  # CuPy's events, there
+            return self._queue_stream(staged, index)
+
+    def _queue_stream(self, staged: _Staged, index: torch.Tensor) -> _StreamLoad:
+        device, stream = self.pool.device, self._torch_stream
+        assert stream is not None
+        compute = torch.cuda.current_stream(device)
+        index = index.to(device, non_blocking=True)  # on the compute stream: waited for below
+        load = _StreamLoad(staged)
+        cp = self._cupy
+        if cp is not None:
+            ready = cp.cuda.Event(disable_timing=True)
+            ready.record(cp.cuda.ExternalStream(compute.cuda_stream))
+            self._stream.wait_event(ready)
+        else:
+            stream.wait_stream(compute)
+        # gathering the pages' rows is host memory traffic: several threads gather layers
+        # ahead while this one queues each layer's copies as soon as its rows are ready
+        gathered = [self._gather_pool().submit(staged.gather, layer)
+                    for layer in range(self.num_layers)]  # fmt: skip
+        with torch.cuda.stream(stream):
+            index.record_stream(stream)
+            load.index = index
+            for layer in range(self.num_layers):
+                src = gathered[layer].result()
+                dev = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in src]
+                for d, s in zip(dev, src, strict=True):
+                    if cp is not None:  # a CuPy async copy from pinned staging
+                        cp.cuda.runtime.memcpyAsync(
+                            d.data_ptr(), s.data_ptr(), s.numel(),
+                            cp.cuda.runtime.memcpyHostToDevice, self._stream.ptr,
+                        )  # fmt: skip
+                    else:
+                        d.copy_(s, non_blocking=True)
+                _scatter(self.pool.layer_parts(layer), dev, index)
+                if cp is not None:
+                    event = cp.cuda.Event(disable_timing=True)
+                    event.record(self._stream)
+                else:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                load.events.append(event)
+        return load
+
+    # -- waiting --------------------------------------------------------------------------------
+
+    def wait_layer(self, layer: int) -> None:
+        """Make what runs next (the compute stream's next kernels, or the caller on CPU) wait
+        for layer `layer` of every pending load."""
+        if not self._pending:
+            return
+        if self.mode is LoadMode.THREAD:
+            for load in self._pending:
+                load.wait(layer)
+            return
+        compute = torch.cuda.current_stream(self.pool.device)
+        if self._cupy is not None:
+            waiter = self._cupy.cuda.ExternalStream(compute.cuda_stream)
+            for load in self._pending:
+                waiter.wait_event(load.events[layer])
+        else:
+            for load in self._pending:
+                compute.wait_event(load.events[layer])
+
+    def wait_all(self) -> None:
+        """`wait_layer` for the last layer, which every earlier layer's copy precedes."""
+        self.wait_layer(self.num_layers - 1)
+
+    def finish(self) -> None:
+        """Block the host until every pending load is done (re-raising a failed copy)."""
+        pending, self._pending = self._pending, []
+        error: BaseException | None = None
+        for load in pending:
+            try:
+                load.synchronize()
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def _prune(self) -> None:
+        self._pending = [load for load in self._pending if not load.query()]
+
+    def close(self) -> None:
+        try:
+            self.finish()
+        finally:
+            for pool in (self._worker, self._gatherers):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self._worker = self._gatherers = None
+
+
+class _ThreadLoad:
+    def __init__(self, num_layers: int) -> None:
+        self.done = [threading.Event() for _ in range(num_layers)]
+        self.future: Future[None] | None = None
+
+    def finished(self, future: Future[None]) -> None:
+        for event in self.done:  # a failed copy must not leave waiters hanging
+            event.set()
+
+    def wait(self, layer: int) -> None:
+        self.done[layer].wait()
+        assert self.future is not None
+        if self.future.done() and self.future.exception() is not None:
+            raise self.future.exception()  # type: ignore[misc]
+
+    def query(self) -> bool:
+        assert self.future is not None
+        return self.future.done() and self.future.exception() is None
+
+    def synchronize(self) -> None:
+        assert self.future is not None
+        self.future.result()
+
+
+class _StreamLoad:
+    def __init__(self, staged: _Staged) -> None:
+        self.staged = staged  # pinned rows, alive until the copies that read them are done
+        self.index: torch.Tensor | None = None
+        self.events: list[Any] = []
+
+    def query(self) -> bool:
+        last = self.events[-1]  # a torch event (query()) or a CuPy one (done)
+        return bool(last.query() if hasattr(last, "query") else last.done)
+
+    def synchronize(self) -> None:
+        self.events[-1].synchronize()  # blocks the host with either kind

@@ -1,0 +1,102 @@
+"""Layer-wise page loads (kvstore/transfer.py) on CPU: the synchronous mode and the worker
+thread, which runs the same per-layer copies as the CUDA stream and signals each layer."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvstore import transfer
+from kvstore.base import KVCacheSpec
+from kvstore.device_pool import DeviceKVPool
+
+CPU = torch.device("cpu")
+SPECS = [KVCacheSpec(3, 2, 64, 4, torch.bfloat16), KVCacheSpec(3, 2, 64, 4, torch.float8_e4m3fn)]
+
+
+def random_pages(spec: KVCacheSpec, n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return list(torch.randint(0, 256, (n, spec.bytes_per_block), generator=g, dtype=torch.uint8))
+
+
+def layer_bytes(pool: DeviceKVPool, layer: int, blocks: list[int]) -> list[torch.Tensor]:
+    return [part[:, blocks].clone() for part in pool.layer_parts(layer)]
+
+
+@pytest.mark.parametrize("mode", ["sync", "thread"])
+@pytest.mark.parametrize("spec", SPECS, ids=["bf16", "fp8"])
+def test_loaded_pages_read_back_bit_for_bit_and_the_rows_are_free_at_once(spec, mode):
+    pool = DeviceKVPool(spec, 9, CPU, load_mode=mode)
+    assert pool.loads.backend == mode
+    pages = random_pages(spec, 4, seed=1)
+    sources = [p.clone() for p in pages]
+    blocks = [7, 2, 5, 0]
+    pool.load_pages(blocks, sources)
+    for row in sources:  # the caller may reuse its rows (host slots) as soon as it returns
+        row.fill_(0xAB)
+    pool.loads.finish()
+    assert not pool.loads.pending
+    assert torch.equal(pool.read_pages(blocks), torch.stack(pages))
+    untouched = [b for b in range(9) if b not in blocks]
+    assert not pool.read_pages(untouched).any(), "other blocks stay zero"
+
+
+def test_a_layer_waits_for_its_own_pages_only(monkeypatch):
+    """The worker holds every layer after the first until released: reading layer 0 returns
+    with its pages in place while layer 1 is still empty; reading layer 1 then waits for it."""
+    spec = SPECS[1]
+    pool = DeviceKVPool(spec, 6, CPU, load_mode="thread")
+    gate = threading.Event()
+    copies: list[int] = []
+    real = transfer._scatter
+
+    def held(dst, src, index):
+        if copies:  # every layer after the first
+            assert gate.wait(30)
+        real(dst, src, index)
+        copies.append(len(copies))
+
+    monkeypatch.setattr(transfer, "_scatter", held)
+    pages = random_pages(spec, 3, seed=2)
+    blocks = [4, 1, 3]
+    pool.load_pages(blocks, pages)
+    assert pool.loads.pending
+    pool.layer(0)  # returns: layer 0 has arrived
+    loaded = torch.stack(pages)
+    first = layer_bytes(pool, 0, blocks)
+    assert copies == [0]
+    assert not any(p.any() for p in layer_bytes(pool, 1, blocks)), "layer 1 is still loading"
+    waiter = threading.Thread(target=pool.layer, args=(1,))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive(), "layer 1 waits for its pages"
+    gate.set()
+    waiter.join(30)
+    assert not waiter.is_alive()
+    assert copies[:2] == [0, 1]
+    pool.loads.finish()
+    assert torch.equal(pool.read_pages(blocks), loaded)
+    assert all(torch.equal(a, b) for a, b in zip(first, layer_bytes(pool, 0, blocks), strict=True))
+
+
+def test_a_failed_copy_raises_where_it_is_waited_for_and_never_hangs(monkeypatch):
+    pool = DeviceKVPool(SPECS[0], 4, CPU, load_mode="thread")
+
+    def broken(dst, src, index):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(transfer, "_scatter", broken)
+    pool.load_pages([1], random_pages(SPECS[0], 1, seed=3))
+    with pytest.raises(RuntimeError, match="copy failed"):
+        pool.layer(2)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        pool.loads.finish()
+    assert not pool.loads.pending
+
+
+def test_stream_loads_need_cuda():
+    with pytest.raises(ValueError, match="CUDA"):
+        DeviceKVPool(SPECS[0], 4, CPU, load_mode="stream")
+    assert DeviceKVPool(SPECS[0], 4, CPU).loads.backend == "sync"  # auto on CPU
