@@ -11,6 +11,7 @@ token per request over C tokens of context, like a decode step.
   waits only for layer l's pages (kvstore/transfer.py: a CUDA copy stream, CuPy where
   installed). `--kv-load sync` loads them all before the step instead, for comparison.
 
+Both steps run eagerly (a CUDA-graph replay would first wait for every layer's pages).
 Reported: the median step time of each and their ratio (target on an H100/H200 with
 `synthetic:llama3.2-1b` and long contexts: prefetch <= 1.15x resident).
 
@@ -91,10 +92,12 @@ def main(argv: list[str] | None = None) -> dict:
     kv_dtype = None if args.kv_cache_dtype is None else KVCacheDtype(args.kv_cache_dtype)
     # device room for one set of documents (the filler evicts them all); host RAM for the
     # documents and the filler
-    mc = PRESETS[model.removeprefix(SYNTHETIC_PREFIX)] if model in _SYNTHETIC else None
-    per_token = 4 * (mc.num_layers * mc.num_kv_heads * mc.head_dim) if mc else 1 << 20
+    if model not in _SYNTHETIC:
+        ap.error(f"--model must be one of {sorted(_SYNTHETIC)}")
+    mc = PRESETS[model.removeprefix(SYNTHETIC_PREFIX)]
+    per_token = 4 * mc.num_layers * mc.num_kv_heads * mc.head_dim  # K and V, 16-bit
     config = EngineConfig(
-        model=model, dtype=args.dtype, device=args.device, seed=args.seed,
+        model=model, dtype=args.dtype, device=args.device, seed=args.seed, enforce_eager=True,
         cache=CacheConfig(
             num_blocks=args.batch * (doc_blocks + 1) + 8, kv_cache_dtype=kv_dtype,
             host_memory_bytes=2 * args.batch * doc_blocks * block * per_token,

@@ -244,6 +244,13 @@ class BlockManager:
                 return block
         return oldest
 
+    def uncache(self, blocks: Sequence[int]) -> None:
+        """Forget the hashes of `blocks`, whose contents are not their KV (a page load that
+        failed): no later prompt may hit them."""
+        for block in blocks:
+            if self._evict(block) is not None:
+                self.num_evicted_blocks -= 1  # not an eviction
+
     def _evict(self, block: int) -> tuple[bytes, str] | None:
         """Forget a cached block; its hash and owner, or None if it was not cached."""
         h = self._hash_of.pop(block, None)

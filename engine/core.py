@@ -223,16 +223,21 @@ class EngineCore:
             return outputs
         try:
             result = self.runner.execute(sched)
+            # the step has waited for its page loads (kvstore/transfer.py) on the device;
+            # the host waits too before any block is freed. A failed load fails the step.
+            self.pool.loads.finish()
         except (RuntimeError, ValueError, IndexError) as exc:
             # a failed forward cannot be pinned on one request: fail this step's batch only
             log.exception("model step failed; failing %d requests", len(sched.scheduled))
+            try:
+                self.pool.loads.finish()  # no block freed below may still be receiving pages
+            except Exception:
+                log.exception("a KV page load failed")
+            # pages that never arrived: their blocks must not serve later prompts
+            self.block_manager.uncache(self.pool.loads.take_failed())
             failures = [self._fail(s.request, f"engine step failed: {exc}")
                         for s in sched.scheduled]  # fmt: skip
             return outputs + failures
-        finally:
-            # the step has waited for its loads; a failed step may not have: no block freed
-            # from here on can still be receiving pages
-            self.pool.loads.finish()
         self.num_steps += 1
         self.scheduler.advance(sched)
         for request, token_id, logprob in zip(

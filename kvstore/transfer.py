@@ -1,23 +1,22 @@
 """Layer-wise page loads into the device pool: copies that run while earlier layers compute.
 
 A page found below the device (host RAM or disk) comes back when the scheduler admits the
-request that hits it, before the step that reads it. A load gathers its pages into a staging
-buffer laid out layer by layer, then copies layer 0's K/V (and FP8 scales) into the pool,
-then layer 1's, and so on, each layer marked done by its own event. Attention waits for its
-own layer's event only (`DeviceKVPool.layer`), so the copy of layer l + 1 overlaps the
-compute of layer l, and a step that starts while pages are still in flight waits at most for
-the first layer's share.
+request that hits it, before the step that reads it. `start` gathers the pages' rows layer by
+layer into staging (a few host threads), so a host-tier slot can be reused as soon as it
+returns. The first wait after it (the step's first layer) issues every load staged since:
+layer 0's K/V (and FP8 scales) of all of them into the pool, then layer 1's, and so on, each
+layer marked done by its own event. Attention waits for its own layer's event only
+(`DeviceKVPool.layer`), so the copy of layer l + 1 overlaps the compute of layer l, however
+many requests brought pages.
 
 Modes (`CacheConfig.kv_load`):
-- `stream`, on CUDA: the copies run on a dedicated stream. With CuPy (`cupy` importable) they
-  are CuPy async host-to-device copies from pinned staging and CuPy events, one per layer;
-  without it, torch's. The compute stream waits on the GPU; the host never does.
-- `sync`: every copy runs before `start` returns (the default on CPU).
-- `thread`: the copies run on a worker thread, with a `threading.Event` per layer.
-
-The staging copy is taken synchronously, so a host-tier slot can be reused as soon as
-`start` returns. A load into a block is always ordered after the work already queued on the
-block (the copy stream first waits for the compute stream).
+- `stream`, on CUDA: the copies run on a stream of their own. With CuPy (`cupy` importable
+  and usable) they are CuPy async host-to-device copies from pinned staging and CuPy events,
+  one per layer; without it, torch's. The compute stream waits on the GPU; the host never
+  does. The copy stream first waits for the compute stream, so a load into a block is
+  ordered after the work already queued on it.
+- `sync`: the rows are copied into the pool before `start` returns (the default on CPU).
+- `thread`, on CPU: the copies run on a worker thread, with a `threading.Event` per layer.
 """
 
 from __future__ import annotations
@@ -90,33 +89,41 @@ def _scatter(dst: list[torch.Tensor], src: list[torch.Tensor], index: torch.Tens
 
 
 class PageLoads:
-    """The page loads of one device pool, in flight or done."""
+    """The page loads of one device pool: queued by `start`, issued together by the first
+    wait (layer 0's copies of every queued load, then layer 1's, ...), then in flight."""
 
     def __init__(self, pool: DeviceKVPool, mode: LoadMode | str = LoadMode.AUTO) -> None:
         mode = LoadMode(mode)
         cuda = pool.device.type == "cuda"
         if mode is LoadMode.AUTO:
             mode = LoadMode.STREAM if cuda else LoadMode.SYNC
-        if mode is LoadMode.STREAM and not cuda:
-            raise ValueError("stream loads need a CUDA device pool")
+        if (mode is LoadMode.STREAM) != cuda and mode is not LoadMode.SYNC:
+            raise ValueError(f"{mode.value} loads need a {'CUDA' if not cuda else 'CPU'} pool")
         self.pool = pool
         self.mode = mode
         self.num_layers = pool.spec.num_layers
-        self._pending: list[Any] = []  # loads not known to be done, oldest first
+        self._queued: list[tuple[_Staged, list[int]]] = []  # staged, not yet issued
+        self._pending: list[Any] = []  # issued, not known to be done, oldest first
+        self._failed: list[int] = []  # blocks whose pages never arrived
         self._worker: ThreadPoolExecutor | None = None
         self._gatherers: ThreadPoolExecutor | None = None
-        self._cupy = _cupy() if mode is LoadMode.STREAM else None
+        self._cupy = None
         self._stream: Any = None
         self._torch_stream: torch.cuda.Stream | None = None
         if mode is LoadMode.STREAM:
+            self._cupy = _cupy()
             if self._cupy is not None:
-                with self._cupy.cuda.Device(pool.device.index or 0):
-                    self._stream = self._cupy.cuda.Stream(non_blocking=True)
+                try:
+                    with self._cupy.cuda.Device(pool.device.index or 0):
+                        self._stream = self._cupy.cuda.Stream(non_blocking=True)
+                except Exception as exc:
+                    log.warning("CuPy unusable for KV page loads (%s); using torch streams", exc)
+                    self._cupy = None
+            if self._cupy is not None:
                 self._torch_stream = torch.cuda.ExternalStream(self._stream.ptr, device=pool.device)
             else:
                 self._torch_stream = torch.cuda.Stream(device=pool.device)
-            log.info("KV page loads: layer-wise on a CUDA stream (%s)",
-                     "CuPy" if self._cupy is not None else "torch")  # fmt: skip
+            log.info("KV page loads: layer-wise on a CUDA stream (%s)", self.backend)
 
     @property
     def backend(self) -> str:
@@ -127,28 +134,24 @@ class PageLoads:
 
     @property
     def pending(self) -> bool:
-        return bool(self._pending)
+        return bool(self._queued or self._pending)
 
     def start(self, blocks: Sequence[int], pages: Sequence[torch.Tensor]) -> None:
         """Copy `pages` (rows as `DeviceKVPool.read_pages` returns them, on the host) into
-        device `blocks`, layer by layer. The pages are read before this returns."""
+        device `blocks`, layer by layer, from the next wait on. The rows are read (gathered
+        layer by layer, by a few threads) before this returns."""
         assert len(blocks) == len(pages)
         if not pages:
             return
         if self.mode is LoadMode.SYNC:  # straight from the rows, nothing staged
             self.pool.write_pages(blocks, pages)
             return
-        self._prune()
         staged = _Staged(self.pool, pages, pin=self.mode is LoadMode.STREAM)
-        index = torch.tensor(list(blocks), dtype=torch.long)
-        if self.mode is LoadMode.THREAD:
-            for layer in range(self.num_layers):  # read the rows before returning
-                staged.gather(layer)
-            self._pending.append(self._start_thread(staged, index))
-        else:
-            self._pending.append(self._start_stream(staged, index))
-
-    # -- CPU worker thread --------------------------------------------------------------------
+        gathered = [self._gather_pool().submit(staged.gather, layer)
+                    for layer in range(self.num_layers)]  # fmt: skip
+        for future in gathered:
+            future.result()
+        self._queued.append((staged, list(blocks)))
 
     def _gather_pool(self) -> ThreadPoolExecutor:
         if self._gatherers is None:
@@ -156,16 +159,51 @@ class PageLoads:
             self._gatherers = ThreadPoolExecutor(workers, thread_name_prefix="strata-kv-gather")
         return self._gatherers
 
-    def _start_thread(self, staged: _Staged, index: torch.Tensor) -> _ThreadLoad:
+    def _issue(self) -> None:
+        """Queue the copies of every staged load, layer-major: a layer's pages of all of them
+        arrive before the next layer's, whatever the order of the loads."""
+        if not self._queued:
+            return
+        queued, self._queued = self._queued, []
+        self._prune()
+        blocks = [b for _, blocks in queued for b in blocks]
+        try:
+            self._pending.append(self._issue_batch(queued, blocks))
+        except BaseException:
+            self._failed += blocks
+            raise
+
+    def _issue_batch(self, queued: list[tuple[_Staged, list[int]]], blocks: list[int]) -> Any:
+        index = torch.tensor(blocks, dtype=torch.long)
+        layers = [[part for staged, _ in queued for part in staged.layers[layer]]
+                  for layer in range(self.num_layers)]  # fmt: skip
+        n = len(queued[0][0].layers[0])  # parts per page: values (and scales)
+        sources = [[torch.cat(layer[i::n]) if len(queued) > 1 else layer[i] for i in range(n)]
+                   for layer in layers]  # fmt: skip
+        if self.mode is LoadMode.THREAD:
+            load: Any = self._issue_thread(sources, index)
+        elif self._cupy is None:
+            load = self._issue_stream(sources, index)
+        else:
+            with self._cupy.cuda.Device(self.pool.device.index or 0):  # CuPy's events, there
+                load = self._issue_stream(sources, index)
+        load.blocks = blocks
+        return load
+
+    # -- CPU worker thread --------------------------------------------------------------------
+
+    def _issue_thread(self, sources: list[list[torch.Tensor]], index: torch.Tensor) -> _ThreadLoad:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="strata-kv-load")
-        load = _ThreadLoad(self.num_layers)
+        load = _ThreadLoad(self.num_layers, sources)
         parts = [self.pool.layer_parts(layer) for layer in range(self.num_layers)]
 
         def run() -> None:
-            for layer in range(self.num_layers):
-                _scatter(parts[layer], staged.layers[layer], index)
-                load.done[layer].set()
+            # the views may come from a step's inference mode, which is per thread
+            with torch.inference_mode():
+                for layer in range(self.num_layers):
+                    _scatter(parts[layer], sources[layer], index)
+                    load.done[layer].set()
 
         load.future = self._worker.submit(run)
         load.future.add_done_callback(load.finished)
@@ -173,58 +211,53 @@ class PageLoads:
 
     # -- CUDA stream --------------------------------------------------------------------------
 
-    def _start_stream(self, staged: _Staged, index: torch.Tensor) -> _StreamLoad:
-        if self._cupy is None:
-            return self._queue_stream(staged, index)
-        with self._cupy.cuda.Device(self.pool.device.index or 0):  # CuPy's events, there
-            return self._queue_stream(staged, index)
-
-    def _queue_stream(self, staged: _Staged, index: torch.Tensor) -> _StreamLoad:
+    def _issue_stream(self, sources: list[list[torch.Tensor]], index: torch.Tensor) -> _StreamLoad:
         device, stream = self.pool.device, self._torch_stream
         assert stream is not None
         compute = torch.cuda.current_stream(device)
         index = index.to(device, non_blocking=True)  # on the compute stream: waited for below
-        load = _StreamLoad(staged)
+        load = _StreamLoad(sources)
         cp = self._cupy
+        # the copies go after the work already queued on their blocks
         if cp is not None:
             ready = cp.cuda.Event(disable_timing=True)
-            ready.record(cp.cuda.ExternalStream(compute.cuda_stream))
+            cp.cuda.runtime.eventRecord(ready.ptr, compute.cuda_stream)
             self._stream.wait_event(ready)
         else:
             stream.wait_stream(compute)
-        # gathering the pages' rows is host memory traffic: several threads gather layers
-        # ahead while this one queues each layer's copies as soon as its rows are ready
-        gathered = [self._gather_pool().submit(staged.gather, layer)
-                    for layer in range(self.num_layers)]  # fmt: skip
-        with torch.cuda.stream(stream):
-            index.record_stream(stream)
-            load.index = index
-            for layer in range(self.num_layers):
-                src = gathered[layer].result()
-                dev = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in src]
-                for d, s in zip(dev, src, strict=True):
-                    if cp is not None:  # a CuPy async copy from pinned staging
-                        cp.cuda.runtime.memcpyAsync(
-                            d.data_ptr(), s.data_ptr(), s.numel(),
-                            cp.cuda.runtime.memcpyHostToDevice, self._stream.ptr,
-                        )  # fmt: skip
+        try:
+            with torch.cuda.stream(stream):
+                index.record_stream(stream)
+                load.index = index
+                for layer, src in enumerate(sources):
+                    dev = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in src]
+                    for d, s in zip(dev, src, strict=True):
+                        if cp is not None:  # a CuPy async copy from pinned staging
+                            cp.cuda.runtime.memcpyAsync(
+                                d.data_ptr(), s.data_ptr(), s.numel(),
+                                cp.cuda.runtime.memcpyHostToDevice, self._stream.ptr,
+                            )  # fmt: skip
+                        else:
+                            d.copy_(s, non_blocking=True)
+                    _scatter(self.pool.layer_parts(layer), dev, index)
+                    if cp is not None:
+                        event = cp.cuda.Event(disable_timing=True)
+                        event.record(self._stream)
                     else:
-                        d.copy_(s, non_blocking=True)
-                _scatter(self.pool.layer_parts(layer), dev, index)
-                if cp is not None:
-                    event = cp.cuda.Event(disable_timing=True)
-                    event.record(self._stream)
-                else:
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                load.events.append(event)
+                        event = torch.cuda.Event()
+                        event.record(stream)
+                    load.events.append(event)
+        except BaseException:
+            stream.synchronize()  # copies already queued must not outlive their staging
+            raise
         return load
 
     # -- waiting --------------------------------------------------------------------------------
 
     def wait_layer(self, layer: int) -> None:
         """Make what runs next (the compute stream's next kernels, or the caller on CPU) wait
-        for layer `layer` of every pending load."""
+        for layer `layer` of every load: the queued ones are issued first."""
+        self._issue()
         if not self._pending:
             return
         if self.mode is LoadMode.THREAD:
@@ -232,29 +265,38 @@ class PageLoads:
                 load.wait(layer)
             return
         compute = torch.cuda.current_stream(self.pool.device)
-        if self._cupy is not None:
-            waiter = self._cupy.cuda.ExternalStream(compute.cuda_stream)
-            for load in self._pending:
-                waiter.wait_event(load.events[layer])
-        else:
-            for load in self._pending:
-                compute.wait_event(load.events[layer])
+        for load in self._pending:
+            event = load.events[layer]
+            if self._cupy is not None:
+                self._cupy.cuda.runtime.streamWaitEvent(compute.cuda_stream, event.ptr, 0)
+            else:
+                compute.wait_event(event)
 
     def wait_all(self) -> None:
         """`wait_layer` for the last layer, which every earlier layer's copy precedes."""
         self.wait_layer(self.num_layers - 1)
 
     def finish(self) -> None:
-        """Block the host until every pending load is done (re-raising a failed copy)."""
-        pending, self._pending = self._pending, []
+        """Block the host until every load is done (re-raising a failed copy); nothing is
+        pending afterwards, even then."""
+        try:
+            self._issue()
+        finally:
+            pending, self._pending = self._pending, []
         error: BaseException | None = None
         for load in pending:
             try:
                 load.synchronize()
             except Exception as exc:
+                self._failed += load.blocks
                 error = error or exc
         if error is not None:
             raise error
+
+    def take_failed(self) -> list[int]:
+        """The blocks of loads that failed since the last call: they hold no KV."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _prune(self) -> None:
         self._pending = [load for load in self._pending if not load.query()]
@@ -270,8 +312,10 @@ class PageLoads:
 
 
 class _ThreadLoad:
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, sources: list[list[torch.Tensor]]) -> None:
         self.done = [threading.Event() for _ in range(num_layers)]
+        self.sources = sources
+        self.blocks: list[int] = []
         self.future: Future[None] | None = None
 
     def finished(self, future: Future[None]) -> None:
@@ -294,8 +338,9 @@ class _ThreadLoad:
 
 
 class _StreamLoad:
-    def __init__(self, staged: _Staged) -> None:
-        self.staged = staged  # pinned rows, alive until the copies that read them are done
+    def __init__(self, sources: list[list[torch.Tensor]]) -> None:
+        self.sources = sources  # pinned rows, alive until the copies that read them are done
+        self.blocks: list[int] = []
         self.index: torch.Tensor | None = None
         self.events: list[Any] = []
 

@@ -81,7 +81,7 @@ def test_the_engine_gives_the_same_tokens_with_pages_loading_on_a_stream(strata_
     runs = {}
     for load in ("sync", "stream"):
         cache = CacheConfig(
-            num_blocks=20, kv_cache_dtype=KVCacheDtype.AUTO, host_memory_bytes=256 << 20,
+            num_blocks=12, kv_cache_dtype=KVCacheDtype.AUTO, host_memory_bytes=256 << 20,
             kv_load=load,
         )  # fmt: skip
         cfg = EngineConfig(dtype="float32", device="cuda", cache=cache,

@@ -159,3 +159,35 @@ def test_the_native_layer_stack_waits_for_pages_loading_on_a_thread(
         assert sum(o.num_cached_host_tokens + o.num_cached_disk_tokens for o in outs) > 0
         core.check_integrity()
     assert runs["thread"] == runs["sync"]
+
+
+def test_a_failed_page_load_fails_its_step_and_the_engine_goes_on(
+    make_core, smollm2_fp32, tmp_path, monkeypatch
+):
+    from engine.protocol import FinishReason
+    from kvstore import transfer
+
+    core = make_core(EngineConfig(cache=tiny_tiers(tmp_path, KVCacheDtype.AUTO, kv_load="thread")))
+    llm = LLM(core=core, tokenizer=smollm2_fp32[1])
+    tokenize = smollm2_fp32[1].encode
+    for doc in DOCS:  # the first document's pages end up below the device
+        llm.generate([f"{doc}\n{QUESTIONS[0]}"], GREEDY)
+    question = tokenize(f"{DOCS[0]}\n{QUESTIONS[1]}")
+    reference = LLM(core=make_core(), tokenizer=smollm2_fp32[1])
+
+    def broken(dst, src, index):
+        raise RuntimeError("DMA error")
+
+    with monkeypatch.context() as m:
+        m.setattr(transfer, "_scatter", broken)
+        core.add_request("hit", question, GREEDY)
+        outs = core.step()
+    (failed,) = [o for o in outs if o.request_id == "hit"]
+    assert failed.finish_reason is FinishReason.ERROR and "DMA error" in (failed.error or "")
+    assert not core.has_unfinished() and not core.pool.loads.pending
+    core.check_integrity()
+    # the next request over the same document computes what it could not load, correctly
+    (again,) = llm.generate([f"{DOCS[0]}\n{QUESTIONS[1]}"], GREEDY)
+    want = reference.generate([f"{DOCS[0]}\n{QUESTIONS[1]}"], GREEDY)[0].token_ids
+    assert again.token_ids == want, again.finish_reason
+    core.check_integrity()
