@@ -81,6 +81,10 @@ class _Staged:
         return out
 
 
+# per layer, per load: the staged parts (values, then FP8 scales), each [n, 2 * width]
+_Sources = list[list[list[torch.Tensor]]]
+
+
 def _scatter(dst: list[torch.Tensor], src: list[torch.Tensor], index: torch.Tensor) -> None:
     """One layer's rows into the pool: dst parts [2, num_blocks, width] (DeviceKVPool.
     layer_parts), src parts [n, 2 * width] as gathered."""
@@ -174,25 +178,23 @@ class PageLoads:
             raise
 
     def _issue_batch(self, queued: list[tuple[_Staged, list[int]]], blocks: list[int]) -> Any:
-        index = torch.tensor(blocks, dtype=torch.long)
-        layers = [[part for staged, _ in queued for part in staged.layers[layer]]
-                  for layer in range(self.num_layers)]  # fmt: skip
-        n = len(queued[0][0].layers[0])  # parts per page: values (and scales)
-        sources = [[torch.cat(layer[i::n]) if len(queued) > 1 else layer[i] for i in range(n)]
-                   for layer in layers]  # fmt: skip
+        # per layer, each queued load's staged rows, and each load's blocks
+        sources = [[staged.layers[layer] for staged, _ in queued]
+                   for layer in range(self.num_layers)]  # fmt: skip
+        indexes = [torch.tensor(b, dtype=torch.long) for _, b in queued]
         if self.mode is LoadMode.THREAD:
-            load: Any = self._issue_thread(sources, index)
+            load: Any = self._issue_thread(sources, indexes)
         elif self._cupy is None:
-            load = self._issue_stream(sources, index)
+            load = self._issue_stream(sources, indexes)
         else:
             with self._cupy.cuda.Device(self.pool.device.index or 0):  # CuPy's events, there
-                load = self._issue_stream(sources, index)
+                load = self._issue_stream(sources, indexes)
         load.blocks = blocks
         return load
 
     # -- CPU worker thread --------------------------------------------------------------------
 
-    def _issue_thread(self, sources: list[list[torch.Tensor]], index: torch.Tensor) -> _ThreadLoad:
+    def _issue_thread(self, sources: _Sources, indexes: list[torch.Tensor]) -> _ThreadLoad:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="strata-kv-load")
         load = _ThreadLoad(self.num_layers, sources)
@@ -202,7 +204,8 @@ class PageLoads:
             # the views may come from a step's inference mode, which is per thread
             with torch.inference_mode():
                 for layer in range(self.num_layers):
-                    _scatter(parts[layer], sources[layer], index)
+                    for src, index in zip(sources[layer], indexes, strict=True):
+                        _scatter(parts[layer], src, index)
                     load.done[layer].set()
 
         load.future = self._worker.submit(run)
@@ -211,11 +214,12 @@ class PageLoads:
 
     # -- CUDA stream --------------------------------------------------------------------------
 
-    def _issue_stream(self, sources: list[list[torch.Tensor]], index: torch.Tensor) -> _StreamLoad:
+    def _issue_stream(self, sources: _Sources, indexes: list[torch.Tensor]) -> _StreamLoad:
         device, stream = self.pool.device, self._torch_stream
         assert stream is not None
         compute = torch.cuda.current_stream(device)
-        index = index.to(device, non_blocking=True)  # on the compute stream: waited for below
+        # on the compute stream: waited for below
+        indexes = [index.to(device, non_blocking=True) for index in indexes]
         load = _StreamLoad(sources)
         cp = self._cupy
         # the copies go after the work already queued on their blocks
@@ -227,19 +231,21 @@ class PageLoads:
             stream.wait_stream(compute)
         try:
             with torch.cuda.stream(stream):
-                index.record_stream(stream)
-                load.index = index
-                for layer, src in enumerate(sources):
-                    dev = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in src]
-                    for d, s in zip(dev, src, strict=True):
-                        if cp is not None:  # a CuPy async copy from pinned staging
-                            cp.cuda.runtime.memcpyAsync(
-                                d.data_ptr(), s.data_ptr(), s.numel(),
-                                cp.cuda.runtime.memcpyHostToDevice, self._stream.ptr,
-                            )  # fmt: skip
-                        else:
-                            d.copy_(s, non_blocking=True)
-                    _scatter(self.pool.layer_parts(layer), dev, index)
+                for index in indexes:
+                    index.record_stream(stream)
+                load.indexes = indexes
+                for layer, per_load in enumerate(sources):
+                    for src, index in zip(per_load, indexes, strict=True):
+                        dev = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in src]
+                        for d, s in zip(dev, src, strict=True):
+                            if cp is not None:  # a CuPy async copy from pinned staging
+                                cp.cuda.runtime.memcpyAsync(
+                                    d.data_ptr(), s.data_ptr(), s.numel(),
+                                    cp.cuda.runtime.memcpyHostToDevice, self._stream.ptr,
+                                )  # fmt: skip
+                            else:
+                                d.copy_(s, non_blocking=True)
+                        _scatter(self.pool.layer_parts(layer), dev, index)
                     if cp is not None:
                         event = cp.cuda.Event(disable_timing=True)
                         event.record(self._stream)
@@ -312,7 +318,7 @@ class PageLoads:
 
 
 class _ThreadLoad:
-    def __init__(self, num_layers: int, sources: list[list[torch.Tensor]]) -> None:
+    def __init__(self, num_layers: int, sources: _Sources) -> None:
         self.done = [threading.Event() for _ in range(num_layers)]
         self.sources = sources
         self.blocks: list[int] = []
@@ -338,10 +344,10 @@ class _ThreadLoad:
 
 
 class _StreamLoad:
-    def __init__(self, sources: list[list[torch.Tensor]]) -> None:
+    def __init__(self, sources: _Sources) -> None:
         self.sources = sources  # pinned rows, alive until the copies that read them are done
         self.blocks: list[int] = []
-        self.index: torch.Tensor | None = None
+        self.indexes: list[torch.Tensor] = []
         self.events: list[Any] = []
 
     def query(self) -> bool:

@@ -100,3 +100,27 @@ def test_stream_loads_need_cuda():
     with pytest.raises(ValueError, match="CUDA"):
         DeviceKVPool(SPECS[0], 4, CPU, load_mode="stream")
     assert DeviceKVPool(SPECS[0], 4, CPU).loads.backend == "sync"  # auto on CPU
+
+
+def test_the_loads_of_a_step_go_out_together_layer_by_layer(monkeypatch):
+    """Two requests' loads, started one after the other, are issued by the first wait with
+    layer 0 of both first: the second request's layer 0 does not wait for the first
+    request's later layers."""
+    spec = SPECS[0]
+    pool = DeviceKVPool(spec, 10, CPU, load_mode="thread")
+    order: list[tuple[int, ...]] = []
+    real = transfer._scatter
+
+    def noted(dst, src, index):
+        order.append(tuple(index.tolist()))
+        real(dst, src, index)
+
+    monkeypatch.setattr(transfer, "_scatter", noted)
+    first, second = random_pages(spec, 2, seed=4), random_pages(spec, 3, seed=5)
+    pool.load_pages([1, 2], first)
+    pool.load_pages([6, 7, 8], second)
+    assert not order, "nothing is copied before the step's first wait"
+    pool.layer(0)
+    pool.loads.finish()
+    assert order == [(1, 2), (6, 7, 8)] * spec.num_layers
+    assert torch.equal(pool.read_pages([1, 2, 6, 7, 8]), torch.stack(first + second))
