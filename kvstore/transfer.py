@@ -22,6 +22,7 @@ Modes (`CacheConfig.kv_load`):
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import os
 import threading
@@ -53,13 +54,14 @@ def _cupy() -> Any:
 
 
 class _Staged:
-    """One load's pages, gathered layer by layer: `layer(l)` holds, per part of a page (the
-    values, then FP8 scales), a [n, 2 * width] tensor of every page's K and V rows of layer
-    l, in page order."""
+    """One load's pages, copied into one [n, page bytes] tensor (pinned on CUDA) by a few
+    threads, each a share of the pages. `layer(l)` views, per part of a page (the values,
+    then FP8 scales), every page's K and V rows of layer l: [n, 2 * width], rows a page
+    apart."""
 
-    def __init__(self, pool: DeviceKVPool, pages: Sequence[torch.Tensor], pin: bool) -> None:
-        self.pages = pages
-        self.pin = pin
+    def __init__(
+        self, pool: DeviceKVPool, pages: Sequence[torch.Tensor], buffer: torch.Tensor, workers: Any
+    ) -> None:
         self.parts: list[tuple[int, int]] = []  # (offset in a page, width of one K or V row)
         offset = 0
         for part in pool.page_parts():
@@ -67,29 +69,44 @@ class _Staged:
             offset += part.shape[0] * part.shape[2]
         for page in pages:
             assert page.shape == (offset,) and page.dtype == torch.uint8
-        self.layers: dict[int, list[torch.Tensor]] = {}
+        n = len(pages)
+        self.buffer = buffer
+        self.rows = buffer[: n * offset].view(n, offset)
+        shares = max(1, min(n, getattr(workers, "_max_workers", 1)))
+        bounds = [n * i // shares for i in range(shares + 1)]
+        copies = [workers.submit(torch.stack, list(pages[lo:hi]), out=self.rows[lo:hi])
+                  for lo, hi in itertools.pairwise(bounds) if hi > lo]  # fmt: skip
+        for copy in copies:
+            copy.result()
 
-    def gather(self, layer: int) -> list[torch.Tensor]:
-        out = []
-        for offset, width in self.parts:
-            start = offset + 2 * layer * width
-            rows = [page[start : start + 2 * width] for page in self.pages]
-            dst = torch.empty(len(rows), 2 * width, dtype=torch.uint8, pin_memory=self.pin)
-            torch.stack(rows, out=dst)
-            out.append(dst)
-        self.layers[layer] = out
-        return out
+    def layer(self, layer: int) -> list[torch.Tensor]:
+        return [
+            self.rows[:, off + 2 * layer * w : off + 2 * (layer + 1) * w] for off, w in self.parts
+        ]
 
 
 # per layer, per load: the staged parts (values, then FP8 scales), each [n, 2 * width]
+# with rows a page apart
 _Sources = list[list[list[torch.Tensor]]]
 
 
 def _scatter(dst: list[torch.Tensor], src: list[torch.Tensor], index: torch.Tensor) -> None:
     """One layer's rows into the pool: dst parts [2, num_blocks, width] (DeviceKVPool.
-    layer_parts), src parts [n, 2 * width] as gathered."""
+    layer_parts), src parts [n, 2 * width] as staged (or copied to the device)."""
     for d, s in zip(dst, src, strict=True):
-        d.index_copy_(1, index, s.view(s.shape[0], 2, -1).transpose(0, 1))
+        d, s = _words(d, s.view(s.shape[0], 2, -1).transpose(0, 1))
+        d.index_copy_(1, index, s)
+
+
+def _words(*views: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Byte views as the widest integers their layouts allow: an indexed copy moves one
+    element at a time."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if all(v.shape[-1] % size == 0 and v.storage_offset() % size == 0
+               and all(st % size == 0 for st in v.stride()[:-1]) for v in views):  # fmt: skip
+            return tuple(v.view(dtype) for v in views)
+    return views
 
 
 class PageLoads:
@@ -109,6 +126,7 @@ class PageLoads:
         self._queued: list[tuple[_Staged, list[int]]] = []  # staged, not yet issued
         self._pending: list[Any] = []  # issued, not known to be done, oldest first
         self._failed: list[int] = []  # blocks whose pages never arrived
+        self._spare: list[torch.Tensor] = []  # staging of finished loads
         self._worker: ThreadPoolExecutor | None = None
         self._gatherers: ThreadPoolExecutor | None = None
         self._cupy = None
@@ -150,12 +168,24 @@ class PageLoads:
         if self.mode is LoadMode.SYNC:  # straight from the rows, nothing staged
             self.pool.write_pages(blocks, pages)
             return
-        staged = _Staged(self.pool, pages, pin=self.mode is LoadMode.STREAM)
-        gathered = [self._gather_pool().submit(staged.gather, layer)
-                    for layer in range(self.num_layers)]  # fmt: skip
-        for future in gathered:
-            future.result()
+        buffer = self._buffer(len(pages) * self.pool.spec.bytes_per_block)
+        staged = _Staged(self.pool, pages, buffer, self._gather_pool())
         self._queued.append((staged, list(blocks)))
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """Staging of at least `nbytes` (pinned on CUDA): a finished load's, or a new one
+        (fresh memory costs a page fault per 4 KiB)."""
+        fits = [b for b in self._spare if b.numel() >= nbytes]
+        if fits:
+            best = min(fits, key=lambda b: b.numel())
+            self._spare = [b for b in self._spare if b is not best]
+            return best
+        pin = self.mode is LoadMode.STREAM
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    def _done(self, load: Any) -> None:
+        """A finished load's staging goes back for the next ones (the largest few)."""
+        self._spare = sorted([*self._spare, *load.buffers], key=lambda b: -b.numel())[:4]
 
     def _gather_pool(self) -> ThreadPoolExecutor:
         if self._gatherers is None:
@@ -179,7 +209,7 @@ class PageLoads:
 
     def _issue_batch(self, queued: list[tuple[_Staged, list[int]]], blocks: list[int]) -> Any:
         # per layer, each queued load's staged rows, and each load's blocks
-        sources = [[staged.layers[layer] for staged, _ in queued]
+        sources = [[staged.layer(layer) for staged, _ in queued]
                    for layer in range(self.num_layers)]  # fmt: skip
         indexes = [torch.tensor(b, dtype=torch.long) for _, b in queued]
         if self.mode is LoadMode.THREAD:
@@ -190,6 +220,7 @@ class PageLoads:
             with self._cupy.cuda.Device(self.pool.device.index or 0):  # CuPy's events, there
                 load = self._issue_stream(sources, indexes)
         load.blocks = blocks
+        load.buffers = [staged.buffer for staged, _ in queued]
         return load
 
     # -- CPU worker thread --------------------------------------------------------------------
@@ -238,10 +269,11 @@ class PageLoads:
                     for src, index in zip(per_load, indexes, strict=True):
                         dev = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in src]
                         for d, s in zip(dev, src, strict=True):
-                            if cp is not None:  # a CuPy async copy from pinned staging
-                                cp.cuda.runtime.memcpyAsync(
-                                    d.data_ptr(), s.data_ptr(), s.numel(),
-                                    cp.cuda.runtime.memcpyHostToDevice, self._stream.ptr,
+                            if cp is not None:  # a CuPy async copy: rows a page apart
+                                cp.cuda.runtime.memcpy2DAsync(
+                                    d.data_ptr(), d.stride(0), s.data_ptr(), s.stride(0),
+                                    s.shape[1], s.shape[0], cp.cuda.runtime.memcpyHostToDevice,
+                                    self._stream.ptr,
                                 )  # fmt: skip
                             else:
                                 d.copy_(s, non_blocking=True)
@@ -293,6 +325,7 @@ class PageLoads:
         for load in pending:
             try:
                 load.synchronize()
+                self._done(load)
             except Exception as exc:
                 self._failed += load.blocks
                 error = error or exc
@@ -305,7 +338,13 @@ class PageLoads:
         return failed
 
     def _prune(self) -> None:
-        self._pending = [load for load in self._pending if not load.query()]
+        still = []
+        for load in self._pending:
+            if load.query():
+                self._done(load)
+            else:
+                still.append(load)
+        self._pending = still
 
     def close(self) -> None:
         try:
@@ -322,6 +361,7 @@ class _ThreadLoad:
         self.done = [threading.Event() for _ in range(num_layers)]
         self.sources = sources
         self.blocks: list[int] = []
+        self.buffers: list[torch.Tensor] = []
         self.future: Future[None] | None = None
 
     def finished(self, future: Future[None]) -> None:
@@ -347,6 +387,7 @@ class _StreamLoad:
     def __init__(self, sources: _Sources) -> None:
         self.sources = sources  # pinned rows, alive until the copies that read them are done
         self.blocks: list[int] = []
+        self.buffers: list[torch.Tensor] = []
         self.indexes: list[torch.Tensor] = []
         self.events: list[Any] = []
 
