@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_GATHER_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))  # staging copies at once
+
 
 class LoadMode(enum.StrEnum):
     AUTO = "auto"  # stream on CUDA, sync elsewhere
@@ -60,7 +62,11 @@ class _Staged:
     apart."""
 
     def __init__(
-        self, pool: DeviceKVPool, pages: Sequence[torch.Tensor], buffer: torch.Tensor, workers: Any
+        self,
+        pool: DeviceKVPool,
+        pages: Sequence[torch.Tensor],
+        buffer: torch.Tensor,
+        workers: ThreadPoolExecutor,
     ) -> None:
         self.parts: list[tuple[int, int]] = []  # (offset in a page, width of one K or V row)
         offset = 0
@@ -72,7 +78,7 @@ class _Staged:
         n = len(pages)
         self.buffer = buffer
         self.rows = buffer[: n * offset].view(n, offset)
-        shares = max(1, min(n, getattr(workers, "_max_workers", 1)))
+        shares = max(1, min(n, _GATHER_THREADS))
         bounds = [n * i // shares for i in range(shares + 1)]
         copies = [workers.submit(torch.stack, list(pages[lo:hi]), out=self.rows[lo:hi])
                   for lo, hi in itertools.pairwise(bounds) if hi > lo]  # fmt: skip
@@ -189,8 +195,9 @@ class PageLoads:
 
     def _gather_pool(self) -> ThreadPoolExecutor:
         if self._gatherers is None:
-            workers = max(1, min(8, (os.cpu_count() or 2) // 2))
-            self._gatherers = ThreadPoolExecutor(workers, thread_name_prefix="strata-kv-gather")
+            self._gatherers = ThreadPoolExecutor(
+                _GATHER_THREADS, thread_name_prefix="strata-kv-gather"
+            )
         return self._gatherers
 
     def _issue(self) -> None:
