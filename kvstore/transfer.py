@@ -235,7 +235,7 @@ class PageLoads:
     def _issue_thread(self, sources: _Sources, indexes: list[torch.Tensor]) -> _ThreadLoad:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="strata-kv-load")
-        load = _ThreadLoad(self.num_layers, sources)
+        load = _ThreadLoad(self.num_layers)
         parts = [self.pool.layer_parts(layer) for layer in range(self.num_layers)]
 
         def run() -> None:
@@ -258,7 +258,7 @@ class PageLoads:
         compute = torch.cuda.current_stream(device)
         # on the compute stream: waited for below
         indexes = [index.to(device, non_blocking=True) for index in indexes]
-        load = _StreamLoad(sources)
+        load = _StreamLoad()
         cp = self._cupy
         # the copies go after the work already queued on their blocks
         if cp is not None:
@@ -364,11 +364,10 @@ class PageLoads:
 
 
 class _ThreadLoad:
-    def __init__(self, num_layers: int, sources: _Sources) -> None:
+    def __init__(self, num_layers: int) -> None:
         self.done = [threading.Event() for _ in range(num_layers)]
-        self.sources = sources
         self.blocks: list[int] = []
-        self.buffers: list[torch.Tensor] = []
+        self.buffers: list[torch.Tensor] = []  # staging, reused once the load is done
         self.future: Future[None] | None = None
 
     def finished(self, future: Future[None]) -> None:
@@ -391,9 +390,9 @@ class _ThreadLoad:
 
 
 class _StreamLoad:
-    def __init__(self, sources: _Sources) -> None:
-        self.sources = sources  # pinned rows, alive until the copies that read them are done
+    def __init__(self) -> None:
         self.blocks: list[int] = []
+        # the pinned staging the copies read: alive (and not reused) until they are done
         self.buffers: list[torch.Tensor] = []
         self.indexes: list[torch.Tensor] = []
         self.events: list[Any] = []
