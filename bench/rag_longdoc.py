@@ -40,7 +40,7 @@ from bench.gateway_overhead import percentile
 from engine.config import CacheConfig, EngineConfig, KVCacheDtype
 from engine.llm import LLM
 from engine.protocol import SamplingParams
-from kvstore.tiers import disk_slot_nbytes
+from kvstore.disk import disk_slot_nbytes
 
 QUESTIONS = [
     "\n\nQuestion: What is the main topic of this section?\nAnswer:",

@@ -12,7 +12,8 @@ share of the pool loses its cached blocks before one within its share does.
 
 With an offloader (kvstore/tiers.py), a cached block is not forgotten when it is reallocated:
 its page moves down to host RAM, and from there to disk, under the same hash. A later prompt
-whose chain continues below the device gets fresh blocks with those pages copied back in.
+whose chain continues below the device gets fresh blocks with those pages copied back in;
+pages on disk are first read ahead while the request waits (`prefetch_below`).
 With spill-ahead on, `spill_ahead` saves between steps the pages of the blocks the next
 allocations will reuse (a watermark of free blocks), so allocating finds them saved and
 copies nothing.
@@ -110,22 +111,34 @@ class BlockManager:
                 hits.append(block)
         return hits
 
-    def lookup_below(self, hashes: list[bytes]) -> list[bytes]:
-        """The longest prefix of `hashes` that the tiers below the device hold (changes
-        nothing); call it with what follows the device hits."""
+    def lookup_below(self, request_id: str, hashes: list[bytes]) -> list[bytes]:
+        """The longest prefix of `hashes` that the tiers below the device, or the pages
+        read ahead for the request, hold (changes nothing); call it with what follows the
+        device hits."""
         if self.offloader is None:
             return []
-        return hashes[: self.offloader.find(hashes)]
+        return hashes[: self.offloader.find(hashes, request_id)]
+
+    def prefetch_below(self, request_id: str, hashes: list[bytes]) -> bool:
+        """Start, or check on, reading ahead the request's pages of `hashes` that are on
+        disk (from `lookup_below`); True once none is still being read, so `load_below`
+        will not wait on the disk."""
+        return self.offloader is None or self.offloader.prefetch(request_id, hashes)
+
+    def wait_below(self, timeout: float) -> None:
+        """Block until some read ahead finishes or `timeout` seconds pass."""
+        if self.offloader is not None:
+            self.offloader.wait_reads(timeout)
 
     def load_below(self, request_id: str, start: int, hashes: list[bytes]) -> list[Tier]:
-        """Copy the pages of `hashes` from the lower tiers into the request's blocks
-        `start..`, up to the first that cannot be read, and cache them under their hashes.
-        Returns each loaded block's tier."""
+        """Copy the pages of `hashes` from the lower tiers (or the request's reads ahead)
+        into the request's blocks `start..`, up to the first that cannot be read, and cache
+        them under their hashes. Returns each loaded block's tier."""
         if not hashes:
             return []
         assert self.offloader is not None
         table = self._tables[request_id]
-        tiers = self.offloader.load(table[start : start + len(hashes)], hashes)
+        tiers = self.offloader.load(table[start : start + len(hashes)], hashes, request_id)
         for i, tier in enumerate(tiers):
             self._cache(table[start + i], hashes[i], self._owner.get(request_id, ""))
             self.num_tier_hit_blocks[tier] += 1
@@ -265,10 +278,13 @@ class BlockManager:
         return h, owner
 
     def free(self, request_id: str) -> int:
-        """Drop the request's hold on its blocks; returns how many it held. Blocks nobody
-        holds go to the free list, the request's last block first (so it is reused first)."""
+        """Drop the request's hold on its blocks, and its reads ahead; returns how many
+        blocks it held. Blocks nobody holds go to the free list, the request's last block
+        first (so it is reused first)."""
         table = self._tables.pop(request_id, [])
         self._owner.pop(request_id, None)
+        if self.offloader is not None:
+            self.offloader.release(request_id)
         for block in reversed(table):
             self._refs[block] -= 1
             if self._refs[block] == 0:
@@ -322,4 +338,4 @@ class BlockManager:
         for h, b in self._cached.items():
             assert self._hash_of.get(b) == h, "a cached hash points at the wrong block"
         if self.offloader is not None:
-            self.offloader.store.check_integrity()
+            self.offloader.check_integrity()

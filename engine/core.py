@@ -36,7 +36,8 @@ from engine.request import Request
 from engine.scheduler import Scheduler
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
-from kvstore.tiers import KVOffloader, Tier, TieredKVStore, disk_slot_nbytes
+from kvstore.disk import disk_slot_nbytes
+from kvstore.tiers import KVOffloader, Tier, TieredKVStore
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +221,8 @@ class EngineCore:
             if self._parked and not outputs:
                 assert self.lora is not None
                 self.lora.wait(0.005)  # nothing to run until an adapter's weights are read
+            elif not outputs:
+                self.block_manager.wait_below(0.005)  # or until pages are read from disk
             return outputs
         try:
             result = self.runner.execute(sched)

@@ -4,6 +4,10 @@ Each step hands every scheduled request some number of new tokens so that its
 `num_computed_tokens` catches up with `num_tokens`, under a per-step token budget and a cap
 on running sequences. When the KV pool runs dry, running requests are preempted
 (recompute: their blocks are freed and they re-enter the waiting queue).
+
+A waiting request whose cached prefix continues on disk is passed over, keeping its place,
+until those pages have been read ahead into memory: the running batch never waits on the
+disk.
 """
 
 from __future__ import annotations
@@ -131,10 +135,14 @@ class Scheduler:
             i += 1
 
         if not preempted:
+            skipped: list[Request] = []  # their pages are still being read from disk
             while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting.peek()
                 assert req.num_computed_tokens == 0, "waiting requests hold no KV"
                 hits, below = self._cache_hits(req)
+                if below and not self.block_manager.prefetch_below(req.request_id, below):
+                    skipped.append(self.waiting.pop())
+                    continue
                 bs = self.block_manager.block_size
                 num_new = min(req.num_tokens - (len(hits) + len(below)) * bs, budget)
                 target = (len(hits) + len(below)) * bs + num_new
@@ -144,8 +152,9 @@ class Scheduler:
                 table = self.block_manager.allocate(
                     req.request_id, target, hits, below, owner=req.tenant
                 )
-                # prefetch: pages found below the device are copied into the new blocks now,
-                # before the step that reads them; a page that fails to load is computed
+                # pages found below the device (disk pages read ahead by now) are copied into
+                # the new blocks before the step that reads them; a page that fails to load
+                # is computed
                 tiers = self.block_manager.load_below(req.request_id, len(hits), below)
                 cached = (len(hits) + len(tiers)) * bs
                 num_new = min(req.num_tokens - cached, budget)  # never past `target`
@@ -159,6 +168,8 @@ class Scheduler:
                 self.running.append(req)
                 scheduled.append(ScheduledRequest(req, num_new, table))
                 budget -= num_new
+            for req in reversed(skipped):
+                self.waiting.readd_preempted(req)
         return SchedulerOutput(scheduled, preempted)
 
     def _block_hashes(self, request: Request) -> list[bytes]:
@@ -181,7 +192,7 @@ class Scheduler:
         usable = (request.num_tokens - 1) // self.block_manager.block_size
         hashes = self._block_hashes(request)[:usable]
         hits = self.block_manager.lookup(hashes)
-        return hits, self.block_manager.lookup_below(hashes[len(hits) :])
+        return hits, self.block_manager.lookup_below(request.request_id, hashes[len(hits) :])
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

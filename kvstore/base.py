@@ -1,7 +1,8 @@
-"""Types shared by every KV tier: what a page holds and how big it is."""
+"""Types shared by every KV tier: what a page holds, how big it is, and whose it is."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -54,3 +55,34 @@ class KVCacheSpec:
 
     def num_blocks_for(self, budget_bytes: int) -> int:
         return budget_bytes // self.bytes_per_block
+
+
+class PageOwners:
+    """Which tenant each page of a tier belongs to, with a count per tenant."""
+
+    def __init__(self) -> None:
+        self.of: dict[bytes, str] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, key: bytes, owner: str) -> None:
+        self.of[key] = owner
+        self.counts[owner] = self.counts.get(owner, 0) + 1
+
+    def remove(self, key: bytes) -> None:
+        owner = self.of.pop(key)
+        self.counts[owner] -= 1
+        if not self.counts[owner]:
+            del self.counts[owner]
+
+    def oldest(
+        self, order: Collection[bytes], owner: str | None, keep: Collection[bytes]
+    ) -> bytes | None:
+        """The first key of `order` (least recently used first) that belongs to `owner`
+        (any owner when None) and is not in `keep`."""
+        return next(
+            (k for k in order if k not in keep and (owner is None or self.of[k] == owner)), None
+        )
+
+    def check(self, keys: Collection[bytes]) -> None:
+        assert set(self.of) == set(keys), "page owners disagree with the pages"
+        assert sum(self.counts.values()) == len(self.of), "owner counts disagree"

@@ -191,3 +191,47 @@ def test_a_failed_page_load_fails_its_step_and_the_engine_goes_on(
     want = reference.generate([f"{DOCS[0]}\n{QUESTIONS[1]}"], GREEDY)[0].token_ids
     assert again.token_ids == want, again.finish_reason
     core.check_integrity()
+
+
+def test_a_request_whose_pages_are_on_disk_waits_without_stalling_the_batch(
+    make_core, smollm2_fp32, tmp_path
+):
+    """The disk's reads are held: the running request keeps decoding a token per step while
+    the one over a document on disk waits, in its place; released, it loads the pages read
+    ahead and gives the tokens of a fresh engine."""
+    import threading
+
+    from kvstore.disk import _READ_THREADS
+
+    core = make_core(EngineConfig(cache=tiny_tiers(tmp_path, KVCacheDtype.AUTO,
+                                                   host_memory_bytes=0)))  # fmt: skip
+    llm = LLM(core=core, tokenizer=smollm2_fp32[1])
+    for doc in DOCS:  # the first document's pages end up on disk only
+        llm.generate([f"{doc}\n{QUESTIONS[0]}"], GREEDY)
+    tokenize = smollm2_fp32[1].encode
+    question = f"{DOCS[0]}\n{QUESTIONS[1]}"
+    assert core.tiers is not None and core.tiers.disk is not None
+    gate = threading.Event()
+    for _ in range(_READ_THREADS):
+        core.tiers.disk._readers.submit(gate.wait)
+
+    talk = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    core.add_request("running", tokenize("Tell me about the sea."), talk)
+    core.step()  # its prefill
+    core.add_request("reader", tokenize(question), GREEDY)
+    tokens: dict[str, list[int]] = {"running": [], "reader": []}
+    for _ in range(6):
+        outs = {o.request_id: o for o in core.step()}
+        assert "reader" not in outs and len(outs["running"].new_token_ids) == 1
+        assert [r.request_id for r in core.scheduler.waiting] == ["reader"]
+    gate.set()
+    while core.has_unfinished():
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.request_id == "reader" and out.finished:
+                reader = out
+    want = LLM(core=make_core(), tokenizer=smollm2_fp32[1]).generate([question], GREEDY)
+    assert tokens["reader"] == want[0].token_ids
+    assert reader.num_cached_disk_tokens >= 64
+    assert core.tiers.disk.num_prefetch_bytes == 0
+    core.check_integrity()

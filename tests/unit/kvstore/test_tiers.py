@@ -152,8 +152,9 @@ def test_a_full_disk_degrades_to_fewer_cached_pages(tmp_path, caplog):
 
 
 def test_block_manager_stress_keeps_every_tier_consistent(tmp_path):
-    """Seeded submits, frees and prefix reuse over a tiny device pool and tiny tiers: every
-    block ever loaded back holds exactly the page its hash was computed with."""
+    """Seeded submits, aborts, frees, reads ahead and prefix reuse over a tiny device pool and
+    tiny tiers: every block ever loaded back holds exactly the page its hash was computed
+    with."""
     pool = DeviceKVPool(KVCacheSpec(1, 1, 16, 4, torch.float32), 6, CPU)
     store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=3, disk_blocks=5,
                           disk_dir=tmp_path)  # fmt: skip
@@ -165,7 +166,7 @@ def test_block_manager_stress_keeps_every_tier_consistent(tmp_path):
         return torch.full((4, 1, 16), float(zlib.crc32(h)), dtype=torch.float32)
 
     live: dict[str, list[bytes]] = {}
-    loaded = 0
+    loaded = read_ahead = aborted = 0
     for step in range(400):
         if live and (len(live) > 1 or rng.random() < 0.4):
             rid = rng.choice(sorted(live))
@@ -176,8 +177,18 @@ def test_block_manager_stress_keeps_every_tier_consistent(tmp_path):
             tokens = [*rng.choice(docs), rng.randrange(50)]
             hashes = chain_hashes(root_hash("t"), tokens, 4, 0)[:3]
             hits = bm.lookup(hashes)
-            below = bm.lookup_below(hashes[len(hits) :])
+            below = bm.lookup_below(rid, hashes[len(hits) :])
+            if below and rng.random() < 0.5:  # read ahead first, as the scheduler does
+                read_ahead += any(store.tier_of(h) is Tier.DISK for h in below)
+                if not bm.prefetch_below(rid, below) and rng.random() < 0.3:
+                    bm.free(rid)  # aborted while its pages are being read
+                    aborted += 1
+                    continue
+                while not bm.prefetch_below(rid, below):
+                    bm.wait_below(1.0)
+                below = bm.lookup_below(rid, hashes[len(hits) :])
             if not bm.can_allocate(rid, len(tokens), hits):
+                bm.free(rid)
                 continue
             table = bm.allocate(rid, len(tokens), hits)
             for block, h in zip(table, hashes[: len(hits)], strict=False):
@@ -192,7 +203,7 @@ def test_block_manager_stress_keeps_every_tier_consistent(tmp_path):
             bm.commit(rid, hashes)
             live[rid] = hashes
         bm.check_integrity()
-    assert loaded > 20
+    assert loaded > 20 and read_ahead > 10 and aborted > 0
     assert bm.num_tier_hit_blocks[Tier.HOST] > 0 and bm.num_tier_hit_blocks[Tier.DISK] > 0
     store.close()
 
@@ -269,7 +280,7 @@ def test_spill_ahead_saves_the_next_reused_pages_so_allocation_copies_nothing(tm
     assert store.num_spilled[Tier.HOST] == spilled, "nothing left to copy at allocation"
     assert bm.lookup(hashes["r0"]) == []
     for rid in ("r0", "r1"):
-        assert bm.lookup_below(hashes[rid]) == hashes[rid]
+        assert bm.lookup_below(rid, hashes[rid]) == hashes[rid]
     bm.free("big")
     fresh = bm.allocate("back", 8, owner="t")
     assert bm.load_below("back", 0, hashes["r0"]) == [Tier.HOST, Tier.HOST]

@@ -1,0 +1,355 @@
+"""The disk tier: KV pages in one preallocated file, written and read by background threads.
+
+Pages live in slots rounded up to 4 KiB, opened with `O_DIRECT` where the filesystem allows
+it. The file is unlinked as soon as it is open, so it disappears with the process however
+that ends. Writes go to a background thread from page-aligned staging buffers; a page whose
+write is still in flight (state "moving") is read from its staging buffer. Every page
+carries a CRC-32 checked on read: a corrupt or truncated page is a miss, never wrong KV. A
+disk that cannot be opened, preallocated or written degrades to a warning and fewer cached
+pages.
+
+Reads ahead (`prefetch`) run on a few reader threads at once, into one page-aligned buffer
+per request, and are checked there, so a request whose pages are on disk is admitted only
+once they sit in memory: the running batch never waits on the disk. The pool's state
+(slots, checksums) changes on the caller's thread only; the threads move bytes and compute
+checksums.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+import torch
+
+from kvstore.base import PageOwners
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 4096  # O_DIRECT offsets, sizes and buffers are multiples of this
+_SPARE_STAGING = 64  # finished writes' buffers kept for the next ones
+_READ_THREADS = 4  # reads in flight at once: one at a time leaves the disk idle between them
+PREFETCH_BYTES = 256 << 20  # pages read ahead at once, over all requests
+
+
+def disk_slot_nbytes(page_nbytes: int) -> int:
+    """Bytes one page takes on disk (rounded up for O_DIRECT)."""
+    return -(-page_nbytes // _ALIGN) * _ALIGN
+
+
+class DiskPrefetch:
+    """Pages of one request read ahead from the disk tier: page i of `keys` lands in row i of
+    one page-aligned buffer and is checked against the checksum it had when the read began.
+
+    Built by `DiskKVPool.prefetch`; `DiskKVPool.settle` turns failed reads into misses."""
+
+    def __init__(self, keys: list[bytes], slots: list[int], checksums: list[int],
+                 page_nbytes: int, slot_nbytes: int) -> None:  # fmt: skip
+        self.keys = keys
+        self.slots = slots
+        self.checksums = checksums
+        self.page_nbytes = page_nbytes
+        self.slot_nbytes = slot_nbytes
+        self.buffer = mmap.mmap(-1, len(keys) * slot_nbytes)  # page aligned, as O_DIRECT needs
+        self.reads: list[Future[str | None]] = []  # None, or why row i could not be used
+        self.rows = {k: i for i, k in enumerate(keys)}
+        self.good: set[bytes] = set()  # read and checked (once settled)
+        self.settled = False
+        self.released = False
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.keys) * self.slot_nbytes
+
+    @property
+    def done(self) -> bool:
+        return all(f.done() for f in self.reads)
+
+    def page(self, key: bytes) -> torch.Tensor | None:
+        """The page read for `key` (a view of the buffer), or None: not read ahead, not yet
+        settled, or failed."""
+        if key not in self.good:
+            return None
+        offset = self.rows[key] * self.slot_nbytes
+        return torch.frombuffer(self.buffer, dtype=torch.uint8, count=self.page_nbytes,
+                                offset=offset)  # fmt: skip
+
+
+class DiskKVPool:
+    """`num_blocks` page slots in one preallocated file under `directory`.
+
+    Raises OSError when the file cannot be created or preallocated at all; a partial
+    preallocation (a nearly full disk) keeps the slots that fit.
+    """
+
+    def __init__(self, directory: Path, page_nbytes: int, num_blocks: int) -> None:
+        assert num_blocks > 0
+        self.page_nbytes = page_nbytes
+        self.slot_nbytes = disk_slot_nbytes(page_nbytes)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / f"strata-kv-{os.getpid()}-{id(self):x}.pages"
+        self.direct = True
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        try:
+            self.fd = os.open(self.path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+        except OSError:
+            self.direct = False  # tmpfs and some others refuse O_DIRECT
+            self.fd = os.open(self.path, flags, 0o600)
+        self.path.unlink()
+        try:
+            self.num_blocks = self._preallocate(num_blocks)
+        except OSError:
+            self.close()
+            raise
+        self.slots: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
+        self.owners = PageOwners()
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._checksums: dict[int, int] = {}
+        self._pending: dict[int, tuple[Future[None], mmap.mmap]] = {}
+        self._spare: list[mmap.mmap] = []  # staging buffers of finished writes
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="strata-kv-disk")
+        self._readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="strata-kv-read")
+        self._prefetches: list[DiskPrefetch] = []  # not yet released, or still reading
+        self.num_write_errors = 0
+        self.num_checksum_failures = 0
+
+    def _preallocate(self, num_blocks: int) -> int:
+        """Reserve the file's space; on a disk too full for all of it, keep what fits."""
+        want = num_blocks
+        while want > 0:
+            try:
+                os.posix_fallocate(self.fd, 0, want * self.slot_nbytes)
+            except OSError as exc:
+                if exc.errno == errno.EOPNOTSUPP:  # a sparse file then, filled as pages arrive
+                    os.ftruncate(self.fd, want * self.slot_nbytes)
+                    return want
+                if exc.errno not in (errno.ENOSPC, errno.EFBIG):  # disk or file-size limit
+                    raise
+                want //= 2
+                continue
+            if want < num_blocks:
+                log.warning(
+                    "KV disk tier: only %d of %d pages fit on %s", want, num_blocks, self.path
+                )
+            return want
+        raise OSError(errno.ENOSPC, "no space for a single KV page", str(self.path))
+
+    @property
+    def num_used(self) -> int:
+        return len(self.slots)
+
+    def write(
+        self, key: bytes, page: torch.Tensor, owner: str = "", limit: int | None = None
+    ) -> bool:
+        """Start writing `page` under `key` for `owner`, who may keep at most `limit` pages
+        here (None: no limit). Makes room by dropping the owner's oldest page when it is at
+        its limit, else the least recently used page. False when the page cannot be kept."""
+        self.reap()
+        if key in self.slots:
+            self.slots.move_to_end(key)
+            return True
+        if limit == 0:
+            return False
+        if limit is not None and self.owners.counts.get(owner, 0) >= limit:
+            victim = self.owners.oldest(self.slots, owner, ())
+        elif not self._free:
+            victim = self.owners.oldest(self.slots, None, ())
+        else:
+            victim = None
+        if victim is not None:
+            self._forget(victim)
+        if not self._free:
+            return False
+        slot = self._free.pop()
+        # page aligned, as O_DIRECT needs; reused, since fresh memory costs page faults
+        staging = self._spare.pop() if self._spare else mmap.mmap(-1, self.slot_nbytes)
+        view = memoryview(staging)
+        view[: self.page_nbytes] = page.contiguous().numpy().data
+        self._checksums[slot] = zlib.crc32(view[: self.page_nbytes])
+        view.release()
+        offset = slot * self.slot_nbytes
+        future = self._io.submit(self._pwrite, staging, offset)
+        self._pending[slot] = (future, staging)
+        self.slots[key] = slot
+        self.owners.add(key, owner)
+        return True
+
+    def _pwrite(self, staging: mmap.mmap, offset: int) -> None:
+        written = os.pwritev(self.fd, [staging], offset)
+        if written != self.slot_nbytes:
+            raise OSError(errno.EIO, f"short write ({written} of {self.slot_nbytes} bytes)")
+
+    def read(self, key: bytes) -> torch.Tensor | None:
+        """The page stored under `key`, or None (absent, unreadable or failing its
+        checksum, in which case it is forgotten)."""
+        slot = self.slots.get(key)
+        if slot is None:
+            return None
+        pending = self._pending.get(slot)
+        moving = pending is not None and not pending[0].done()
+        if pending is not None and moving:
+            buf, got = pending[1], self.page_nbytes  # still moving: read its staging buffer
+        else:
+            self.reap()
+            if key not in self.slots:
+                return None  # its write failed
+            buf = mmap.mmap(-1, self.slot_nbytes)  # page aligned, as O_DIRECT needs
+            try:
+                got = os.preadv(self.fd, [buf], slot * self.slot_nbytes)
+            except OSError as exc:
+                log.warning("KV disk tier: read failed (%s); treating the page as a miss", exc)
+                got = 0
+        view = memoryview(buf)[: self.page_nbytes]
+        intact = got >= self.page_nbytes and zlib.crc32(view) == self._checksums.get(slot)
+        view.release()
+        if not intact:
+            self.num_checksum_failures += 1
+            log.warning("KV disk tier: page %d failed its checksum; treating it as a miss", slot)
+            self._forget(key)
+            return None
+        self.slots.move_to_end(key)
+        page = torch.frombuffer(buf, dtype=torch.uint8, count=self.page_nbytes)
+        return page.clone() if moving else page  # staging buffers go back to the writer
+
+    def _forget(self, key: bytes, reuse: bool = True) -> None:
+        slot = self.slots.pop(key)
+        self.owners.remove(key)
+        self._checksums.pop(slot, None)
+        if reuse:
+            self._free.append(slot)
+
+    def reap(self, wait: bool = False) -> None:
+        """Retire finished writes; a failed write loses its page and its slot."""
+        for slot, (future, staging) in list(self._pending.items()):
+            if not (wait or future.done()):
+                continue
+            exc = future.exception()
+            del self._pending[slot]
+            if len(self._spare) < _SPARE_STAGING:
+                self._spare.append(staging)
+            else:
+                staging.close()
+            if exc is None:
+                continue
+            self.num_write_errors += 1
+            log.warning("KV disk tier: write failed (%s); caching fewer pages", exc)
+            for key, s in list(self.slots.items()):
+                if s == slot:  # the slot is not reused: the disk may be full
+                    self._forget(key, reuse=False)
+
+    # -- reading ahead ------------------------------------------------------------------
+
+    @property
+    def num_prefetch_bytes(self) -> int:
+        """Bytes of read-ahead buffers alive now: not released, or still being read into
+        (bounded by PREFETCH_BYTES, except that one prefetch may always start)."""
+        return sum(f.nbytes for f in self._prefetches if not (f.released and f.done))
+
+    @property
+    def open_prefetches(self) -> list[DiskPrefetch]:
+        """Reads ahead not yet released."""
+        return [f for f in self._prefetches if not f.released]
+
+    def prefetch(self, keys: Sequence[bytes]) -> DiskPrefetch | None:
+        """Start reading the pages of `keys` held here, in order, on the reader threads, as
+        many as the read-ahead budget leaves room for. None when none can start: no key is
+        here, or other prefetches hold the whole budget. Marks the pages recently used."""
+        self._retire()
+        room = (PREFETCH_BYTES - self.num_prefetch_bytes) // self.slot_nbytes
+        if not self._prefetches:
+            room = max(room, 1)
+        keys = [k for k in keys if k in self.slots][: max(room, 0)]
+        if not keys:
+            return None
+        slots = [self.slots[k] for k in keys]
+        fetch = DiskPrefetch(keys, slots, [self._checksums[s] for s in slots],
+                             self.page_nbytes, self.slot_nbytes)  # fmt: skip
+        for row, (key, slot) in enumerate(zip(keys, slots, strict=True)):
+            self.slots.move_to_end(key)
+            pending = self._pending.get(slot)
+            if pending is not None and not pending[0].done():  # moving: copy its staging
+                start = row * self.slot_nbytes
+                fetch.buffer[start : start + self.page_nbytes] = pending[1][: self.page_nbytes]
+                read: Future[str | None] = Future()
+                read.set_result(None)
+            else:
+                read = self._readers.submit(self._read_row, fetch, row)
+            fetch.reads.append(read)
+        self._prefetches.append(fetch)
+        return fetch
+
+    def _read_row(self, fetch: DiskPrefetch, row: int) -> str | None:
+        """Reader thread: read page `row` of `fetch` and check it; None, or what failed."""
+        start = row * self.slot_nbytes
+        view = memoryview(fetch.buffer)[start : start + self.slot_nbytes]
+        try:
+            got = os.preadv(self.fd, [view], fetch.slots[row] * self.slot_nbytes)
+        except OSError as exc:
+            return f"read failed ({exc})"
+        if got < self.page_nbytes:
+            return f"short read ({got} of {self.page_nbytes} bytes)"
+        if zlib.crc32(view[: self.page_nbytes]) != fetch.checksums[row]:
+            return "checksum mismatch"
+        return None
+
+    def settle(self, fetch: DiskPrefetch) -> bool:
+        """True once every read of `fetch` has finished (without waiting). The first time,
+        a page that failed is counted and forgotten here, unless its slot has been reused
+        since (it was evicted while being read): either way it is a miss."""
+        if not fetch.done:
+            return False
+        if not fetch.settled:
+            fetch.settled = True
+            for key, slot, crc, read in zip(
+                fetch.keys, fetch.slots, fetch.checksums, fetch.reads, strict=True
+            ):
+                error = read.result()
+                if error is None:
+                    fetch.good.add(key)
+                    continue
+                if self.slots.get(key) == slot and self._checksums.get(slot) == crc:
+                    self.num_checksum_failures += 1
+                    log.warning("KV disk tier: page %d: %s; treating it as a miss", slot, error)
+                    self._forget(key)
+        return True
+
+    def release(self, fetch: DiskPrefetch) -> None:
+        """The request is done with `fetch`; its buffer goes once its reads have finished."""
+        fetch.released = True
+        self._retire()
+
+    def wait_reads(self, timeout: float) -> None:
+        """Block until some read ahead finishes, or `timeout` seconds (none in flight: at
+        once)."""
+        running = [f for fetch in self._prefetches for f in fetch.reads if not f.done()]
+        if running:
+            wait(running, timeout, return_when=FIRST_COMPLETED)
+
+    def _retire(self) -> None:
+        self._prefetches = [f for f in self._prefetches if not (f.released and f.done)]
+
+    def check_integrity(self) -> None:
+        used = list(self.slots.values())
+        assert len(set(used)) == len(used), "two disk pages share a slot"
+        assert not set(used) & set(self._free), "a disk slot is both used and free"
+        for slot in used:
+            assert slot in self._checksums, "a disk page has no checksum"
+        self.owners.check(self.slots)
+        assert self.num_prefetch_bytes <= max(
+            PREFETCH_BYTES, max((f.nbytes for f in self._prefetches), default=0)
+        ), "reads ahead exceed their budget"
+
+    def close(self) -> None:
+        io = getattr(self, "_io", None)
+        if io is not None:
+            io.shutdown(wait=True)
+            self._readers.shutdown(wait=True)
+            self.reap(wait=True)
+        os.close(self.fd)
