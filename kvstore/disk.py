@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 _ALIGN = 4096  # O_DIRECT offsets, sizes and buffers are multiples of this
 _SPARE_STAGING = 64  # finished writes' buffers kept for the next ones
 _READ_THREADS = 4  # reads in flight at once: one at a time leaves the disk idle between them
-PREFETCH_BYTES = 256 << 20  # pages read ahead at once, over all requests
+PREFETCH_BYTES = 256 << 20  # read-ahead buffers of several requests at once, at most
 
 
 def disk_slot_nbytes(page_nbytes: int) -> int:
@@ -249,7 +249,7 @@ class DiskKVPool:
     @property
     def num_prefetch_bytes(self) -> int:
         """Bytes of read-ahead buffers alive now: not released, or still being read into
-        (bounded by PREFETCH_BYTES, except that one prefetch may always start)."""
+        (at most PREFETCH_BYTES, or one prefetch's)."""
         return sum(f.nbytes for f in self._prefetches if not (f.released and f.done))
 
     @property
@@ -258,15 +258,13 @@ class DiskKVPool:
         return [f for f in self._prefetches if not f.released]
 
     def prefetch(self, keys: Sequence[bytes]) -> DiskPrefetch | None:
-        """Start reading the pages of `keys` held here, in order, on the reader threads, as
-        many as the read-ahead budget leaves room for. None when none can start: no key is
-        here, or other prefetches hold the whole budget. Marks the pages recently used."""
+        """Start reading the pages of `keys` held here on the reader threads. None when it
+        cannot start: no key is here, or the other reads ahead alive would exceed
+        PREFETCH_BYTES with it (alone, any size starts). Marks the pages recently used."""
         self._retire()
-        room = (PREFETCH_BYTES - self.num_prefetch_bytes) // self.slot_nbytes
-        if not self._prefetches:
-            room = max(room, 1)
-        keys = [k for k in keys if k in self.slots][: max(room, 0)]
-        if not keys:
+        keys = [k for k in keys if k in self.slots]
+        used = self.num_prefetch_bytes
+        if not keys or (used and used + len(keys) * self.slot_nbytes > PREFETCH_BYTES):
             return None
         slots = [self.slots[k] for k in keys]
         fetch = DiskPrefetch(keys, slots, [self._checksums[s] for s in slots],

@@ -226,6 +226,7 @@ class KVOffloader:
         self.pool = pool
         self.store = store
         self._prefetches: dict[str, DiskPrefetch] = {}  # request id -> its reads ahead
+        self._next_prefetch: str | None = None  # refused for room: goes before any other
 
     def spill(
         self, evicted: Sequence[tuple[int, bytes, str]], keep: Collection[bytes] = ()
@@ -265,7 +266,8 @@ class KVOffloader:
         """Read ahead, for request `request_id`, the pages of `keys` that are on disk; True
         once none of them is still being read, so that `load` will not wait on the disk.
         Call it again (each step) until True; `release` ends it. Pages whose read fails
-        are forgotten: `find` stops before them."""
+        are forgotten: `find` stops before them. A request refused for lack of room starts
+        first once there is room: no other starts before it."""
         disk = self.store.disk
         if disk is None:
             return True
@@ -274,9 +276,13 @@ class KVOffloader:
             on_disk = [k for k in keys if self.store.tier_of(k) is Tier.DISK]
             if not on_disk:
                 return True
+            if self._next_prefetch not in (None, request_id):
+                return False  # an earlier request waits for room first
             fetch = disk.prefetch(on_disk)
-            if fetch is None:
-                return False  # other requests' reads hold the read-ahead budget
+            if fetch is None:  # other requests' reads hold the read-ahead budget
+                self._next_prefetch = request_id
+                return False
+            self._next_prefetch = None
             self._prefetches[request_id] = fetch
         return disk.settle(fetch)
 
@@ -288,6 +294,8 @@ class KVOffloader:
 
     def release(self, request_id: str) -> None:
         """Drop the reads ahead for `request_id`, if any (loaded, or no longer wanted)."""
+        if self._next_prefetch == request_id:
+            self._next_prefetch = None
         fetch = self._prefetches.pop(request_id, None)
         if fetch is not None:
             assert self.store.disk is not None

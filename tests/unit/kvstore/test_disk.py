@@ -29,8 +29,11 @@ def on_disk(tmp_path, num_pages: int = 4, disk_blocks: int = 8):
 
 
 def read_ahead(offloader: KVOffloader, request_id: str, keys: list[bytes]) -> None:
-    while not offloader.prefetch(request_id, keys):
-        offloader.wait_reads(1.0)
+    for _ in range(100):
+        if offloader.prefetch(request_id, keys):
+            return
+        offloader.wait_reads(0.1)
+    raise AssertionError(f"{request_id}'s pages were never read")
 
 
 def scribble(store: TieredKVStore, k: bytes) -> None:
@@ -90,24 +93,58 @@ def test_a_page_that_fails_its_read_ahead_is_forgotten_and_a_miss(tmp_path, capl
     store.close()
 
 
-def test_reads_ahead_share_a_budget_and_the_rest_is_read_at_load(tmp_path, monkeypatch):
+def test_reads_ahead_share_a_budget_and_start_in_turn(tmp_path, monkeypatch):
     pool, store, offloader = on_disk(tmp_path, num_pages=6)
     disk = store.disk
     assert disk is not None
-    monkeypatch.setattr(disk_module, "PREFETCH_BYTES", 2 * disk.slot_nbytes)
-    first, second = [key(b) for b in range(3)], [key(b) for b in range(3, 6)]
+    monkeypatch.setattr(disk_module, "PREFETCH_BYTES", 4 * disk.slot_nbytes)
+    big, small, tiny = [key(b) for b in range(3)], [key(3), key(4)], [key(5)]
     original = pool.read_pages([0, 1, 2, 3, 4, 5])
     held = HeldReaders(store)
-    assert not offloader.prefetch("a", first)  # two of its three pages fit the budget
-    assert not offloader.prefetch("b", second), "no room until `a` is done"
-    assert len(disk.open_prefetches) == 1 and disk.num_prefetch_bytes == 2 * disk.slot_nbytes
+    assert not offloader.prefetch("big", big)
+    assert not offloader.prefetch("small", small), "3 + 2 pages exceed the budget of 4"
+    assert not offloader.prefetch("tiny", tiny), "it would fit, but `small` asked first"
+    assert len(disk.open_prefetches) == 1 and disk.num_prefetch_bytes == 3 * disk.slot_nbytes
     held.release()
-    read_ahead(offloader, "a", first)
-    assert not offloader.prefetch("b", second)
-    assert offloader.load([8, 9, 10], first, "a") == [Tier.DISK] * 3  # the third read now
-    read_ahead(offloader, "b", second)
-    assert offloader.load([11, 12, 13], second, "b") == [Tier.DISK] * 3
+    read_ahead(offloader, "big", big)
+    assert not offloader.prefetch("tiny", tiny)
+    assert offloader.load([8, 9, 10], big, "big") == [Tier.DISK] * 3
+    read_ahead(offloader, "small", small)
+    read_ahead(offloader, "tiny", tiny)
+    assert offloader.load([11, 12], small, "small") == [Tier.DISK] * 2
+    assert offloader.load([13], tiny, "tiny") == [Tier.DISK]
     assert torch.equal(pool.read_pages(list(range(8, 14))), original)
+    offloader.check_integrity()
+    store.close()
+
+
+def test_a_refused_request_that_leaves_gives_up_its_turn(tmp_path, monkeypatch):
+    _, store, offloader = on_disk(tmp_path)
+    assert store.disk is not None
+    monkeypatch.setattr(disk_module, "PREFETCH_BYTES", 2 * store.disk.slot_nbytes)
+    held = HeldReaders(store)
+    assert not offloader.prefetch("first", [key(0), key(1)])
+    assert not offloader.prefetch("refused", [key(2)])
+    assert not offloader.prefetch("later", [key(3)])
+    offloader.release("refused")  # aborted: "later" no longer waits behind it
+    offloader.release("first")
+    held.release()
+    for _ in range(50):
+        store.disk.wait_reads(0.1)
+    read_ahead(offloader, "later", [key(3)])
+    offloader.release("later")
+    offloader.check_integrity()
+    store.close()
+
+
+def test_a_read_ahead_larger_than_the_budget_starts_alone(tmp_path, monkeypatch):
+    _, store, offloader = on_disk(tmp_path)
+    assert store.disk is not None
+    monkeypatch.setattr(disk_module, "PREFETCH_BYTES", store.disk.slot_nbytes)
+    keys = [key(b) for b in range(4)]
+    read_ahead(offloader, "r", keys)
+    assert offloader.find(keys, "r") == 4
+    offloader.release("r")
     offloader.check_integrity()
     store.close()
 
