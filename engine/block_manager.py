@@ -119,6 +119,10 @@ class BlockManager:
             return []
         return hashes[: self.offloader.find(hashes, request_id)]
 
+    @property
+    def has_disk_tier(self) -> bool:
+        return self.offloader is not None and self.offloader.store.disk is not None
+
     def prefetch_below(self, request_id: str, hashes: list[bytes]) -> bool:
         """Start, or check on, reading ahead the request's pages of `hashes` that are on
         disk (from `lookup_below`); True once none is still being read, so `load_below`

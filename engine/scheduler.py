@@ -7,11 +7,12 @@ on running sequences. When the KV pool runs dry, running requests are preempted
 
 A waiting request whose cached prefix continues on disk is passed over, keeping its place,
 until those pages have been read ahead into memory: the running batch never waits on the
-disk.
+disk. The next few waiting requests have their pages read ahead before their turn, too.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, chain_hashes, root_hash
@@ -20,6 +21,8 @@ from engine.protocol import FinishReason
 from engine.request import Request, RequestStatus
 from engine.sched_policy import create_policy
 from kvstore.tiers import Tier
+
+_READ_AHEAD_REQUESTS = 4  # waiting requests whose disk pages are read before their turn
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,18 @@ class Scheduler:
                 budget -= num_new
             for req in reversed(skipped):
                 self.waiting.readd_preempted(req)
+        self._read_ahead_waiting()
         return SchedulerOutput(scheduled, preempted)
+
+    def _read_ahead_waiting(self) -> None:
+        """Start reading from disk the pages of the next few waiting requests, which could
+        not be admitted this step, so that they are in memory when their turn comes."""
+        if not len(self.waiting) or not self.block_manager.has_disk_tier:
+            return
+        for req in itertools.islice(self.waiting, _READ_AHEAD_REQUESTS):
+            _, below = self._cache_hits(req)
+            if below:
+                self.block_manager.prefetch_below(req.request_id, below)
 
     def _block_hashes(self, request: Request) -> list[bytes]:
         """The hash chain of the request's full blocks, extended to its current tokens."""

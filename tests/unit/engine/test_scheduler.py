@@ -280,3 +280,82 @@ def test_caching_off_means_no_hits():
     s.add_request(again)
     run_step(s)
     assert again.num_cached_tokens == 0
+
+
+def _disk_backed(tmp_path, **cfg):
+    """A scheduler over 8 device blocks of 4 tokens, with a disk tier (no host tier), and
+    that tier's store."""
+    import torch
+
+    from kvstore.base import KVCacheSpec
+    from kvstore.device_pool import DeviceKVPool
+    from kvstore.tiers import KVOffloader, TieredKVStore
+
+    pool = DeviceKVPool(KVCacheSpec(1, 1, 16, 4, torch.float32), 8, torch.device("cpu"))
+    store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=0, disk_blocks=16,
+                          disk_dir=tmp_path)  # fmt: skip
+    bm = BlockManager(8, 4, offloader=KVOffloader(pool, store))
+    return Scheduler(SchedulerConfig(**cfg), bm, max_model_len=32, cache_namespace="m"), store
+
+
+def _push_to_disk(s: Scheduler, prompt: list[int]) -> None:
+    """Serve `prompt` once, then a longer request that takes every block: its pages end up
+    on disk."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    _finish_alone(s, Request("doc", prompt, params))
+    _finish_alone(s, Request("filler", list(range(100, 128)), params))
+    assert s.block_manager.lookup(s._block_hashes(Request("probe", prompt, params))) == []
+    s.block_manager.offloader.store.disk.reap(wait=True)  # written: reads go to the file
+
+
+def test_a_request_waiting_for_a_slot_has_its_disk_pages_read_meanwhile(tmp_path):
+    from tests.unit.kvstore.test_disk import HeldReaders
+
+    s, store = _disk_backed(tmp_path, max_num_seqs=1)
+    doc = list(range(1, 14))  # three full blocks
+    _push_to_disk(s, doc)
+    disk = store.disk
+    held = HeldReaders(store)
+    runner = Request("runner", [50, 51, 52], SamplingParams(max_tokens=6, ignore_eos=True))
+    s.add_request(runner)
+    run_step(s)
+    reader = Request("reader", doc, GREEDY)
+    s.add_request(reader)
+    run_step(s)
+    assert reader.status is RequestStatus.WAITING and len(disk.open_prefetches) == 1
+    held.release()
+    for _ in range(50):
+        disk.wait_reads(0.1)
+    assert disk.open_prefetches[0].done, "read while the runner holds the only slot"
+    while not runner.is_finished:
+        run_step(s)
+    run_step(s)
+    assert reader.status is RequestStatus.RUNNING
+    assert reader.num_cached_tokens == reader.num_cached_disk_tokens == 12
+    assert not disk.open_prefetches
+    store.close()
+
+
+def test_a_request_whose_pages_are_being_read_keeps_its_place(tmp_path):
+    from tests.unit.kvstore.test_disk import HeldReaders
+
+    s, store = _disk_backed(tmp_path, max_num_seqs=1, policy=SchedulingPolicy.FCFS)
+    doc = list(range(1, 14))
+    _push_to_disk(s, doc)
+    held = HeldReaders(store)
+    reader = Request("reader", doc, GREEDY)
+    late = [Request(f"late{i}", [60 + i, 61, 62], GREEDY) for i in range(2)]
+    for r in (reader, *late):
+        s.add_request(r)
+    out = run_step(s)
+    assert [x.request.request_id for x in out.scheduled] == ["late0"]  # not held up
+    assert [r.request_id for r in s.waiting] == ["reader", "late1"]
+    held.release()
+    for _ in range(50):
+        s.block_manager.wait_below(0.1)
+    while not late[0].is_finished:
+        run_step(s)
+    out = run_step(s)
+    assert [x.request.request_id for x in out.scheduled] == ["reader"]
+    assert reader.num_cached_disk_tokens == 12
+    store.close()
