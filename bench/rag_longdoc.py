@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
         if llm.core.tiers is not None:
             llm.core.tiers.close()
         del llm
+    if args.disk_path is None:
+        disk_dir.rmdir()  # the tier's file was unlinked when it was opened
 
     tiers, recompute = results["tiers"], results["recompute"]
     summary = {

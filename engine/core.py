@@ -301,6 +301,8 @@ class EngineCore:
             num_kv_host_blocks_used=0 if host is None else host.num_used,
             num_kv_disk_blocks_total=0 if disk is None else disk.num_blocks,
             num_kv_disk_blocks_used=0 if disk is None else disk.num_used,
+            kv_disk_read_ahead_bytes=0 if disk is None else disk.num_prefetch_bytes,
+            num_kv_disk_checksum_failures=0 if disk is None else disk.num_checksum_failures,
             kv_blocks_by_tenant=self._blocks_by_tenant(),
             num_cache_hit_blocks={
                 Tier.DEVICE.value: bm.num_hit_blocks,

@@ -78,6 +78,16 @@ class GatewayMetrics:
             ["tenant", "tier"],
             registry=r,
         )
+        self.kv_read_ahead = Gauge(
+            "strata:kv_disk_read_ahead_bytes",
+            "Bytes of KV pages read from disk for waiting requests, held in memory",
+            registry=r,
+        )
+        self.kv_checksum_failures = Gauge(
+            "strata:kv_disk_checksum_failures",
+            "KV pages on disk that failed their checksum since start (served as misses)",
+            registry=r,
+        )
         self.kv_bytes_per_token = Gauge(
             "strata:kv_cache_bytes_per_token",
             "KV-cache bytes per token (K and V, every layer, FP8 scales included)",
@@ -110,6 +120,8 @@ class GatewayMetrics:
         kv_total: int,
         kv_bytes_per_token: int,
         kv_blocks: dict[tuple[str, str], int],
+        kv_read_ahead_bytes: int,
+        kv_checksum_failures: int,
     ) -> None:
         """Engine-wide figures, summed over workers; `kv_blocks` by (tenant, tier)."""
         self.kv_blocks.clear()  # tenants whose blocks are all gone drop out
@@ -120,6 +132,8 @@ class GatewayMetrics:
         self.kv_used.set(kv_used)
         self.kv_total.set(kv_total)
         self.kv_bytes_per_token.set(kv_bytes_per_token)
+        self.kv_read_ahead.set(kv_read_ahead_bytes)
+        self.kv_checksum_failures.set(kv_checksum_failures)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

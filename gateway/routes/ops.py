@@ -43,5 +43,7 @@ async def metrics(request: Request[Any, Any, Any]) -> bytes:
         kv_total=sum(s.num_kv_blocks_total for s in stats),
         kv_bytes_per_token=max((s.kv_bytes_per_token for s in stats), default=0),
         kv_blocks=kv_blocks,
+        kv_read_ahead_bytes=sum(s.kv_disk_read_ahead_bytes for s in stats),
+        kv_checksum_failures=sum(s.num_kv_disk_checksum_failures for s in stats),
     )
     return gw.metrics.render()

@@ -272,6 +272,9 @@ async def test_cached_tokens_are_broken_down_by_tier(store_server, strata_cache_
             metrics = (await http.get("/metrics")).text
         for tier in ("device", "host", "disk"):  # the tenant's blocks, tier by tier
             assert f'strata:kv_blocks{{tenant="{tenant_id}",tier="{tier}"}}' in metrics
+        # the disk pages were read ahead, and their buffers went with the loads
+        assert "\nstrata:kv_disk_read_ahead_bytes 0.0\n" in metrics
+        assert "\nstrata:kv_disk_checksum_failures 0.0\n" in metrics
     finally:
         server.stop()
         worker.stop()

@@ -224,6 +224,7 @@ def test_a_request_whose_pages_are_on_disk_waits_without_stalling_the_batch(
         outs = {o.request_id: o for o in core.step()}
         assert "reader" not in outs and len(outs["running"].new_token_ids) == 1
         assert [r.request_id for r in core.scheduler.waiting] == ["reader"]
+    assert core.stats().kv_disk_read_ahead_bytes > 0
     gate.set()
     while core.has_unfinished():
         for out in core.step():
@@ -233,5 +234,5 @@ def test_a_request_whose_pages_are_on_disk_waits_without_stalling_the_batch(
     want = LLM(core=make_core(), tokenizer=smollm2_fp32[1]).generate([question], GREEDY)
     assert tokens["reader"] == want[0].token_ids
     assert reader.num_cached_disk_tokens >= 64
-    assert core.tiers.disk.num_prefetch_bytes == 0
+    assert core.stats().kv_disk_read_ahead_bytes == 0
     core.check_integrity()
