@@ -26,6 +26,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvstore.disk import DiskPrefetch
 from kvstore.tiers import KVOffloader, Tier
 
 _SHARE_SCAN = 64  # free blocks looked at for one over its tenant's share
@@ -82,6 +83,8 @@ class BlockManager:
         self.num_evicted_blocks = 0
         self.num_tier_hit_blocks = {Tier.HOST: 0, Tier.DISK: 0}
         self.num_spilled_ahead = 0
+        self._prefetches: dict[str, DiskPrefetch] = {}  # request id -> its disk reads ahead
+        self._next_prefetch: str | None = None  # refused for room: starts before any other
 
     @property
     def num_free_blocks(self) -> int:
@@ -117,7 +120,7 @@ class BlockManager:
         device hits."""
         if self.offloader is None:
             return []
-        return hashes[: self.offloader.find(hashes, request_id)]
+        return hashes[: self.offloader.find(hashes, self._prefetches.get(request_id))]
 
     @property
     def has_disk_tier(self) -> bool:
@@ -126,8 +129,23 @@ class BlockManager:
     def prefetch_below(self, request_id: str, hashes: list[bytes]) -> bool:
         """Start, or check on, reading ahead the request's pages of `hashes` that are on
         disk (from `lookup_below`); True once none is still being read, so `load_below`
-        will not wait on the disk."""
-        return self.offloader is None or self.offloader.prefetch(request_id, hashes)
+        will not wait on the disk. A request refused for lack of read-ahead room starts
+        first once there is room: no other starts before it."""
+        if self.offloader is None:
+            return True
+        fetch = self._prefetches.get(request_id)
+        if fetch is None:
+            if not self.offloader.on_disk(hashes):
+                return True
+            if self._next_prefetch not in (None, request_id):
+                return False  # an earlier request waits for room first
+            fetch = self.offloader.prefetch(hashes)
+            if fetch is None:  # other requests' reads hold the read-ahead budget
+                self._next_prefetch = request_id
+                return False
+            self._next_prefetch = None
+            self._prefetches[request_id] = fetch
+        return self.offloader.settle(fetch)
 
     def wait_below(self, timeout: float) -> None:
         """Block until some read ahead finishes or `timeout` seconds pass."""
@@ -137,16 +155,27 @@ class BlockManager:
     def load_below(self, request_id: str, start: int, hashes: list[bytes]) -> list[Tier]:
         """Copy the pages of `hashes` from the lower tiers (or the request's reads ahead)
         into the request's blocks `start..`, up to the first that cannot be read, and cache
-        them under their hashes. Returns each loaded block's tier."""
+        them under their hashes; the reads ahead are then released. Returns each loaded
+        block's tier."""
         if not hashes:
             return []
         assert self.offloader is not None
         table = self._tables[request_id]
-        tiers = self.offloader.load(table[start : start + len(hashes)], hashes, request_id)
+        fetch = self._prefetches.get(request_id)
+        tiers = self.offloader.load(table[start : start + len(hashes)], hashes, fetch)
+        self._release_prefetch(request_id)
         for i, tier in enumerate(tiers):
             self._cache(table[start + i], hashes[i], self._owner.get(request_id, ""))
             self.num_tier_hit_blocks[tier] += 1
         return tiers
+
+    def _release_prefetch(self, request_id: str) -> None:
+        if self._next_prefetch == request_id:
+            self._next_prefetch = None
+        fetch = self._prefetches.pop(request_id, None)
+        if fetch is not None:
+            assert self.offloader is not None
+            self.offloader.release(fetch)
 
     def commit(self, request_id: str, hashes: list[bytes], start: int = 0) -> None:
         """Remember the request's blocks `start..len(hashes)` (full, their KV written) under
@@ -287,8 +316,7 @@ class BlockManager:
         first (so it is reused first)."""
         table = self._tables.pop(request_id, [])
         self._owner.pop(request_id, None)
-        if self.offloader is not None:
-            self.offloader.release(request_id)
+        self._release_prefetch(request_id)
         for block in reversed(table):
             self._refs[block] -= 1
             if self._refs[block] == 0:
@@ -342,4 +370,4 @@ class BlockManager:
         for h, b in self._cached.items():
             assert self._hash_of.get(b) == h, "a cached hash points at the wrong block"
         if self.offloader is not None:
-            self.offloader.check_integrity()
+            self.offloader.check_integrity(self._prefetches.values())

@@ -7,9 +7,9 @@ host tier evicts is written to disk; a page the disk tier evicts is dropped. A p
 to the device stays in its tier too (the tiers are inclusive), so evicting it again costs no
 copy. The disk tier, its checksums and its reads ahead are in kvstore/disk.py.
 
-A request whose pages are on disk has them read ahead (`KVOffloader.prefetch`) while it
-waits; the scheduler admits it once they are in memory, and its admission copies them, with
-any host pages, into its device blocks (layer by layer on CUDA: kvstore/transfer.py).
+Pages on disk can be read ahead (`KVOffloader.prefetch`): the engine does so for a request
+while it waits, admits it once they are in memory, and its admission copies them, with any
+host pages, into its device blocks (layer by layer on CUDA: kvstore/transfer.py).
 """
 
 from __future__ import annotations
@@ -215,18 +215,15 @@ class TieredKVStore:
 class KVOffloader:
     """Moves prefix-cache pages between a device pool and the tiers below it.
 
-    Spills are synchronous (on CUDA through pinned host memory). Pages on disk are read
-    ahead for the request that will load them (`prefetch`, one `DiskPrefetch` per request
-    id). Loads go through the pool's layer-wise loads: on CUDA they run on their own stream
-    while earlier layers compute.
+    Spills are synchronous (on CUDA through pinned host memory). Pages on disk can be read
+    ahead into memory (`prefetch`) before they are loaded. Loads go through the pool's
+    layer-wise loads: on CUDA they run on their own stream while earlier layers compute.
     """
 
     def __init__(self, pool: DeviceKVPool, store: TieredKVStore) -> None:
         assert store.page_nbytes == pool.spec.bytes_per_block
         self.pool = pool
         self.store = store
-        self._prefetches: dict[str, DiskPrefetch] = {}  # request id -> its reads ahead
-        self._next_prefetch: str | None = None  # refused for room: goes before any other
 
     def spill(
         self, evicted: Sequence[tuple[int, bytes, str]], keep: Collection[bytes] = ()
@@ -248,11 +245,10 @@ class KVOffloader:
             for (_, key, owner), page in zip(to_disk, pages, strict=True):
                 self.store.to_disk(key, page, owner)
 
-    def find(self, keys: Sequence[bytes], request_id: str = "") -> int:
-        """How many of `keys`, from the first, some tier below the device (or the reads
-        ahead for `request_id`) holds, marking them recently used, as a load normally
+    def find(self, keys: Sequence[bytes], fetch: DiskPrefetch | None = None) -> int:
+        """How many of `keys`, from the first, some tier below the device (or `fetch`, the
+        pages read ahead for them) holds, marking them recently used, as a load normally
         follows."""
-        fetch = self._prefetches.get(request_id)
         n = 0
         for key in keys:
             if self.store.tier_of(key, touch=True) is None and (
@@ -262,29 +258,28 @@ class KVOffloader:
             n += 1
         return n
 
-    def prefetch(self, request_id: str, keys: Sequence[bytes]) -> bool:
-        """Read ahead, for request `request_id`, the pages of `keys` that are on disk; True
-        once none of them is still being read, so that `load` will not wait on the disk.
-        Call it again (each step) until True; `release` ends it. Pages whose read fails
-        are forgotten: `find` stops before them. A request refused for lack of room starts
-        first once there is room: no other starts before it."""
+    def on_disk(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Those of `keys` whose pages are on disk (and not in host RAM)."""
+        return [k for k in keys if self.store.tier_of(k) is Tier.DISK]
+
+    def prefetch(self, keys: Sequence[bytes]) -> DiskPrefetch | None:
+        """Start reading the pages of `keys` that are on disk into memory, on the disk
+        tier's reader threads. None when they cannot start now: nothing to read, or the
+        reads ahead alive take the whole budget (kvstore/disk.py). Poll it with `settle`;
+        `release` it once loaded or no longer wanted."""
         disk = self.store.disk
-        if disk is None:
-            return True
-        fetch = self._prefetches.get(request_id)
-        if fetch is None:
-            on_disk = [k for k in keys if self.store.tier_of(k) is Tier.DISK]
-            if not on_disk:
-                return True
-            if self._next_prefetch not in (None, request_id):
-                return False  # an earlier request waits for room first
-            fetch = disk.prefetch(on_disk)
-            if fetch is None:  # other requests' reads hold the read-ahead budget
-                self._next_prefetch = request_id
-                return False
-            self._next_prefetch = None
-            self._prefetches[request_id] = fetch
-        return disk.settle(fetch)
+        return None if disk is None else disk.prefetch(self.on_disk(keys))
+
+    def settle(self, fetch: DiskPrefetch) -> bool:
+        """True once no page of `fetch` is still being read (never waits). Pages whose read
+        failed are forgotten: `find` stops before them."""
+        assert self.store.disk is not None
+        return self.store.disk.settle(fetch)
+
+    def release(self, fetch: DiskPrefetch) -> None:
+        """Done with `fetch`: its buffer goes once its reads have finished."""
+        assert self.store.disk is not None
+        self.store.disk.release(fetch)
 
     def wait_reads(self, timeout: float) -> None:
         """Block until some read ahead finishes or `timeout` seconds pass (at once if none
@@ -292,22 +287,12 @@ class KVOffloader:
         if self.store.disk is not None:
             self.store.disk.wait_reads(timeout)
 
-    def release(self, request_id: str) -> None:
-        """Drop the reads ahead for `request_id`, if any (loaded, or no longer wanted)."""
-        if self._next_prefetch == request_id:
-            self._next_prefetch = None
-        fetch = self._prefetches.pop(request_id, None)
-        if fetch is not None:
-            assert self.store.disk is not None
-            self.store.disk.release(fetch)
-
     def load(
-        self, blocks: Sequence[int], keys: Sequence[bytes], request_id: str = ""
+        self, blocks: Sequence[int], keys: Sequence[bytes], fetch: DiskPrefetch | None = None
     ) -> list[Tier]:
         """Copy the pages of `keys` into device `blocks`, in order, up to the first page
-        that cannot be read; returns the tier each loaded page came from. Pages read ahead
-        for `request_id` come from memory; that read-ahead is released."""
-        fetch = self._prefetches.get(request_id)
+        that cannot be read; returns the tier each loaded page came from. Pages in `fetch`
+        (read ahead, settled) come from its memory."""
         pages: list[torch.Tensor] = []
         tiers: list[Tier] = []
         for key in keys:
@@ -319,11 +304,11 @@ class KVOffloader:
             tiers.append(got[1])
         if pages:  # layer by layer, asynchronously on CUDA (kvstore/transfer.py)
             self.pool.load_pages(blocks[: len(pages)], pages)
-        self.release(request_id)
         return tiers
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, open_fetches: Collection[DiskPrefetch] = ()) -> None:
+        """Also checks that the reads ahead not yet released are exactly `open_fetches`."""
         self.store.check_integrity()
         if self.store.disk is not None:
-            mine = {id(f) for f in self._prefetches.values()}
+            mine = {id(f) for f in open_fetches}
             assert mine == {id(f) for f in self.store.disk.open_prefetches}, "reads ahead leak"

@@ -145,3 +145,68 @@ def test_a_tenant_over_its_share_loses_cached_blocks_first():
     bm.allocate("more", 4 * 6, owner="gamma")  # acme is at its share now: plain LRU order
     assert bm.blocks_by_owner()["gamma"] == 6 and "beta" not in bm.blocks_by_owner()
     bm.check_integrity()
+
+
+def _until_read(bm: BlockManager, request_id: str, hashes: list[bytes]) -> None:
+    for _ in range(100):
+        if bm.prefetch_below(request_id, hashes):
+            return
+        bm.wait_below(0.1)
+    raise AssertionError(f"{request_id}'s pages were never read")
+
+
+def test_disk_reads_ahead_start_in_turn_within_their_budget(tmp_path, monkeypatch):
+    import torch
+
+    from kvstore import disk as disk_module
+    from kvstore.tiers import Tier
+    from tests.unit.kvstore.test_disk import HeldReaders, on_disk
+    from tests.unit.kvstore.test_tiers import key
+
+    pool, store, offloader = on_disk(tmp_path, num_pages=6)
+    disk = store.disk
+    monkeypatch.setattr(disk_module, "PREFETCH_BYTES", 4 * disk.slot_nbytes)
+    bm = BlockManager(16, 4, offloader=offloader)
+    big, small, tiny = [key(b) for b in range(3)], [key(3), key(4)], [key(5)]
+    original = pool.read_pages([0, 1, 2, 3, 4, 5])
+    held = HeldReaders(store)
+    assert not bm.prefetch_below("big", big)
+    assert not bm.prefetch_below("small", small), "3 + 2 pages exceed the budget of 4"
+    assert not bm.prefetch_below("tiny", tiny), "it would fit, but `small` asked first"
+    assert len(disk.open_prefetches) == 1
+    held.release()
+    _until_read(bm, "big", big)
+    assert not bm.prefetch_below("tiny", tiny), "still `small`'s turn"
+    bm.check_integrity()
+    blocks = []
+    for rid, hashes in (("big", big), ("small", small), ("tiny", tiny)):
+        _until_read(bm, rid, hashes)
+        blocks += bm.allocate(rid, 4 * len(hashes))
+        assert bm.load_below(rid, 0, hashes) == [Tier.DISK] * len(hashes)
+    assert torch.equal(pool.read_pages(blocks), original)
+    assert not disk.open_prefetches
+    bm.check_integrity()
+    store.close()
+
+
+def test_a_request_refused_read_ahead_room_that_leaves_gives_up_its_turn(tmp_path, monkeypatch):
+    from kvstore import disk as disk_module
+    from tests.unit.kvstore.test_disk import HeldReaders, on_disk
+    from tests.unit.kvstore.test_tiers import key
+
+    _, store, offloader = on_disk(tmp_path)
+    monkeypatch.setattr(disk_module, "PREFETCH_BYTES", 2 * store.disk.slot_nbytes)
+    bm = BlockManager(16, 4, offloader=offloader)
+    held = HeldReaders(store)
+    assert not bm.prefetch_below("first", [key(0), key(1)])
+    assert not bm.prefetch_below("refused", [key(2)])
+    assert not bm.prefetch_below("later", [key(3)])
+    bm.free("refused")  # aborted while waiting: "later" no longer waits behind it
+    bm.free("first")
+    bm.check_integrity()
+    held.release()
+    _until_read(bm, "later", [key(3)])
+    assert len(bm.lookup_below("later", [key(3)])) == 1
+    bm.free("later")
+    bm.check_integrity()
+    store.close()
