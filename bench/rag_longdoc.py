@@ -43,6 +43,7 @@ from bench.gateway_overhead import percentile
 from engine.config import CacheConfig, EngineConfig, KVCacheDtype
 from engine.llm import LLM
 from engine.protocol import SamplingParams
+from gateway.settings import cache_dir
 from kvstore.disk import disk_slot_nbytes
 
 QUESTIONS = [
@@ -135,6 +136,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=[d.value for d in KVCacheDtype])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--disk-path", default=None, help="default: a temporary directory")
+    ap.add_argument("--cache-dir", default=None,
+                    help="dequantized weights: default as the CLI's ($STRATA_CACHE_DIR, else "
+                    "~/.cache/strata)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
     block = 16
     disk_dir = Path(args.disk_path or tempfile.mkdtemp(prefix="strata-rag-"))
     small = CacheConfig(block_size=block, kv_cache_dtype=kv, num_blocks=2)
-    probe = LLM(EngineConfig(dtype=args.dtype, device="cpu", cache=small))
+    models = args.cache_dir or cache_dir()  # starts read the weights cached there
+    probe = LLM(EngineConfig(dtype=args.dtype, device="cpu", cache=small, cache_dir=models))
     page_nbytes = probe.core.pool.spec.bytes_per_block
     questions = [probe.tokenizer.encode(q, add_special_tokens=False) for q in QUESTIONS]
     docs = documents(probe, args.docs, args.doc_tokens)
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
             disk_bytes=2 * args.docs * doc_blocks * disk_slot_nbytes(page_nbytes) if tiered else 0,
             disk_path=str(disk_dir),
         )
-        llm = LLM(EngineConfig(dtype=args.dtype, device="cpu", cache=cache))
+        llm = LLM(EngineConfig(dtype=args.dtype, device="cpu", cache=cache, cache_dir=models))
         results[name] = run(llm, docs, order, questions)
         results[name]["with_stream"] = with_stream(llm, docs, order, questions)
         stats = llm.core.stats()

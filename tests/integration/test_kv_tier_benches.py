@@ -19,8 +19,11 @@ def test_kv_tiers_quick_run_times_every_path(tmp_path, capsys):
     assert json.loads(written.read_text())["gb_per_s"] == summary["gb_per_s"]
 
 
-def test_rag_longdoc_quick_run_hits_every_tier(tmp_path, capsys):
-    summary = rag_longdoc.main(["--quick", "--disk-path", str(tmp_path / "disk"),
+def test_rag_longdoc_small_run_hits_every_tier(tmp_path, capsys, strata_cache_dir):
+    shape = ["--docs", "4", "--doc-tokens", "128", "--questions", "2", "--device-docs", "1.5",
+             "--host-docs", "1"]  # fmt: skip
+    summary = rag_longdoc.main([*shape, "--disk-path", str(tmp_path / "disk"),
+                                "--cache-dir", str(strata_cache_dir),
                                 "--out-dir", str(tmp_path)])  # fmt: skip
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
     assert min(summary["hit_rate"].values()) > 0, "the device, host and disk tiers all served"
