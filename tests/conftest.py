@@ -15,6 +15,7 @@ import torch
 from engine.config import EngineConfig, KernelBackend
 from engine.core import EngineCore
 from engine.factory import native_kernels, use_triton
+from engine.kernels.cpu import kernel_dir
 from engine.loader import build_model, load_checkpoint
 from engine.model.llama import LlamaForCausalLM
 from engine.model.native_cpu import apply_native_cpu
@@ -35,8 +36,14 @@ def smollm2_dir() -> str:
 
 @pytest.fixture(scope="session")
 def strata_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One model/kernel cache for the whole session (workers get it as STRATA_CACHE_DIR)."""
-    return tmp_path_factory.mktemp("strata-cache")
+    """One model cache for the whole session (workers get it as STRATA_CACHE_DIR). Its
+    kernels are those an engine without a cache directory uses, so the native kernels are
+    built once (per machine: their file names carry a digest of the sources)."""
+    root = tmp_path_factory.mktemp("strata-cache")
+    shared = kernel_dir(None)
+    shared.mkdir(parents=True, exist_ok=True)
+    (root / "kernels").symlink_to(shared, target_is_directory=True)
+    return root
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Strata's native CPU kernels: compiled on first use, called through ctypes.
 
-The C sources in `csrc/` are built with the system C compiler (`-O3 -march=native -fopenmp`)
-into a cache directory keyed by the sources, compiler and CPU flags, then loaded with ctypes,
+The C sources in `csrc/` are built with the system C compiler (`-O3 -march=native -fopenmp`),
+their translation units in parallel, into a cache directory keyed by the sources, compiler and
+CPU flags (`kernel_dir`), then loaded with ctypes,
 which releases the GIL during each call. OpenMP resolves to the runtime torch already loaded
 (same soname), so both share one thread pool. Without a compiler, `load_cpu_kernels` returns
 None and the engine runs on torch ops alone.
@@ -21,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,10 +32,22 @@ import torch
 log = logging.getLogger(__name__)
 
 _SRC_DIR = Path(__file__).parent / "csrc"
-_SOURCES = (
+# the translation units, longest to compile first (a pool of compilers takes them in this
+# order), and the headers they include
+_UNITS = (
+    "attention_bf16.c",
+    "ops_f32.c",
+    "attention_bf16_fp8.c",
+    "layer.c",
+    "ops_bf16.c",
     "ops.c",
+)
+_HEADERS = (
     "common.h",
     "fp8.h",
+    "elem_f32.h",
+    "elem_bf16.h",
+    "kernels.h",
     "ops_impl.h",
     "attention_impl.h",
     "kv_fp8_impl.h",
@@ -42,7 +56,7 @@ _SOURCES = (
     "layer.h",
 )
 _PANEL = 64  # output columns per packed weight panel (linear.h)
-_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
+_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-fno-math-errno"]
 # `native` tunes for this CPU (AVX-512 paths where present); `portable` builds the scalar
 # fallbacks every kernel has, which tests compare against the same references
 _ARCH = {"native": "-march=native", "portable": "-march=x86-64-v2"}
@@ -80,16 +94,26 @@ def _cpu_fingerprint() -> str:
 def _build(cache_dir: Path, compiler: str, arch: str) -> Path:
     flags = [*_FLAGS, _ARCH[arch]] if platform.machine() in ("x86_64", "AMD64") else _FLAGS
     digest = hashlib.sha256()
-    for name in _SOURCES:
+    for name in (*_UNITS, *_HEADERS):
         digest.update((_SRC_DIR / name).read_bytes())
     digest.update(" ".join([compiler, *flags, _cpu_fingerprint()]).encode())
     target = cache_dir / f"strata-cpu-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
+    log.info("building the native CPU kernels (once per machine)")
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        objects = [Path(tmp) / f"{Path(unit).stem}.o" for unit in _UNITS]
+
+        def compile_unit(unit: str, obj: Path) -> None:
+            cmd = [compiler, *flags, "-c", str(_SRC_DIR / unit), "-o", str(obj)]
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+
+        # the units compile in parallel (the longest alone takes about half the total)
+        with ThreadPoolExecutor(max_workers=min(len(_UNITS), os.cpu_count() or 1)) as pool:
+            list(pool.map(compile_unit, _UNITS, objects))  # raises the first failure
         out = Path(tmp) / target.name
-        cmd = [compiler, *flags, str(_SRC_DIR / "ops.c"), "-o", str(out), "-lm"]
+        cmd = [compiler, *flags, "-shared", *map(str, objects), "-o", str(out), "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
         os.replace(out, target)  # atomic: a concurrent build never sees half a file
     return target
@@ -590,6 +614,13 @@ def _check_scales(
         assert scales.shape == pages.shape[:3]
 
 
+def kernel_dir(cache_dir: str | None) -> Path:
+    """Where the built kernels are kept: `<cache_dir>/kernels`, or a directory under the
+    system's temporary directory when no cache directory is configured."""
+    base = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "strata-cache"
+    return base / "kernels"
+
+
 def load_cpu_kernels(cache_dir: str | None, arch: str = "native") -> CpuKernels | None:
     """Build (once) and load the kernels; None when this machine cannot build them.
 
@@ -599,9 +630,8 @@ def load_cpu_kernels(cache_dir: str | None, arch: str = "native") -> CpuKernels 
     if compiler is None or platform.system() != "Linux":
         log.info("no C compiler found; the engine uses torch ops only")
         return None
-    base = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "strata-cache"
     try:
-        path = _build(base / "kernels", compiler, arch)
+        path = _build(kernel_dir(cache_dir), compiler, arch)
         return CpuKernels(ctypes.CDLL(str(path)))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = (getattr(exc, "stderr", "") or str(exc)).strip()

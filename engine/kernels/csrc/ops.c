@@ -1,8 +1,15 @@
 // Strata's CPU kernels, one shared library: RMSNorm (+ residual), RoPE, SiLU*up, KV-page
 // writes and paged attention for fp32 and bf16 storage (pages in that type or in FP8 with
 // scales, fp8.h), the packed bf16 linear (linear.h) and the whole bf16 decoder layer built
-// from them (layer.h). Built on first use by
-// engine/kernels/cpu.py and called through ctypes.
+// from them (layer.h). Built on first use by engine/kernels/cpu.py, which compiles the
+// translation units below in parallel and links them, and called through ctypes:
+//   ops.c                 ABI, CPU features, argmax
+//   ops_f32.c             fp32 element-wise ops, KV writes, attention (fp32 and FP8 pages)
+//   ops_bf16.c            bf16 element-wise ops and KV writes
+//   attention_bf16.c      bf16 attention over bf16 pages
+//   attention_bf16_fp8.c  bf16 attention over FP8 pages
+//   layer.c               the packed linear, multi-LoRA and the fused decoder layer
+// kernels.h declares what one unit calls in another.
 
 #include <omp.h>
 #include <stdlib.h>
@@ -53,52 +60,3 @@ void strata_argmax_f32(const float* x, int64_t* out, int64_t rows, int64_t cols)
         out[r] = at;
     }
 }
-
-#define SUFFIX f32
-#define ELEM float
-#define S_LOAD(x) (x)
-#define S_STORE(x) (x)
-#define S_ROUND(x) (x)
-#define V_LOAD v_load_f32
-#define V_STORE v_store_f32
-#define V_ROUND v_id
-#include "ops_impl.h"
-#include "attention_impl.h"
-#include "kv_fp8_impl.h"
-#undef SUFFIX
-#define SUFFIX f32_fp8
-#define PAGE_FP8 1
-#include "attention_impl.h"
-#undef PAGE_FP8
-#undef SUFFIX
-#undef ELEM
-#undef S_LOAD
-#undef S_STORE
-#undef S_ROUND
-#undef V_LOAD
-#undef V_STORE
-#undef V_ROUND
-
-#define SUFFIX bf16
-#define ELEM bf16_t
-#define ELEM_IS_BF16 1
-#define S_LOAD(x) bf16_to_f32(x)
-#define S_STORE(x) f32_to_bf16(x)
-#define S_ROUND(x) round_bf16(x)
-#define V_LOAD v_load_bf16
-#define V_STORE v_store_bf16
-#define V_ROUND v_round_bf16
-#include "ops_impl.h"
-#include "attention_impl.h"
-#include "kv_fp8_impl.h"
-#undef SUFFIX
-#define SUFFIX bf16_fp8
-#define PAGE_FP8 1
-#include "attention_impl.h"
-#undef PAGE_FP8
-#undef SUFFIX
-#define SUFFIX bf16
-
-#include "lora.h"
-#include "linear.h"
-#include "layer.h"

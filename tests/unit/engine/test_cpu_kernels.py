@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.attention.paged import PagedAttention, SeqSlice
 from engine.config import ModelConfig
-from engine.kernels.cpu import CpuKernels, load_cpu_kernels
+from engine.kernels.cpu import CpuKernels, kernel_dir, load_cpu_kernels
 from engine.model.llama import RMSNorm, RotaryEmbedding, SiluAndMul
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
@@ -21,8 +24,8 @@ ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
 @pytest.fixture(scope="module", params=["native", "portable"])
-def kernels(request, tmp_path_factory) -> CpuKernels:
-    k = load_cpu_kernels(str(tmp_path_factory.mktemp("kernels")), arch=request.param)
+def kernels(request, strata_cache_dir) -> CpuKernels:
+    k = load_cpu_kernels(str(strata_cache_dir), arch=request.param)
     assert k is not None, "the C kernels must build on the test machine"
     return k
 
@@ -243,8 +246,26 @@ def test_packed_linear_matches_fp32_matmul(kernels, m, out_dtype):
         torch.testing.assert_close(got.float(), r, atol=atol, rtol=1e-2)
 
 
-def test_packed_linear_rows_do_not_depend_on_batch_mates(tmp_path):
-    kernels = load_cpu_kernels(str(tmp_path))
+def test_the_library_is_built_once_and_then_reused(tmp_path, monkeypatch):
+    assert load_cpu_kernels(str(tmp_path), arch="portable") is not None
+    assert len(list(kernel_dir(str(tmp_path)).glob("strata-cpu-*.so"))) == 1
+
+    def compile_again(*args, **kwargs):
+        raise AssertionError(f"compiled again: {args}")
+
+    monkeypatch.setattr(subprocess, "run", compile_again)
+    assert load_cpu_kernels(str(tmp_path), arch="portable") is not None
+
+
+def test_a_failing_compiler_leaves_the_engine_on_torch_ops(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(shutil, "which", lambda name: "/bin/false")
+    assert load_cpu_kernels(str(tmp_path)) is None
+    assert "native CPU kernels unavailable" in caplog.text
+    assert list(kernel_dir(str(tmp_path)).iterdir()) == []  # nothing half-built is left
+
+
+def test_packed_linear_rows_do_not_depend_on_batch_mates(strata_cache_dir):
+    kernels = load_cpu_kernels(str(strata_cache_dir))
     assert kernels is not None
     weight = torch.randn(128, 64, generator=gen()).to(torch.bfloat16)
     if not kernels.has_bf16_linear:  # CPUs without AVX512-BF16 keep torch's linear

@@ -19,8 +19,8 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def kernels(tmp_path_factory):
-    k = load_cpu_kernels(str(tmp_path_factory.mktemp("kernels")))
+def kernels(strata_cache_dir):
+    k = load_cpu_kernels(str(strata_cache_dir))
     assert k is not None
     return k
 

@@ -1,0 +1,9 @@
+// Storage-type macros for instantiating ops_impl.h, attention_impl.h and kv_fp8_impl.h on
+// fp32 rows (see ops_impl.h for what each one means).
+#define ELEM float
+#define S_LOAD(x) (x)
+#define S_STORE(x) (x)
+#define S_ROUND(x) (x)
+#define V_LOAD v_load_f32
+#define V_STORE v_store_f32
+#define V_ROUND v_id
