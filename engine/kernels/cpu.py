@@ -14,6 +14,7 @@ and documents what it mutates.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -101,8 +102,18 @@ def _build(cache_dir: Path, compiler: str, arch: str) -> Path:
     if target.exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
+    # processes starting together on a fresh machine (several workers) build once: the
+    # others wait for the lock, then find the library
+    with open(cache_dir / ".build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            _compile(target, compiler, flags)
+    return target
+
+
+def _compile(target: Path, compiler: str, flags: list[str]) -> None:
     log.info("building the native CPU kernels (once per machine)")
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = [Path(tmp) / f"{Path(unit).stem}.o" for unit in _UNITS]
 
         def compile_unit(unit: str, obj: Path) -> None:
@@ -115,8 +126,7 @@ def _build(cache_dir: Path, compiler: str, arch: str) -> Path:
         out = Path(tmp) / target.name
         cmd = [compiler, *flags, "-shared", *map(str, objects), "-o", str(out), "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
-        os.replace(out, target)  # atomic: a concurrent build never sees half a file
-    return target
+        os.replace(out, target)  # atomic: a reader never sees half a file
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -246,8 +247,21 @@ def test_packed_linear_matches_fp32_matmul(kernels, m, out_dtype):
         torch.testing.assert_close(got.float(), r, atol=atol, rtol=1e-2)
 
 
-def test_the_library_is_built_once_and_then_reused(tmp_path, monkeypatch):
-    assert load_cpu_kernels(str(tmp_path), arch="portable") is not None
+def test_the_library_is_built_once_even_by_loaders_starting_together(tmp_path, monkeypatch):
+    """Workers starting together on a fresh machine share one build (a file lock), and later
+    loads compile nothing."""
+    commands: list[list[str]] = []
+    run = subprocess.run
+
+    def recording(cmd, *args, **kwargs):
+        commands.append(cmd)
+        return run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", recording)
+    with ThreadPoolExecutor(2) as pool:
+        loads = list(pool.map(lambda _: load_cpu_kernels(str(tmp_path), arch="portable"), "ab"))
+    assert all(k is not None for k in loads)
+    assert sum("-shared" in cmd for cmd in commands) == 1, "linked once"
     assert len(list(kernel_dir(str(tmp_path)).glob("strata-cpu-*.so"))) == 1
 
     def compile_again(*args, **kwargs):
@@ -261,7 +275,8 @@ def test_a_failing_compiler_leaves_the_engine_on_torch_ops(tmp_path, monkeypatch
     monkeypatch.setattr(shutil, "which", lambda name: "/bin/false")
     assert load_cpu_kernels(str(tmp_path)) is None
     assert "native CPU kernels unavailable" in caplog.text
-    assert list(kernel_dir(str(tmp_path)).iterdir()) == []  # nothing half-built is left
+    # nothing half-built is left, only the build lock
+    assert [p.name for p in kernel_dir(str(tmp_path)).iterdir()] == [".build.lock"]
 
 
 def test_packed_linear_rows_do_not_depend_on_batch_mates(strata_cache_dir):
