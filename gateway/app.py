@@ -8,16 +8,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
-from litestar import Litestar
+import msgspec
+from litestar import Litestar, Request
 from litestar.datastructures import MutableScopeHeaders
+from litestar.enums import RequestEncodingType
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
 from engine.factory import load_tokenizer_for
 from gateway.adapters import AdapterResolver
 from gateway.engines import EnginePool
-from gateway.errors import exception_handlers
+from gateway.errors import APIError, exception_handlers, invalid_field
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.prepare import Preparer
@@ -91,6 +94,23 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
         await redis.aclose()
 
 
+async def _decode_json_strictly(request: Request[Any, Any, Any]) -> None:
+    """Litestar converts a JSON body into the handler's `data` type leniently (`"5"` becomes
+    5, `"true"` True). OpenAI's API answers 400 to a wrong type, and so does Strata: the body
+    is decoded strictly first, and Litestar's own parse then reads the cached bytes."""
+    field = request.route_handler.parsed_data_field
+    kwarg = field.kwarg_definition if field is not None else None
+    if field is None or getattr(kwarg, "media_type", None) is not RequestEncodingType.JSON:
+        return
+    try:
+        msgspec.json.decode(await request.body(), type=field.annotation)
+    except msgspec.ValidationError as exc:
+        raise invalid_field(exc) from exc
+    except msgspec.DecodeError as exc:
+        message = f"the request body is not valid JSON: {exc}"
+        raise APIError(400, message, code="invalid_json") from exc
+
+
 def create_app(settings: GatewaySettings) -> Litestar:
     app = Litestar(
         route_handlers=[
@@ -106,6 +126,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         ],
         lifespan=[_lifespan],
         exception_handlers=exception_handlers(),
+        before_request=_decode_json_strictly,
         before_send=[_add_state_headers],
         openapi_config=OpenAPIConfig(title="Strata", version="0.1.0", path="/schema"),
         request_max_body_size=settings.max_body_bytes,

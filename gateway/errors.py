@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 from litestar import MediaType, Request, Response
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException, SerializationException, ValidationException
 
 from engine.protocol import EngineDeadError, InvalidRequestError
 from gateway.openai_types import ErrorBody, ErrorInfo, ErrorType
@@ -53,6 +53,22 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return APIError(400, message, param=param, code=code)
 
 
+def invalid_field(exc: msgspec.ValidationError) -> APIError:
+    """A 400 naming the field a strict decode rejected: msgspec reports `... - at `$.a[0].b``."""
+    message, _, where = str(exc).partition(" - at `$")
+    return _invalid(where.rstrip("`").lstrip("."), message)
+
+
+def _invalid(field: str, message: str) -> APIError:
+    """A 400 for a rejected value: `field` is its path (`messages[0].role`), or empty (or
+    Litestar's `data`) for the body as a whole."""
+    if not field or field == "data":
+        return APIError(400, f"Invalid request body: {message}", code="invalid_request")
+    return APIError(
+        400, f"Invalid value for '{field}': {message}", param=field, code="invalid_value"
+    )
+
+
 def error_response(err: APIError, extra_headers: Mapping[str, str] | None = None) -> Response:
     headers = {**err.headers, **(extra_headers or {})}
     return Response(
@@ -70,17 +86,18 @@ def _handle_api_error(request: Request[Any, Any, Any], exc: APIError) -> Respons
 
 
 def _handle_validation(request: Request[Any, Any, Any], exc: ValidationException) -> Response:
-    detail = exc.detail or "invalid request"
     extra = exc.extra if isinstance(exc.extra, list) else []
-    param = None
-    if extra and isinstance(extra[0], dict):
-        param = str(extra[0].get("key") or "") or None
-        detail = f"{detail}: {extra[0].get('message', '')}".rstrip(": ")
-    err = APIError(400, detail, param=param, code="invalid_request")
+    first = extra[0] if extra and isinstance(extra[0], dict) else {}
+    message = str(first.get("message") or exc.detail or "invalid request")
+    err = _invalid(str(first.get("key") or ""), message)
     return error_response(err, _request_headers(request))
 
 
 def _handle_http(request: Request[Any, Any, Any], exc: HTTPException) -> Response:
+    if isinstance(exc.__cause__, SerializationException):  # the body did not parse
+        message = f"the request body is not valid JSON: {exc.detail}"
+        err = APIError(400, message, code="invalid_json")
+        return error_response(err, _request_headers(request))
     status = exc.status_code
     kinds: dict[int, tuple[ErrorType, str]] = {
         401: ("authentication_error", "invalid_api_key"),

@@ -1,7 +1,8 @@
 """OpenAI wire shapes for the endpoints Strata serves, as msgspec Structs.
 
-Requests are decoded strictly for types (a wrong type is a 400) but tolerate unknown fields,
-as OpenAI's API does. Responses are encoded with `omit_defaults` where OpenAI omits fields.
+Requests are decoded strictly for types, as OpenAI's API does: a wrong type is a 400 (`"5"`
+is not an integer; see gateway/app.py), and unknown fields are tolerated. Responses are
+encoded with `omit_defaults` where OpenAI omits fields.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ class TextPart(msgspec.Struct, kw_only=True):
     text: str = ""
 
 
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
+    role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
 

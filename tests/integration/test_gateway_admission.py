@@ -224,6 +224,41 @@ def test_bad_input_is_4xx_never_5xx(gateway, body):
     assert error_of(r)["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"max_tokens": "5"}, "max_tokens"),  # a numeric string is not an integer
+        ({"stream": "true"}, "stream"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ],
+)
+def test_a_wrong_type_is_400_naming_the_field(gateway, change, param):
+    """As OpenAI's API does: no coercion of strings into numbers or booleans, and only its
+    roles."""
+    _, key = gateway.new_tenant()
+    r = post(gateway, key, {**chat(), **change})
+    assert r.status_code == 400, r.text
+    err = error_of(r)
+    assert (err["param"], err["code"]) == (param, "invalid_value")
+    assert f"'{param}'" in err["message"]
+
+
+def test_malformed_json_says_so_and_the_admin_api_is_strict_too(gateway):
+    _, key = gateway.new_tenant()
+    r = post(gateway, key, b'{"model": "x", "messages": [')
+    assert r.status_code == 400
+    assert error_of(r)["code"] == "invalid_json"
+    assert "not valid JSON" in error_of(r)["message"]
+    with gateway.admin() as admin:
+        bad = admin.post("/admin/tenants/", json={"name": "strict", "policy": {"rpm": "5"}})
+        assert bad.status_code == 400
+        assert error_of(bad)["param"] == "policy.rpm"
+        good = admin.post("/admin/tenants/", json={"name": "strict", "policy": {"rpm": 5}})
+        assert good.is_success
+
+
 def test_huge_body_is_413(gateway):
     _, key = gateway.new_tenant()
     big = b'{"model": "x", "messages": [{"role": "user", "content": "' + b"a" * (10 << 20) + b'"}]}'
