@@ -61,12 +61,23 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # OpenAI features Strata does not implement: read only to refuse them (gateway/prepare.py)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[int | str]  # text, token ids, or a one-element list of text
     logprobs: int | None = None
     echo: bool = False
+    # not implemented: read only to refuse them, as for chat
+    suffix: str | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 # -- responses ----------------------------------------------------------------------------

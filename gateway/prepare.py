@@ -132,6 +132,17 @@ class Preparer:
             self.check_model(body.model, tenant.policy)
         if not body.messages:
             raise bad_request("messages must not be empty", param="messages")
+        _refuse_unsupported(body)
+        for i, message in enumerate(body.messages):
+            if not isinstance(message.content, list):
+                continue
+            for part in message.content:
+                if part.type != "text":
+                    raise bad_request(
+                        f"content parts of type '{part.type}' are not supported by this model "
+                        "(text only)",
+                        param=f"messages[{i}].content",
+                    )
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -164,6 +175,7 @@ class Preparer:
     ) -> Job:
         if lora is None:
             self.check_model(body.model, tenant.policy)
+        _refuse_unsupported(body)
         prompt: str | list[int | str] = body.prompt
         if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
             if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -267,3 +279,31 @@ class Preparer:
                 kv_disk_tokens=policy.kv_disk_tokens,
             ),
         )  # fmt: skip
+
+
+def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
+    """OpenAI parameters Strata does not implement are a 400, not silently ignored: a client
+    that sets them relies on what they do. Their neutral values (no tools, `"none"`, a text
+    response format, no bias, one candidate) are accepted."""
+    if isinstance(body, ChatCompletionRequest):
+        given = {
+            "tools": bool(body.tools),
+            "tool_choice": body.tool_choice not in (None, "none"),
+            "functions": bool(body.functions),
+            "function_call": body.function_call not in (None, "none"),
+            "response_format": (body.response_format or {}).get("type", "text") != "text",
+            "logit_bias": bool(body.logit_bias),
+        }
+    else:
+        given = {
+            "suffix": bool(body.suffix),
+            "best_of": body.best_of not in (None, 1, body.n),
+            "logit_bias": bool(body.logit_bias),
+        }
+    for name, used in given.items():
+        if used:
+            raise bad_request(
+                f"'{name}' is not supported by this server",
+                param=name,
+                code="unsupported_parameter",
+            )

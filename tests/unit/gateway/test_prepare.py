@@ -9,7 +9,7 @@ import pytest
 
 from engine.protocol import ModelInfo, Scheduling
 from gateway.errors import APIError
-from gateway.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest, TextPart
 from gateway.prepare import Preparer
 from tenants.records import Policy, Tenant
 
@@ -117,3 +117,56 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(preparer, smollm2_t
 
     await asyncio.gather(prepare_short(), other_stream())
     assert events == ["prepared", "other stream ran"]
+
+
+def chat_with(**extra) -> ChatCompletionRequest:
+    return ChatCompletionRequest(
+        model="default", messages=[ChatMessage(role="user", content="hi")], **extra
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (chat_with(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (chat_with(tool_choice="auto"), "tool_choice"),
+        (chat_with(functions=[{"name": "f"}]), "functions"),
+        (chat_with(function_call="auto"), "function_call"),
+        (chat_with(response_format={"type": "json_object"}), "response_format"),
+        (chat_with(logit_bias={"42": -100.0}), "logit_bias"),
+        (CompletionRequest(model="default", prompt="hi", suffix="end"), "suffix"),
+        (CompletionRequest(model="default", prompt="hi", best_of=3), "best_of"),
+        (CompletionRequest(model="default", prompt="hi", logit_bias={"1": 5.0}), "logit_bias"),
+    ],
+)
+async def test_parameters_strata_does_not_implement_are_refused_not_ignored(preparer, body, param):
+    prepare = preparer.chat if isinstance(body, ChatCompletionRequest) else preparer.completion
+    with pytest.raises(APIError) as err:
+        await prepare(body, tenant(), "r-1")
+    assert (err.value.status, err.value.param, err.value.code) == (
+        400, param, "unsupported_parameter",
+    )  # fmt: skip
+
+
+async def test_neutral_values_of_those_parameters_are_accepted(preparer):
+    neutral = chat_with(
+        tools=[], tool_choice="none", function_call="none", response_format={"type": "text"},
+        logit_bias={},
+    )  # fmt: skip
+    assert (await preparer.chat(neutral, tenant(), "r-1")).prompt_ids
+    completion = CompletionRequest(model="default", prompt="hi", best_of=2, n=2, suffix="")
+    assert (await preparer.completion(completion, tenant(), "r-2")).prompt_ids
+
+
+async def test_non_text_content_parts_are_refused(preparer):
+    image = TextPart(type="image_url")
+    body = ChatCompletionRequest(
+        model="default",
+        messages=[
+            ChatMessage(role="system", content="be brief"),
+            ChatMessage(role="user", content=[TextPart(type="text", text="what is it?"), image]),
+        ],
+    )
+    with pytest.raises(APIError) as err:
+        await preparer.chat(body, tenant(), "r-1")
+    assert err.value.param == "messages[1].content" and "image_url" in str(err.value.message)
