@@ -3,7 +3,6 @@ Every route needs the admin token; handlers only delegate to the tenants service
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,7 +18,7 @@ from gateway.adapters import (
     register_upload,
 )
 from gateway.auth import gateway_state, requires_admin_token
-from gateway.errors import bad_request
+from gateway.routes import time_window
 from gateway.state import GatewayState
 from tenants.export import export_usage
 from tenants.records import (
@@ -190,22 +189,20 @@ class UsageController(Controller):
         self,
         request: Req,
         tenant: FromQuery[str | None] = None,
-        start: FromQuery[float | None] = None,
-        end: FromQuery[float | None] = None,
+        start: FromQuery[str | None] = None,
+        end: FromQuery[str | None] = None,
         format: FromQuery[ExportFormat] = "json",
         granularity: FromQuery[Granularity] = "request",
     ) -> Response[Any]:
-        """Stream usage for one tenant (or all) over [start, end), with cost columns."""
+        """Stream usage for one tenant (or all) over [start, end), with cost columns (bounds
+        in unix seconds or ISO 8601)."""
         gw = gateway_state(request)
-        end = end if end is not None else time.time() + 1
-        start = start if start is not None else 0.0
-        if start >= end:
-            raise bad_request("start must be before end", param="start")
+        begin, stop = time_window(start, end)
         if tenant is not None:
             await gw.registry.get_tenant(tenant)  # 404 for an unknown tenant
         prices = {p.model: p for p in await gw.registry.list_prices()}
         body = export_usage(
-            gw.ledger.iter_records(tenant, start, end),
+            gw.ledger.iter_records(tenant, begin, stop),
             fmt=format,
             granularity=granularity,
             prices=prices,

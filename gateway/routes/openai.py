@@ -10,7 +10,6 @@ from litestar.params import FromQuery, JSONBody
 from litestar.response import Stream
 
 from gateway.auth import auth_of, gateway_state, requires_api_key
-from gateway.errors import bad_request
 from gateway.logs import bind_request
 from gateway.openai_types import (
     ChatCompletionRequest,
@@ -19,6 +18,7 @@ from gateway.openai_types import (
     ModelList,
 )
 from gateway.prepare import Job, new_request_id
+from gateway.routes import time_window
 from gateway.state import GatewayState
 from tenants.export import export_usage
 
@@ -102,19 +102,17 @@ class OpenAIController(Controller):
     async def usage(
         self,
         request: Request[Any, Any, Any],
-        start: FromQuery[float | None] = None,
-        end: FromQuery[float | None] = None,
+        start: FromQuery[str | None] = None,
+        end: FromQuery[str | None] = None,
         granularity: FromQuery[Literal["request", "hour", "day"]] = "day",
     ) -> Response[Any]:
-        """The caller's own usage (never another tenant's), as a JSON array."""
+        """The caller's own usage (never another tenant's), as a JSON array: the last 30 days
+        unless `start` / `end` (unix seconds or ISO 8601) say otherwise."""
         gw, tenant = gateway_state(request), auth_of(request).tenant
-        end = end if end is not None else time.time() + 1
-        start = start if start is not None else end - 30 * 86400
-        if start >= end:
-            raise bad_request("start must be before end", param="start")
+        start_s, end_s = time_window(start, end, span_s=30 * 86400)
         prices = {p.model: p for p in await gw.registry.list_prices()}
         body = export_usage(
-            gw.ledger.iter_records(tenant.id, start, end),
+            gw.ledger.iter_records(tenant.id, start_s, end_s),
             fmt="json",
             granularity=granularity,
             prices=prices,

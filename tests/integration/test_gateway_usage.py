@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
@@ -130,6 +131,21 @@ def test_exports_round_trip_with_sums_equal_to_the_ledger(gateway, billed, fmt, 
         assert len(rows) == 3
     else:
         assert sum(int(row["requests"]) for row in rows) == 3
+
+
+def test_export_windows_take_iso_dates(gateway, billed):
+    """Operators bill by calendar: the same export by ISO 8601 dates as by unix seconds."""
+    today = datetime.now(UTC).date()
+    window = {"start": str(today - timedelta(days=1)), "end": str(today + timedelta(days=2))}
+    past = {"start": "2020-01-01", "end": "2020-02-01T00:00:00Z"}
+    with gateway.admin() as admin:
+        rows = [
+            admin.get("/admin/usage/export", params={"tenant": billed["a"], **w}).json()
+            for w in (window, past)
+        ]
+        bad = admin.get("/admin/usage/export", params={"start": "last month"})
+    assert len(rows[0]) == 3 and rows[1] == []
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "start"
 
 
 def test_tenant_usage_endpoint_is_isolated(gateway, billed):
