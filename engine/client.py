@@ -212,7 +212,7 @@ class EngineClient:
         elif isinstance(msg, Rejected):
             stream = self._streams.get(msg.request_id)
             if stream is not None:
-                stream.put_nowait(InvalidRequestError(msg.message))
+                stream.put_nowait(InvalidRequestError(msg.message, param=msg.param))
         elif isinstance(msg, StatsReply | Pong):
             fut = self._calls.get(msg.call_id)
             if fut is not None and not fut.done():

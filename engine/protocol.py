@@ -14,9 +14,14 @@ MAX_LOGPROBS = 20
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses: bad sampling parameters, too-long prompt, bad token ids."""
+    """A request the engine refuses: bad sampling parameters, too-long prompt, bad token ids.
+    `param` names the request field at fault, where there is one."""
 
     code = "invalid_request"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineDeadError(RuntimeError):
@@ -59,34 +64,34 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         """Raise InvalidRequestError naming the first bad field (token ids are range-checked
         only when `vocab_size` is given)."""
 
-        def bad(msg: str) -> InvalidRequestError:
-            return InvalidRequestError(msg)
+        def bad(param: str, rule: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{param} {rule}", param=param)
 
         if self.max_tokens < 1:
-            raise bad("max_tokens must be at least 1")
+            raise bad("max_tokens", "must be at least 1")
         if not 0.0 <= self.temperature <= 100.0:
-            raise bad("temperature must be between 0 and 100")
+            raise bad("temperature", "must be between 0 and 100")
         if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p must be in (0, 1]")
+            raise bad("top_p", "must be in (0, 1]")
         if self.top_k is not None and self.top_k < 1:
-            raise bad("top_k must be at least 1 (or omitted)")
+            raise bad("top_k", "must be at least 1 (or omitted)")
         if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p must be in [0, 1]")
+            raise bad("min_p", "must be in [0, 1]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty must be between -2 and 2")
+            raise bad("frequency_penalty", "must be between -2 and 2")
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty must be between -2 and 2")
+            raise bad("presence_penalty", "must be between -2 and 2")
         if not 0.0 < self.repetition_penalty <= 10.0:
-            raise bad("repetition_penalty must be in (0, 10]")
+            raise bad("repetition_penalty", "must be in (0, 10]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad(f"logprobs must be between 0 and {MAX_LOGPROBS}")
+            raise bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise bad("seed must fit in 64 bits")
+            raise bad("seed", "must fit in 64 bits")
         if any(not s for s in self.stop):
-            raise bad("stop strings must be non-empty")
+            raise bad("stop", "strings must be non-empty")
         limit = vocab_size if vocab_size is not None else 2**31
         if any(not 0 <= t < limit for t in self.stop_token_ids):
-            raise bad("stop_token_ids must be valid token ids")
+            raise bad("stop_token_ids", "must be valid token ids")
 
     @property
     def is_greedy(self) -> bool:

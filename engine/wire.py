@@ -63,6 +63,7 @@ class Rejected(msgspec.Struct, tag="rejected"):
     request_id: str
     code: str
     message: str
+    param: str | None = None  # the request field at fault, if one is
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply"):

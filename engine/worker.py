@@ -180,7 +180,8 @@ class Worker:
                     lora=msg.lora,
                 )
             except InvalidRequestError as exc:
-                self._post(cmd.conn_id, Rejected(msg.request_id, exc.code, str(exc)))
+                rejected = Rejected(msg.request_id, exc.code, str(exc), exc.param)
+                self._post(cmd.conn_id, rejected)
         elif isinstance(msg, Abort):
             outs = [self.core.abort_request(prefix + rid) for rid in msg.request_ids]
             done = [o for o in outs if o is not None]

@@ -116,7 +116,8 @@ def _handle_http(request: Request[Any, Any, Any], exc: HTTPException) -> Respons
 
 def _handle_invalid(request: Request[Any, Any, Any], exc: InvalidRequestError) -> Response:
     return error_response(
-        APIError(400, str(exc), code="invalid_request"), _request_headers(request)
+        APIError(400, str(exc), param=exc.param, code="invalid_request"),
+        _request_headers(request),
     )
 
 

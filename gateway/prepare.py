@@ -261,13 +261,15 @@ class Preparer:
                 seed=body.seed,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 presence_penalty=body.presence_penalty or 0.0,
-                repetition_penalty=body.repetition_penalty or 1.0,
+                repetition_penalty=(
+                    1.0 if body.repetition_penalty is None else body.repetition_penalty
+                ),
                 stop=stop,
                 logprobs=logprobs,
             )
             params.validate(self.info.vocab_size)
         except InvalidRequestError as exc:
-            raise bad_request(str(exc)) from exc
+            raise bad_request(str(exc), param=exc.param) from exc
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Job(
             request_id=request_id, endpoint=endpoint, model=body.model, prompt_ids=prompt_ids,

@@ -245,6 +245,29 @@ def test_a_wrong_type_is_400_naming_the_field(gateway, change, param):
     assert f"'{param}'" in err["message"]
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_k": 0},
+        {"min_p": 2},
+        {"frequency_penalty": 5},
+        {"presence_penalty": -3},
+        {"repetition_penalty": 0},
+        {"seed": 2**70},
+        {"stop": ["ok", ""]},
+    ],
+)
+def test_an_out_of_range_sampling_parameter_is_400_naming_it(gateway, change):
+    _, key = gateway.new_tenant()
+    r = post(gateway, key, {**chat(), **change})
+    assert r.status_code == 400, r.text
+    (param,) = change
+    assert error_of(r)["param"] == param
+    assert error_of(r)["message"].startswith(param)
+
+
 def test_malformed_json_says_so_and_the_admin_api_is_strict_too(gateway):
     _, key = gateway.new_tenant()
     r = post(gateway, key, b'{"model": "x", "messages": [')

@@ -105,16 +105,17 @@ async def test_invalid_requests_fail_alone(tiny_worker):
     good = asyncio.create_task(
         collect(client, "ok", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
     )
-    bad_cases = [
-        ([1] * (info.max_model_len + 5), SamplingParams(max_tokens=1), "context"),
-        ([info.vocab_size + 7], SamplingParams(max_tokens=1), "token ids"),
-        ([1, 2], SamplingParams(max_tokens=1, top_p=0.0), "top_p"),
-        ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
-        ([], SamplingParams(max_tokens=1), "empty"),
+    bad_cases = [  # and the field at fault, where there is one, crosses the wire
+        ([1] * (info.max_model_len + 5), SamplingParams(max_tokens=1), "context", None),
+        ([info.vocab_size + 7], SamplingParams(max_tokens=1), "token ids", None),
+        ([1, 2], SamplingParams(max_tokens=1, top_p=0.0), "top_p", "top_p"),
+        ([1, 2], SamplingParams(max_tokens=0), "max_tokens", "max_tokens"),
+        ([], SamplingParams(max_tokens=1), "empty", None),
     ]
-    for i, (prompt, params, needle) in enumerate(bad_cases):
-        with pytest.raises(InvalidRequestError, match=needle):
+    for i, (prompt, params, needle, param) in enumerate(bad_cases):
+        with pytest.raises(InvalidRequestError, match=needle) as err:
             await collect(client, f"bad{i}", prompt, params)
+        assert err.value.param == param
     with pytest.raises(InvalidRequestError, match="weight"):
         await collect(client, "w", [1, 2], SamplingParams(max_tokens=1), Scheduling(weight=0.0))
     outs = await good
