@@ -10,6 +10,7 @@ from litestar.params import FromQuery, JSONBody
 from litestar.response import Stream
 
 from gateway.auth import auth_of, gateway_state, requires_api_key
+from gateway.errors import APIError
 from gateway.logs import bind_request
 from gateway.openai_types import (
     ChatCompletionRequest,
@@ -41,6 +42,28 @@ async def respond(gw: GatewayState, request: Request[Any, Any, Any], job: Job) -
     if job.endpoint == "chat.completions":
         return Response(gw.renderer.chat_completion(job, results, tally))
     return Response(gw.renderer.completion(job, results, tally))
+
+
+async def _visible_models(request: Request[Any, Any, Any]) -> list[ModelCard]:
+    """The base model and the adapters the caller's plan allows."""
+    gw, policy = gateway_state(request), auth_of(request).tenant.policy
+    base = gw.preparer.info.model_id
+    created = int(gw.started_at)
+    cards = [ModelCard(id=base, created=created, owned_by="strata", root=base)]
+    if policy.allowed_models is not None and base not in policy.allowed_models:
+        cards = []
+    for adapter in await gw.registry.list_adapters(auth_of(request).tenant.id):
+        if policy.allows_adapter(adapter.name):
+            cards.append(
+                ModelCard(
+                    id=adapter.name,
+                    created=int(adapter.created_at),
+                    owned_by="strata",
+                    root=base,
+                    parent=base,
+                )
+            )
+    return cards
 
 
 def _start_request(request: Request[Any, Any, Any], rid: str) -> float:
@@ -79,24 +102,19 @@ class OpenAIController(Controller):
 
     @get("/models")
     async def models(self, request: Request[Any, Any, Any]) -> ModelList:
-        gw, policy = gateway_state(request), auth_of(request).tenant.policy
-        base = gw.preparer.info.model_id
-        created = int(gw.started_at)
-        cards = [ModelCard(id=base, created=created, owned_by="strata", root=base)]
-        if policy.allowed_models is not None and base not in policy.allowed_models:
-            cards = []
-        for adapter in await gw.registry.list_adapters(auth_of(request).tenant.id):
-            if policy.allows_adapter(adapter.name):
-                cards.append(
-                    ModelCard(
-                        id=adapter.name,
-                        created=int(adapter.created_at),
-                        owned_by="strata",
-                        root=base,
-                        parent=base,
-                    )
-                )
-        return ModelList(data=cards)
+        return ModelList(data=await _visible_models(request))
+
+    @get("/models/{model_id:str}")
+    async def model(self, request: Request[Any, Any, Any], model_id: str) -> ModelCard:
+        """One model the tenant may use (OpenAI's retrieve), or a 404."""
+        for card in await _visible_models(request):
+            if card.id == model_id:
+                return card
+        raise APIError(
+            404,
+            f"The model '{model_id}' does not exist or you do not have access to it.",
+            type="not_found_error", code="model_not_found", param="model",
+        )  # fmt: skip
 
     @get("/usage")
     async def usage(

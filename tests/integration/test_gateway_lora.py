@@ -90,6 +90,14 @@ async def test_adapters_end_to_end(lora_gateway):
 
         assert "colors" in models(allowed) and "colors" not in models(outsider)
 
+        def retrieve(key: str, model: str) -> httpx.Response:
+            return http.get(f"/v1/models/{model}", headers={"authorization": f"Bearer {key}"})
+
+        card = retrieve(allowed, "colors").json()
+        assert (card["id"], card["parent"]) == ("colors", card["root"])
+        hidden = retrieve(outsider, "colors")  # as if it did not exist
+        assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "model_not_found"
+
     # a new version while a stream on version 1 is running: that stream is unaffected
     body = {"model": "colors@1", "max_tokens": 40, "temperature": 0, "stream": True,
             "messages": [{"role": "user", "content": "Name three colors."}]}  # fmt: skip

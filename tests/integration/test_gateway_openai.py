@@ -135,6 +135,9 @@ def test_stop_and_logprobs(client):
 def test_models_lists_the_base_model(client):
     ids = [m.id for m in client.models.list().data]
     assert ids == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
 
 
 def test_sdk_errors_are_typed(client, gateway):
