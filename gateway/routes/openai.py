@@ -6,7 +6,7 @@ import time
 from typing import Any, Literal
 
 from litestar import Controller, MediaType, Request, Response, get, post
-from litestar.params import FromQuery, JSONBody
+from litestar.params import FromPath, FromQuery, JSONBody
 from litestar.response import Stream
 
 from gateway.auth import auth_of, gateway_state, requires_api_key
@@ -105,7 +105,7 @@ class OpenAIController(Controller):
         return ModelList(data=await _visible_models(request))
 
     @get("/models/{model_id:str}")
-    async def model(self, request: Request[Any, Any, Any], model_id: str) -> ModelCard:
+    async def model(self, request: Request[Any, Any, Any], model_id: FromPath[str]) -> ModelCard:
         """One model the tenant may use (OpenAI's retrieve), or a 404."""
         for card in await _visible_models(request):
             if card.id == model_id:
