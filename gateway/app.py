@@ -20,7 +20,7 @@ from litestar.types import Message, Scope
 from engine.factory import load_tokenizer_for
 from gateway.adapters import AdapterResolver
 from gateway.engines import EnginePool
-from gateway.errors import APIError, exception_handlers, invalid_field
+from gateway.errors import exception_handlers, invalid_field, invalid_json
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.prepare import Preparer
@@ -107,8 +107,7 @@ async def _decode_json_strictly(request: Request[Any, Any, Any]) -> None:
     except msgspec.ValidationError as exc:
         raise invalid_field(exc) from exc
     except msgspec.DecodeError as exc:
-        message = f"the request body is not valid JSON: {exc}"
-        raise APIError(400, message, code="invalid_json") from exc
+        raise invalid_json(exc) from exc
 
 
 def create_app(settings: GatewaySettings) -> Litestar:

@@ -59,6 +59,11 @@ def invalid_field(exc: msgspec.ValidationError) -> APIError:
     return _invalid(where.rstrip("`").lstrip("."), message)
 
 
+def invalid_json(detail: object) -> APIError:
+    """A 400 for a body that does not parse as JSON."""
+    return APIError(400, f"the request body is not valid JSON: {detail}", code="invalid_json")
+
+
 def _invalid(field: str, message: str) -> APIError:
     """A 400 for a rejected value: `field` is its path (`messages[0].role`), or empty (or
     Litestar's `data`) for the body as a whole."""
@@ -95,9 +100,7 @@ def _handle_validation(request: Request[Any, Any, Any], exc: ValidationException
 
 def _handle_http(request: Request[Any, Any, Any], exc: HTTPException) -> Response:
     if isinstance(exc.__cause__, SerializationException):  # the body did not parse
-        message = f"the request body is not valid JSON: {exc.detail}"
-        err = APIError(400, message, code="invalid_json")
-        return error_response(err, _request_headers(request))
+        return error_response(invalid_json(exc.detail), _request_headers(request))
     status = exc.status_code
     kinds: dict[int, tuple[ErrorType, str]] = {
         401: ("authentication_error", "invalid_api_key"),
