@@ -14,7 +14,7 @@ import torch
 from kvstore import disk as disk_module
 from kvstore.disk import DiskPrefetch
 from kvstore.tiers import KVOffloader, Tier, TieredKVStore
-from tests.unit.kvstore.test_tiers import filled_pool, key
+from tests.unit.kvstore.test_tiers import HeldReaders, filled_pool, key
 
 
 def on_disk(tmp_path, num_pages: int = 4, disk_blocks: int = 8):
@@ -51,19 +51,6 @@ def scribble(store: TieredKVStore, k: bytes) -> None:
     raw = os.open(f"/proc/self/fd/{disk.fd}", os.O_RDWR)
     os.pwrite(raw, b"\xff" * 64, disk.slots[k] * disk.slot_nbytes + 100)
     os.close(raw)
-
-
-class HeldReaders:
-    """Occupies every reader thread until `release()`: reads ahead queue behind it."""
-
-    def __init__(self, store: TieredKVStore) -> None:
-        assert store.disk is not None
-        self.gate = threading.Event()
-        for _ in range(disk_module._READ_THREADS):
-            store.disk._readers.submit(self.gate.wait)
-
-    def release(self) -> None:
-        self.gate.set()
 
 
 def test_pages_read_ahead_are_exact_and_loads_take_them_from_memory(tmp_path):

@@ -9,6 +9,7 @@ import os
 import random
 import resource
 import signal
+import threading
 import time
 import zlib
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from engine.block_manager import BlockManager, chain_hashes, root_hash
+from kvstore import disk as disk_module
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
 from kvstore.tiers import KVOffloader, Tier, TieredKVStore
@@ -31,6 +33,19 @@ def filled_pool(dtype: torch.dtype, num_blocks: int = 8, seed: int = 0) -> Devic
     if pool.scales is not None:
         pool.scales.copy_(torch.rand(pool.scales.shape, generator=g))
     return pool
+
+
+class HeldReaders:
+    """Occupies every disk reader thread until `release()`: reads ahead queue behind it."""
+
+    def __init__(self, store: TieredKVStore) -> None:
+        assert store.disk is not None
+        self.gate = threading.Event()
+        for _ in range(disk_module._READ_THREADS):
+            store.disk._readers.submit(self.gate.wait)
+
+    def release(self) -> None:
+        self.gate.set()
 
 
 def key(i: int) -> bytes:
@@ -179,10 +194,18 @@ def test_block_manager_stress_keeps_every_tier_consistent(tmp_path):
             hits = bm.lookup(hashes)
             below = bm.lookup_below(rid, hashes[len(hits) :])
             if below and rng.random() < 0.5:  # read ahead first, as the scheduler does
-                read_ahead += any(store.tier_of(h) is Tier.DISK for h in below)
-                if not bm.prefetch_below(rid, below) and rng.random() < 0.3:
-                    bm.free(rid)  # aborted while its pages are being read
-                    aborted += 1
+                disk = any(store.tier_of(h) is Tier.DISK for h in below)
+                read_ahead += disk
+                if disk and rng.random() < 0.3:  # aborted while its pages are being read
+                    assert store.disk is not None
+                    store.disk.reap(wait=True)  # written: pages in staging are copied at once
+                    held = HeldReaders(store)  # in flight, however fast the disk is
+                    try:
+                        reading = not bm.prefetch_below(rid, below)
+                        bm.free(rid)
+                    finally:
+                        held.release()
+                    aborted += reading
                     continue
                 while not bm.prefetch_below(rid, below):
                     bm.wait_below(1.0)
