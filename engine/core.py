@@ -243,9 +243,15 @@ class EngineCore:
             return outputs + failures
         self.num_steps += 1
         self.scheduler.advance(sched)
+        for request, scores in result.prompt_logprobs:
+            request.prompt_logprobs.extend(scores)
         for request, token_id, logprob in zip(
             result.requests, result.token_ids, result.logprobs, strict=True
         ):
+            if request.params.max_tokens == 0:  # the prompt is scored; it generates nothing
+                self.scheduler.finish_request(request, FinishReason.LENGTH)
+                outputs.append(self._output(request))
+                continue
             request.append_token(token_id)
             if logprob is not None:
                 request.pending_logprobs.append(logprob)
@@ -268,6 +274,8 @@ class EngineCore:
         request.num_emitted_tokens += len(new_ids)
         logprobs = request.pending_logprobs or None
         request.pending_logprobs = []
+        prompt_logprobs = request.prompt_logprobs[request.num_emitted_prompt_logprobs :] or None
+        request.num_emitted_prompt_logprobs = len(request.prompt_logprobs)
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_ids,
@@ -279,6 +287,7 @@ class EngineCore:
             num_cached_host_tokens=request.num_cached_host_tokens,
             num_cached_disk_tokens=request.num_cached_disk_tokens,
             num_output_tokens=request.num_output_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # -- introspection ------------------------------------------------------------------

@@ -31,6 +31,8 @@ class Completion:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: the scores of prompt tokens 1..
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
@@ -112,6 +114,7 @@ class LLM:
                 done.text += delta.text
                 done.token_ids.extend(delta.token_ids)
                 done.logprobs.extend(delta.logprobs or ())
+                done.prompt_logprobs.extend(out.prompt_logprobs or ())
                 done.num_cached_tokens = out.num_cached_tokens
                 done.num_cached_host_tokens = out.num_cached_host_tokens
                 done.num_cached_disk_tokens = out.num_cached_disk_tokens

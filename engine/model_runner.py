@@ -6,7 +6,7 @@ requests (token ids, positions, block tables) but never changes scheduling state
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,18 +19,42 @@ from engine.lora.layers import LoRABatch
 from engine.model.llama import LlamaForCausalLM
 from engine.protocol import TokenLogprob
 from engine.request import Request
-from engine.sampler import SamplerOutput, build_sampling_batch, sample
+from engine.sampler import SamplerOutput, build_sampling_batch, sample, score
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvstore.device_pool import DeviceKVPool
+
+# rows of logits computed at once when scoring prompts ([rows, vocab] fp32 at a time)
+_SCORE_ROWS = 256
+
+# a request scoring its prompt this step: its rows in the flattened step, and the position of
+# the first of them (each row scores the prompt token after its position)
+_Scored = tuple[Request, range, int]
 
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    """One sampled token (and optional logprobs) per request whose chunk reached its end."""
+    """One sampled token (and optional logprobs) per request whose chunk reached its end,
+    and the new prompt-token scores of requests that asked for them."""
 
     requests: list[Request]
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    prompt_logprobs: list[tuple[Request, list[TokenLogprob]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PromptScores:
+    """Prompt tokens scored in one step (on the device until `RunnerOutput` is built)."""
+
+    spans: list[tuple[Request, int]]  # each request and how many of the rows are its own
+    out: SamplerOutput  # one row per scored token: its id, logprob and top alternatives
+
+
+@dataclass(frozen=True)
+class Launched:
+    sampled: list[Request]
+    out: SamplerOutput | None
+    prompt: PromptScores | None = None
 
 
 class ModelRunner:
@@ -71,19 +95,22 @@ class ModelRunner:
 
         Mutates only the KV pool (new K/V written) and the runner's random stream.
         """
-        sampled, out = self.launch(step)
+        launched = self.launch(step)
+        prompt = [] if launched.prompt is None else _prompt_logprobs(launched.prompt)
+        sampled, out = launched.sampled, launched.out
         if out is None:
-            return RunnerOutput([], [], [])
+            return RunnerOutput([], [], [], prompt)
         token_ids = out.token_ids.tolist()  # the step's one host sync
-        return RunnerOutput(sampled, token_ids, self._logprobs(sampled, out))
+        return RunnerOutput(sampled, token_ids, self._logprobs(sampled, out), prompt)
 
     @torch.inference_mode()
-    def launch(self, step: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
-        """Queue the step's forward and sampling on the device without waiting for it;
-        returns the sampled requests and their (device) sampler output."""
+    def launch(self, step: SchedulerOutput) -> Launched:
+        """Queue the step's forward and sampling (and prompt scoring) on the device without
+        waiting for it; returns the sampled requests and their (device) sampler output."""
         # decode tokens first: the attention backend batches them without padding
         order = sorted(step.scheduled, key=lambda s: s.num_new_tokens > 1)
         input_ids, positions, slices, sample_rows = self._flatten(order)
+        scored = _positions_to_score(order)
         lora_slots = None
         if self.lora is not None:
             lora_slots = [s.request.lora_slot for s in order for _ in range(s.num_new_tokens)]
@@ -93,10 +120,33 @@ class ModelRunner:
         batch = build_sampling_batch(sampled, self.vocab_size, self.device) if sampled else None
         rows = to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)
         hidden = self.forward(input_ids, positions, slices, lora_slots)  # [T, hidden]
+        prompt = self._score_prompts(hidden, scored) if scored else None
         if batch is None:
-            return [], None
+            return Launched([], None, prompt)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # [S, vocab]
-        return sampled, sample(logits, batch, self.generator, self.argmax)
+        return Launched(sampled, sample(logits, batch, self.generator, self.argmax), prompt)
+
+    def _score_prompts(self, hidden: torch.Tensor, scored: list[_Scored]) -> PromptScores:
+        """Each scored row's logits against the prompt token after its position, in slices
+        of `_SCORE_ROWS` rows."""
+        rows = [r for _, span, _ in scored for r in span]
+        targets = [req.all_token_ids[first + 1 + k]
+                   for req, span, first in scored for k in range(len(span))]  # fmt: skip
+        top_n = max(req.params.prompt_logprobs or 0 for req, _, _ in scored)
+        rows_t = to_device(torch.tensor(rows, dtype=torch.long), self.device)
+        targets_t = to_device(torch.tensor(targets, dtype=torch.long), self.device)
+        parts = []
+        for i in range(0, len(rows), _SCORE_ROWS):
+            part = rows_t[i : i + _SCORE_ROWS]
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[part]), dim=-1)
+            parts.append(score(logprobs, targets_t[i : i + _SCORE_ROWS], top_n))
+        out = SamplerOutput(
+            targets_t,
+            _cat([p.logprobs for p in parts]),
+            _cat([p.top_ids for p in parts]),
+            _cat([p.top_logprobs for p in parts]),
+        )
+        return PromptScores([(req, len(span)) for req, span, _ in scored], out)
 
     def forward(
         self,
@@ -160,3 +210,45 @@ class ModelRunner:
                 )
             )
         return result
+
+
+def _positions_to_score(order: list[ScheduledRequest]) -> list[_Scored]:
+    scored = []
+    row = 0
+    for s in order:
+        start = s.request.num_computed_tokens
+        span = s.request.positions_to_score(start, start + s.num_new_tokens)
+        if span:
+            first_row = row + span.start - start
+            scored.append((s.request, range(first_row, first_row + len(span)), span.start))
+        row += s.num_new_tokens
+    return scored
+
+
+def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if parts[0] is None else torch.cat([p for p in parts if p is not None])
+
+
+def _prompt_logprobs(scores: PromptScores) -> list[tuple[Request, list[TokenLogprob]]]:
+    """The step's prompt scores, per request, as host records (one device sync)."""
+    out = scores.out
+    assert out.logprobs is not None
+    ids, lps = out.token_ids.tolist(), out.logprobs.tolist()
+    top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+    top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    result = []
+    row = 0
+    for req, count in scores.spans:
+        n = req.params.prompt_logprobs or 0
+        records = [
+            TokenLogprob(
+                token_id=ids[r],
+                logprob=lps[r],
+                top_ids=top_ids[r][:n] if top_ids and n else [],
+                top_logprobs=top_lps[r][:n] if top_lps and n else [],
+            )
+            for r in range(row, row + count)
+        ]
+        result.append((req, records))
+        row += count
+    return result

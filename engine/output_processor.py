@@ -22,6 +22,7 @@ class TextDelta:
     finish_reason: FinishReason | None
     stop_reason: str | int | None  # the stop string or stop token id that ended it
     num_output_tokens: int
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's scores, when asked
 
     @property
     def finished(self) -> bool:
@@ -74,4 +75,5 @@ class TextStream:
             finish_reason=finish,
             stop_reason=reason,
             num_output_tokens=out.num_output_tokens,
+            prompt_logprobs=out.prompt_logprobs,
         )

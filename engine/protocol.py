@@ -59,6 +59,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # score the prompt: the logprob of every prompt token after the first, given the tokens
+    # before it, with this many top alternatives per position (vLLM's `prompt_logprobs`;
+    # OpenAI's `echo` with `logprobs`). With it, max_tokens may be 0: score, generate nothing.
+    prompt_logprobs: int | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field (token ids are range-checked
@@ -67,8 +71,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         def bad(param: str, rule: str) -> InvalidRequestError:
             return InvalidRequestError(f"{param} {rule}", param=param)
 
-        if self.max_tokens < 1:
-            raise bad("max_tokens", "must be at least 1")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise bad("max_tokens", "must be at least 1 (0 only when scoring the prompt)")
         if not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", "must be between 0 and 100")
         if not 0.0 < self.top_p <= 1.0:
@@ -83,8 +87,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise bad("presence_penalty", "must be between -2 and 2")
         if not 0.0 < self.repetition_penalty <= 10.0:
             raise bad("repetition_penalty", "must be in (0, 10]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not 0 <= n <= MAX_LOGPROBS:
+                raise bad(name, f"must be between 0 and {MAX_LOGPROBS}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise bad("seed", "must fit in 64 bits")
         if any(not s for s in self.stop):
@@ -139,7 +145,8 @@ class LoRARequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
-    """The sampled token's logprob and the top-n alternatives (ids and logprobs)."""
+    """A token's logprob (the sampled token, or a prompt token being scored) and the top-n
+    alternatives at its position (ids and logprobs)."""
 
     token_id: int
     logprob: float
@@ -163,6 +170,9 @@ class RequestOutput(msgspec.Struct, kw_only=True, array_like=True):
     # rest were still in device memory)
     num_cached_host_tokens: int = 0
     num_cached_disk_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: prompt tokens 1.. scored since the last output (all
+    # of them arrive with the request's first output)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:

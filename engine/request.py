@@ -63,6 +63,10 @@ class Request:
         # tokens/logprobs produced since the last RequestOutput was emitted
         self.num_emitted_tokens = 0
         self.pending_logprobs: list[TokenLogprob] = []
+        # with params.prompt_logprobs: the scores of prompt tokens 1.. computed so far (entry
+        # j is token j + 1, scored from position j), and how many have been emitted
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self.num_emitted_prompt_logprobs = 0
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.is_greedy:
             self.generator = torch.Generator(device=device or "cpu")
@@ -83,6 +87,24 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def positions_to_score(self, start: int, end: int) -> range:
+        """Of the positions [start, end) computed this step, those whose logits score the
+        next prompt token and are not scored yet (empty unless prompt logprobs are asked)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        first = max(start, len(self.prompt_logprobs))
+        span = range(first, min(end, self.num_prompt_tokens - 1))
+        assert not span or first == len(self.prompt_logprobs), "prompt scores must not skip"
+        return span
+
+    @property
+    def num_scored_prefix(self) -> int:
+        """Leading tokens whose KV may come from the prefix cache without losing a prompt
+        score: all of them unless the prompt is being scored, else those already scored."""
+        if self.params.prompt_logprobs is None:
+            return self.num_tokens
+        return len(self.prompt_logprobs)
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

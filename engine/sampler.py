@@ -186,11 +186,15 @@ def sample(
         token_ids = torch.where(temp > 0, sampled, greedy)
     if raw_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
-    n = batch.max_num_logprobs or 0
-    top = torch.topk(raw_logprobs, n, dim=-1) if n else None
+    return score(raw_logprobs, token_ids, batch.max_num_logprobs or 0)
+
+
+def score(logprobs: torch.Tensor, token_ids: torch.Tensor, n: int) -> SamplerOutput:
+    """logprobs: [S, V] -> each row's logprob of `token_ids` [S] and its top `n` tokens."""
+    top = torch.topk(logprobs, n, dim=-1) if n else None
     return SamplerOutput(
         token_ids=token_ids,
-        logprobs=raw_logprobs.gather(1, token_ids[:, None]).squeeze(1),
+        logprobs=logprobs.gather(1, token_ids[:, None]).squeeze(1),
         top_ids=top.indices if top is not None else None,
         top_logprobs=top.values if top is not None else None,
     )

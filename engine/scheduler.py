@@ -203,7 +203,9 @@ class Scheduler:
         (its logits are needed)."""
         if not self.block_manager.enable_caching:
             return [], []
-        usable = (request.num_tokens - 1) // self.block_manager.block_size
+        # a request scoring its prompt needs the logits of every position it has not scored
+        usable = min(request.num_tokens - 1, request.num_scored_prefix)
+        usable //= self.block_manager.block_size
         hashes = self._block_hashes(request)[:usable]
         hits = self.block_manager.lookup(hashes)
         return hits, self.block_manager.lookup_below(request.request_id, hashes[len(hits) :])

@@ -159,9 +159,10 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    # with echo, the prompt's tokens come first; its first token has no logprob (null)
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -51,6 +51,7 @@ class ChoiceResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # engine TokenLogprob records
+    prompt_logprobs: list = field(default_factory=list)  # the prompt's scores, when asked
     finish_reason: str | None = None
 
 
@@ -160,6 +161,7 @@ class Pipeline:
                     results.text += delta.text
                     results.token_ids.extend(delta.token_ids)
                     results.logprobs.extend(delta.logprobs or ())
+                    results.prompt_logprobs.extend(delta.prompt_logprobs or ())
                 if delta.finished:
                     tally.engine_finished = time.perf_counter()
                 yield delta

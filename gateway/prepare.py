@@ -195,9 +195,15 @@ class Preparer:
             raise bad_request(
                 f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}", param="logprobs"
             )
+        # echo with logprobs scores the prompt too, as does echo with max_tokens 0 (the
+        # prompt alone comes back)
+        scoring = None
+        if body.echo and (body.logprobs is not None or body.max_tokens == 0):
+            scoring = body.logprobs or 0
         job = self._job(
-            body, tenant, request_id, "completions", prompt_ids, body.max_tokens, body.logprobs
-        )
+            body, tenant, request_id, "completions", prompt_ids, body.max_tokens, body.logprobs,
+            prompt_logprobs=scoring,
+        )  # fmt: skip
         job.echo_text = echo
         job.lora = lora
         return job
@@ -211,6 +217,7 @@ class Preparer:
         prompt_ids: list[int],
         max_tokens: int | None,
         logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> Job:
         policy = tenant.policy
         if not prompt_ids:
@@ -232,8 +239,11 @@ class Preparer:
                 f"{self.info.max_model_len} tokens", code="context_length_exceeded",
             )  # fmt: skip
         if max_tokens is not None:
-            if max_tokens < 1:
-                raise bad_request("max_tokens must be at least 1", param="max_tokens")
+            if max_tokens < (0 if prompt_logprobs is not None else 1):
+                rule = (
+                    "at least 1" if endpoint == "chat.completions" else "at least 1 (0 with echo)"
+                )
+                raise bad_request(f"max_tokens must be {rule}", param="max_tokens")
             if policy.max_tokens is not None and max_tokens > policy.max_tokens:
                 raise bad_request(
                     f"max_tokens exceeds your plan's cap of {policy.max_tokens}",
@@ -266,6 +276,7 @@ class Preparer:
                 ),
                 stop=stop,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
             params.validate(self.info.vocab_size)
         except InvalidRequestError as exc:

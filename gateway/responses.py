@@ -77,20 +77,36 @@ class Renderer:
             )
         return ChoiceLogprobs(content=content)
 
-    def completion_logprobs(self, items: Sequence[TokenLogprob], offset: int) -> CompletionLogprobs:
-        tokens, lps, tops, offsets = [], [], [], []
-        for lp in items:
-            text = self._token(lp.token_id)
-            tokens.append(text)
-            lps.append(lp.logprob)
-            tops.append(
-                {self._token(i): v for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
+    def completion_logprobs(
+        self,
+        items: Sequence[TokenLogprob],
+        offset: int,
+        prompt: Sequence[int] = (),
+        prompt_scores: Sequence[TokenLogprob] = (),
+    ) -> CompletionLogprobs:
+        """The generated tokens' logprobs, their text starting at `offset`; with echo, the
+        `prompt` tokens come first (from offset 0), scored from the second one on."""
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+
+        def add(token_id: int, at: int, lp: TokenLogprob | None) -> int:
+            text = self._token(token_id)
+            out.tokens.append(text)
+            out.text_offset.append(at)
+            out.token_logprobs.append(None if lp is None else lp.logprob)
+            out.top_logprobs.append(
+                None
+                if lp is None
+                else {self._token(i): v for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
             )
-            offsets.append(offset)
-            offset += len(text)
-        return CompletionLogprobs(
-            tokens=tokens, token_logprobs=lps, top_logprobs=tops, text_offset=offsets
-        )
+            return at + len(text)
+
+        if prompt:
+            at = add(prompt[0], 0, None)
+            for lp in prompt_scores:
+                at = add(lp.token_id, at, lp)
+        for lp in items:
+            offset = add(lp.token_id, offset, lp)
+        return out
 
     # -- whole responses --------------------------------------------------------------------
 
@@ -123,7 +139,12 @@ class Renderer:
                 index=r.index,
                 text=prefix + r.text,
                 finish_reason=r.finish_reason,
-                logprobs=self.completion_logprobs(r.logprobs, len(prefix))
+                logprobs=self.completion_logprobs(
+                    r.logprobs,
+                    len(prefix),
+                    job.prompt_ids if job.echo_text is not None else (),
+                    r.prompt_logprobs,
+                )
                 if job.params.logprobs is not None
                 else None,
             )
@@ -139,7 +160,15 @@ class Renderer:
 
     # -- streams ----------------------------------------------------------------------------
 
-    def _chunk(self, job: Job, index: int, delta: TextDelta | None) -> msgspec.Struct:
+    def _chunk(
+        self,
+        job: Job,
+        index: int,
+        delta: TextDelta | None,
+        prompt_scores: Sequence[TokenLogprob] | None = None,
+    ) -> msgspec.Struct:
+        """A chunk with `delta`'s text (None: the chat role's opening chunk); the echoed
+        prompt's chunk carries the prompt's scores."""
         finish = delta.finish_reason.value if delta and delta.finish_reason else None
         text = delta.text if delta else ""
         logprobs = delta.logprobs if delta and job.params.logprobs is not None else None
@@ -155,10 +184,12 @@ class Renderer:
             return ChatCompletionChunk(
                 id=job.request_id, created=job.created, model=job.model, choices=[choice]
             )
-        cchoice = CompletionChoice(
-            index=index, text=text, finish_reason=finish,
-            logprobs=self.completion_logprobs(logprobs, 0) if logprobs else None,
-        )  # fmt: skip
+        rendered = None
+        if prompt_scores is not None and job.params.logprobs is not None:
+            rendered = self.completion_logprobs(logprobs or (), 0, job.prompt_ids, prompt_scores)
+        elif logprobs:
+            rendered = self.completion_logprobs(logprobs, 0)
+        cchoice = CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=rendered)
         return Completion(
             id=job.request_id, created=job.created, model=job.model, choices=[cchoice]
         )
@@ -181,12 +212,13 @@ class Renderer:
             if job.endpoint == "chat.completions":
                 for i in range(job.n):
                     yield sse(self._chunk(job, i, None))
-            elif job.echo_text:
-                for i in range(job.n):
-                    yield sse(
-                        self._chunk(job, i, TextDelta(job.echo_text, [], None, None, None, 0))
-                    )
+            echoed = [job.echo_text is None] * job.n
             async for index, delta in _merge(pipeline, job, tally):
+                if not echoed[index]:
+                    # the prompt, with its scores when asked, arrives with the first output
+                    echoed[index] = True
+                    prompt = TextDelta(job.echo_text or "", [], None, None, None, 0)
+                    yield sse(self._chunk(job, index, prompt, delta.prompt_logprobs or ()))
                 if delta.finish_reason is not None:
                     reasons[index] = delta.finish_reason.value
                 if delta.text or delta.logprobs or delta.finish_reason is not None:

@@ -112,10 +112,11 @@ def test_a_decode_step_is_queued_without_any_host_sync(strata_cache_dir):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        sampled, out = core.runner.launch(step)  # graph replay, logits, sampling
+        launched = core.runner.launch(step)  # graph replay, logits, sampling
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert out is not None and len(out.token_ids.tolist()) == len(sampled) == 2
+    out = launched.out
+    assert out is not None and len(out.token_ids.tolist()) == len(launched.sampled) == 2
 
 
 @pytest.mark.parametrize("num_tokens", [32, 600])

@@ -132,6 +132,48 @@ def test_stop_and_logprobs(client):
     assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob)
 
 
+def test_echo_scores_the_prompt_as_lm_eval_asks(client, smollm2_tokenizer):
+    context = smollm2_tokenizer.encode("The capital of France is")
+    greedy = client.completions.create(
+        model=MODEL, prompt=context, max_tokens=4, temperature=0, logprobs=1
+    )
+    continuation = greedy.choices[0].logprobs
+    ids = context + [smollm2_tokenizer.encode(t)[0] for t in continuation.tokens]
+    # lm-eval's loglikelihood request: the whole text, nothing generated, echoed with scores
+    scored = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    choice = scored.choices[0]
+    assert choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text == smollm2_tokenizer.decode(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    tail = lp.token_logprobs[len(context) :]
+    assert tail == pytest.approx(continuation.token_logprobs, abs=1e-2)
+    # greedy tokens are their position's top choice (lm-eval's is_greedy)
+    for token, top in zip(lp.tokens[len(context) :], lp.top_logprobs[len(context) :], strict=True):
+        assert max(top, key=top.get) == token
+    # streamed: the echoed prompt and its scores come first, then the generated tokens
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=2, echo=True, logprobs=1, temperature=0, stream=True
+        )
+    )
+    first = chunks[0].choices[0]
+    assert first.text == choice.text and first.logprobs.tokens == lp.tokens
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    rest = [c.choices[0] for c in chunks[1:] if c.choices and c.choices[0].text]
+    assert sum(len(c.logprobs.tokens) for c in rest) == 2
+    # echo alone: the prompt comes back, without scores
+    plain = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True)
+    assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=0)
+    assert err.value.body["param"] == "max_tokens"
+
+
 def test_models_lists_the_base_model(client):
     ids = [m.id for m in client.models.list().data]
     assert ids == [MODEL]
