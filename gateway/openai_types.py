@@ -71,7 +71,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
-    prompt: str | list[int | str]  # text, token ids, or a one-element list of text
+    # a text, token ids, or a batch: a list of texts or of token-id lists
+    prompt: str | list[int | str | list[int]]
     logprobs: int | None = None
     echo: bool = False
     # not implemented: read only to refuse them, as for chat

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.output_processor import TextDelta, TextStream
-from engine.protocol import EngineDeadError, FinishReason, InvalidRequestError
+from engine.protocol import EngineDeadError, FinishReason, InvalidRequestError, RequestOutput
 from engine.tokenizer import Tokenizer
 from gateway.engines import EnginePool
 from gateway.errors import APIError
@@ -60,13 +60,33 @@ class Tally:
     """What a job actually consumed, filled in as outputs arrive."""
 
     completion_tokens: int = 0
-    cached_tokens: int = 0
-    cached_host_tokens: int = 0  # of cached_tokens, copied back from host RAM
-    cached_disk_tokens: int = 0  # and from disk
     first_token_at: float | None = None
     status: UsageStatus | None = None
     engine_started: float | None = None  # first submit to the engine (perf_counter)
     engine_finished: float | None = None  # last final output from the engine
+    # per prompt, its best choice's cached prompt tokens: (all tiers, from host, from disk)
+    hits: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+
+    def cached(self, prompt: int, out: RequestOutput) -> None:
+        """Count a prompt's prefix-cache hits once, however many choices it has."""
+        if out.num_cached_tokens > self.hits.get(prompt, (0, 0, 0))[0]:
+            self.hits[prompt] = (
+                out.num_cached_tokens, out.num_cached_host_tokens, out.num_cached_disk_tokens
+            )  # fmt: skip
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(h[0] for h in self.hits.values())
+
+    @property
+    def cached_host_tokens(self) -> int:
+        """Of cached_tokens, those copied back from host RAM."""
+        return sum(h[1] for h in self.hits.values())
+
+    @property
+    def cached_disk_tokens(self) -> int:
+        """Of cached_tokens, those read back from disk."""
+        return sum(h[2] for h in self.hits.values())
 
     def server_timing(self, started: float) -> str:
         """A `Server-Timing` value: time spent waiting on the engine, and the rest of the
@@ -101,7 +121,7 @@ class Pipeline:
         """Reserve every limit at once. Raises APIError 429 (denied) or 503 (store down and
         the tenant's policy says fail_closed)."""
         tenant, policy = auth.tenant, auth.tenant.policy
-        max_total = job.n * job.max_tokens
+        max_total = job.num_choices * job.max_tokens
         try:
             decision = await self.admission.reserve(
                 tenant.id, policy, job.request_id,
@@ -138,10 +158,12 @@ class Pipeline:
     ) -> AsyncIterator[TextDelta]:
         """Stream one choice's text deltas; closing the iterator aborts the engine request."""
         client = self.engines.pick()
-        stream = TextStream(self.tokenizer, job.prompt_ids, job.params)
+        prompt = job.prompt_of(index)
+        prompt_ids = job.prompts[prompt]
+        stream = TextStream(self.tokenizer, prompt_ids, job.params)
         rid = f"{job.request_id}-{index}"
         outputs = client.generate(
-            rid, job.prompt_ids, job.params, scheduling=job.scheduling, lora=job.lora
+            rid, prompt_ids, job.params, scheduling=job.scheduling, lora=job.lora
         )
         if tally.engine_started is None:
             tally.engine_started = time.perf_counter()
@@ -153,10 +175,7 @@ class Pipeline:
                 if out.new_token_ids and tally.first_token_at is None:
                     tally.first_token_at = time.perf_counter()
                 tally.completion_tokens += len(out.new_token_ids)
-                if out.num_cached_tokens > tally.cached_tokens:
-                    tally.cached_tokens = out.num_cached_tokens
-                    tally.cached_host_tokens = out.num_cached_host_tokens
-                    tally.cached_disk_tokens = out.num_cached_disk_tokens
+                tally.cached(prompt, out)
                 if results is not None:
                     results.text += delta.text
                     results.token_ids.extend(delta.token_ids)
@@ -173,14 +192,14 @@ class Pipeline:
     async def complete(self, job: Job, ticket: Ticket) -> tuple[list[ChoiceResult], Tally]:
         """Run every choice to the end (non-streaming)."""
         tally = Tally()
-        results = [ChoiceResult(i) for i in range(job.n)]
+        results = [ChoiceResult(i) for i in range(job.num_choices)]
 
         async def drain(i: int) -> None:
             async for _ in self.run_choice(job, i, tally, results[i]):
                 pass
 
         try:
-            await asyncio.gather(*(drain(i) for i in range(job.n)))
+            await asyncio.gather(*(drain(i) for i in range(job.num_choices)))
         except InvalidRequestError as exc:
             tally.status = "error"
             raise APIError(400, str(exc), code="invalid_request") from exc

@@ -26,6 +26,8 @@ from tenants.records import Policy, Tenant
 
 Endpoint = Literal["chat.completions", "completions"]
 MAX_N = 16
+MAX_PROMPTS = 64  # prompts in one completions request (each with n choices)
+MAX_CHOICES = 128  # prompts x n
 MAX_STOP = 4
 MAX_COMPLETION_LOGPROBS = 5
 # Longer prompt texts are tokenized on a worker thread (the tokenizer releases the GIL), so
@@ -41,14 +43,14 @@ class Job:
     request_id: str
     endpoint: Endpoint
     model: str
-    prompt_ids: list[int]
+    prompts: list[list[int]]  # token ids: one prompt, or several (completions)
     params: SamplingParams
-    n: int
+    n: int  # choices per prompt
     stream: bool
     include_usage: bool
     user: str | None
     scheduling: Scheduling
-    echo_text: str | None = None  # completions with echo=True
+    echo_texts: list[str] | None = None  # completions with echo=True: each prompt's text
     kv_block_size: int = 1  # the engine's KV block, the unit its caches are held in
     lora: LoRARequest | None = None  # the adapter it runs through (None: the base model)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -57,7 +59,17 @@ class Job:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_ids)
+        """Billed prompt tokens: each prompt once, however many choices it has."""
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, choice: int) -> int:
+        """The prompt a choice answers: choices are numbered prompt by prompt (OpenAI's
+        order), `n` per prompt."""
+        return choice // self.n
 
     @property
     def max_tokens(self) -> int:
@@ -67,8 +79,9 @@ class Job:
     def kv_tokens(self) -> int:
         """KV the job may hold at its peak, in whole blocks (as the engine allocates and
         reports it), counted in tokens: every choice's prompt plus max_tokens."""
-        per_choice = -(-(self.num_prompt_tokens + self.max_tokens) // self.kv_block_size)
-        return self.n * per_choice * self.kv_block_size
+        bs = self.kv_block_size
+        blocks = sum(-(-(len(p) + self.max_tokens) // bs) for p in self.prompts)
+        return self.n * blocks * bs
 
 
 def cache_salt(tenant: Tenant) -> str:
@@ -161,7 +174,7 @@ class Preparer:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         max_tokens = body.max_completion_tokens or body.max_tokens
         job = self._job(
-            body, tenant, request_id, "chat.completions", prompt_ids, max_tokens, logprobs
+            body, tenant, request_id, "chat.completions", [prompt_ids], max_tokens, logprobs
         )
         job.lora = lora
         return job
@@ -176,21 +189,7 @@ class Preparer:
         if lora is None:
             self.check_model(body.model, tenant.policy)
         _refuse_unsupported(body)
-        prompt: str | list[int | str] = body.prompt
-        if isinstance(prompt, list) and any(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1 or not isinstance(prompt[0], str):
-                raise bad_request(
-                    "one text prompt (or one list of token ids) per request", param="prompt"
-                )
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            prompt_ids = await self.encode(prompt)
-            echo = prompt if body.echo else None
-        else:
-            prompt_ids = [int(t) for t in prompt]
-            if any(not 0 <= t < self.info.vocab_size for t in prompt_ids):
-                raise bad_request("prompt token ids are out of the vocabulary", param="prompt")
-            echo = self.tokenizer.decode(prompt_ids) if body.echo else None
+        prompts, texts = await self._prompts(body.prompt, body.echo)
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
             raise bad_request(
                 f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}", param="logprobs"
@@ -201,12 +200,45 @@ class Preparer:
         if body.echo and (body.logprobs is not None or body.max_tokens == 0):
             scoring = body.logprobs or 0
         job = self._job(
-            body, tenant, request_id, "completions", prompt_ids, body.max_tokens, body.logprobs,
+            body, tenant, request_id, "completions", prompts, body.max_tokens, body.logprobs,
             prompt_logprobs=scoring,
         )  # fmt: skip
-        job.echo_text = echo
+        job.echo_texts = texts
         job.lora = lora
         return job
+
+    async def _prompts(
+        self, prompt: str | list[int | str | list[int]], echo: bool
+    ) -> tuple[list[list[int]], list[str] | None]:
+        """A completion's prompts as token ids (one text, a list of texts, one list of token
+        ids, or a list of them), and their texts when they are echoed."""
+        items: list[str] | list[list[int]]
+        if isinstance(prompt, str):
+            items = [prompt]
+        elif all(isinstance(p, int) for p in prompt):
+            items = [[p for p in prompt if isinstance(p, int)]]  # one prompt of token ids
+        elif all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+            items = prompt  # type: ignore[assignment]  # checked just above
+        else:
+            raise bad_request(
+                "prompt must be a string, a list of strings, a list of token ids, or a list of "
+                "lists of token ids", param="prompt",
+            )  # fmt: skip
+        if not 1 <= len(items) <= MAX_PROMPTS:
+            raise bad_request(f"between 1 and {MAX_PROMPTS} prompts per request", param="prompt")
+        ids: list[list[int]] = []
+        texts: list[str] = []
+        for item in items:
+            if isinstance(item, str):
+                ids.append(await self.encode(item))
+                texts.append(item)
+                continue
+            if any(not 0 <= t < self.info.vocab_size for t in item):
+                raise bad_request("prompt token ids are out of the vocabulary", param="prompt")
+            ids.append(list(item))
+            if echo:
+                texts.append(self.tokenizer.decode(item))
+        return ids, texts if echo else None
 
     def _job(
         self,
@@ -214,17 +246,19 @@ class Preparer:
         tenant: Tenant,
         request_id: str,
         endpoint: Endpoint,
-        prompt_ids: list[int],
+        prompts: list[list[int]],
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
     ) -> Job:
         policy = tenant.policy
-        if not prompt_ids:
+        if not all(prompts):
             raise bad_request("the prompt is empty", param="prompt")
         if not 1 <= body.n <= MAX_N:
             raise bad_request(f"n must be between 1 and {MAX_N}", param="n")
-        num_prompt = len(prompt_ids)
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise bad_request(f"prompts x n must be at most {MAX_CHOICES}", param="n")
+        num_prompt = max(len(p) for p in prompts)  # the longest decides the limits
         if policy.max_context_tokens is not None and num_prompt > policy.max_context_tokens:
             raise APIError(
                 413,
@@ -283,7 +317,7 @@ class Preparer:
             raise bad_request(str(exc), param=exc.param) from exc
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return Job(
-            request_id=request_id, endpoint=endpoint, model=body.model, prompt_ids=prompt_ids,
+            request_id=request_id, endpoint=endpoint, model=body.model, prompts=prompts,
             params=params, n=body.n, stream=body.stream, include_usage=include_usage,
             user=body.user, kv_block_size=self.info.kv_block_size,
             scheduling=Scheduling(

@@ -133,23 +133,26 @@ class Renderer:
         )
 
     def completion(self, job: Job, results: list[ChoiceResult], tally: Tally) -> Completion:
-        prefix = job.echo_text or ""
-        choices = [
-            CompletionChoice(
-                index=r.index,
-                text=prefix + r.text,
-                finish_reason=r.finish_reason,
-                logprobs=self.completion_logprobs(
+        choices = []
+        for r in results:
+            prompt = job.prompt_of(r.index)
+            echo = None if job.echo_texts is None else job.echo_texts[prompt]
+            logprobs = None
+            if job.params.logprobs is not None:
+                logprobs = self.completion_logprobs(
                     r.logprobs,
-                    len(prefix),
-                    job.prompt_ids if job.echo_text is not None else (),
+                    len(echo or ""),
+                    () if echo is None else job.prompts[prompt],
                     r.prompt_logprobs,
                 )
-                if job.params.logprobs is not None
-                else None,
+            choices.append(
+                CompletionChoice(
+                    index=r.index,
+                    text=(echo or "") + r.text,
+                    finish_reason=r.finish_reason,
+                    logprobs=logprobs,
+                )
             )
-            for r in results
-        ]
         return Completion(
             id=job.request_id,
             created=job.created,
@@ -186,7 +189,8 @@ class Renderer:
             )
         rendered = None
         if prompt_scores is not None and job.params.logprobs is not None:
-            rendered = self.completion_logprobs(logprobs or (), 0, job.prompt_ids, prompt_scores)
+            prompt = job.prompts[job.prompt_of(index)]
+            rendered = self.completion_logprobs(logprobs or (), 0, prompt, prompt_scores)
         elif logprobs:
             rendered = self.completion_logprobs(logprobs, 0)
         cchoice = CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=rendered)
@@ -207,17 +211,18 @@ class Renderer:
     async def stream(self, pipeline: Pipeline, job: Job, ticket: Ticket) -> AsyncIterator[bytes]:
         """SSE events for a job; settles it (ledger, release) however the stream ends."""
         tally = Tally()
-        reasons: list[str | None] = [None] * job.n
+        reasons: list[str | None] = [None] * job.num_choices
         try:
             if job.endpoint == "chat.completions":
                 for i in range(job.n):
                     yield sse(self._chunk(job, i, None))
-            echoed = [job.echo_text is None] * job.n
+            echo = job.echo_texts
+            echoed = [echo is None] * job.num_choices
             async for index, delta in _merge(pipeline, job, tally):
-                if not echoed[index]:
+                if echo is not None and not echoed[index]:
                     # the prompt, with its scores when asked, arrives with the first output
                     echoed[index] = True
-                    prompt = TextDelta(job.echo_text or "", [], None, None, None, 0)
+                    prompt = TextDelta(echo[job.prompt_of(index)], [], None, None, None, 0)
                     yield sse(self._chunk(job, index, prompt, delta.prompt_logprobs or ()))
                 if delta.finish_reason is not None:
                     reasons[index] = delta.finish_reason.value
@@ -263,7 +268,7 @@ async def _merge(
     pipeline: Pipeline, job: Job, tally: Tally
 ) -> AsyncIterator[tuple[int, TextDelta]]:
     """Deltas of every choice as they come; one choice is iterated directly."""
-    if job.n == 1:
+    if job.num_choices == 1:
         async for delta in pipeline.run_choice(job, 0, tally):
             yield 0, delta
         return
@@ -278,9 +283,9 @@ async def _merge(
         else:
             await queue.put((i, None))
 
-    tasks = [asyncio.create_task(pump(i)) for i in range(job.n)]
+    tasks = [asyncio.create_task(pump(i)) for i in range(job.num_choices)]
     try:
-        remaining = job.n
+        remaining = job.num_choices
         while remaining:
             i, item = await queue.get()
             if item is None:

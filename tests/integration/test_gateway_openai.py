@@ -174,6 +174,34 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(client, smollm2_tokenizer):
     assert err.value.body["param"] == "max_tokens"
 
 
+def test_a_batch_of_prompts_answers_each_in_order(client, smollm2_tokenizer):
+    texts = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time"]
+    alone = [
+        client.completions.create(model=MODEL, prompt=t, max_tokens=6, temperature=0) for t in texts
+    ]
+    batch = client.completions.create(model=MODEL, prompt=texts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in "xy"]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(
+        model=MODEL, prompt=texts, max_tokens=6, temperature=0, stream=True
+    ):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {i: a.choices[0].text for i, a in enumerate(alone)}
+    # token-id prompts in a batch, echoed and scored (lm-eval sends its batches this way)
+    ids = [smollm2_tokenizer.encode(t) for t in texts]
+    scored = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=0, temperature=0
+    )
+    for choice, prompt in zip(scored.choices, ids, strict=True):
+        assert len(choice.logprobs.tokens) == len(prompt)
+        assert choice.text == smollm2_tokenizer.decode(prompt)
+        assert all(lp < 0 for lp in choice.logprobs.token_logprobs[1:])
+
+
 def test_models_lists_the_base_model(client):
     ids = [m.id for m in client.models.list().data]
     assert ids == [MODEL]

@@ -89,6 +89,40 @@ async def test_kv_reservation_counts_whole_blocks(preparer):
     assert job.kv_tokens % 16 == 0 and job.kv_tokens >= 2 * per_choice
 
 
+async def test_a_batch_of_prompts_is_one_job(preparer, smollm2_tokenizer):
+    texts = ["The capital of France is", "Once upon a time"]
+    body = CompletionRequest(model="default", prompt=texts, max_tokens=20, n=2, echo=True)
+    job = await preparer.completion(body, tenant(), "c-1")
+    assert job.prompts == [smollm2_tokenizer.encode(t) for t in texts]
+    assert job.echo_texts == texts
+    assert job.num_choices == 4 and [job.prompt_of(c) for c in range(4)] == [0, 0, 1, 1]
+    assert job.num_prompt_tokens == sum(len(p) for p in job.prompts)  # each prompt once
+    assert job.kv_tokens == 2 * sum(-(-(len(p) + 20) // 16) * 16 for p in job.prompts)
+    ids = CompletionRequest(model="default", prompt=[[1, 2, 3], [4, 5]], echo=True)
+    job = await preparer.completion(ids, tenant(), "c-2")
+    assert job.prompts == [[1, 2, 3], [4, 5]]
+    assert job.echo_texts == [smollm2_tokenizer.decode(p) for p in job.prompts]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "n", "message"),
+    [
+        (["a", [1, 2]], 1, "a list of strings"),
+        ([1, "a"], 1, "a list of strings"),
+        ([], 1, "empty"),
+        ([[1], []], 1, "empty"),
+        (["a"] * 65, 1, "between 1 and 64 prompts"),
+        (["a"] * 9, 16, "prompts x n"),
+        ([[1, 49152]], 1, "out of the vocabulary"),
+    ],
+)
+async def test_bad_prompt_batches_are_refused(preparer, prompt, n, message):
+    body = CompletionRequest(model="default", prompt=prompt, n=n)
+    with pytest.raises(APIError, match=message) as err:
+        await preparer.completion(body, tenant(), "c-1")
+    assert err.value.status == 400
+
+
 async def test_long_prompts_are_tokenized_off_the_event_loop(preparer, smollm2_tokenizer):
     """While a long prompt is tokenized, other coroutines (every open stream) keep running;
     the tokens are the same as inline."""
@@ -99,7 +133,7 @@ async def test_long_prompts_are_tokenized_off_the_event_loop(preparer, smollm2_t
     async def prepare() -> None:
         job = await preparer.completion(body, tenant(), "c-1")
         events.append("prepared")
-        assert job.prompt_ids == smollm2_tokenizer.encode(text)
+        assert job.prompts == [smollm2_tokenizer.encode(text)]
 
     async def other_stream() -> None:
         await asyncio.sleep(0)
@@ -153,9 +187,9 @@ async def test_neutral_values_of_those_parameters_are_accepted(preparer):
         tools=[], tool_choice="none", function_call="none", response_format={"type": "text"},
         logit_bias={},
     )  # fmt: skip
-    assert (await preparer.chat(neutral, tenant(), "r-1")).prompt_ids
+    assert (await preparer.chat(neutral, tenant(), "r-1")).prompts[0]
     completion = CompletionRequest(model="default", prompt="hi", best_of=2, n=2, suffix="")
-    assert (await preparer.completion(completion, tenant(), "r-2")).prompt_ids
+    assert (await preparer.completion(completion, tenant(), "r-2")).prompts[0]
 
 
 async def test_non_text_content_parts_are_refused(preparer):
