@@ -109,6 +109,7 @@ class EngineCore:
             kernels=kernels,
             lora=lora_batch,
             triton=triton,
+            eos_token_ids=eos_token_ids,
         )
         if triton and not config.enforce_eager and lora_batch is None:
             self.runner.use_decode_graphs(

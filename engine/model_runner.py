@@ -67,8 +67,11 @@ class ModelRunner:
         kernels: CpuKernels | None = None,
         lora: LoRABatch | None = None,
         triton: bool = False,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
+        """`eos_token_ids`: what a request's min_tokens holds back."""
         self.model = model
+        self.eos_token_ids = eos_token_ids
         self.pool = pool
         self.device = device
         self.vocab_size = model.config.vocab_size
@@ -117,7 +120,9 @@ class ModelRunner:
         # every host-side input is built and queued first: from here to the token ids the
         # host never waits for the device
         sampled = [s.request for s in order if s.completes_sequence]
-        batch = build_sampling_batch(sampled, self.vocab_size, self.device) if sampled else None
+        batch = None
+        if sampled:
+            batch = build_sampling_batch(sampled, self.vocab_size, self.device, self.eos_token_ids)
         rows = to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)
         hidden = self.forward(input_ids, positions, slices, lora_slots)  # [T, hidden]
         prompt = self._score_prompts(hidden, scored) if scored else None

@@ -47,6 +47,7 @@ class TextStream:
             if params.stop
             else None
         )
+        self.min_tokens = params.min_tokens
         self.text = ""
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
@@ -60,7 +61,8 @@ class TextStream:
         finish, stop_reason = out.finish_reason, out.stop_reason
         text = delta
         reason: str | int | None = stop_reason
-        if self.matcher is not None:
+        # stop strings are looked for after min_tokens: the text of earlier tokens passes
+        if self.matcher is not None and out.num_output_tokens > self.min_tokens:
             text, matched = self.matcher.feed(delta)
             if matched is not None:
                 finish, reason = FinishReason.STOP, matched

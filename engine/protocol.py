@@ -11,6 +11,7 @@ import enum
 import msgspec
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias (OpenAI's limit)
 
 
 class InvalidRequestError(ValueError):
@@ -63,6 +64,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # before it, with this many top alternatives per position (vLLM's `prompt_logprobs`;
     # OpenAI's `echo` with `logprobs`). With it, max_tokens may be 0: score, generate nothing.
     prompt_logprobs: int | None = None
+    # added to the logits of these token ids before sampling (greedy included); -100 bans a
+    # token, 100 all but forces it. The logprobs reported are the model's own.
+    logit_bias: dict[int, float] | None = None
+    # EOS and the stop token ids cannot end the request before this many tokens, and stop
+    # strings are looked for only in the text that follows them
+    min_tokens: int = 0
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field (token ids are range-checked
@@ -91,6 +98,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             n = getattr(self, name)
             if n is not None and not 0 <= n <= MAX_LOGPROBS:
                 raise bad(name, f"must be between 0 and {MAX_LOGPROBS}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", "must be between 0 and max_tokens")
+        if self.logit_bias:
+            limit_ids = vocab_size if vocab_size is not None else 2**31
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} tokens")
+            if any(not 0 <= t < limit_ids for t in self.logit_bias):
+                raise bad("logit_bias", "keys must be valid token ids")
+            if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+                raise bad("logit_bias", "values must be between -100 and 100")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise bad("seed", "must fit in 64 bits")
         if any(not s for s in self.stop):

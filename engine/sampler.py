@@ -34,6 +34,8 @@ class SamplingBatch:
     output_ids: torch.Tensor | None  # [S, max_out] padded with vocab_size
     prompt_ids: torch.Tensor | None  # [S, max_prompt] padded with vocab_size
     max_num_logprobs: int | None
+    # logit_bias and min_tokens, as sparse (row, token id, value) triples added to the logits
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -54,8 +56,12 @@ def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor
 
 
 def build_sampling_batch(
-    requests: list[Request], vocab_size: int, device: torch.device
+    requests: list[Request],
+    vocab_size: int,
+    device: torch.device,
+    eos_token_ids: frozenset[int] = frozenset(),
 ) -> SamplingBatch:
+    """`eos_token_ids`: what min_tokens holds back (with each request's stop token ids)."""
     params = [r.params for r in requests]
 
     def col(values: list[float]) -> torch.Tensor:
@@ -84,6 +90,7 @@ def build_sampling_batch(
     if freq is not None or rep is not None:
         out_ids = _pad([r.output_token_ids for r in requests], vocab_size, device)
     wanted = [p.logprobs for p in params if p.logprobs is not None]
+    bias = _sparse_bias(requests, eos_token_ids, device)
     return SamplingBatch(
         temperature=temperature,
         all_greedy=all_greedy,
@@ -98,6 +105,34 @@ def build_sampling_batch(
         output_ids=out_ids,
         prompt_ids=prompt_ids,
         max_num_logprobs=max(wanted) if wanted else None,
+        bias=bias,
+    )
+
+
+def _sparse_bias(
+    requests: list[Request], eos_token_ids: frozenset[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Each row's logit_bias, and -inf on the tokens that would end it before min_tokens."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for row, r in enumerate(requests):
+        p = r.params
+        if p.logit_bias:
+            rows.extend([row] * len(p.logit_bias))
+            cols.extend(p.logit_bias)
+            vals.extend(p.logit_bias.values())
+        if r.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
+            rows.extend([row] * len(banned))
+            cols.extend(banned)
+            vals.extend([float("-inf")] * len(banned))
+    if not rows:
+        return None
+    return (
+        to_device(torch.tensor(rows, dtype=torch.long), device),
+        to_device(torch.tensor(cols, dtype=torch.long), device),
+        to_device(torch.tensor(vals, dtype=torch.float32), device),
     )
 
 
@@ -109,9 +144,11 @@ def _token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
-    """In place. OpenAI frequency/presence over generated tokens; HF-style repetition
-    penalty over prompt and generated tokens."""
+    """In place. Logit bias (and min_tokens' bans); OpenAI frequency/presence over generated
+    tokens; HF-style repetition penalty over prompt and generated tokens."""
     vocab = logits.shape[1]
+    if batch.bias is not None:
+        logits.index_put_(batch.bias[:2], batch.bias[2], accumulate=True)
     if batch.output_ids is None:
         return
     out_counts = _token_counts(batch.output_ids, vocab)

@@ -50,7 +50,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     user: str | None = None
+    # token id (as a string) -> bias in [-100, 100], added to its logit before sampling
+    logit_bias: dict[str, float] | None = None
     # extensions vLLM users expect
+    min_tokens: int | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -67,7 +70,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -78,7 +80,6 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     # not implemented: read only to refuse them, as for chat
     suffix: str | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
 
 # -- responses ----------------------------------------------------------------------------

@@ -311,6 +311,8 @@ class Preparer:
                 stop=stop,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                logit_bias=_logit_bias(body.logit_bias),
+                min_tokens=body.min_tokens or 0,
             )
             params.validate(self.info.vocab_size)
         except InvalidRequestError as exc:
@@ -328,10 +330,20 @@ class Preparer:
         )  # fmt: skip
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise bad_request("logit_bias keys must be token ids", param="logit_bias") from None
+
+
 def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     """OpenAI parameters Strata does not implement are a 400, not silently ignored: a client
     that sets them relies on what they do. Their neutral values (no tools, `"none"`, a text
-    response format, no bias, one candidate) are accepted."""
+    response format, one candidate) are accepted."""
     if isinstance(body, ChatCompletionRequest):
         given = {
             "tools": bool(body.tools),
@@ -339,13 +351,11 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
             "functions": bool(body.functions),
             "function_call": body.function_call not in (None, "none"),
             "response_format": (body.response_format or {}).get("type", "text") != "text",
-            "logit_bias": bool(body.logit_bias),
         }
     else:
         given = {
             "suffix": bool(body.suffix),
             "best_of": body.best_of not in (None, 1, body.n),
-            "logit_bias": bool(body.logit_bias),
         }
     for name, used in given.items():
         if used:

@@ -178,6 +178,22 @@ def test_stop_string_spanning_tokens_stops_and_is_trimmed(llm):
     assert llm.core.stats().num_kv_blocks_used == 0
 
 
+def test_min_tokens_defers_stop_strings_and_stop_ids(llm):
+    (full,) = llm.generate([PROMPTS[3]], GREEDY_32)  # " 6, 7, 8, ..."
+    head = llm.tokenizer.decode(full.token_ids[:4])
+    params = SamplingParams(max_tokens=32, temperature=0.0, stop=(",",), min_tokens=4)
+    (stopped,) = llm.generate([PROMPTS[3]], params)
+    assert full.text.index(",") < len(head)  # without min_tokens it would stop earlier
+    assert stopped.text == full.text[: full.text.index(",", len(head))]
+    assert stopped.finish_reason is FinishReason.STOP and len(stopped.token_ids) > 4
+    comma = next(t for t in full.token_ids if llm.tokenizer.decode([t]) == ",")
+    assert comma in full.token_ids[:4]  # without min_tokens it would stop there
+    ids = SamplingParams(max_tokens=32, temperature=0.0, stop_token_ids=(comma,), min_tokens=5)
+    (held,) = llm.generate([PROMPTS[3]], ids)
+    assert len(held.token_ids) > 5 and comma not in held.token_ids[:-1]
+    assert held.token_ids[-1] == comma or len(held.token_ids) == 32
+
+
 def test_stop_token_ids_and_max_tokens(llm):
     (full,) = llm.generate([PROMPTS[3]], GREEDY_32)
     stop_id = full.token_ids[5]

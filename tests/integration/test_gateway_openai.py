@@ -202,6 +202,31 @@ def test_a_batch_of_prompts_answers_each_in_order(client, smollm2_tokenizer):
         assert all(lp < 0 for lp in choice.logprobs.token_logprobs[1:])
 
 
+def test_logit_bias_and_min_tokens(client, smollm2_tokenizer):
+    prompt = "The capital of France is"
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    winner = smollm2_tokenizer.encode(first.choices[0].text)[0]
+    banned = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logit_bias={str(winner): -100}
+    )
+    assert banned.choices[0].text not in ("", first.choices[0].text)
+    forced = smollm2_tokenizer.encode(" banana")[0]
+    steered = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logit_bias={str(forced): 100}
+    )
+    assert steered.choices[0].text == smollm2_tokenizer.decode([forced])
+    # the answer usually ends after a few tokens; min_tokens holds back the end of turn
+    short = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=60, temperature=0
+    )
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 30
+    longer = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=60, temperature=0, extra_body={"min_tokens": 30}
+    )
+    assert longer.usage.completion_tokens >= 30
+    assert longer.choices[0].message.content.startswith(short.choices[0].message.content)
+
+
 def test_models_lists_the_base_model(client):
     ids = [m.id for m in client.models.list().data]
     assert ids == [MODEL]

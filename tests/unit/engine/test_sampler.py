@@ -141,3 +141,37 @@ def test_top_p_applies_per_row_in_a_mixed_batch():
         for i, t in enumerate(run(reqs(*params), logits, g).token_ids.tolist()):
             seen[i].add(t)
     assert seen == [{0, 1}, {0, 1, 2}]
+
+
+def test_logit_bias_steers_its_own_row_and_leaves_logprobs_raw():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(7))
+    top, low = logits[0].argmax().item(), logits[0].argmin().item()
+    out = run(
+        reqs(
+            SamplingParams(temperature=0.0, logit_bias={top: -100.0}, logprobs=1),
+            SamplingParams(temperature=0.0, logit_bias={low: 100.0}),
+            SamplingParams(temperature=0.0),
+        ),
+        logits,
+    )
+    banned_winner = logits[0].clone()
+    banned_winner[top] -= 100
+    assert out.token_ids[0].item() == banned_winner.argmax().item() != top
+    assert out.token_ids[1].item() == low != logits[1].argmax().item()
+    assert out.token_ids[2].item() == logits[2].argmax().item()
+    raw = torch.log_softmax(logits, -1)
+    assert out.logprobs is not None
+    assert math.isclose(out.logprobs[0].item(), raw[0, out.token_ids[0]].item(), abs_tol=1e-6)
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(3, V)
+    logits[:, 5] = 10.0  # EOS is by far the likeliest token
+    logits[:, 6] = 5.0
+    params = SamplingParams(temperature=0.0, min_tokens=2)
+    stop_id = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(6,))
+    requests = reqs(params, params, stop_id, outputs={1: [9, 9]})
+    batch = build_sampling_batch(requests, V, torch.device("cpu"), frozenset({5}))
+    out = sample(logits.clone(), batch)
+    # row 0 has no output yet: EOS is held back; row 1 reached min_tokens; row 2 also bans 6
+    assert out.token_ids.tolist() == [6, 5, 0]

@@ -167,10 +167,8 @@ def chat_with(**extra) -> ChatCompletionRequest:
         (chat_with(functions=[{"name": "f"}]), "functions"),
         (chat_with(function_call="auto"), "function_call"),
         (chat_with(response_format={"type": "json_object"}), "response_format"),
-        (chat_with(logit_bias={"42": -100.0}), "logit_bias"),
         (CompletionRequest(model="default", prompt="hi", suffix="end"), "suffix"),
         (CompletionRequest(model="default", prompt="hi", best_of=3), "best_of"),
-        (CompletionRequest(model="default", prompt="hi", logit_bias={"1": 5.0}), "logit_bias"),
     ],
 )
 async def test_parameters_strata_does_not_implement_are_refused_not_ignored(preparer, body, param):
@@ -190,6 +188,33 @@ async def test_neutral_values_of_those_parameters_are_accepted(preparer):
     assert (await preparer.chat(neutral, tenant(), "r-1")).prompts[0]
     completion = CompletionRequest(model="default", prompt="hi", best_of=2, n=2, suffix="")
     assert (await preparer.completion(completion, tenant(), "r-2")).prompts[0]
+
+
+async def test_logit_bias_and_min_tokens_reach_the_engine(preparer):
+    job = await preparer.chat(
+        chat_with(logit_bias={"42": -100.0, "7": 2.5}, min_tokens=3), tenant(), "r-1"
+    )
+    assert job.params.logit_bias == {42: -100.0, 7: 2.5} and job.params.min_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("bias", "min_tokens", "param"),
+    [
+        ({"x": 1.0}, None, "logit_bias"),
+        ({"49152": 1.0}, None, "logit_bias"),
+        ({"1": 101.0}, None, "logit_bias"),
+        ({str(i): 1.0 for i in range(301)}, None, "logit_bias"),
+        (None, 50, "min_tokens"),  # above max_tokens
+        (None, -1, "min_tokens"),
+    ],
+)
+async def test_bad_logit_bias_and_min_tokens_are_refused(preparer, bias, min_tokens, param):
+    body = CompletionRequest(
+        model="default", prompt="hi", max_tokens=10, logit_bias=bias, min_tokens=min_tokens
+    )
+    with pytest.raises(APIError) as err:
+        await preparer.completion(body, tenant(), "r-1")
+    assert (err.value.status, err.value.param) == (400, param)
 
 
 async def test_non_text_content_parts_are_refused(preparer):
