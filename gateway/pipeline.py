@@ -12,6 +12,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 from engine.output_processor import TextDelta, TextStream
 from engine.protocol import EngineDeadError, FinishReason, InvalidRequestError, RequestOutput
 from engine.tokenizer import Tokenizer
@@ -160,11 +162,14 @@ class Pipeline:
         client = self.engines.pick()
         prompt = job.prompt_of(index)
         prompt_ids = job.prompts[prompt]
-        stream = TextStream(self.tokenizer, prompt_ids, job.params)
+        params = job.params
+        if params.seed is not None and index % job.n:
+            # a seeded request's choices must differ from each other, and still repeat: the
+            # k-th choice of each prompt draws from seed + k
+            params = msgspec.structs.replace(params, seed=(params.seed + index % job.n) % 2**64)
+        stream = TextStream(self.tokenizer, prompt_ids, params)
         rid = f"{job.request_id}-{index}"
-        outputs = client.generate(
-            rid, prompt_ids, job.params, scheduling=job.scheduling, lora=job.lora
-        )
+        outputs = client.generate(rid, prompt_ids, params, scheduling=job.scheduling, lora=job.lora)
         if tally.engine_started is None:
             tally.engine_started = time.perf_counter()
         async with contextlib.aclosing(outputs):
