@@ -109,14 +109,17 @@ def test_sampling_options_and_n(client):
         model=MODEL, messages=QUESTION, max_tokens=12, temperature=0.8, top_p=0.9, seed=7
     )
     assert same_seed.choices[0].message.content == again.choices[0].message.content
+
     # a seeded request's n choices differ from each other, and repeat as a set
-    kwargs = dict(model=MODEL, messages=QUESTION, max_tokens=12, temperature=1.2, seed=11)
-    three = [c.message.content for c in client.chat.completions.create(n=3, **kwargs).choices]
+    def texts(n: int) -> list[str]:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=12, temperature=1.2, seed=11, n=n
+        )
+        return [c.message.content for c in reply.choices]
+
+    three = texts(3)
     assert len(set(three)) > 1
-    assert three == [
-        c.message.content for c in client.chat.completions.create(n=3, **kwargs).choices
-    ]
-    assert three[0] == client.chat.completions.create(**kwargs).choices[0].message.content
+    assert three == texts(3) and three[0] == texts(1)[0]
 
 
 def test_stop_and_logprobs(client):
