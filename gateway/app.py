@@ -26,7 +26,7 @@ from gateway.pipeline import Pipeline
 from gateway.prepare import Preparer
 from gateway.responses import Renderer
 from gateway.routes import admin, ops
-from gateway.routes.openai import OpenAIController
+from gateway.routes.openai import OpenAIController, TokenizerController
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from policies.admission import Admission
@@ -114,6 +114,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
     app = Litestar(
         route_handlers=[
             OpenAIController,
+            TokenizerController,
             admin.TenantController,
             admin.KeyController,
             admin.AdapterController,

@@ -82,6 +82,21 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     best_of: int | None = None
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's /tokenize: a text prompt, or chat messages rendered by the model's template."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for a prompt (a template writes its own)
+    add_generation_prompt: bool = True  # for messages
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str
+    tokens: list[int]
+
+
 # -- responses ----------------------------------------------------------------------------
 
 
@@ -221,3 +236,13 @@ ErrorType = Literal[
 ]
 
 JSONDict = dict[str, Any]
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str

@@ -21,7 +21,7 @@ from engine.protocol import (
 )
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from gateway.errors import APIError, bad_request
-from gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from gateway.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
 from tenants.records import Policy, Tenant
 
 Endpoint = Literal["chat.completions", "completions"]
@@ -134,19 +134,13 @@ class Preparer:
                 param="model",
             )
 
-    async def chat(
-        self,
-        body: ChatCompletionRequest,
-        tenant: Tenant,
-        request_id: str,
-        lora: LoRARequest | None = None,
-    ) -> Job:
-        if lora is None:
-            self.check_model(body.model, tenant.policy)
-        if not body.messages:
+    async def chat_ids(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of a conversation rendered by the model's chat template."""
+        if not messages:
             raise bad_request("messages must not be empty", param="messages")
-        _refuse_unsupported(body)
-        for i, message in enumerate(body.messages):
+        for i, message in enumerate(messages):
             if not isinstance(message.content, list):
                 continue
             for part in message.content:
@@ -156,13 +150,27 @@ class Preparer:
                         "(text only)",
                         param=f"messages[{i}].content",
                     )
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        rendered = [{"role": m.role, "content": m.text()} for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                rendered, add_generation_prompt=add_generation_prompt
+            )
         except ChatTemplateError as exc:
             raise bad_request(str(exc), param="messages") from exc
         # as Tokenizer.encode_chat: templates write their own BOS
-        prompt_ids = await self.encode(text, add_special_tokens=False)
+        return await self.encode(text, add_special_tokens=False)
+
+    async def chat(
+        self,
+        body: ChatCompletionRequest,
+        tenant: Tenant,
+        request_id: str,
+        lora: LoRARequest | None = None,
+    ) -> Job:
+        if lora is None:
+            self.check_model(body.model, tenant.policy)
+        _refuse_unsupported(body)
+        prompt_ids = await self.chat_ids(body.messages)
         logprobs = None
         if body.logprobs:
             logprobs = body.top_logprobs or 0

@@ -10,13 +10,17 @@ from litestar.params import FromPath, FromQuery, JSONBody
 from litestar.response import Stream
 
 from gateway.auth import auth_of, gateway_state, requires_api_key
-from gateway.errors import APIError
+from gateway.errors import APIError, bad_request
 from gateway.logs import bind_request
 from gateway.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from gateway.prepare import Job, new_request_id
 from gateway.routes import time_window
@@ -136,3 +140,43 @@ class OpenAIController(Controller):
             prices=prices,
         )
         return Stream(body, media_type=MediaType.JSON)
+
+
+class TokenizerController(Controller):
+    """vLLM's tokenizer endpoints, for clients that count or build token ids themselves:
+    the served model's tokenizer, for the base model or any adapter the caller may use."""
+
+    guards = [requires_api_key]  # noqa: RUF012  (Litestar reads class attributes)
+    tags = ["tokenizer"]  # noqa: RUF012
+
+    @staticmethod
+    async def _check_model(request: Request[Any, Any, Any], model: str) -> GatewayState:
+        gw, tenant = gateway_state(request), auth_of(request).tenant
+        if await gw.adapters.resolve(model, tenant) is None:
+            gw.preparer.check_model(model, tenant.policy)
+        return gw
+
+    @post("/tokenize", status_code=200)
+    async def tokenize(
+        self, request: Request[Any, Any, Any], data: JSONBody[TokenizeRequest]
+    ) -> TokenizeResponse:
+        gw = await self._check_model(request, data.model)
+        if (data.prompt is None) == (data.messages is None):
+            raise bad_request("give either prompt or messages", param="prompt")
+        if data.prompt is not None:
+            ids = await gw.preparer.encode(data.prompt, data.add_special_tokens)
+        else:
+            assert data.messages is not None
+            ids = await gw.preparer.chat_ids(data.messages, data.add_generation_prompt)
+        info = gw.preparer.info
+        return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)
+
+    @post("/detokenize", status_code=200)
+    async def detokenize(
+        self, request: Request[Any, Any, Any], data: JSONBody[DetokenizeRequest]
+    ) -> DetokenizeResponse:
+        gw = await self._check_model(request, data.model)
+        if any(not 0 <= t < gw.preparer.info.vocab_size for t in data.tokens):
+            raise bad_request("tokens are out of the vocabulary", param="tokens")
+        text = gw.preparer.tokenizer.decode(data.tokens, skip_special_tokens=False)
+        return DetokenizeResponse(prompt=text)

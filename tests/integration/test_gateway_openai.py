@@ -277,3 +277,35 @@ def test_schema_and_ops_endpoints(gateway):
         base_url=gateway.url, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}
     ) as admin:
         assert admin.get("/admin/tenants/").status_code == 200
+
+
+def test_tokenize_and_detokenize(client, gateway, tenant, smollm2_tokenizer):
+    text = "The capital of France is"
+    with httpx.Client(
+        base_url=gateway.url, headers={"authorization": f"Bearer {tenant[1]}"}
+    ) as http:
+        got = http.post("/tokenize", json={"model": MODEL, "prompt": text}).json()
+        assert got["tokens"] == smollm2_tokenizer.encode(text) and got["count"] == len(
+            got["tokens"]
+        )
+        assert got["max_model_len"] >= 2048
+        # messages count exactly as a chat request bills them
+        chat = http.post("/tokenize", json={"model": MODEL, "messages": QUESTION}).json()
+        reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1)
+        assert chat["count"] == reply.usage.prompt_tokens
+        back = http.post("/detokenize", json={"model": MODEL, "tokens": chat["tokens"]}).json()
+        assert back["prompt"].startswith("<|im_start|>") and "capital of France" in back["prompt"]
+        for path, body, param in [
+            ("/tokenize", {"model": MODEL}, "prompt"),
+            ("/tokenize", {"model": MODEL, "prompt": "a", "messages": QUESTION}, "prompt"),
+            ("/tokenize", {"model": MODEL, "prompt": 5}, "prompt"),
+            ("/detokenize", {"model": MODEL, "tokens": [1, 10**9]}, "tokens"),
+        ]:
+            bad = http.post(path, json=body)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+        unknown = http.post("/tokenize", json={"model": "gpt-9", "prompt": "a"})
+        assert unknown.status_code in (400, 404)
+    assert (
+        httpx.post(f"{gateway.url}/tokenize", json={"model": MODEL, "prompt": "a"}).status_code
+        == 401
+    )
