@@ -353,6 +353,7 @@ class EngineCore:
             head_dim=mc.head_dim,
             max_loras=self.config.lora.max_loras,
             max_lora_rank=self.config.lora.max_lora_rank,
+            prefix_caching=self.config.cache.enable_prefix_caching,
         )
 
     def check_integrity(self) -> None:

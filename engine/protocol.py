@@ -242,3 +242,4 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     head_dim: int = 0
     max_loras: int = 0
     max_lora_rank: int = 0
+    prefix_caching: bool = True  # whether requests reuse each other's prompt KV

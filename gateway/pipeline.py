@@ -169,11 +169,17 @@ class Pipeline:
             params = msgspec.structs.replace(params, seed=(params.seed + index % job.n) % 2**64)
         stream = TextStream(self.tokenizer, prompt_ids, params)
         rid = f"{job.request_id}-{index}"
+        leader = index % job.n == 0
+        prefilled = job.prefilled.setdefault(prompt, asyncio.Event())
+        if job.staggered and not leader:
+            await prefilled.wait()
         outputs = client.generate(rid, prompt_ids, params, scheduling=job.scheduling, lora=job.lora)
         if tally.engine_started is None:
             tally.engine_started = time.perf_counter()
-        async with contextlib.aclosing(outputs):
+        async with contextlib.aclosing(outputs), _setting(prefilled, leader):
             async for out in outputs:
+                if leader:
+                    prefilled.set()  # its first output: the prompt is computed and cached
                 if out.error is not None:
                     raise EngineDeadError(out.error)
                 delta = stream.process(out)
@@ -258,6 +264,17 @@ class Pipeline:
         """Wait for in-progress releases (shutdown)."""
         if self._settling:
             await asyncio.wait(set(self._settling), timeout=timeout)
+
+
+@contextlib.asynccontextmanager
+async def _setting(event: asyncio.Event, owner: bool) -> AsyncIterator[None]:
+    """Set `event` on the way out when `owner` is the one that sets it: a first choice that
+    fails or is cancelled before its first output must not leave the others waiting."""
+    try:
+        yield
+    finally:
+        if owner:
+            event.set()
 
 
 def _job_status(results: list[ChoiceResult]) -> UsageStatus:

@@ -51,6 +51,10 @@ class Job:
     user: str | None
     scheduling: Scheduling
     echo_texts: list[str] | None = None  # completions with echo=True: each prompt's text
+    # n > 1: a prompt's other choices start once its first choice has computed the prompt,
+    # whose KV they then take from the prefix cache instead of computing it again each
+    staggered: bool = False
+    prefilled: dict[int, asyncio.Event] = field(default_factory=dict)  # by prompt
     kv_block_size: int = 1  # the engine's KV block, the unit its caches are held in
     lora: LoRARequest | None = None  # the adapter it runs through (None: the base model)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -326,10 +330,18 @@ class Preparer:
         except InvalidRequestError as exc:
             raise bad_request(str(exc), param=exc.param) from exc
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # worth it when the cache can serve at least one block (a prompt being scored takes
+        # no hits for what it has not scored)
+        staggered = (
+            body.n > 1
+            and self.info.prefix_caching
+            and prompt_logprobs is None
+            and max(len(p) for p in prompts) > self.info.kv_block_size
+        )
         return Job(
             request_id=request_id, endpoint=endpoint, model=body.model, prompts=prompts,
             params=params, n=body.n, stream=body.stream, include_usage=include_usage,
-            user=body.user, kv_block_size=self.info.kv_block_size,
+            user=body.user, kv_block_size=self.info.kv_block_size, staggered=staggered,
             scheduling=Scheduling(
                 priority=policy.priority, tenant=tenant.id, weight=policy.weight,
                 cache_salt=cache_salt(tenant), kv_host_tokens=policy.kv_host_tokens,

@@ -3,6 +3,8 @@ default model behind it."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -120,6 +122,31 @@ def test_sampling_options_and_n(client):
     three = texts(3)
     assert len(set(three)) > 1
     assert three == texts(3) and three[0] == texts(1)[0]
+
+
+def test_n_choices_compute_their_prompt_once(client):
+    # a fresh prompt of 20 blocks: the other three choices take its KV from the prefix cache
+    document = " ".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(30))
+    prompt = f"{document}\nSummary ({time.time()}):"
+
+    def create(prompt: str, **extra):
+        return client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=4, temperature=0.9, seed=3, n=4, **extra
+        )
+
+    for stream in (False, True):
+        if stream:
+            chunks = list(create(prompt, stream=True, stream_options={"include_usage": True}))
+            usage = chunks[-1].usage
+            assert {c.choices[0].index for c in chunks if c.choices} == {0, 1, 2, 3}
+        else:
+            reply = create(prompt)
+            usage = reply.usage
+            assert len(reply.choices) == 4
+        assert usage.prompt_tokens > 320
+        # the best choice's hits count once: the whole prompt but its last partial block
+        assert usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 32, stream
+        prompt += " again"
 
 
 def test_stop_and_logprobs(client):
