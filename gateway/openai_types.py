@@ -206,6 +206,7 @@ class ModelCard(msgspec.Struct, kw_only=True):
     object: str = "model"
     root: str | None = None
     parent: str | None = None
+    max_model_len: int | None = None  # the context, prompt and completion together (vLLM)
 
 
 class ModelList(msgspec.Struct, kw_only=True):

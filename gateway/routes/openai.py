@@ -53,7 +53,10 @@ async def _visible_models(request: Request[Any, Any, Any]) -> list[ModelCard]:
     gw, policy = gateway_state(request), auth_of(request).tenant.policy
     base = gw.preparer.info.model_id
     created = int(gw.started_at)
-    cards = [ModelCard(id=base, created=created, owned_by="strata", root=base)]
+    context = gw.preparer.info.max_model_len
+    cards = [
+        ModelCard(id=base, created=created, owned_by="strata", root=base, max_model_len=context)
+    ]
     if policy.allowed_models is not None and base not in policy.allowed_models:
         cards = []
     for adapter in await gw.registry.list_adapters(auth_of(request).tenant.id):
@@ -65,6 +68,7 @@ async def _visible_models(request: Request[Any, Any, Any]) -> list[ModelCard]:
                     owned_by="strata",
                     root=base,
                     parent=base,
+                    max_model_len=context,
                 )
             )
     return cards
