@@ -55,6 +55,10 @@ async def pooled_clients(store_server, redis_client):
         )
         for _ in range(2)
     ]
+    # open every connection now: a replica still connecting when a race starts would leave
+    # all the early slots to the other one
+    for client in clients:
+        await asyncio.gather(*(client.ping() for _ in range(32)))
     yield clients
     for client in clients:
         await client.aclose()
