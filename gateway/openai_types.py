@@ -142,6 +142,9 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     message: AssistantMessage
     finish_reason: str | None
     logprobs: ChoiceLogprobs | None = None
+    # what ended it, as vLLM reports: the stop string or stop token id (null for EOS,
+    # the end of turn and length)
+    stop_reason: int | str | None = None
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
@@ -164,6 +167,9 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     delta: ChatDelta
     finish_reason: str | None = None
     logprobs: ChoiceLogprobs | None = None
+    # what ended it, as vLLM reports: the stop string or stop token id (null for EOS,
+    # the end of turn and length)
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -188,6 +194,9 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    # what ended it, as vLLM reports: the stop string or stop token id (null for EOS,
+    # the end of turn and length)
+    stop_reason: int | str | None = None
 
 
 class Completion(msgspec.Struct, kw_only=True):

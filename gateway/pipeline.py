@@ -55,6 +55,7 @@ class ChoiceResult:
     logprobs: list = field(default_factory=list)  # engine TokenLogprob records
     prompt_logprobs: list = field(default_factory=list)  # the prompt's scores, when asked
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -198,6 +199,7 @@ class Pipeline:
                 if delta.finished:
                     if results is not None and delta.finish_reason is not None:
                         results.finish_reason = delta.finish_reason.value
+                        results.stop_reason = delta.stop_reason
                     return
 
     async def complete(self, job: Job, ticket: Ticket) -> tuple[list[ChoiceResult], Tally]:

@@ -118,6 +118,7 @@ class Renderer:
                 index=r.index,
                 message=AssistantMessage(content=r.text),
                 finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason,
                 logprobs=self.chat_logprobs(r.logprobs)
                 if job.params.logprobs is not None
                 else None,
@@ -150,6 +151,7 @@ class Renderer:
                     index=r.index,
                     text=(echo or "") + r.text,
                     finish_reason=r.finish_reason,
+                    stop_reason=r.stop_reason,
                     logprobs=logprobs,
                 )
             )
@@ -173,6 +175,7 @@ class Renderer:
         """A chunk with `delta`'s text (None: the chat role's opening chunk); the echoed
         prompt's chunk carries the prompt's scores."""
         finish = delta.finish_reason.value if delta and delta.finish_reason else None
+        stop_reason = delta.stop_reason if delta and delta.finish_reason else None
         text = delta.text if delta else ""
         logprobs = delta.logprobs if delta and job.params.logprobs is not None else None
         if job.endpoint == "chat.completions":
@@ -182,6 +185,7 @@ class Renderer:
                 if delta is None
                 else ChatDelta(content=text),
                 finish_reason=finish,
+                stop_reason=stop_reason,
                 logprobs=self.chat_logprobs(logprobs) if logprobs else None,
             )
             return ChatCompletionChunk(
@@ -193,7 +197,9 @@ class Renderer:
             rendered = self.completion_logprobs(logprobs or (), 0, prompt, prompt_scores)
         elif logprobs:
             rendered = self.completion_logprobs(logprobs, 0)
-        cchoice = CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=rendered)
+        cchoice = CompletionChoice(
+            index=index, text=text, finish_reason=finish, stop_reason=stop_reason, logprobs=rendered
+        )
         return Completion(
             id=job.request_id, created=job.created, model=job.model, choices=[cchoice]
         )

@@ -160,6 +160,13 @@ def test_stop_and_logprobs(client):
     )
     assert cut.choices[0].message.content == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+    # which stop ended it, as vLLM reports it (null for the end of turn)
+    assert cut.choices[0].stop_reason == stop and full.choices[0].stop_reason is None
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=20, temperature=0, stop=[stop], stream=True
+    )
+    last = [c.choices[0] for c in streamed if c.choices][-1]
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop)
     lp = client.chat.completions.create(
         model=MODEL, messages=QUESTION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
     )
