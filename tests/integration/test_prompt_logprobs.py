@@ -98,7 +98,7 @@ def test_preemption_and_cached_prefixes_give_the_same_scores(make_core, smollm2_
         core=make_core(EngineConfig(cache=CacheConfig(block_size=16, num_blocks=8))),
         tokenizer=smollm2_fp32[1],
     )
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
     assert_close(scores(tiny, PROMPTS, params), reference, 1e-4)
     assert tiny.core.stats().num_preemptions > 0
     tiny.core.check_integrity()
