@@ -23,8 +23,10 @@ from engine.sampler import SamplerOutput, build_sampling_batch, sample, score
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvstore.device_pool import DeviceKVPool
 
-# rows of logits computed at once when scoring prompts ([rows, vocab] fp32 at a time)
-_SCORE_ROWS = 256
+# fp32 logits computed at once when scoring prompts: [rows, vocab] within this many bytes.
+# Below glibc's largest mmap threshold (32 MiB), so the buffer is reused from the heap
+# instead of being mapped, faulted in and zeroed again for every slice.
+_SCORE_BYTES = 24 << 20
 
 # a request scoring its prompt this step: its rows in the flattened step, and the position of
 # the first of them (each row scores the prompt token after its position)
@@ -132,8 +134,8 @@ class ModelRunner:
         return Launched(sampled, sample(logits, batch, self.generator, self.argmax), prompt)
 
     def _score_prompts(self, hidden: torch.Tensor, scored: list[_Scored]) -> PromptScores:
-        """Each scored row's logits against the prompt token after its position, in slices
-        of `_SCORE_ROWS` rows."""
+        """Each scored row's logits against the prompt token after its position, a slice of
+        rows at a time (`_SCORE_BYTES` of logits)."""
         rows = [r for _, span, _ in scored for r in span]
         targets = [req.all_token_ids[first + 1 + k]
                    for req, span, first in scored for k in range(len(span))]  # fmt: skip
@@ -141,10 +143,11 @@ class ModelRunner:
         rows_t = to_device(torch.tensor(rows, dtype=torch.long), self.device)
         targets_t = to_device(torch.tensor(targets, dtype=torch.long), self.device)
         parts = []
-        for i in range(0, len(rows), _SCORE_ROWS):
-            part = rows_t[i : i + _SCORE_ROWS]
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[part]), dim=-1)
-            parts.append(score(logprobs, targets_t[i : i + _SCORE_ROWS], top_n))
+        step = max(1, _SCORE_BYTES // (4 * self.vocab_size))
+        for i in range(0, len(rows), step):
+            logits = self.model.compute_logits(hidden[rows_t[i : i + step]])
+            logits -= logits.logsumexp(dim=-1, keepdim=True)  # log-softmax, in place
+            parts.append(score(logits, targets_t[i : i + step], top_n))
         out = SamplerOutput(
             targets_t,
             _cat([p.logprobs for p in parts]),

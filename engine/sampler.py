@@ -228,10 +228,15 @@ def sample(
 
 def score(logprobs: torch.Tensor, token_ids: torch.Tensor, n: int) -> SamplerOutput:
     """logprobs: [S, V] -> each row's logprob of `token_ids` [S] and its top `n` tokens."""
-    top = torch.topk(logprobs, n, dim=-1) if n else None
+    top_ids = top_values = None
+    if n == 1:  # a row maximum is cheaper than a top-k of one
+        best = logprobs.max(dim=-1, keepdim=True)
+        top_ids, top_values = best.indices, best.values
+    elif n:
+        top_values, top_ids = torch.topk(logprobs, n, dim=-1)
     return SamplerOutput(
         token_ids=token_ids,
         logprobs=logprobs.gather(1, token_ids[:, None]).squeeze(1),
-        top_ids=top.indices if top is not None else None,
-        top_logprobs=top.values if top is not None else None,
+        top_ids=top_ids,
+        top_logprobs=top_values,
     )
