@@ -59,6 +59,18 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
+def engine_record(benchmark: str, core: Any, model_spec: str) -> dict[str, Any]:
+    """The head of a result record for a run of one engine: the machine, and what it served."""
+    return {
+        "benchmark": benchmark,
+        **machine_info(core.device),
+        "model": core.model_id,
+        "model_spec": model_spec,
+        "synthetic_weights": model_spec.startswith("synthetic:"),
+        "dtype": str(core.dtype).removeprefix("torch."),
+    }
+
+
 def write_result(out_dir: str, name: str, record: dict[str, Any]) -> Path:
     device = "cuda" if "cpu" not in str(record.get("device", "cpu")) else "cpu"
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import hf_model_for, machine_info, write_result
+from bench.common import engine_record, hf_model_for, write_result
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.factory import create_engine
 from engine.kernels.cpu import load_cpu_kernels
@@ -202,12 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
     record = {
-        "benchmark": "engine_throughput",
-        **machine_info(device),
-        "model": core.model_id,
-        "model_spec": args.model,
-        "synthetic_weights": args.model.startswith("synthetic:"),
-        "dtype": str(core.dtype).removeprefix("torch."),
+        **engine_record("engine_throughput", core, args.model),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "quick": args.quick,

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import hf_model_for, machine_info, write_result
+from bench.common import engine_record, hf_model_for, write_result
 from bench.engine_throughput import make_prompts
 from engine.config import EngineConfig, SchedulerConfig
 from engine.factory import create_engine
@@ -126,11 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
         flush=True,
     )
     record = {
-        "benchmark": "prompt_scoring",
-        **machine_info(core.device),
-        "model": core.model_id,
-        "model_spec": args.model,
-        "dtype": str(core.dtype).removeprefix("torch."),
+        **engine_record("prompt_scoring", core, args.model),
         "prompts": args.prompts,
         "prompt_len": args.prompt_len,
         "hf_batch": args.hf_batch,
