@@ -54,6 +54,9 @@ class PromptScores:
 
 @dataclass(frozen=True)
 class Launched:
+    """A step queued on the device: the sampled requests, their sampler output and the
+    prompt scores, none of them read back to the host yet."""
+
     sampled: list[Request]
     out: SamplerOutput | None
     prompt: PromptScores | None = None
@@ -105,7 +108,8 @@ class ModelRunner:
         sampled, out = launched.sampled, launched.out
         if out is None:
             return RunnerOutput([], [], [], prompt)
-        token_ids = out.token_ids.tolist()  # the step's one host sync
+        # the step's one host sync (one more when it scored prompts)
+        token_ids = out.token_ids.tolist()
         return RunnerOutput(sampled, token_ids, self._logprobs(sampled, out), prompt)
 
     @torch.inference_mode()
