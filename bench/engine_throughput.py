@@ -105,7 +105,7 @@ def cpu_roofline(core, batches: list[int], prompt_len: int, new_tokens: int) -> 
     if not kernels.can_pack(torch.empty(2 * inter, hidden, dtype=torch.bfloat16)):
         return None
     x = torch.randn(2048, hidden).bfloat16()
-    packed = kernels.pack_bf16(torch.randn(2 * inter, hidden).bfloat16())
+    packed = kernels.pack(torch.randn(2 * inter, hidden).bfloat16())
     gemm = _rate(
         lambda: kernels.linear_packed(x, packed, None, 2 * inter, torch.bfloat16),
         2.0 * 2048 * 2 * inter * hidden,

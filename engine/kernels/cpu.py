@@ -48,6 +48,7 @@ _HEADERS = (
     "fp8.h",
     "elem_f32.h",
     "elem_bf16.h",
+    "linear_f32.h",
     "kernels.h",
     "ops_impl.h",
     "attention_impl.h",
@@ -61,7 +62,7 @@ _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-fno-math-errno"]
 # `native` tunes for this CPU (AVX-512 paths where present); `portable` builds the scalar
 # fallbacks every kernel has, which tests compare against the same references
 _ARCH = {"native": "-march=native", "portable": "-march=x86-64-v2"}
-_ABI = 7
+_ABI = 8
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _PAGE_SUFFIX = {torch.float8_e4m3fn: "fp8"}  # page formats other than the compute dtype
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -140,10 +141,18 @@ class CpuKernels:
         if lib.strata_kernels_abi() != _ABI:
             raise OSError("stale kernel library")
         self.has_bf16_linear = bool(lib.strata_has_avx512_bf16())
-        self._packable = lib.strata_linear_packable
-        self._packable.argtypes, self._packable.restype = [_I, _I], ctypes.c_int
-        self._pack = lib.strata_pack_bf16
-        self._pack.argtypes, self._pack.restype = [_P, _P, _I, _I], None
+        self.has_f32_linear = bool(lib.strata_has_avx512())
+        # the packed linears, per weight dtype: (packable, pack, linear)
+        self._packed: dict[torch.dtype, tuple[Any, Any, Any]] = {}
+        for dtype, suffix in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
+            packable = getattr(lib, f"strata_linear_packable_{suffix}")
+            packable.argtypes, packable.restype = [_I, _I], ctypes.c_int
+            pack = getattr(lib, f"strata_pack_{suffix}")
+            pack.argtypes, pack.restype = [_P, _P, _I, _I], None
+            linear = getattr(lib, f"strata_linear_packed_{suffix}")
+            linear.argtypes = [_P, _P, _P, _P, _I, _I, _I, *([ctypes.c_int] * (suffix == "bf16"))]
+            linear.restype = ctypes.c_int
+            self._packed[dtype] = packable, pack, linear
         self._fns: dict[tuple[str, torch.dtype], Any] = {}
         for name, (args, restype) in _SIGNATURES.items():
             for dtype, suffix in _SUFFIX.items():
@@ -192,9 +201,6 @@ class CpuKernels:
         self._lora = lib.strata_lora_bf16
         self._lora.argtypes = [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P]
         self._lora.restype = ctypes.c_int
-        self._linear = lib.strata_linear_packed_bf16
-        self._linear.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
-        self._linear.restype = ctypes.c_int
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -330,18 +336,21 @@ class CpuKernels:
         return out
 
     def can_pack(self, weight: torch.Tensor) -> bool:
-        """True when `pack_bf16`/`linear_packed` cover this [N, K] weight."""
+        """True when `pack`/`linear_packed` cover this [N, K] weight (bf16 on AVX512-BF16
+        CPUs, fp32 on AVX-512 ones)."""
         n, k = weight.shape
-        return weight.dtype == torch.bfloat16 and bool(self._packable(n, k))
+        fns = self._packed.get(weight.dtype)
+        return fns is not None and bool(fns[0](n, k))
 
-    def pack_bf16(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[N, K] bf16 -> the panel layout `linear_packed` reads (same number of elements),
-        in `out` (contiguous, that many bf16 elements) when given."""
+    def pack(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, K] -> the panel layout `linear_packed` reads (same dtype and number of
+        elements), in `out` (contiguous, that many elements) when given."""
         assert self.can_pack(weight) and weight.is_contiguous()
         packed = torch.empty_like(weight).view(-1) if out is None else out.view(-1)
-        assert packed.dtype == torch.bfloat16 and packed.is_contiguous()
+        assert packed.dtype == weight.dtype and packed.is_contiguous()
         assert packed.numel() == weight.numel()
-        self._pack(weight.data_ptr(), packed.data_ptr(), weight.shape[0], weight.shape[1])
+        pack = self._packed[weight.dtype][1]
+        pack(weight.data_ptr(), packed.data_ptr(), weight.shape[0], weight.shape[1])
         return packed
 
     def linear_packed(
@@ -352,17 +361,18 @@ class CpuKernels:
         out_features: int,
         out_dtype: torch.dtype,
     ) -> torch.Tensor:
-        """x: [M, K] bf16 @ W^T (+ bias) with W packed by `pack_bf16`; fp32 accumulation,
-        output [M, out_features] in `out_dtype` (bf16 or fp32)."""
-        assert x.dtype == torch.bfloat16 and x.is_contiguous()
+        """x: [M, K] @ W^T (+ bias) with W packed by `pack`, in x's dtype; fp32 accumulation,
+        output [M, out_features] in `out_dtype` (bf16 x: bf16 or fp32; fp32 x: fp32)."""
+        assert x.dtype == packed.dtype and x.is_contiguous()
         m, k = x.shape
         assert packed.numel() == out_features * k
         out = x.new_empty(m, out_features, dtype=out_dtype)
-        rc = self._linear(
-            x.data_ptr(), packed.data_ptr(), _ptr(bias), out.data_ptr(),
-            m, out_features, k, out_dtype == torch.float32,
-        )  # fmt: skip
-        if rc != 0:
+        args = [x.data_ptr(), packed.data_ptr(), _ptr(bias), out.data_ptr(), m, out_features, k]
+        if x.dtype == torch.bfloat16:
+            args.append(out_dtype == torch.float32)
+        else:
+            assert out_dtype == torch.float32
+        if self._packed[x.dtype][2](*args) != 0:
             raise KernelError(f"packed linear rejected [{m}, {k}] x [{out_features}, {k}]")
         return out
 

@@ -1,8 +1,9 @@
 """Swap the model's building blocks for Strata's native CPU kernels, from outside the model.
 
 `apply_native_cpu(model, kernels)` replaces, in place, every RMSNorm (residual add fused),
-the rotary embedding (applied in place inside the fused qkv buffer), SiLU*up, and (for bf16
-on AVX512-BF16 CPUs) every linear layer with modules that call `CpuKernels`. The model file
+the rotary embedding (applied in place inside the fused qkv buffer), SiLU*up, and every
+linear layer (bf16 on AVX512-BF16 CPUs, fp32 on AVX-512 ones) with modules that call
+`CpuKernels`. bf16 layers go further: one kernel call per layer, or per step. The model file
 itself never branches on the backend. Packed linears drop the original weight, except the LM
 head when it is tied to the embedding table (the lookup still needs the rows).
 """
@@ -80,7 +81,7 @@ class NativeSiluAndMul(nn.Module):
 
 
 class NativeLinear(nn.Module):
-    """bf16 linear on a packed copy of the weight (engine/kernels/csrc/linear.h)."""
+    """A linear on a packed copy of the weight (csrc/linear.h, bf16; csrc/linear_f32.h)."""
 
     packed: torch.Tensor
 
@@ -95,7 +96,7 @@ class NativeLinear(nn.Module):
         assert isinstance(linear, nn.Linear)
         weight = linear.weight.data
         out = None if arena is None else arena.take(weight.shape, weight.dtype)
-        self.register_buffer("packed", kernels.pack_bf16(weight, out), persistent=False)
+        self.register_buffer("packed", kernels.pack(weight, out), persistent=False)
         self.bias = linear.bias
         self.out_features = linear.out_features
         self.kernels = kernels
@@ -200,7 +201,7 @@ class NativeDecoderStack:
 def apply_native_cpu(
     model: LlamaForCausalLM, kernels: CpuKernels, *, fuse_layers: bool = True
 ) -> None:
-    """Replace the model's norms, rotary, activation and bf16 linears in place; with
+    """Replace the model's norms, rotary, activation and linears in place; with
     `fuse_layers`, bf16 layers whose linears all packed become one kernel call each."""
     dtype = model.embed_tokens.weight.dtype
     assert kernels.supports(dtype), f"no native CPU kernels for {dtype}"
@@ -210,8 +211,9 @@ def apply_native_cpu(
 
     names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
-    def packable_layer(layer: DecoderLayer) -> bool:
-        return all(isinstance(getattr(layer, n), NativeLinear) for n in names)
+    def packable_layer(layer: DecoderLayer) -> bool:  # the fused layer kernel is bf16
+        linears = [getattr(layer, n) for n in names]
+        return dtype == torch.bfloat16 and all(isinstance(m, NativeLinear) for m in linears)
 
     linears = [getattr(block, name) for block in model.layers for name in names]
     # every packed weight in one huge-page arena: a decode step reads them all

@@ -13,7 +13,7 @@
 #define LIN_MR 6
 #define LIN_WARM_BLOCKS 4
 
-int strata_linear_packable(int64_t n, int64_t k) {
+int strata_linear_packable_bf16(int64_t n, int64_t k) {
 #ifdef STRATA_AVX512BF16
     return n % LIN_PANEL == 0 && k % 2 == 0;
 #else
@@ -89,7 +89,7 @@ static int lin_packed(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, voi
     (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)out_f32, (void)lora;
     return -1;
 #else
-    if (!strata_linear_packable(N, K) || M < 1) return -1;
+    if (!strata_linear_packable_bf16(N, K) || M < 1) return -1;
     const int64_t panels = N / LIN_PANEL;
     const int64_t blocks = (M + LIN_MR - 1) / LIN_MR;
     const size_t elem = out_f32 ? sizeof(float) : sizeof(bf16_t);

@@ -1,10 +1,11 @@
 // Strata's CPU kernels, one shared library: RMSNorm (+ residual), RoPE, SiLU*up, KV-page
 // writes and paged attention for fp32 and bf16 storage (pages in that type or in FP8 with
-// scales, fp8.h), the packed bf16 linear (linear.h) and the whole bf16 decoder layer built
+// scales, fp8.h), the packed linears (linear.h, linear_f32.h) and the whole bf16 decoder layer built
 // from them (layer.h). Built on first use by engine/kernels/cpu.py, which compiles the
 // translation units below in parallel and links them, and called through ctypes:
 //   ops.c                 ABI, CPU features, argmax
-//   ops_f32.c             fp32 element-wise ops, KV writes, attention (fp32 and FP8 pages)
+//   ops_f32.c             fp32 element-wise ops, KV writes, attention (fp32 and FP8 pages),
+//                         the packed fp32 linear (linear_f32.h)
 //   ops_bf16.c            bf16 element-wise ops and KV writes
 //   attention_bf16.c      bf16 attention over bf16 pages
 //   attention_bf16_fp8.c  bf16 attention over FP8 pages
@@ -17,7 +18,15 @@
 #include "common.h"
 #include "fp8.h"
 
-int strata_kernels_abi(void) { return 7; }
+int strata_kernels_abi(void) { return 8; }
+
+int strata_has_avx512(void) {
+#ifdef STRATA_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 int strata_has_avx512_bf16(void) {
 #ifdef STRATA_AVX512BF16

@@ -1,5 +1,5 @@
-// fp32 instantiations: element-wise ops, KV-page writes (fp32 and FP8 pages) and paged
-// attention over fp32 pages and over FP8 pages.
+// fp32 instantiations: element-wise ops, KV-page writes (fp32 and FP8 pages), paged
+// attention over fp32 pages and over FP8 pages, and the packed fp32 linear.
 
 #include <omp.h>
 #include <stdlib.h>
@@ -16,3 +16,7 @@
 #define SUFFIX f32_fp8
 #define PAGE_FP8 1
 #include "attention_impl.h"
+#undef PAGE_FP8
+#undef SUFFIX
+
+#include "linear_f32.h"

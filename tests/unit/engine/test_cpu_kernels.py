@@ -227,18 +227,25 @@ def test_prefill_rows_match_fp64_and_each_row_alone(kernels, heads, kv_heads, he
         assert torch.equal(got[i : i + 1], alone), f"row {i} depends on its batch"
 
 
+def has_packed_linear(kernels: CpuKernels, dtype: torch.dtype) -> bool:
+    return kernels.has_bf16_linear if dtype == torch.bfloat16 else kernels.has_f32_linear
+
+
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 64])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_packed_linear_matches_fp32_matmul(kernels, m, out_dtype):
-    weight = torch.randn(192, 96, generator=gen()).to(torch.bfloat16)
-    bias = torch.randn(192, generator=gen(1)).to(torch.bfloat16)
-    x = torch.randn(m, 96, generator=gen(2)).to(torch.bfloat16)
-    if not kernels.has_bf16_linear:
+@pytest.mark.parametrize(
+    ("dtype", "out_dtype"),
+    [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32,) * 2],
+)
+def test_packed_linear_matches_fp32_matmul(kernels, m, dtype, out_dtype):
+    weight = torch.randn(192, 96, generator=gen()).to(dtype)
+    bias = torch.randn(192, generator=gen(1)).to(dtype)
+    x = torch.randn(m, 96, generator=gen(2)).to(dtype)
+    if not has_packed_linear(kernels, dtype):
         assert not kernels.can_pack(weight)
         return
     assert kernels.can_pack(weight)
     assert not kernels.can_pack(weight[:100])  # N not a multiple of the 64-column panel
-    packed = kernels.pack_bf16(weight)
+    packed = kernels.pack(weight)
     ref = F.linear(x.float(), weight.float(), bias.float())
     for b, r in ((bias, ref), (None, ref - bias.float())):
         got = kernels.linear_packed(x, packed, b, 192, out_dtype)
@@ -279,15 +286,16 @@ def test_a_failing_compiler_leaves_the_engine_on_torch_ops(tmp_path, monkeypatch
     assert [p.name for p in kernel_dir(str(tmp_path)).iterdir()] == [".build.lock"]
 
 
-def test_packed_linear_rows_do_not_depend_on_batch_mates(strata_cache_dir):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_rows_do_not_depend_on_batch_mates(strata_cache_dir, dtype):
     kernels = load_cpu_kernels(str(strata_cache_dir))
     assert kernels is not None
-    weight = torch.randn(128, 64, generator=gen()).to(torch.bfloat16)
-    if not kernels.has_bf16_linear:  # CPUs without AVX512-BF16 keep torch's linear
+    weight = torch.randn(128, 64, generator=gen()).to(dtype)
+    if not has_packed_linear(kernels, dtype):  # such CPUs keep torch's linear
         assert not kernels.can_pack(weight)
         return
-    packed = kernels.pack_bf16(weight)
-    x = torch.randn(13, 64, generator=gen(1)).to(torch.bfloat16)
+    packed = kernels.pack(weight)
+    x = torch.randn(13, 64, generator=gen(1)).to(dtype)
     whole = kernels.linear_packed(x, packed, None, 128, torch.float32)
     for i in range(13):
         alone = kernels.linear_packed(x[i : i + 1].contiguous(), packed, None, 128, torch.float32)

@@ -11,7 +11,12 @@ from engine.config import CacheConfig, EngineConfig, KVCacheDtype
 from engine.core import EngineCore
 from engine.kernels.cpu import load_cpu_kernels
 from engine.loader import build_model, load_checkpoint
-from engine.model.native_cpu import NativeDecoderLayer, NativeDecoderStack, apply_native_cpu
+from engine.model.native_cpu import (
+    NativeDecoderLayer,
+    NativeDecoderStack,
+    NativeLinear,
+    apply_native_cpu,
+)
 from engine.protocol import SamplingParams
 from tests.huge_pages import huge_kib, needs_thp
 
@@ -26,15 +31,18 @@ def kernels(strata_cache_dir):
 
 
 KV_DTYPES = [KVCacheDtype.AUTO, KVCacheDtype.FP8_E4M3]
+NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def engine(kernels, mode: str, kv: KVCacheDtype = KVCacheDtype.AUTO) -> EngineCore:
+def engine(
+    kernels, mode: str, kv: KVCacheDtype = KVCacheDtype.AUTO, dtype: str = "bfloat16"
+) -> EngineCore:
     ckpt = load_checkpoint("synthetic:tiny", None, seed=5)
-    model = build_model(ckpt, torch.bfloat16, CPU)
+    model = build_model(ckpt, getattr(torch, dtype), CPU)
     if mode != "torch":
         apply_native_cpu(model, kernels, fuse_layers=mode == "fused")
     cache = CacheConfig(block_size=4, num_blocks=64, kv_cache_dtype=kv)
-    cfg = EngineConfig(dtype="bfloat16", cache=cache)
+    cfg = EngineConfig(dtype=dtype, cache=cache)
     return EngineCore(
         model,
         cfg,
@@ -104,14 +112,32 @@ def test_native_bf16_tracks_the_torch_path(kernels, kv):
     assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
 
 
+def test_native_fp32_packs_its_linears_and_matches_the_torch_path(kernels):
+    """fp32 models get the packed fp32 linear (csrc/linear_f32.h) but no fused layers (that
+    kernel is bf16), and their logits stay within fp32 rounding of the torch path."""
+    native, plain = (
+        engine(kernels, "fused", dtype="float32"),
+        engine(kernels, "torch", dtype="float32"),
+    )
+    model = native.runner.model
+    assert native.runner.model.layer_stack is None
+    assert not any(isinstance(layer, NativeDecoderLayer) for layer in model.layers)
+    linears = [model.lm_head]
+    linears += [getattr(layer, n) for layer in model.layers for n in NAMES]
+    assert all(isinstance(m, NativeLinear) for m in linears) == kernels.has_f32_linear
+    gen = torch.Generator().manual_seed(1)
+    seqs = [(torch.randint(0, 512, (n,), generator=gen).tolist(), 0) for n in (5, 40)]
+    a, b = step_logits(native, seqs), step_logits(plain, seqs)
+    assert (a - b).abs().max().item() < 1e-4 * b.abs().max().item()
+
+
 @needs_thp
 def test_packed_weights_share_one_huge_page_arena(kernels):
     """A decode step reads every packed weight: they sit together, in 2 MiB pages."""
     ckpt = load_checkpoint("synthetic:smollm2-135m", None, seed=1)
     model = build_model(ckpt, torch.bfloat16, CPU)
     apply_native_cpu(model, kernels)
-    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     packed = [model.lm_head.packed]
-    packed += [getattr(layer.inner, name).packed for layer in model.layers for name in names]
+    packed += [getattr(layer.inner, name).packed for layer in model.layers for name in NAMES]
     assert len({t.untyped_storage().data_ptr() for t in packed}) == 1
     assert huge_kib(packed[0]) * 1024 >= 0.9 * sum(t.numel() * 2 for t in packed)
