@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class ConfigError(ValueError):
     """An option or checkpoint description that the engine cannot run."""
+
+
+class ModelLoadError(Exception):
+    """A model that cannot be loaded; the message is one line, fit to show a CLI user."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
 
 
 class SchedulingPolicy(enum.Enum):
@@ -46,26 +54,31 @@ class KVCacheDtype(enum.Enum):
     FP8_E4M3 = "fp8_e4m3"
 
 
+# option -> torch dtype name. torch is imported where a dtype or device is resolved, not
+# with this module: the command line parses options, and its admin commands run, without it.
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
 }
 
 
 def parse_dtype(name: str) -> torch.dtype:
     """Resolve a dtype option; `auto` is bf16 everywhere (fast on AVX512-BF16 CPUs and GPUs)."""
+    import torch  # noqa: PLC0415
+
     if name == "auto":
         return torch.bfloat16
     try:
-        return _DTYPES[name]
+        dtype: torch.dtype = getattr(torch, _DTYPES[name])
     except KeyError:
         raise ConfigError(
             f"unknown dtype {name!r}; expected one of auto, {', '.join(_DTYPES)}"
         ) from None
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -247,6 +260,8 @@ class CacheConfig:
 
     def storage_dtype(self, compute: torch.dtype, device: torch.device) -> torch.dtype:
         """The dtype KV pages are stored in, for a model computing in `compute`."""
+        import torch  # noqa: PLC0415
+
         choice = self.kv_cache_dtype
         if choice is None:
             choice = KVCacheDtype.FP8_E4M3 if device.type == "cuda" else KVCacheDtype.AUTO
@@ -332,6 +347,8 @@ class EngineConfig:
 
 
 def resolve_device(name: str) -> torch.device:
+    import torch  # noqa: PLC0415
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():

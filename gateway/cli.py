@@ -14,6 +14,7 @@ from engine.config import (
     KernelBackend,
     KVCacheDtype,
     LoRAConfig,
+    ModelLoadError,
     SchedulerConfig,
     SchedulingPolicy,
 )
@@ -212,7 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine.llm import LLM  # noqa: PLC0415  (torch import only for commands that need it)
     from engine.protocol import SamplingParams  # noqa: PLC0415
 
     params = SamplingParams(
@@ -223,7 +223,9 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
     )
-    params.validate()  # before spending seconds on loading the model
+    params.validate()  # before spending seconds on importing torch and loading the model
+    from engine.llm import LLM  # noqa: PLC0415
+
     llm = LLM(_engine_config(args), progress=True)
     (result,) = llm.generate([args.prompt], params, chat=args.chat)
     print(result.text)
@@ -321,7 +323,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    from engine.loader import ModelLoadError  # noqa: PLC0415
     from engine.protocol import InvalidRequestError  # noqa: PLC0415
     from engine.tokenizer import ChatTemplateError, TokenizerError  # noqa: PLC0415
 
@@ -342,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         TokenizerError,
         ChatTemplateError,
         ValueError,
-    ) as exc:
+    ) as exc:  # input errors: one line, no traceback
         print(f"strata: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

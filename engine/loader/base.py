@@ -1,4 +1,5 @@
-"""Types shared by every loader: the loaded checkpoint, its error, and the expected tensors."""
+"""Types shared by every loader: the loaded checkpoint, its error (defined with the other
+configuration errors, which import without torch), and the expected tensors."""
 
 from __future__ import annotations
 
@@ -6,14 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, ModelLoadError
 
-
-class ModelLoadError(Exception):
-    """A model that cannot be loaded; the message is one line, fit to show a CLI user."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(message.split()))
+__all__ = ["Checkpoint", "ModelLoadError", "check_tensors", "expected_tensor_shapes"]
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,37 @@ def test_bad_input_gives_one_clear_line(strata_cache_dir, args, needle):
     assert needle in lines[0]
 
 
+def test_commands_that_load_no_model_start_without_torch(strata_cache_dir):
+    """`--help`, the admin and usage commands, and a rejected sampling option answer in a
+    fraction of a second: none of them imports torch (a second and a half on its own)."""
+    probe = (
+        "import sys\n"
+        "from gateway.cli import main\n"
+        "for argv in {argvs!r}:\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as stop:\n"
+        "        print(stop.code, file=sys.stderr)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    argvs = [
+        ["--help"],
+        ["admin", "tenants", "list"],
+        ["usage", "export", "--tenant", "acme"],
+        ["generate", "hi", "--max-tokens", "0"],
+    ]
+    env = dict(os.environ, STRATA_CACHE_DIR=str(strata_cache_dir))
+    env.pop("STRATA_ADMIN_TOKEN", None)
+    done = subprocess.run(
+        [sys.executable, "-c", probe.format(argvs=argvs)],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "False", done.stdout
+    assert "no admin token" in done.stderr
+    assert "max_tokens" in done.stderr
+
+
 def test_non_gguf_file_gives_one_clear_line(strata_cache_dir, tmp_path):
     fake = tmp_path / "model.gguf"
     fake.write_text("not a model")
