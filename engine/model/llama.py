@@ -30,7 +30,10 @@ class AttentionBackend(Protocol):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] in fp64, with llama3/linear scaling applied."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    # on the CPU even inside a meta-device build: tensor math on `meta` goes through torch's
+    # reference implementations, which import its compiler stack (seconds per engine start)
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
+    inv_freq = 1.0 / (theta ** (steps / head_dim))
     if scaling is None:
         return inv_freq
     if scaling.kind == "linear":
@@ -57,7 +60,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float64)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float64,
+                                 device="cpu")  # fmt: skip
         freqs = torch.outer(positions, inv_freq)  # [max_pos, D/2]
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
@@ -156,7 +160,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # storage only: the weights come from a checkpoint or a seeded synthetic init
+        # (engine/loader/build.py). Drawing the default init on the meta device would
+        # import torch's compiler stack, seconds of every engine start.
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm: nn.Module = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope: nn.Module = RotaryEmbedding(config)

@@ -7,6 +7,8 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -556,3 +558,22 @@ def test_smollm2_fp32_logits_match_transformers(
     got = logits_of(model, ids)[-1]
     assert (got - expected).abs().max().item() < 1e-3
     assert got.argmax() == expected.argmax()
+
+
+def test_building_a_model_leaves_torchs_compiler_unimported():
+    """Engine start-up builds the model on the meta device; tensor math there would run
+    torch's reference implementations, whose import of its compiler stack alone takes
+    seconds. The model is built without it."""
+    probe = (
+        "import sys, torch\n"
+        "from engine.loader import build_model, load_checkpoint\n"
+        "model = build_model(load_checkpoint('synthetic:tiny', None, seed=1), torch.bfloat16,\n"
+        "                    torch.device('cpu'))\n"
+        "assert model.rope.cos.dtype == torch.float32\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
