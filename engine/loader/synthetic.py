@@ -11,68 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import ModelConfig, RopeScaling
-from engine.loader.base import Checkpoint, ModelLoadError
+from engine.config import ModelLoadError
+from engine.loader.base import Checkpoint
+from engine.model_specs import PRESETS, SYNTHETIC_PREFIX
 
-SYNTHETIC_PREFIX = "synthetic:"
+__all__ = ["PRESETS", "SYNTHETIC_PREFIX", "init_synthetic_weights", "synthetic_checkpoint"]
+
 WEIGHT_STD = 0.02
-
-PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    ),
-    "smollm2-135m": ModelConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        max_position_embeddings=8192,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-    ),
-    "llama3.2-1b": ModelConfig(
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_layers=16,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=64,
-        max_position_embeddings=131072,
-        rope_theta=500000.0,
-        rope_scaling=RopeScaling(
-            kind="llama3",
-            factor=32.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-        tie_word_embeddings=True,
-    ),
-    "llama3-8b": ModelConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        tie_word_embeddings=False,
-    ),
-}
 
 
 def synthetic_checkpoint(spec: str, seed: int) -> Checkpoint:
