@@ -176,6 +176,9 @@ class DiskKVPool:
         view.release()
         offset = slot * self.slot_nbytes
         future = self._io.submit(self._pwrite, staging, offset)
+        # oldest first, as the one writer thread runs them (a slot written again before its
+        # first write was retired moves to the end: that first write's page is forgotten)
+        self._pending.pop(slot, None)
         self._pending[slot] = (future, staging)
         self.slots[key] = slot
         self.owners.add(key, owner)
@@ -226,10 +229,11 @@ class DiskKVPool:
             self._free.append(slot)
 
     def reap(self, wait: bool = False) -> None:
-        """Retire finished writes; a failed write loses its page and its slot."""
+        """Retire finished writes; a failed write loses its page and its slot. Writes finish
+        in the order they were queued, so the scan stops at the first one still running."""
         for slot, (future, staging) in list(self._pending.items()):
             if not (wait or future.done()):
-                continue
+                break
             exc = future.exception()
             del self._pending[slot]
             if len(self._spare) < _SPARE_STAGING:
