@@ -144,7 +144,7 @@ class CpuKernels:
         self.has_f32_linear = bool(lib.strata_has_avx512())
         # the packed linears, per weight dtype: (packable, pack, linear)
         self._packed: dict[torch.dtype, tuple[Any, Any, Any]] = {}
-        for dtype, suffix in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
+        for dtype, suffix in _SUFFIX.items():
             packable = getattr(lib, f"strata_linear_packable_{suffix}")
             packable.argtypes, packable.restype = [_I, _I], ctypes.c_int
             pack = getattr(lib, f"strata_pack_{suffix}")
