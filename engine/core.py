@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from engine.protocol import (
 )
 from engine.request import Request
 from engine.scheduler import Scheduler
+from engine.structured import TokenMatcher, json_matcher
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
 from kvstore.disk import disk_slot_nbytes
@@ -52,10 +54,13 @@ class EngineCore:
         eos_token_ids: frozenset[int],
         kernels: CpuKernels | None = None,
         triton: bool = False,
+        token_bytes: Sequence[bytes | None] | None = None,
     ) -> None:
         """`kernels`: native CPU kernels for attention (the model's own modules are swapped
         by `engine.model.native_cpu.apply_native_cpu` before the core is built).
         `triton`: attention on the Triton kernels instead (engine/attention/triton_backend.py).
+        `token_bytes`: the text of each token id (`Tokenizer.token_bytes`); without it,
+        requests with a response format are refused.
         """
         mc = model.config
         self.model_config = mc
@@ -65,6 +70,11 @@ class EngineCore:
         self.dtype = next(model.parameters()).dtype
         self.eos_token_ids = eos_token_ids
         self.vocab_size = mc.vocab_size
+        self.token_bytes = token_bytes
+        first_byte = None
+        if token_bytes is not None:  # [V] each token's first byte, 256 for none
+            firsts = [data[0] if data else 256 for data in token_bytes[: mc.vocab_size]]
+            first_byte = torch.tensor(firsts + [256] * (mc.vocab_size - len(firsts)))
         spec = KVCacheSpec(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache.block_size,
             config.cache.storage_dtype(self.dtype, self.device),
@@ -110,6 +120,7 @@ class EngineCore:
             lora=lora_batch,
             triton=triton,
             eos_token_ids=eos_token_ids,
+            first_byte=first_byte,
         )
         if triton and not config.enforce_eager and lora_batch is None:
             self.runner.use_decode_graphs(
@@ -161,6 +172,10 @@ class EngineCore:
                 None if sched.kv_host_tokens is None else sched.kv_host_tokens // bs,
                 None if sched.kv_disk_tokens is None else sched.kv_disk_tokens // bs,
             )
+        if params.json_schema is not None and self.token_bytes is None:
+            raise InvalidRequestError(
+                "this engine has no vocabulary to constrain output with", "response_format"
+            )
         slot: int | None = 0
         if lora is not None:
             if self.lora is None:
@@ -172,12 +187,22 @@ class EngineCore:
             weight=sched.weight, cache_salt=sched.cache_salt, device=self.device,
             lora_slot=slot or 0, lora_key="" if lora is None else lora.key,
         )  # fmt: skip
+        request.matcher = self._matcher(params)
         if slot is None:  # waits, outside the scheduler, for its adapter's weights
             assert self.lora is not None and lora is not None
             self.lora.start_load(lora)
             self._parked[request_id] = request
             return
         self.scheduler.add_request(request)
+
+    def _matcher(self, params: SamplingParams) -> TokenMatcher | None:
+        if params.json_schema is None:
+            return None
+        assert self.token_bytes is not None
+        stops = frozenset(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= self.eos_token_ids
+        return TokenMatcher(json_matcher(params.json_schema), self.token_bytes, stops)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish a request now and free its blocks; None if it is not in flight."""
@@ -253,11 +278,20 @@ class EngineCore:
                 self.scheduler.finish_request(request, FinishReason.LENGTH)
                 outputs.append(self._output(request))
                 continue
+            matcher = request.matcher
+            if matcher is not None and matcher.stuck:
+                outputs.append(self._fail(request, "no token can continue the response format"))
+                continue
             request.append_token(token_id)
             if logprob is not None:
                 request.pending_logprobs.append(logprob)
             self.num_generated_tokens += 1
-            self.scheduler.check_stop(request, self.eos_token_ids)
+            if matcher is not None:
+                matcher.accept(token_id)
+            if matcher is not None and matcher.is_final:  # the value is complete
+                self.scheduler.finish_request(request, FinishReason.STOP)
+            else:
+                self.scheduler.check_stop(request, self.eos_token_ids)
             outputs.append(self._output(request))
         # save the pages the next step's allocations may reuse, while nothing waits on them
         self.block_manager.spill_ahead(self.spill_watermark)

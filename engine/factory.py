@@ -55,6 +55,7 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
         eos_token_ids=tokenizer.eos_token_ids,
         kernels=kernels,
         triton=triton,
+        token_bytes=tokenizer.token_bytes(),
     )
     return core, tokenizer
 

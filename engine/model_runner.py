@@ -73,10 +73,13 @@ class ModelRunner:
         lora: LoRABatch | None = None,
         triton: bool = False,
         eos_token_ids: frozenset[int] = frozenset(),
+        first_byte: torch.Tensor | None = None,
     ) -> None:
-        """`eos_token_ids`: what a request's min_tokens holds back."""
+        """`eos_token_ids`: what a request's min_tokens holds back. `first_byte`: [V] each
+        token's first byte on the host (256 for none), for requests with a response format."""
         self.model = model
         self.eos_token_ids = eos_token_ids
+        self.first_byte = first_byte
         self.pool = pool
         self.device = device
         self.vocab_size = model.config.vocab_size
@@ -128,7 +131,9 @@ class ModelRunner:
         sampled = [s.request for s in order if s.completes_sequence]
         batch = None
         if sampled:
-            batch = build_sampling_batch(sampled, self.vocab_size, self.device, self.eos_token_ids)
+            batch = build_sampling_batch(
+                sampled, self.vocab_size, self.device, self.eos_token_ids, self.first_byte
+            )
         rows = to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)
         hidden = self.forward(input_ids, positions, slices, lora_slots)  # [T, hidden]
         prompt = self._score_prompts(hidden, scored) if scored else None

@@ -10,6 +10,8 @@ import enum
 
 import msgspec
 
+from engine.structured import SchemaError, grammar_for
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias (OpenAI's limit)
 
@@ -70,6 +72,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # EOS and the stop token ids cannot end the request before this many tokens, and stop
     # strings are looked for only in the text that follows them
     min_tokens: int = 0
+    # the output must be JSON text matching this JSON Schema, given as JSON text
+    # (engine/structured says what is supported); '{"type": "object"}' is any object.
+    # Generation ends as soon as the value is complete.
+    json_schema: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field (token ids are range-checked
@@ -115,6 +121,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         limit = vocab_size if vocab_size is not None else 2**31
         if any(not 0 <= t < limit for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be valid token ids")
+        if self.json_schema is not None:
+            try:
+                grammar_for(self.json_schema)
+            except SchemaError as exc:
+                raise InvalidRequestError(f"response_format: {exc}", "response_format") from None
 
     @property
     def is_greedy(self) -> bool:

@@ -13,6 +13,7 @@ import time
 import torch
 
 from engine.protocol import FinishReason, SamplingParams, TokenLogprob
+from engine.structured import TokenMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -67,6 +68,7 @@ class Request:
         # j is token j + 1, scored from position j), and how many have been emitted
         self.prompt_logprobs: list[TokenLogprob] = []
         self.num_emitted_prompt_logprobs = 0
+        self.matcher: TokenMatcher | None = None  # with a response format: its grammar's progress
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.is_greedy:
             self.generator = torch.Generator(device=device or "cpu")

@@ -1,9 +1,15 @@
 """Batched sampling: every request's own parameters, applied to the whole batch at once.
 
-Order: penalties -> temperature -> top-k -> top-p -> min-p -> draw. Random draws use the
-exponential-race form of the Gumbel trick (argmax p / E, E ~ Exp(1)), with one noise row per
-request; a seeded request draws its row from its own generator, so its samples do not depend
-on its batch mates.
+Order: penalties -> temperature -> top-k -> top-p -> min-p -> draw. A draw inverts each row's
+cumulative distribution at one uniform number, so a row costs one random number rather than
+one per vocabulary entry; a seeded request draws its number from its own generator, so its
+samples do not depend on its batch mates.
+
+A request with a response format (engine/structured) keeps its token when its grammar allows
+it. Otherwise a sampled row takes the first allowed token of an exponential race over its
+distribution (argmax p / E, E ~ Exp(1), drawn from the same generator), which makes the
+result a draw from the distribution restricted to allowed tokens; a greedy row takes its most
+likely allowed token, as does a sampled row whose filters left no allowed token any mass.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 
 from engine.device import to_device
 from engine.request import Request
+from engine.structured import TokenMatcher
 
 
 @dataclass
@@ -36,6 +43,9 @@ class SamplingBatch:
     max_num_logprobs: int | None
     # logit_bias and min_tokens, as sparse (row, token id, value) triples added to the logits
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # rows with a response format: (row, its matcher, whether the row is greedy)
+    constrained: list[tuple[int, TokenMatcher, bool]] | None = None
+    first_byte: torch.Tensor | None = None  # [V] long on the host: each token's first byte
 
 
 @dataclass
@@ -60,8 +70,10 @@ def build_sampling_batch(
     vocab_size: int,
     device: torch.device,
     eos_token_ids: frozenset[int] = frozenset(),
+    first_byte: torch.Tensor | None = None,
 ) -> SamplingBatch:
-    """`eos_token_ids`: what min_tokens holds back (with each request's stop token ids)."""
+    """`eos_token_ids`: what min_tokens holds back (with each request's stop token ids).
+    `first_byte`: [V] each token's first byte (256 for none), for rows with a response format."""
     params = [r.params for r in requests]
 
     def col(values: list[float]) -> torch.Tensor:
@@ -91,6 +103,8 @@ def build_sampling_batch(
         out_ids = _pad([r.output_token_ids for r in requests], vocab_size, device)
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     bias = _sparse_bias(requests, eos_token_ids, device)
+    constrained = [(row, r.matcher, r.params.is_greedy)
+                   for row, r in enumerate(requests) if r.matcher is not None]  # fmt: skip
     return SamplingBatch(
         temperature=temperature,
         all_greedy=all_greedy,
@@ -106,6 +120,8 @@ def build_sampling_batch(
         prompt_ids=prompt_ids,
         max_num_logprobs=max(wanted) if wanted else None,
         bias=bias,
+        constrained=constrained or None,
+        first_byte=first_byte,
     )
 
 
@@ -202,6 +218,9 @@ def sample(
     if batch.max_num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     apply_penalties(logits, batch)
+    penalized = probs = None
+    if batch.constrained:  # [C, V] the logits the filters below have not touched
+        penalized = logits[[row for row, _, _ in batch.constrained]].cpu()
     greedy = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
     if batch.all_greedy:
         token_ids = greedy
@@ -214,16 +233,77 @@ def sample(
             _apply_top_p(logits, batch.top_p)
         if batch.min_p is not None:
             _apply_min_p(logits, batch.min_p)
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs).exponential_(generator=generator)
+        probs = logits.softmax(dim=-1)  # [S, V]
+        u = torch.rand(probs.shape[0], device=probs.device, generator=generator)  # [S]
         for row, gen in enumerate(batch.generators):
             if gen is not None:
-                noise[row].exponential_(generator=gen)
-        sampled = probs.div_(noise).argmax(dim=-1)
-        token_ids = torch.where(temp > 0, sampled, greedy)
+                u[row] = torch.rand((), device=probs.device, generator=gen)
+        cdf = probs.cumsum(dim=-1)  # [S, V]
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)  # [S, 1]
+        drawn = drawn.clamp_(max=probs.shape[1] - 1)
+        # rounding can leave the last step of a cdf flat: never return a token of no mass
+        drawn = torch.where(probs.gather(1, drawn) > 0, drawn, greedy[:, None]).squeeze(1)
+        token_ids = torch.where(temp > 0, drawn, greedy)
+    if penalized is not None:
+        token_ids = _constrain(token_ids, probs, penalized, batch, generator)
     if raw_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
     return score(raw_logprobs, token_ids, batch.max_num_logprobs or 0)
+
+
+def _constrain(
+    token_ids: torch.Tensor,
+    probs: torch.Tensor | None,
+    penalized: torch.Tensor,
+    batch: SamplingBatch,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """token_ids [S] with each constrained row's token replaced by an allowed one where its
+    grammar refuses it. probs: [S, V] the filtered distributions of sampled rows (None when
+    every row is greedy); penalized: [C, V] the constrained rows' logits before filtering."""
+    assert batch.constrained is not None and batch.first_byte is not None
+    chosen = token_ids.tolist()  # the host waits for the step: grammars run on the host
+    for k, (row, matcher, greedy) in enumerate(batch.constrained):
+        if matcher.allows(chosen[row]):
+            continue
+        orders = [(penalized[k], float("-inf"))]
+        if not greedy and probs is not None:  # tokens the filters dropped have no chance
+            gen = batch.generators[row] or generator
+            uniform = torch.rand(probs.shape[1], device=probs.device, generator=gen)
+            orders.insert(0, ((probs[row] / -uniform.log()).cpu(), 0.0))  # E = -log U
+        token = _first_allowed(orders, matcher, batch.first_byte)
+        if token is None:
+            matcher.stuck = True  # the core fails the request rather than append a token
+        else:
+            chosen[row] = token
+    return to_device(torch.tensor(chosen, dtype=torch.long), token_ids.device)
+
+
+def _first_allowed(
+    orders: list[tuple[torch.Tensor, float]], matcher: TokenMatcher, first_byte: torch.Tensor
+) -> int | None:
+    """The first token `matcher` allows, by descending key, among keys above their floor."""
+    allowed = torch.tensor([*matcher.next_bytes(), False])  # [257]: index 256 is "no bytes"
+    candidates = allowed[first_byte]  # [V]
+    if matcher.can_end:
+        candidates[[t for t in matcher.stop_ids if t < len(candidates)]] = True
+    for key, floor in orders:
+        key = key.masked_fill(~candidates, float("-inf"))
+        while True:
+            values, ids = key.topk(min(_CANDIDATES_PER_LOOK, key.numel()))
+            for value, token in zip(values.tolist(), ids.tolist(), strict=True):
+                if value <= floor:
+                    break
+                if matcher.allows(token):
+                    return token
+            else:
+                key[ids] = float("-inf")
+                continue
+            break
+    return None
+
+
+_CANDIDATES_PER_LOOK = 64
 
 
 def score(logprobs: torch.Tensor, token_ids: torch.Tensor, n: int) -> SamplerOutput:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
@@ -58,6 +59,7 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 # `tokenizer.ggml.pre` names, grouped the way llama.cpp picks its split expressions
 _DIGITS_FIRST_PRES = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell"})
@@ -210,6 +212,28 @@ class Tokenizer:
         """Vocabulary spelling of each id (byte-level tokens stay byte-spelled); "" if unknown."""
         return [self._token(token_id) or "" for token_id in ids]
 
+    def token_bytes(self) -> list[bytes | None]:
+        """The bytes each model token id adds to decoded text: None for special tokens and for
+        ids the tokenizer does not know. For structured output, which checks tokens' bytes."""
+        decoder = json.loads(self._backend.to_str()).get("decoder") or {}
+        byte_level = "ByteLevel" in _decoder_types(decoder)
+        unspell = {char: byte for byte, char in enumerate(_byte_alphabet())}
+        added = self._backend.get_added_tokens_decoder()
+        table: list[bytes | None] = [None] * self.vocab_size
+        for token_id in range(min(self.vocab_size, self._backend.get_vocab_size(True))):
+            token = self._backend.id_to_token(token_id)
+            if token is None or token_id in self.all_special_ids:
+                continue
+            if token_id in added:  # added tokens are spelled as the text they stand for
+                table[token_id] = token.encode()
+            elif byte_level and all(char in unspell for char in token):
+                table[token_id] = bytes(unspell[char] for char in token)
+            elif not byte_level and (byte := _BYTE_FALLBACK.fullmatch(token)):
+                table[token_id] = bytes((int(byte[1], 16),))
+            else:
+                table[token_id] = token.replace("▁", " ").encode()
+        return table
+
     def is_special(self, token_id: int) -> bool:
         """Whether `token_id` is a special token, which `skip_special_tokens` drops."""
         return token_id in self.all_special_ids
@@ -360,6 +384,14 @@ def _bos_eos_processor(
     single = " ".join(t for t in (bos, "$A", eos) if t is not None)
     specials = {t: backend.token_to_id(t) for t in (bos, eos) if t is not None}
     return processors.TemplateProcessing(single=single, special_tokens=list(specials.items()))
+
+
+def _decoder_types(decoder: Mapping[str, Any]) -> set[str]:
+    """The `type` of a serialized decoder and of every decoder it chains."""
+    types = {decoder.get("type", "")}
+    for part in decoder.get("decoders") or ():
+        types |= _decoder_types(part)
+    return types
 
 
 def _added(content: str, special: bool) -> AddedToken:

@@ -64,12 +64,13 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}
+    response_format: dict[str, Any] | None = None
     # OpenAI features Strata does not implement: read only to refuse them (gateway/prepare.py)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):

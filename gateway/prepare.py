@@ -5,11 +5,13 @@ and every policy check that needs no store round trip (model ACL, token caps, co
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from engine.protocol import (
     MAX_LOGPROBS,
@@ -34,6 +36,7 @@ MAX_COMPLETION_LOGPROBS = 5
 # a long RAG context never stalls the event loop that every other stream shares; shorter
 # ones (under ~1 ms of work) cost less inline than the thread hop would.
 INLINE_TOKENIZE_CHARS = 2048
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 @dataclass
@@ -325,6 +328,11 @@ class Preparer:
                 prompt_logprobs=prompt_logprobs,
                 logit_bias=_logit_bias(body.logit_bias),
                 min_tokens=body.min_tokens or 0,
+                json_schema=(
+                    _json_schema(body.response_format)
+                    if isinstance(body, ChatCompletionRequest)
+                    else None
+                ),
             )
             params.validate(self.info.vocab_size)
         except InvalidRequestError as exc:
@@ -350,6 +358,32 @@ class Preparer:
         )  # fmt: skip
 
 
+def _json_schema(response_format: dict[str, Any] | None) -> str | None:
+    """OpenAI's response_format as the JSON Schema text the engine constrains output with:
+    None for text, any object for `json_object`, the given schema for `json_schema`."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind != "json_schema":
+        raise bad_request(
+            "response_format.type must be 'text', 'json_object' or 'json_schema'",
+            param="response_format",
+        )
+    assert response_format is not None
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("response_format.json_schema must be an object", param="response_format")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise bad_request(
+            "response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'",
+            param="response_format",
+        )
+    return json.dumps(spec.get("schema", True))
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias keys are token ids written as strings."""
     if not bias:
@@ -362,15 +396,14 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     """OpenAI parameters Strata does not implement are a 400, not silently ignored: a client
-    that sets them relies on what they do. Their neutral values (no tools, `"none"`, a text
-    response format, one candidate) are accepted."""
+    that sets them relies on what they do. Their neutral values (no tools, `"none"`, one
+    candidate) are accepted."""
     if isinstance(body, ChatCompletionRequest):
         given = {
             "tools": bool(body.tools),
             "tool_choice": body.tool_choice not in (None, "none"),
             "functions": bool(body.functions),
             "function_call": body.function_call not in (None, "none"),
-            "response_format": (body.response_format or {}).get("type", "text") != "text",
         }
     else:
         given = {

@@ -89,8 +89,13 @@ def hf_smollm2(smollm2_dir: str) -> Any:
     return model.eval()
 
 
+@pytest.fixture(scope="session")
+def smollm2_token_bytes(smollm2_tokenizer: Tokenizer) -> list[bytes | None]:
+    return smollm2_tokenizer.token_bytes()
+
+
 @pytest.fixture
-def make_core(smollm2_fp32, smollm2_fp32_torch, strata_cache_dir):
+def make_core(smollm2_fp32, smollm2_fp32_torch, smollm2_token_bytes, strata_cache_dir):
     """Build an EngineCore over the shared fp32 SmolLM2 weights with a given config."""
 
     def make(config: EngineConfig | None = None) -> EngineCore:
@@ -102,7 +107,7 @@ def make_core(smollm2_fp32, smollm2_fp32_torch, strata_cache_dir):
         kernels = native_kernels(cfg, torch.float32)
         return EngineCore(
             model, cfg, model_id=model_id, eos_token_ids=tokenizer.eos_token_ids,
-            kernels=kernels, triton=use_triton(cfg),
+            kernels=kernels, triton=use_triton(cfg), token_bytes=smollm2_token_bytes,
         )  # fmt: skip
 
     return make

@@ -1,3 +1,4 @@
+import json
 import math
 
 import torch
@@ -175,3 +176,67 @@ def test_min_tokens_holds_back_eos_and_stop_ids_until_reached():
     out = sample(logits.clone(), batch)
     # row 0 has no output yet: EOS is held back; row 1 reached min_tokens; row 2 also bans 6
     assert out.token_ids.tolist() == [6, 5, 0]
+
+
+# -- response formats -----------------------------------------------------------------------
+
+JV = 262  # the 256 bytes, then '{"', 'Paris', 'true', '}', a special token, a stop token
+JSON_VOCAB: list[bytes | None] = [bytes((b,)) for b in range(256)]
+JSON_VOCAB += [b'{"', b"Paris", b"true", b"}", None, None]
+OPEN, PARIS, TRUE, STOP = 256, 257, 258, 261
+FIRST_BYTE = torch.tensor([t[0] if t else 256 for t in JSON_VOCAB])
+
+
+def constrained(schema: dict, **params) -> Request:
+    from engine.structured import JsonMatcher, TokenMatcher, grammar_for
+
+    text = json.dumps(schema)
+    r = Request("r", [1, 2, 3], SamplingParams(json_schema=text, **params))
+    r.matcher = TokenMatcher(JsonMatcher(grammar_for(text)), JSON_VOCAB, frozenset({STOP}))
+    return r
+
+
+def run_constrained(requests, logits, gen=None):
+    batch = build_sampling_batch(
+        requests, JV, torch.device("cpu"), frozenset({STOP}), first_byte=FIRST_BYTE
+    )
+    return sample(logits.clone(), batch, gen, argmax=lambda x: x.argmax(dim=-1))
+
+
+def test_a_greedy_row_takes_its_best_token_the_grammar_allows():
+    logits = torch.zeros(2, JV)
+    logits[:, PARIS] = 9.0  # what the model wants, and JSON does not start so
+    logits[:, STOP] = 8.0  # nor is an empty output a value
+    logits[:, OPEN] = 5.0
+    logits[:, ord("{")] = 4.0
+    free = reqs(SamplingParams(temperature=0.0))[0]
+    out = run_constrained([constrained({"type": "object"}, temperature=0.0), free], logits)
+    assert out.token_ids.tolist() == [OPEN, PARIS]
+
+
+def test_a_sampled_row_draws_from_its_distribution_restricted_to_allowed_tokens():
+    probs = torch.full((JV,), 1e-9)
+    probs[PARIS], probs[ord("1")], probs[ord("2")] = 0.7, 0.2, 0.1
+    logits = probs.log().expand(3000, JV)
+    rows = [constrained({"type": "integer"}, temperature=1.0, seed=i) for i in range(3000)]
+    tokens = run_constrained(rows, logits).token_ids.tolist()
+    assert set(tokens) <= {ord(c) for c in "0123456789-"}
+    share = tokens.count(ord("1")) / len(tokens)
+    assert abs(share - 2 / 3) < 0.05  # 0.2 / (0.2 + 0.1)
+
+
+def test_when_filters_leave_no_allowed_token_the_best_allowed_by_logits_is_taken():
+    logits = torch.zeros(1, JV)
+    logits[0, PARIS], logits[0, ord("7")], logits[0, ord("3")] = 9.0, 2.0, 1.0
+    row = constrained({"type": "integer"}, temperature=1.0, top_k=1, seed=0)
+    assert run_constrained([row], logits).token_ids.tolist() == [ord("7")]
+
+
+def test_a_grammar_no_token_can_continue_marks_the_row_stuck():
+    from engine.structured import JsonMatcher, TokenMatcher, grammar_for
+
+    r = Request("r", [1], SamplingParams(temperature=0.0, json_schema='{"type": "object"}'))
+    vocab: list[bytes | None] = [b"x"] * JV  # no token opens an object
+    r.matcher = TokenMatcher(JsonMatcher(grammar_for('{"type": "object"}')), vocab, frozenset())
+    run_constrained([r], torch.zeros(1, JV))
+    assert r.matcher.stuck

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -166,7 +167,6 @@ def chat_with(**extra) -> ChatCompletionRequest:
         (chat_with(tool_choice="auto"), "tool_choice"),
         (chat_with(functions=[{"name": "f"}]), "functions"),
         (chat_with(function_call="auto"), "function_call"),
-        (chat_with(response_format={"type": "json_object"}), "response_format"),
         (CompletionRequest(model="default", prompt="hi", suffix="end"), "suffix"),
         (CompletionRequest(model="default", prompt="hi", best_of=3), "best_of"),
     ],
@@ -188,6 +188,47 @@ async def test_neutral_values_of_those_parameters_are_accepted(preparer):
     assert (await preparer.chat(neutral, tenant(), "r-1")).prompts[0]
     completion = CompletionRequest(model="default", prompt="hi", best_of=2, n=2, suffix="")
     assert (await preparer.completion(completion, tenant(), "r-2")).prompts[0]
+
+
+async def test_response_formats_reach_the_engine_as_json_schemas(preparer):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    formats = {
+        "text": ({"type": "text"}, None),
+        "json_object": ({"type": "json_object"}, {"type": "object"}),
+        "json_schema": ({"type": "json_schema", "json_schema": {"name": "A", "schema": schema,
+                                                                "strict": True}}, schema),
+        "no schema": ({"type": "json_schema", "json_schema": {"name": "any"}}, True),
+    }  # fmt: skip
+    for response_format, expected in formats.values():
+        job = await preparer.chat(chat_with(response_format=response_format), tenant(), "r-1")
+        given = job.params.json_schema
+        assert (given if given is None else json.loads(given)) == expected
+
+
+@pytest.mark.parametrize(
+    ("response_format", "message"),
+    [
+        ({"type": "xml"}, "response_format.type must be"),
+        ({"type": "json_schema"}, "json_schema must be an object"),
+        ({"type": "json_schema", "json_schema": {"schema": {}}}, "name must be"),
+        ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}, "name must be"),
+        (
+            {"type": "json_schema",
+             "json_schema": {"name": "A", "schema": {"type": "string", "pattern": "^a$"}}},
+            "keyword 'pattern' is not supported",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "A", "schema": {"$ref": "#/$defs/B"}}},
+            "names no definition",
+        ),
+    ],
+)  # fmt: skip
+async def test_bad_response_formats_are_a_400_naming_the_problem(
+    preparer, response_format, message
+):
+    with pytest.raises(APIError, match=message) as err:
+        await preparer.chat(chat_with(response_format=response_format), tenant(), "r-1")
+    assert (err.value.status, err.value.param) == (400, "response_format")
 
 
 async def test_logit_bias_and_min_tokens_reach_the_engine(preparer):

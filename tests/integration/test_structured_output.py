@@ -1,0 +1,148 @@
+"""Structured output with the real model: the engine's output is JSON of the requested schema,
+in a batch as alone, and the OpenAI SDK's `response_format` works over real HTTP."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from engine.llm import LLM
+from engine.protocol import FinishReason, InvalidRequestError, SamplingParams
+
+MODEL = "SmolLM2-135M-Instruct"
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 40},
+        "country": {"type": "string", "maxLength": 40},
+        "population": {"type": "integer"},
+        "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 40},
+                      "maxItems": 3},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "country", "population", "landmarks", "capital"],
+}  # fmt: skip
+PROMPTS = [
+    "Describe Paris as JSON.",
+    "Give me a JSON object about Tokyo.",
+    "Tell me a joke.",
+    "What is 2 + 2?",
+]
+
+
+def city_params(**kw) -> SamplingParams:
+    kw = {"max_tokens": 160, "temperature": 0.0} | kw
+    return SamplingParams(json_schema=json.dumps(CITY), **kw)
+
+
+@pytest.fixture
+def llm(make_core, smollm2_fp32):
+    return LLM(core=make_core(), tokenizer=smollm2_fp32[1])
+
+
+def test_greedy_output_is_json_of_the_schema_and_ends_with_the_value(llm):
+    outs = llm.generate(PROMPTS, city_params(), chat=True)
+    for out in outs:
+        jsonschema.validate(json.loads(out.text), CITY)
+        assert out.finish_reason is FinishReason.STOP
+        assert len(out.token_ids) < 160
+    free = llm.generate(PROMPTS[2:], SamplingParams(max_tokens=20, temperature=0.0), chat=True)
+    assert not free[0].text.lstrip().startswith("{")  # the format, not the prompt, made it JSON
+
+
+def test_a_constrained_request_gets_the_same_tokens_alone_and_in_a_mixed_batch(llm):
+    alone = llm.generate(PROMPTS[:1], city_params(), chat=True)[0].token_ids
+    mixed = [
+        city_params(),
+        SamplingParams(max_tokens=40, temperature=0.0),
+        SamplingParams(max_tokens=40, temperature=0.0, json_schema='{"type": "object"}'),
+        city_params(temperature=0.9, seed=3),
+    ]
+    outs = llm.generate(PROMPTS, mixed, chat=True)
+    assert outs[0].token_ids == alone
+    assert isinstance(json.loads(outs[2].text), dict)
+    again = llm.generate(PROMPTS[3:], [city_params(temperature=0.9, seed=3)], chat=True)[0]
+    assert again.token_ids == outs[3].token_ids  # seeded sampling under a grammar repeats
+    if outs[3].finish_reason is FinishReason.STOP:
+        jsonschema.validate(json.loads(outs[3].text), CITY)
+
+
+def test_an_engine_without_a_vocabulary_refuses_response_formats(smollm2_fp32):
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+
+    model, tokenizer, model_id = smollm2_fp32
+    core = EngineCore(
+        model, EngineConfig(), model_id=model_id, eos_token_ids=tokenizer.eos_token_ids
+    )
+    with pytest.raises(InvalidRequestError) as err:
+        core.add_request("r", [1, 2], city_params())
+    assert err.value.param == "response_format" and not core.has_unfinished()
+
+
+# -- over HTTP, with the OpenAI SDK --------------------------------------------------------
+
+
+class Landmark(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=40)
+    year_built: int
+
+
+class CityFacts(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=40)
+    country: str = pydantic.Field(max_length=40)
+    landmarks: list[Landmark] = pydantic.Field(max_length=2)
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    tenant = gateway.new_tenant(rpm=1000, tpm=1_000_000, max_concurrent=16)
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=tenant[1], max_retries=0)
+
+
+def test_the_sdks_parse_helper_gets_an_instance_of_its_model(client):
+    reply = client.beta.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give facts about Paris as JSON."}],
+        response_format=CityFacts,
+        max_tokens=200,
+        temperature=0,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, CityFacts)
+    assert choice.message.parsed.city
+
+
+def test_json_mode_streams_an_object(client):
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        response_format={"type": "json_object"},
+        max_tokens=60,
+        temperature=0,
+        stream=True,
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert isinstance(json.loads(text), dict)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_an_unsupported_schema_is_a_400_and_the_gateway_serves_on(client):
+    bad = {"type": "json_schema", "json_schema": {
+        "name": "email", "schema": {"type": "string", "format": "email"}}}  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], response_format=bad
+        )
+    assert err.value.body["param"] == "response_format"
+    assert "'format' is not supported" in err.value.body["message"]
+    ok = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert ok.choices[0].message.content
