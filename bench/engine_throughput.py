@@ -17,6 +17,7 @@ attention arithmetic, sampling and scheduling free.
 
     python bench/engine_throughput.py            # SmolLM2, bf16, CPU: 1/8/32/64 concurrent
     python bench/engine_throughput.py --quick    # a fast smoke run
+    python bench/engine_throughput.py --temperature 0.8   # sampled, not greedy
     python bench/engine_throughput.py --model synthetic:llama3.2-1b --device cuda
 
 The last printed line is one JSON object; the full record goes to bench/results/.
@@ -48,10 +49,14 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
     return torch.randint(300, vocab - 1, (num, length), generator=g).tolist()
 
 
-def run_strata(core, prompts: list[list[int]], new_tokens: int) -> float:
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+def run_strata(core, prompts: list[list[int]], new_tokens: int, temperature: float = 0.0) -> float:
+    """Tokens/s; with a temperature, each request samples with a seed of its own."""
     start = time.perf_counter()
     for i, p in enumerate(prompts):
+        seed = i if temperature > 0 else None
+        params = SamplingParams(
+            max_tokens=new_tokens, temperature=temperature, seed=seed, ignore_eos=True
+        )
         core.add_request(f"b{i}", p, params)
     produced = 0
     while core.has_unfinished():
@@ -61,8 +66,12 @@ def run_strata(core, prompts: list[list[int]], new_tokens: int) -> float:
     return produced / elapsed
 
 
-def run_hf(model, prompts: list[list[int]], new_tokens: int, device: torch.device) -> float:
+def run_hf(
+    model, prompts: list[list[int]], new_tokens: int, device: torch.device, temperature: float = 0.0
+) -> float:
     ids = torch.tensor(prompts, device=device)
+    # with a temperature, plain sampling: no top-k or top-p from the model's defaults
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -70,8 +79,8 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int, device: torch.devic
             attention_mask=torch.ones_like(ids),
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
-            do_sample=False,
             pad_token_id=0,
+            **(sampling if temperature > 0 else {"do_sample": False}),
         )
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -138,6 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--temperature", type=float, default=0.0,
+        help="0: greedy; above: plain sampling, each Strata request with its own seed",
+    )  # fmt: skip
     ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (median)")
     ap.add_argument("--quick", action="store_true", help="batches 1,8, 32 new tokens, 1 run")
     ap.add_argument("--skip-hf", action="store_true", help="measure Strata only")
@@ -180,10 +193,10 @@ def main(argv: list[str] | None = None) -> dict:
         peer: list[float] = []
         for i in range(args.repeats):  # alternating which engine goes first
             if hf is not None and i % 2:
-                peer.append(run_hf(hf, prompts, args.new_tokens, device))
-            ours.append(run_strata(core, prompts, args.new_tokens))
+                peer.append(run_hf(hf, prompts, args.new_tokens, device, args.temperature))
+            ours.append(run_strata(core, prompts, args.new_tokens, args.temperature))
             if hf is not None and not i % 2:
-                peer.append(run_hf(hf, prompts, args.new_tokens, device))
+                peer.append(run_hf(hf, prompts, args.new_tokens, device, args.temperature))
         rounds[str(n)] = {"strata": [round(x, 1) for x in ours], "hf": [round(x, 1) for x in peer]}
         strata_tok_s[str(n)] = round(statistics.median(ours), 1)
         line = f"concurrency {n:>3}: strata {strata_tok_s[str(n)]:8.1f} tok/s"
@@ -208,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
         "quick": args.quick,
         "repeats": args.repeats,
         "seed": args.seed,
+        "temperature": args.temperature,
         "prefix_caching": False,
         "roofline": roofline,
         **summary,
