@@ -4,8 +4,9 @@
 formats with it); `matcher` walks them a byte at a time and checks each candidate token.
 """
 
+from engine.structured.errors import SchemaError
 from engine.structured.matcher import JsonMatcher, TokenMatcher, json_matcher
-from engine.structured.schema import Grammar, SchemaError, compile_schema, grammar_for
+from engine.structured.schema import Grammar, compile_schema, grammar_for
 
 __all__ = [
     "Grammar",

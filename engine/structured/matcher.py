@@ -14,6 +14,8 @@ Goals:
                                     (1 after a backslash, -k with k hex digits to go),
                                     and what a UTF-8 character still owes (`_UTF8_NEXT`)
     (NUM, integer, phase)           inside a number (phases: `_NUMBER_MOVES`)
+    (BNUM, node, phase, text)       inside a number with bounds, its text so far
+    (PSTR, node, count, states)     inside a string of a pattern: its automaton's states
     (ARR, node, count)              inside an array, `count` items read
     (OBJ, node, index, first)       inside an object, at property `index` of the schema's
 """
@@ -21,6 +23,7 @@ Goals:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from fractions import Fraction
 from functools import lru_cache
 from typing import Any
 
@@ -32,6 +35,7 @@ from engine.structured.schema import (
     LITERAL,
     NUMBER,
     OBJECT,
+    PATTERN,
     STRING,
     STRING_ID,
     Grammar,
@@ -39,7 +43,7 @@ from engine.structured.schema import (
 )
 
 State = frozenset[Any]
-WS, VALUE, LIT, STR, NUM, ARR, OBJ = range(7)
+WS, VALUE, LIT, STR, NUM, ARR, OBJ, PSTR, BNUM = range(9)
 
 # whitespace allowed at one place: enough to pretty-print (one line break, indentation),
 # too little for a model to loop on
@@ -86,6 +90,7 @@ _UTF8_LEAD = (
     | {0xED: 5, 0xF0: 6} | dict.fromkeys(range(0xF1, 0xF4), 3) | {0xF4: 7}
 )  # fmt: skip
 _NOT_INTEGER = frozenset({4, 6})
+_EXPONENT = 6
 
 
 class JsonMatcher:
@@ -109,17 +114,27 @@ class JsonMatcher:
             state = frozenset(out)
         return state
 
-    @staticmethod
-    def can_end(state: State) -> bool:
+    def can_end(self, state: State) -> bool:
         """Whether the text read so far is a complete value."""
         for stack in state:
-            while stack is not None:
-                goal = stack[0]
-                if goal[0] != WS and not (goal[0] == NUM and goal[2] in _NUMBER_ENDS):
-                    break
+            while stack is not None and self._may_stop(stack[0]):
                 stack = stack[1]
             if stack is None:
                 return True
+        return False
+
+    def _may_stop(self, goal: Any) -> bool:
+        """Whether `goal` may end before the next byte."""
+        kind = goal[0]
+        if kind == WS:
+            return True
+        if kind == NUM:
+            return goal[2] in _NUMBER_ENDS
+        if kind == BNUM:
+            _, node_id, phase, text = goal
+            return phase in _NUMBER_ENDS and self.nodes[node_id][2].contains(
+                Fraction(text.decode())
+            )
         return False
 
     @staticmethod
@@ -159,6 +174,21 @@ class JsonMatcher:
                 out.add(((NUM, integer, nxt), rest))
             if phase in _NUMBER_ENDS and rest is not None:
                 self._read(rest, byte, out, depth)
+        elif kind == PSTR:
+            self._read_pattern(goal, rest, byte, out)
+        elif kind == BNUM:
+            _, node_id, phase, text = goal
+            nxt = _NUMBER_MOVES[phase].get(byte)
+            integer, bounds = self.nodes[node_id][1:]
+            if (
+                nxt is not None
+                and nxt != _EXPONENT
+                and not (integer and nxt in _NOT_INTEGER)
+                and bounds.can_reach(text + bytes((byte,)))
+            ):
+                out.add(((BNUM, node_id, nxt, text + bytes((byte,))), rest))
+            if rest is not None and self._may_stop(goal):
+                self._read(rest, byte, out, depth)
         elif kind == VALUE:
             self._read_value(goal[1], rest, byte, out, depth)
         elif kind == ARR:
@@ -183,7 +213,11 @@ class JsonMatcher:
             if byte == 0x5B:
                 out.add((_SPACE, ((ARR, node_id, 0), rest)))
         elif tag == NUMBER:
-            self._read(((NUM, node[1], 0), rest), byte, out, depth)
+            start = (NUM, node[1], 0) if node[2] is None else (BNUM, node_id, 0, b"")
+            self._read((start, rest), byte, out, depth)
+        elif tag == PATTERN:
+            if byte == 0x22:
+                out.add(((PSTR, node_id, 0, node[1].start), rest))
         else:
             assert tag == LITERAL
             self._read(((LIT, node[1], 0), rest), byte, out, depth)
@@ -221,6 +255,21 @@ class JsonMatcher:
                 out.add(((STR, node_id, count, 0, 0), rest))
             elif (owed := _UTF8_LEAD.get(byte)) is not None:
                 out.add(((STR, node_id, count, 0, owed), rest))
+
+    def _read_pattern(self, goal: Any, rest: Any, byte: int, out: set[Any]) -> None:
+        _, node_id, count, states = goal
+        _, pattern, shortest, longest = self.nodes[node_id]
+        if byte == 0x22:
+            if count >= shortest and pattern.can_end(states):
+                out.add(rest)
+            return
+        if (shortest or longest is not None) and not 0x80 <= byte < 0xC0:  # a new character
+            if longest is not None and count >= longest:
+                return
+            count += 1
+        nxt = pattern.step(states, byte)
+        if nxt:
+            out.add(((PSTR, node_id, count, nxt), rest))
 
     def _read_array(self, goal: Any, rest: Any, byte: int, out: set[Any], depth: int) -> None:
         _, node_id, count = goal

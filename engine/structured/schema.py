@@ -21,14 +21,19 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from engine.structured.errors import SchemaError
+from engine.structured.numbers import bounds_of
+from engine.structured.regex import FORMATS, Pattern
+
 # node tags; a node is a tuple whose first item is its tag
-ANY, OBJECT, ARRAY, STRING, NUMBER, LITERAL, CHOICE = range(7)
+ANY, OBJECT, ARRAY, STRING, NUMBER, LITERAL, CHOICE, PATTERN = range(8)
 # (ANY,)
 # (OBJECT, ((key literal, value node, required), ...), additional node or None,
 #          required_from: tuple[bool] (does any property from index i on remain required))
 # (ARRAY, item node, min items, max items or None)
 # (STRING, min length, max length or None)
-# (NUMBER, integer only)
+# (PATTERN, Pattern, min length, max length or None): a string of a pattern or format
+# (NUMBER, integer only, Bounds or None)
 # (LITERAL, bytes)
 # (CHOICE, (node, ...))
 Node = tuple[Any, ...]
@@ -41,8 +46,8 @@ _BASE_NODES: tuple[Node, ...] = (
     (OBJECT, (), ANY_ID, (False,)),
     (ARRAY, ANY_ID, 0, None),
     (STRING, 0, None),
-    (NUMBER, False),
-    (NUMBER, True),
+    (NUMBER, False, None),
+    (NUMBER, True, None),
     (LITERAL, b"true"),
     (LITERAL, b"false"),
     (LITERAL, b"null"),
@@ -60,19 +65,14 @@ _ANNOTATIONS = frozenset({
 _KEYWORDS_BY_TYPE = {
     "object": frozenset({"properties", "required", "additionalProperties"}),
     "array": frozenset({"items", "minItems", "maxItems"}),
-    "string": frozenset({"minLength", "maxLength"}),
-    "number": frozenset(),
-    "integer": frozenset(),
+    "string": frozenset({"minLength", "maxLength", "pattern", "format"}),
+    "number": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}),
+    "integer": frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}),
     "boolean": frozenset(),
     "null": frozenset(),
 }
 _TYPED_KEYWORDS = frozenset().union(*_KEYWORDS_BY_TYPE.values())
 _COMBINERS = frozenset({"$ref", "enum", "const", "anyOf", "allOf"})
-_SIMPLE_TYPES = {"number": NUMBER_ID, "integer": INTEGER_ID, "null": NULL_ID}
-
-
-class SchemaError(ValueError):
-    """A response format Strata cannot honour: bad JSON, an invalid or unsupported schema."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,11 @@ def compile_schema(schema: Any) -> Grammar:
     compiler = _Compiler(schema)
     root = compiler.compile(schema, "$")
     return Grammar(tuple(compiler.nodes), root)
+
+
+@lru_cache(maxsize=256)
+def _pattern(source: str) -> Pattern:
+    return Pattern(source)
 
 
 def _literal(value: Any) -> bytes:
@@ -200,11 +205,33 @@ class _Compiler:
                 return ANY_ARRAY_ID
             return self.add((ARRAY, items, lo, hi))
         if name == "string":
-            lo, hi = _bounds(schema, "minLength", "maxLength", path)
-            return STRING_ID if (lo, hi) == (0, None) else self.add((STRING, lo, hi))
+            return self._string(schema, path)
         if name == "boolean":
             return self._choice([TRUE_ID, FALSE_ID])
-        return _SIMPLE_TYPES[name]
+        if name == "null":
+            return NULL_ID
+        integer = name == "integer"
+        bounds = bounds_of(schema, integer, path)
+        if bounds is None:
+            return INTEGER_ID if integer else NUMBER_ID
+        return self.add((NUMBER, integer, bounds))
+
+    def _string(self, schema: Mapping[str, Any], path: str) -> int:
+        lo, hi = _bounds(schema, "minLength", "maxLength", path)
+        pattern, form = schema.get("pattern"), schema.get("format")
+        if pattern is None and form is None:
+            return STRING_ID if (lo, hi) == (0, None) else self.add((STRING, lo, hi))
+        if pattern is not None and form is not None:
+            raise SchemaError(f"{path}: 'pattern' and 'format' together are not supported")
+        if form is not None:
+            if form not in FORMATS:
+                raise SchemaError(
+                    f"{path}.format: {form!r} is not supported (supported: {', '.join(FORMATS)})"
+                )
+            pattern = FORMATS[form]
+        if not isinstance(pattern, str):
+            raise SchemaError(f"{path}.pattern: must be a string")
+        return self.add((PATTERN, _pattern(pattern), lo, hi))
 
     def _object(self, schema: Mapping[str, Any], path: str) -> int:
         properties = schema.get("properties", {})

@@ -3,6 +3,7 @@ in a batch as alone, and the OpenAI SDK's `response_format` works over real HTTP
 
 from __future__ import annotations
 
+import datetime
 import json
 
 import jsonschema
@@ -89,7 +90,9 @@ def test_an_engine_without_a_vocabulary_refuses_response_formats(smollm2_fp32):
 
 class Landmark(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=40)
-    year_built: int
+    year_built: int = pydantic.Field(ge=1000, le=2025)
+    opened: datetime.date
+    rating: float = pydantic.Field(ge=0, le=5)
 
 
 class CityFacts(pydantic.BaseModel):
@@ -114,8 +117,9 @@ def test_the_sdks_parse_helper_gets_an_instance_of_its_model(client):
     )
     choice = reply.choices[0]
     assert choice.finish_reason == "stop"
-    assert isinstance(choice.message.parsed, CityFacts)
-    assert choice.message.parsed.city
+    facts = choice.message.parsed
+    assert isinstance(facts, CityFacts) and facts.city
+    assert all(1000 <= mark.year_built <= 2025 for mark in facts.landmarks)
 
 
 def test_json_mode_streams_an_object(client):
@@ -135,13 +139,13 @@ def test_json_mode_streams_an_object(client):
 
 def test_an_unsupported_schema_is_a_400_and_the_gateway_serves_on(client):
     bad = {"type": "json_schema", "json_schema": {
-        "name": "email", "schema": {"type": "string", "format": "email"}}}  # fmt: skip
+        "name": "ref", "schema": {"type": "string", "format": "uri-reference"}}}  # fmt: skip
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], response_format=bad
         )
     assert err.value.body["param"] == "response_format"
-    assert "'format' is not supported" in err.value.body["message"]
+    assert "'uri-reference' is not supported" in err.value.body["message"]
     ok = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from datetime import datetime
 from typing import Any
 
 import jsonschema
@@ -152,21 +153,51 @@ def random_text(matcher: JsonMatcher, rng: random.Random) -> bytes | None:
     return bytes(text)
 
 
-@pytest.mark.parametrize("schema", [PERSON, TREE, CHOICES, ANY_OBJECT])
+FORMATTED = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string", "format": "uuid"},
+        "when": {"type": "string", "format": "date-time"},
+        "code": {"type": "string", "pattern": "^[A-Z]{2}(-[0-9]{2,4})?$"},
+        "score": {"type": "number", "minimum": -1.5, "exclusiveMaximum": 2},
+        "count": {"type": "integer", "exclusiveMinimum": 9, "maximum": 12},
+    },
+    "required": ["id", "when", "code", "score", "count"],
+}
+
+
+@pytest.mark.parametrize("schema", [PERSON, TREE, CHOICES, ANY_OBJECT, FORMATTED])
 def test_every_text_the_matcher_lets_through_is_valid_json_of_the_schema(schema):
     matcher = JsonMatcher(compile_schema(schema))
     rng = random.Random(7)
     texts = [t for t in (random_text(matcher, rng) for _ in range(60)) if t is not None]
     assert len(texts) >= 30
     for text in texts:
-        jsonschema.validate(json.loads(text.decode("utf-8")), schema)
+        value = json.loads(text.decode("utf-8"))
+        jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
+        if schema is FORMATTED:
+            datetime.fromisoformat(value["when"])
 
 
 @pytest.mark.parametrize(
     ("schema", "message"),
     [
-        ({"type": "string", "pattern": "a+"}, r"\$: keyword 'pattern' is not supported"),
-        ({"properties": {"a": {"type": "integer", "minimum": 0}}}, r"\$.properties.a: .*minimum"),
+        ({"type": "string", "multipleOf": 2}, r"\$: keyword 'multipleOf' is not supported"),
+        (
+            {"properties": {"a": {"type": "integer", "minimum": "0"}}},
+            r"\$.properties.a.minimum: must be a number",
+        ),
+        ({"type": "integer", "minimum": 3, "maximum": 2}, "no number lies within its bounds"),
+        ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "no number lies"),
+        ({"type": "string", "pattern": "(?=a)b"}, "lookaround"),
+        ({"type": "string", "pattern": "(a)\\1"}, r"\\1 is not supported"),
+        ({"type": "string", "pattern": "a^b"}, "only at the ends"),
+        ({"type": "string", "pattern": "[é-ü]"}, "non-ASCII ranges are not supported"),
+        ({"type": "string", "pattern": "[^é]"}, "non-ASCII characters in negated classes"),
+        ({"type": "string", "pattern": "a{3,2}"}, "counts down"),
+        ({"type": "string", "pattern": "(ab"}, "not closed"),
+        ({"type": "string", "format": "uri-reference"}, "'uri-reference' is not supported"),
+        ({"type": "string", "format": "date", "pattern": "."}, "together are not supported"),
         ({"oneOf": [{"type": "string"}]}, "keyword 'oneOf' is not supported"),
         ({"allOf": [{"type": "string"}, {"maxLength": 2}]}, "allOf of one schema"),
         ({"anyOf": [{"type": "string"}], "type": "string"}, "'anyOf' beside other keywords"),
@@ -215,3 +246,100 @@ def test_tokens_are_checked_by_their_bytes_and_stop_tokens_only_end_a_value():
         assert tm.allows(VOCAB.index(token)), token
         tm.accept(VOCAB.index(token))
     assert tm.is_final and not any(tm.allows(b) for b in range(256))  # nothing may follow
+
+
+# -- patterns, formats and bounded numbers --------------------------------------------------
+
+PATTERNS = [
+    r"^[A-Z]{2}-\d{3}$",
+    r"abc",
+    r"^(foo|ba[rz])+$",
+    r"^a.?c",
+    r"x*y{2,3}$",
+    r"^[^aeiou ]*$",
+    r"^\w+@\w+\.(com|org)$",
+    r"^(?:\d{1,3}\.){1}\d+$",
+    r"^\s\S\D\W$",
+    r"^[aé€]+x?$",
+]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@settings(max_examples=120, deadline=None)
+@given(text=st.text(alphabet="abcfoqrzxyAZ019-.@ _éx€", max_size=12))
+def test_pattern_strings_match_as_pythons_re_searches(pattern, text):
+    expected = re.search(pattern, text, flags=re.ASCII) is not None
+    assert (
+        matches({"type": "string", "pattern": pattern}, json.dumps(text, ensure_ascii=False))
+        is expected
+    )
+
+
+def test_strings_of_a_pattern_hold_no_escapes():
+    schema = {"type": "string", "pattern": "^.+$"}
+    assert matches(schema, '"a b"') and not matches(schema, '"a\\nb"')
+    assert not matches(schema, '"a\\"b"')
+
+
+@pytest.mark.parametrize(
+    ("form", "good", "bad"),
+    [
+        (
+            "date",
+            "2024-02-29",
+            ["2023-02-29", "2100-02-29", "2024-04-31", "2024-13-01", "2024-1-01", "0000-01-01"],
+        ),
+        ("time", "23:59:59Z", ["24:00:00Z", "12:00:00", "23:59:60Z"]),
+        ("date-time", "2024-05-06T07:08:09.123+02:00", ["2024-05-06 07:08:09Z", "2024-05-06"]),
+        ("uuid", "123e4567-e89b-12d3-a456-426614174000", ["123e4567e89b12d3a456426614174000"]),
+        ("email", "ann.lee@mail.example.org", ["ann", "ann@", "@example.org"]),
+        ("ipv4", "192.168.0.255", ["256.1.1.1", "1.2.3"]),
+        ("uri", "https://example.org/a?b=c", ["no scheme", "1http://x"]),
+    ],
+)
+def test_formats_allow_their_strings_only(form, good, bad):
+    schema = {"type": "string", "format": form}
+    assert matches(schema, json.dumps(good))
+    for text in bad:
+        assert not matches(schema, json.dumps(text)), text
+
+
+def test_pattern_strings_count_characters_for_their_lengths():
+    schema = {"type": "string", "pattern": "^[a-zé]*$", "minLength": 2, "maxLength": 3}
+    texts = ("a", "éé", "abé", "abcd")
+    assert [matches(schema, json.dumps(t, ensure_ascii=False)) for t in texts] == [
+        False, True, True, False,
+    ]  # fmt: skip
+
+
+decimals = st.decimals(min_value=-1000, max_value=1000, places=3, allow_nan=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    low=st.none() | decimals, high=st.none() | decimals, value=decimals,
+    exclusive=st.tuples(st.booleans(), st.booleans()), integer=st.booleans(),
+)  # fmt: skip
+def test_bounded_numbers_allow_exactly_the_values_within_bounds(
+    low, high, value, exclusive, integer
+):
+    assume(low is None or high is None or low < high)
+    schema: dict[str, Any] = {"type": "integer" if integer else "number"}
+    if low is not None:
+        schema["exclusiveMinimum" if exclusive[0] else "minimum"] = float(low)
+    if high is not None:
+        schema["exclusiveMaximum" if exclusive[1] else "maximum"] = float(high)
+    if integer:
+        value = value.to_integral_value()
+    text = format(value, "f")
+    within = (low is None or (value > low if exclusive[0] else value >= low)) and (
+        high is None or (value < high if exclusive[1] else value <= high)
+    )
+    try:
+        compile_schema(schema)
+    except SchemaError:  # an integer range with no integer in it
+        assert integer
+        return
+    assert matches(schema, text) is within
+    if low is not None or high is not None:  # bounded numbers are written without exponents
+        assert not matches(schema, "1e2")

@@ -1,0 +1,5 @@
+"""The one error structured output raises for a response format it cannot honour."""
+
+
+class SchemaError(ValueError):
+    """A response format Strata cannot honour: bad JSON, an invalid or unsupported schema."""
