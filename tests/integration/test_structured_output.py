@@ -150,3 +150,16 @@ def test_an_unsupported_schema_is_a_400_and_the_gateway_serves_on(client):
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
     assert ok.choices[0].message.content
+
+
+def test_the_benchmark_runs_both_ways_and_checks_every_output(tmp_path, capsys, strata_cache_dir):
+    from bench import structured_output
+
+    summary = structured_output.main(["--quick", "--batches", "2", "--max-tokens", "80",
+                                      "--cache-dir", str(strata_cache_dir),
+                                      "--out-dir", str(tmp_path)])  # fmt: skip
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
+    assert summary["with_schema_tok_s"]["2"] > 0 and summary["without_tok_s"]["2"] > 0
+    (written,) = tmp_path.glob("structured_output-cpu-*.json")
+    record = json.loads(written.read_text())
+    assert record["results"]["2"]["valid_outputs"].split("/")[1] == "2"
