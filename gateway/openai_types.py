@@ -78,6 +78,8 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[int | str | list[int]]
     logprobs: int | None = None
     echo: bool = False
+    # as on chat (an extension vLLM also offers)
+    response_format: dict[str, Any] | None = None
     # not implemented: read only to refuse them, as for chat
     suffix: str | None = None
     best_of: int | None = None

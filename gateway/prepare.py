@@ -328,11 +328,7 @@ class Preparer:
                 prompt_logprobs=prompt_logprobs,
                 logit_bias=_logit_bias(body.logit_bias),
                 min_tokens=body.min_tokens or 0,
-                json_schema=(
-                    _json_schema(body.response_format)
-                    if isinstance(body, ChatCompletionRequest)
-                    else None
-                ),
+                json_schema=_json_schema(body.response_format),
             )
             params.validate(self.info.vocab_size)
         except InvalidRequestError as exc:

@@ -203,6 +203,8 @@ async def test_response_formats_reach_the_engine_as_json_schemas(preparer):
         job = await preparer.chat(chat_with(response_format=response_format), tenant(), "r-1")
         given = job.params.json_schema
         assert (given if given is None else json.loads(given)) == expected
+        body = CompletionRequest(model="default", prompt="hi", response_format=response_format)
+        assert (await preparer.completion(body, tenant(), "r-2")).params.json_schema == given
 
 
 @pytest.mark.parametrize(
