@@ -24,10 +24,23 @@ class TextPart(msgspec.Struct, kw_only=True):
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -35,6 +48,27 @@ class ChatMessage(msgspec.Struct, kw_only=True):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content if p.type == "text")
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolName(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: ToolName
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -66,9 +100,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema"}}
     response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # OpenAI features Strata does not implement: read only to refuse them (gateway/prepare.py)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
 
@@ -137,7 +172,8 @@ class ChoiceLogprobs(msgspec.Struct, kw_only=True):
 
 class AssistantMessage(msgspec.Struct, kw_only=True):
     role: str = "assistant"
-    content: str = ""
+    content: str | None = ""  # None when the turn calls tools
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -160,9 +196,17 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
     system_fingerprint: str | None = None
 
 
+class ToolCallDelta(msgspec.Struct, kw_only=True):
+    index: int
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

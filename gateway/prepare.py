@@ -24,6 +24,7 @@ from engine.protocol import (
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from gateway.errors import APIError, bad_request
 from gateway.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.tools import ToolPlan, plan_tools, render_messages
 from tenants.records import Policy, Tenant
 
 Endpoint = Literal["chat.completions", "completions"]
@@ -60,6 +61,7 @@ class Job:
     prefilled: dict[int, asyncio.Event] = field(default_factory=dict)  # by prompt
     kv_block_size: int = 1  # the engine's KV block, the unit its caches are held in
     lora: LoRARequest | None = None  # the adapter it runs through (None: the base model)
+    tools: ToolPlan | None = None  # chat with callable tools: replies are parsed for calls
     created: int = field(default_factory=lambda: int(time.time()))
     started_at: float = field(default_factory=time.time)
     started: float = field(default_factory=time.perf_counter)
@@ -142,9 +144,13 @@ class Preparer:
             )
 
     async def chat_ids(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: ToolPlan | None = None,
     ) -> list[int]:
-        """Token ids of a conversation rendered by the model's chat template."""
+        """Token ids of a conversation rendered by the model's chat template (with the
+        description of `tools`, when some may be called)."""
         if not messages:
             raise bad_request("messages must not be empty", param="messages")
         for i, message in enumerate(messages):
@@ -157,7 +163,7 @@ class Preparer:
                         "(text only)",
                         param=f"messages[{i}].content",
                     )
-        rendered = [{"role": m.role, "content": m.text()} for m in messages]
+        rendered = render_messages(messages, tools)
         try:
             text = self.tokenizer.apply_chat_template(
                 rendered, add_generation_prompt=add_generation_prompt
@@ -177,7 +183,13 @@ class Preparer:
         if lora is None:
             self.check_model(body.model, tenant.policy)
         _refuse_unsupported(body)
-        prompt_ids = await self.chat_ids(body.messages)
+        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        if tools is not None and _json_schema(body.response_format) is not None:
+            raise bad_request(
+                "response_format and callable tools together are not supported",
+                param="response_format",
+            )
+        prompt_ids = await self.chat_ids(body.messages, tools=tools)
         logprobs = None
         if body.logprobs:
             logprobs = body.top_logprobs or 0
@@ -189,9 +201,11 @@ class Preparer:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         max_tokens = body.max_completion_tokens or body.max_tokens
         job = self._job(
-            body, tenant, request_id, "chat.completions", [prompt_ids], max_tokens, logprobs
-        )
+            body, tenant, request_id, "chat.completions", [prompt_ids], max_tokens, logprobs,
+            json_schema=None if tools is None else tools.schema,
+        )  # fmt: skip
         job.lora = lora
+        job.tools = tools
         return job
 
     async def completion(
@@ -265,7 +279,10 @@ class Preparer:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        json_schema: str | None = None,
     ) -> Job:
+        """`json_schema`: the output's schema when the body's response_format does not say it
+        (the reply format of callable tools)."""
         policy = tenant.policy
         if not all(prompts):
             raise bad_request("the prompt is empty", param="prompt")
@@ -328,7 +345,7 @@ class Preparer:
                 prompt_logprobs=prompt_logprobs,
                 logit_bias=_logit_bias(body.logit_bias),
                 min_tokens=body.min_tokens or 0,
-                json_schema=_json_schema(body.response_format),
+                json_schema=json_schema or _json_schema(body.response_format),
             )
             params.validate(self.info.vocab_size)
         except InvalidRequestError as exc:
@@ -392,12 +409,10 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None:
     """OpenAI parameters Strata does not implement are a 400, not silently ignored: a client
-    that sets them relies on what they do. Their neutral values (no tools, `"none"`, one
-    candidate) are accepted."""
+    that sets them relies on what they do. Their neutral values (no functions, `"none"`,
+    one candidate) are accepted."""
     if isinstance(body, ChatCompletionRequest):
         given = {
-            "tools": bool(body.tools),
-            "tool_choice": body.tool_choice not in (None, "none"),
             "functions": bool(body.functions),
             "function_call": body.function_call not in (None, "none"),
         }

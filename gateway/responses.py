@@ -25,11 +25,13 @@ from gateway.openai_types import (
     ErrorInfo,
     PromptTokensDetails,
     TokenLogprobContent,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
 from gateway.pipeline import ChoiceResult, Pipeline, Tally, Ticket
 from gateway.prepare import Job
+from gateway.tools import parse_reply
 from tenants.records import UsageStatus
 
 _encode = msgspec.json.Encoder().encode
@@ -113,18 +115,21 @@ class Renderer:
     def chat_completion(
         self, job: Job, results: list[ChoiceResult], tally: Tally
     ) -> ChatCompletion:
-        choices = [
-            ChatChoice(
-                index=r.index,
-                message=AssistantMessage(content=r.text),
-                finish_reason=r.finish_reason,
-                stop_reason=r.stop_reason,
-                logprobs=self.chat_logprobs(r.logprobs)
-                if job.params.logprobs is not None
-                else None,
+        choices = []
+        for r in results:
+            message, finish = AssistantMessage(content=r.text), r.finish_reason
+            if job.tools is not None:
+                message, finish = parse_reply(r.text, r.finish_reason)
+            logprobs = self.chat_logprobs(r.logprobs) if job.params.logprobs is not None else None
+            choices.append(
+                ChatChoice(
+                    index=r.index,
+                    message=message,
+                    finish_reason=finish,
+                    stop_reason=r.stop_reason,
+                    logprobs=logprobs,
+                )
             )
-            for r in results
-        ]
         return ChatCompletion(
             id=job.request_id,
             created=job.created,
@@ -204,6 +209,28 @@ class Renderer:
             id=job.request_id, created=job.created, model=job.model, choices=[cchoice]
         )
 
+    def _reply_chunk(self, job: Job, index: int, deltas: list[TextDelta]) -> msgspec.Struct:
+        """A tool-calling choice's one chunk, once its reply is whole: the reply's content,
+        or its calls."""
+        last = deltas[-1]
+        assert last.finish_reason is not None
+        text = "".join(d.text for d in deltas)
+        message, finish = parse_reply(text, last.finish_reason.value)
+        if message.tool_calls is None:
+            delta = ChatDelta(content=message.content)
+        else:
+            calls = [ToolCallDelta(index=k, id=c.id, function=c.function)
+                     for k, c in enumerate(message.tool_calls)]  # fmt: skip
+            delta = ChatDelta(tool_calls=calls)
+        logprobs = [lp for d in deltas for lp in d.logprobs or ()]
+        choice = ChatChunkChoice(
+            index=index, delta=delta, finish_reason=finish, stop_reason=last.stop_reason,
+            logprobs=self.chat_logprobs(logprobs) if logprobs else None,
+        )  # fmt: skip
+        return ChatCompletionChunk(
+            id=job.request_id, created=job.created, model=job.model, choices=[choice]
+        )
+
     def _usage_chunk(self, job: Job, tally: Tally) -> msgspec.Struct:
         usage = usage_of(job, tally)
         if job.endpoint == "chat.completions":
@@ -224,6 +251,7 @@ class Renderer:
                     yield sse(self._chunk(job, i, None))
             echo = job.echo_texts
             echoed = [echo is None] * job.num_choices
+            held: dict[int, list[TextDelta]] = {}  # tool-calling replies, until whole
             async for index, delta in _merge(pipeline, job, tally):
                 if echo is not None and not echoed[index]:
                     # the prompt, with its scores when asked, arrives with the first output
@@ -232,6 +260,11 @@ class Renderer:
                     yield sse(self._chunk(job, index, prompt, delta.prompt_logprobs or ()))
                 if delta.finish_reason is not None:
                     reasons[index] = delta.finish_reason.value
+                if job.tools is not None:  # only a whole reply can be read as calls
+                    held.setdefault(index, []).append(delta)
+                    if delta.finish_reason is not None:
+                        yield sse(self._reply_chunk(job, index, held.pop(index)))
+                    continue
                 if delta.text or delta.logprobs or delta.finish_reason is not None:
                     yield sse(self._chunk(job, index, delta))
             if job.include_usage:

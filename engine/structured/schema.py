@@ -138,6 +138,8 @@ class _Compiler:
         combiners = keys & _COMBINERS
         if combiners:
             name = min(combiners)
+            if name in ("enum", "const") and keys == {name, "type"}:  # values of those types
+                return self._typed_values(name, schema, path)
             if len(keys) > 1:
                 raise SchemaError(f"{path}: {name!r} beside other keywords is not supported")
             return self._combiner(name, schema[name], f"{path}.{name}")
@@ -151,6 +153,17 @@ class _Compiler:
         if not isinstance(types, list) or not types:
             raise SchemaError(f"{path}.type: must be a type name or a non-empty list of them")
         return self._choice([self._typed(t, schema, path) for t in dict.fromkeys(types)])
+
+    def _typed_values(self, name: str, schema: Mapping[str, Any], path: str) -> int:
+        """An enum or const beside `type`: its values of that type (or those types)."""
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        values = schema[name] if name == "enum" else [schema[name]]
+        if not isinstance(values, list):
+            raise SchemaError(f"{path}.enum: must be a non-empty list")
+        kept = [v for v in values if any(_is_type(v, t) for t in types)]
+        if not kept:
+            raise SchemaError(f"{path}: no value of {name} has the schema's type")
+        return self._combiner("enum", kept, f"{path}.{name}")
 
     def _choice(self, alternatives: list[int]) -> int:
         if len(alternatives) == 1:
@@ -253,6 +266,16 @@ class _Compiler:
         )
         required_from = tuple(any(m[2] for m in members[i:]) for i in range(len(members) + 1))
         return self.add((OBJECT, members, additional, required_from))
+
+
+def _is_type(value: Any, name: Any) -> bool:
+    """Whether a JSON value is of the JSON Schema type `name`."""
+    if name == "integer":
+        return type(value) is int or (type(value) is float and value.is_integer())
+    if name == "number":
+        return type(value) in (int, float)
+    kinds = {"string": str, "boolean": bool, "null": type(None), "object": dict, "array": list}
+    return name in kinds and type(value) is kinds[name]
 
 
 def _implied_types(keys: set[str]) -> list[str]:

@@ -106,6 +106,16 @@ def test_a_recursive_schema_and_choices_of_every_kind():
     assert matches(CHOICES, '["a", "b"]') and not matches(CHOICES, '["a"]')
 
 
+def test_an_enum_or_const_beside_a_type_keeps_the_values_of_that_type():
+    schema = {"type": "string", "enum": ["a", 1, "b", None]}
+    assert matches(schema, '"a"') and matches(schema, '"b"')
+    assert not matches(schema, "1") and not matches(schema, "null")
+    assert matches({"type": ["integer", "null"], "enum": [1, 2.0, "x", None]}, "null")
+    assert matches({"type": "integer", "const": 3}, "3")
+    with pytest.raises(SchemaError, match="no value of enum has the schema's type"):
+        compile_schema({"type": "boolean", "enum": [1, "true"]})
+
+
 def test_numbers_end_only_where_a_number_may():
     schema = {"type": "number"}
     for text, ok in [("0", True), ("-1.25e+10", True), ("1.", False), ("-", False),

@@ -163,8 +163,6 @@ def chat_with(**extra) -> ChatCompletionRequest:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        (chat_with(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-        (chat_with(tool_choice="auto"), "tool_choice"),
         (chat_with(functions=[{"name": "f"}]), "functions"),
         (chat_with(function_call="auto"), "function_call"),
         (CompletionRequest(model="default", prompt="hi", suffix="end"), "suffix"),

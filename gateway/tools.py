@@ -1,0 +1,161 @@
+"""Tool calling (OpenAI's `tools` and `tool_choice`) for any model, through structured output.
+
+The tools are described to the model in a system message, and its reply is constrained to
+one JSON object: `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` to call tools, or,
+with `tool_choice: "auto"`, `{"content": "..."}` to answer in text. `"required"` allows calls
+only; a named tool_choice, calls of that tool only; `parallel_tool_calls: false`, one call.
+Each call's arguments must match its tool's `parameters` schema (engine/structured).
+
+The reply comes back in OpenAI's shape: `tool_calls` with fresh ids and the arguments as JSON
+text, and finish_reason "tool_calls"; or plain `content`. Earlier turns' calls are shown to
+the model in the same JSON it writes, and tool results as `tool` turns.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from engine.structured import SchemaError, compile_schema
+from gateway.errors import bad_request
+from gateway.openai_types import (
+    AssistantMessage,
+    ChatMessage,
+    FunctionCall,
+    NamedToolChoice,
+    Tool,
+    ToolCall,
+)
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_EMPTY_ARGUMENTS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a request's tools shape its prompt and its output."""
+
+    schema: str  # the JSON Schema the reply must match, as text
+    instructions: str  # the system message that describes the tools
+
+
+def plan_tools(
+    tools: list[Tool] | None, choice: str | NamedToolChoice | None, parallel: bool
+) -> ToolPlan | None:
+    """The plan for a request's tools; None when no tool may be called. Raises a 400 naming
+    the field for a bad tool, schema or choice."""
+    if choice is not None and not tools:
+        if choice == "none":
+            return None
+        raise bad_request("tool_choice needs tools", param="tool_choice")
+    if not tools or choice == "none":
+        return None
+    by_name: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.function
+        if not _NAME.fullmatch(fn.name):
+            raise bad_request(
+                "tool names must be 1 to 64 letters, digits, '_' or '-'",
+                param=f"tools[{i}].function.name",
+            )
+        if fn.name in by_name:
+            raise bad_request(f"two tools are named '{fn.name}'", param=f"tools[{i}]")
+        parameters = fn.parameters if fn.parameters is not None else _EMPTY_ARGUMENTS
+        try:
+            compile_schema(parameters)
+        except SchemaError as exc:
+            raise bad_request(str(exc), param=f"tools[{i}].function.parameters") from None
+        by_name[fn.name] = {"name": fn.name, "description": fn.description or "",
+                            "parameters": parameters}  # fmt: skip
+    callable_names = list(by_name)
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in by_name:
+            raise bad_request(
+                f"tool_choice names '{choice.function.name}', which is not in tools",
+                param="tool_choice",
+            )
+        callable_names = [choice.function.name]
+    calls = {
+        "type": "array",
+        "items": {"anyOf": [_call_schema(by_name[name]) for name in callable_names]},
+        "minItems": 1,
+        **({} if parallel else {"maxItems": 1}),
+    }
+    reply: dict[str, Any] = {
+        "type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
+    }  # fmt: skip
+    answer = choice in (None, "auto")
+    if answer:
+        text = {"type": "object", "properties": {"content": {"type": "string"}},
+                "required": ["content"]}  # fmt: skip
+        reply = {"anyOf": [reply, text]}
+    listing = json.dumps(list(by_name.values()), ensure_ascii=False)
+    shape = '{"tool_calls": [{"name": <function name>, "arguments": <arguments object>}]}'
+    instructions = (
+        f"You can call these functions (their arguments are described as JSON Schema):\n"
+        f"{listing}\n\nReply with one JSON object: {shape} to call "
+        + ("functions" if parallel else "one function")
+        + (', or {"content": <your answer>} to answer without calling one.' if answer else ".")
+    )
+    return ToolPlan(schema=json.dumps(reply), instructions=instructions)
+
+
+def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool["name"]}, "arguments": tool["parameters"]},
+        "required": ["name", "arguments"],
+    }
+
+
+def render_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> list[dict[str, Any]]:
+    """The conversation as the chat template reads it: assistant turns' calls in the JSON the
+    model writes, and the tools' description first (in the system message, if there is one)."""
+    rendered = []
+    for m in messages:
+        content = m.text()
+        if m.tool_calls:
+            calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)}
+                     for c in m.tool_calls]  # fmt: skip
+            content = json.dumps({"tool_calls": calls}, ensure_ascii=False)
+        rendered.append({"role": m.role, "content": content})
+    if plan is not None:
+        if rendered and rendered[0]["role"] in ("system", "developer"):
+            first = rendered[0]
+            rendered[0] = {**first, "content": f"{first['content']}\n\n{plan.instructions}"}
+        else:
+            rendered.insert(0, {"role": "system", "content": plan.instructions})
+    return rendered
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # shown as the client sent it
+
+
+def parse_reply(text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
+    """A constrained reply as OpenAI's message and finish reason. A reply cut short (by
+    max_tokens or a stop string) is not a whole object: it comes back as text, unchanged."""
+    try:
+        reply = json.loads(text)
+    except ValueError:
+        return AssistantMessage(content=text), finish_reason
+    if isinstance(reply, dict) and isinstance(reply.get("tool_calls"), list):
+        calls = [
+            ToolCall(
+                id=f"call_{uuid.uuid4().hex[:24]}",
+                function=FunctionCall(
+                    name=call["name"], arguments=json.dumps(call["arguments"], ensure_ascii=False)
+                ),
+            )
+            for call in reply["tool_calls"]
+        ]
+        return AssistantMessage(content=None, tool_calls=calls), "tool_calls"
+    if isinstance(reply, dict) and isinstance(reply.get("content"), str):
+        return AssistantMessage(content=reply["content"]), finish_reason
+    return AssistantMessage(content=text), finish_reason

@@ -1,0 +1,116 @@
+"""Tool calling with the OpenAI SDK over real HTTP, the real model behind the gateway: calls
+come back in OpenAI's shape with arguments that match their tool's schema, streamed or not,
+and a conversation carrying calls and their results goes on."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+MODEL = "SmolLM2-135M-Instruct"
+WEATHER_ARGS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+}
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city.",
+        "parameters": WEATHER_ARGS}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "Current time in a time zone.",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string",
+                                                                  "maxLength": 30}},
+                       "required": ["zone"]}}},
+]  # fmt: skip
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    tenant = gateway.new_tenant(rpm=1000, tpm=1_000_000, max_concurrent=16)
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=tenant[1], max_retries=0)
+
+
+def create(client, **kw):
+    kw = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 120,
+          "temperature": 0} | kw  # fmt: skip
+    return client.chat.completions.create(**kw)
+
+
+def test_required_tool_choice_returns_calls_whose_arguments_match_their_schema(client):
+    reply = create(client, tool_choice="required")
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        schema = next(t["function"]["parameters"] for t in TOOLS
+                      if t["function"]["name"] == call.function.name)  # fmt: skip
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
+def test_a_named_tool_is_the_one_called_once_without_parallel_calls(client):
+    reply = create(
+        client,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        parallel_tool_calls=False,
+    )
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and "zone" in json.loads(call.function.arguments)
+
+
+def test_streamed_calls_arrive_whole_in_one_chunk(client):
+    stream = create(client, tool_choice="required", stream=True)
+    chunks = [c for c in stream if c.choices]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    (last,) = [c for c in chunks if c.choices[0].delta.tool_calls]
+    assert last.choices[0].finish_reason == "tool_calls"
+    calls = last.choices[0].delta.tool_calls
+    assert [c.index for c in calls] == list(range(len(calls)))
+    assert all(c.id.startswith("call_") and json.loads(c.function.arguments) for c in calls)
+
+
+def test_auto_answers_in_text_or_calls_and_a_conversation_with_results_goes_on(client):
+    first = create(client, tool_choice="auto").choices[0]
+    assert (first.finish_reason == "tool_calls") == bool(first.message.tool_calls)
+    if not first.message.tool_calls:
+        assert first.message.content  # text it chose to write instead
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_abc", "type": "function",
+            "function": {"name": "get_weather",
+                         "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "18 degrees and sunny"},
+    ]  # fmt: skip
+    after = create(client, messages=history, tool_choice="auto").choices[0]
+    assert after.finish_reason in ("stop", "tool_calls", "length")
+    assert after.message.content or after.message.tool_calls
+    plain = create(client, messages=history, tool_choice="none", max_tokens=20).choices[0]
+    assert plain.message.content and not plain.message.tool_calls
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+         "tools[0].function.name"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"x": {"type": "string", "format": "hostname"}}}}}]},
+         "tools[0].function.parameters"),
+    ],
+)  # fmt: skip
+def test_bad_tool_requests_are_a_400_naming_the_field(client, extra, param):
+    kw = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 4} | extra
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**kw)
+    assert err.value.body["param"] == param
