@@ -280,7 +280,12 @@ class EngineCore:
                 continue
             matcher = request.matcher
             if matcher is not None and matcher.stuck:
-                outputs.append(self._fail(request, "no token can continue the response format"))
+                outputs.append(
+                    self._fail(
+                        request,
+                        "no token could continue the response format among the most likely ones",
+                    )
+                )
                 continue
             request.append_token(token_id)
             if logprob is not None:

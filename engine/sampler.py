@@ -282,14 +282,17 @@ def _constrain(
 def _first_allowed(
     orders: list[tuple[torch.Tensor, float]], matcher: TokenMatcher, first_byte: torch.Tensor
 ) -> int | None:
-    """The first token `matcher` allows, by descending key, among keys above their floor."""
+    """The first token `matcher` allows, by descending key, among keys above their floor;
+    None if none is, or if `_MAX_CHECKS` candidates were refused (a grammar must not hold
+    the whole batch up)."""
     allowed = torch.tensor([*matcher.next_bytes(), False])  # [257]: index 256 is "no bytes"
     candidates = allowed[first_byte]  # [V]
     if matcher.can_end:
         candidates[[t for t in matcher.stop_ids if t < len(candidates)]] = True
+    checks = 0
     for key, floor in orders:
         key = key.masked_fill(~candidates, float("-inf"))
-        while True:
+        while checks < _MAX_CHECKS:
             values, ids = key.topk(min(_CANDIDATES_PER_LOOK, key.numel()))
             for value, token in zip(values.tolist(), ids.tolist(), strict=True):
                 if value <= floor:
@@ -298,12 +301,14 @@ def _first_allowed(
                     return token
             else:
                 key[ids] = float("-inf")
+                checks += len(ids)
                 continue
             break
     return None
 
 
 _CANDIDATES_PER_LOOK = 64
+_MAX_CHECKS = 4096
 
 
 def score(logprobs: torch.Tensor, token_ids: torch.Tensor, n: int) -> SamplerOutput:

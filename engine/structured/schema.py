@@ -57,6 +57,7 @@ ANY_ALTERNATIVES = (ANY_OBJECT_ID, ANY_ARRAY_ID, STRING_ID, NUMBER_ID, TRUE_ID, 
 
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_NODES = 4096
+MAX_PATTERN_STATES = 16384  # the automaton states of all of a schema's patterns and formats
 
 _ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "$schema", "$id", "$comment",
@@ -117,6 +118,7 @@ class _Compiler:
         self.root = root
         self.nodes: list[Node] = list(_BASE_NODES)
         self.refs: dict[str, int] = {}
+        self.pattern_states = 0
 
     def add(self, node: Node) -> int:
         if len(self.nodes) >= MAX_NODES:
@@ -244,7 +246,11 @@ class _Compiler:
             pattern = FORMATS[form]
         if not isinstance(pattern, str):
             raise SchemaError(f"{path}.pattern: must be a string")
-        return self.add((PATTERN, _pattern(pattern), lo, hi))
+        compiled = _pattern(pattern)
+        self.pattern_states += len(compiled.edges)
+        if self.pattern_states > MAX_PATTERN_STATES:
+            raise SchemaError(f"{path}: the schema's patterns are too large together")
+        return self.add((PATTERN, compiled, lo, hi))
 
     def _object(self, schema: Mapping[str, Any], path: str) -> int:
         properties = schema.get("properties", {})

@@ -240,3 +240,21 @@ def test_a_grammar_no_token_can_continue_marks_the_row_stuck():
     r.matcher = TokenMatcher(JsonMatcher(grammar_for('{"type": "object"}')), vocab, frozenset())
     run_constrained([r], torch.zeros(1, JV))
     assert r.matcher.stuck
+
+
+def test_a_grammar_gives_up_after_a_bounded_number_of_refused_candidates():
+    from engine.structured import JsonMatcher, TokenMatcher, grammar_for
+
+    vocab_size = 20_000
+    vocab: list[bytes | None] = [b"{x"] * vocab_size  # each opens an object, then fails
+    r = Request("r", [1], SamplingParams(temperature=0.0, json_schema='{"type": "object"}'))
+    matcher = TokenMatcher(JsonMatcher(grammar_for('{"type": "object"}')), vocab, frozenset())
+    checked = []
+    allows = matcher.allows
+    matcher.allows = lambda token: checked.append(token) or allows(token)  # type: ignore[method-assign]
+    r.matcher = matcher
+    batch = build_sampling_batch(
+        [r], vocab_size, torch.device("cpu"), first_byte=torch.full((vocab_size,), ord("{"))
+    )
+    sample(torch.randn(1, vocab_size), batch)
+    assert matcher.stuck and 4096 <= len(checked) <= 4096 + 64 + 1

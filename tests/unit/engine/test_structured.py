@@ -353,3 +353,11 @@ def test_bounded_numbers_allow_exactly_the_values_within_bounds(
     assert matches(schema, text) is within
     if low is not None or high is not None:  # bounded numbers are written without exponents
         assert not matches(schema, "1e2")
+
+
+def test_a_schemas_patterns_are_bounded_together():
+    field = {"type": "string", "pattern": "^a{250}b{250}$"}
+    compile_schema({"type": "object", "properties": {"a": field, "b": field}})
+    many = {"type": "object", "properties": {f"f{i}": field for i in range(40)}}
+    with pytest.raises(SchemaError, match="patterns are too large together"):
+        compile_schema(many)
