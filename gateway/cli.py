@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from engine.config import (
     CacheConfig,
@@ -175,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument(
+        "--json-schema",
+        default=None,
+        help="constrain the output to JSON of this schema (JSON text, or @file)",
+    )
     _engine_options(gen)
 
     srv = sub.add_parser("serve", help="store + engine worker + gateway on one machine")
@@ -222,6 +228,7 @@ def _generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         seed=args.seed,
         stop=tuple(args.stop),
+        json_schema=_read_schema(args.json_schema),
     )
     params.validate()  # before spending seconds on importing torch and loading the model
     from engine.llm import LLM  # noqa: PLC0415
@@ -230,6 +237,16 @@ def _generate(args: argparse.Namespace) -> int:
     (result,) = llm.generate([args.prompt], params, chat=args.chat)
     print(result.text)
     return 0
+
+
+def _read_schema(value: str | None) -> str | None:
+    """--json-schema's text: as given, or read from the file after an @."""
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as exc:
+        raise ValueError(f"--json-schema: cannot read {value[1:]}: {exc.strerror}") from None
 
 
 def _engine(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -27,7 +28,12 @@ def strata(*args: str, cache_dir, timeout: float = 300) -> subprocess.CompletedP
     )
 
 
-@pytest.mark.parametrize("extra", [[], ["--kv-cache-dtype", "fp8_e4m3"]])
+CAPITAL = (
+    '{"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"]}'
+)
+
+
+@pytest.mark.parametrize("extra", [[], ["--kv-cache-dtype", "fp8_e4m3", "--json-schema", CAPITAL]])
 def test_generate_chat_answers_paris(strata_cache_dir, extra):
     done = strata(
         "generate",
@@ -40,6 +46,8 @@ def test_generate_chat_answers_paris(strata_cache_dir, extra):
     )
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout
+    if "--json-schema" in extra:
+        assert json.loads(done.stdout) == {"capital": "Paris"}
 
 
 def test_sampled_generation_is_reproducible_with_a_seed(strata_cache_dir):
@@ -67,6 +75,8 @@ def test_sampled_generation_is_reproducible_with_a_seed(strata_cache_dir):
         (["--model", "synthetic:nope"], "synthetic"),
         (["--dtype", "float8"], "dtype"),
         (["--max-tokens", "0"], "max_tokens"),
+        (["--json-schema", '{"type": "string", "format": "hostname"}'], "'hostname' is not"),
+        (["--json-schema", "@/nonexistent/schema.json"], "cannot read"),
     ],
 )
 def test_bad_input_gives_one_clear_line(strata_cache_dir, args, needle):
