@@ -72,6 +72,18 @@ def test_a_constrained_request_gets_the_same_tokens_alone_and_in_a_mixed_batch(l
         jsonschema.validate(json.loads(outs[3].text), CITY)
 
 
+def test_preempted_constrained_requests_resume_their_grammar(make_core, smollm2_fp32, llm):
+    from engine.config import CacheConfig, EngineConfig
+
+    roomy = llm.generate(PROMPTS, city_params(), chat=True)
+    tiny = LLM(core=make_core(EngineConfig(cache=CacheConfig(num_blocks=16))),
+               tokenizer=smollm2_fp32[1])  # fmt: skip
+    squeezed = tiny.generate(PROMPTS, city_params(), chat=True)
+    assert tiny.core.stats().num_preemptions > 0
+    assert [c.token_ids for c in squeezed] == [c.token_ids for c in roomy]
+    tiny.core.check_integrity()
+
+
 def test_an_engine_without_a_vocabulary_refuses_response_formats(smollm2_fp32):
     from engine.config import EngineConfig
     from engine.core import EngineCore
