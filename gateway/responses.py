@@ -31,7 +31,7 @@ from gateway.openai_types import (
 )
 from gateway.pipeline import ChoiceResult, Pipeline, Tally, Ticket
 from gateway.prepare import Job
-from gateway.tools import parse_reply
+from gateway.tools import ReplyStream, parse_reply
 from tenants.records import UsageStatus
 
 _encode = msgspec.json.Encoder().encode
@@ -251,7 +251,9 @@ class Renderer:
                     yield sse(self._chunk(job, i, None))
             echo = job.echo_texts
             echoed = [echo is None] * job.num_choices
-            held: dict[int, list[TextDelta]] = {}  # tool-calling replies, until whole
+            # tool-calling replies: read as they come; calls held until whole
+            readers: dict[int, ReplyStream] = {}
+            held: dict[int, list[TextDelta]] = {}
             async for index, delta in _merge(pipeline, job, tally):
                 if echo is not None and not echoed[index]:
                     # the prompt, with its scores when asked, arrives with the first output
@@ -260,11 +262,20 @@ class Renderer:
                     yield sse(self._chunk(job, index, prompt, delta.prompt_logprobs or ()))
                 if delta.finish_reason is not None:
                     reasons[index] = delta.finish_reason.value
-                if job.tools is not None:  # only a whole reply can be read as calls
+                if job.tools is not None:
                     held.setdefault(index, []).append(delta)
-                    if delta.finish_reason is not None:
+                    text = readers.setdefault(index, ReplyStream()).feed(delta.text)
+                    if text is not None:  # a text answer: its characters as they come
+                        deltas = held.pop(index)
+                        delta = TextDelta(
+                            text, [], [lp for d in deltas for lp in d.logprobs or ()],
+                            delta.finish_reason, delta.stop_reason, delta.num_output_tokens,
+                        )  # fmt: skip
+                    elif delta.finish_reason is not None:  # only whole calls can be read
                         yield sse(self._reply_chunk(job, index, held.pop(index)))
-                    continue
+                        continue
+                    else:
+                        continue
                 if delta.text or delta.logprobs or delta.finish_reason is not None:
                     yield sse(self._chunk(job, index, delta))
             if job.include_usage:

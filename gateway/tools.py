@@ -140,10 +140,14 @@ def _arguments(text: str) -> Any:
 
 def parse_reply(text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
     """A constrained reply as OpenAI's message and finish reason. A reply cut short (by
-    max_tokens or a stop string) is not a whole object: it comes back as text, unchanged."""
+    max_tokens or a stop string) is not a whole object: a text answer keeps what it had
+    written, and cut calls come back as their raw text."""
     try:
         reply = json.loads(text)
     except ValueError:
+        opening = _CONTENT_OPENING.match(text)
+        if opening is not None:
+            return AssistantMessage(content=_decode(text[opening.end() :])[0]), finish_reason
         return AssistantMessage(content=text), finish_reason
     if isinstance(reply, dict) and isinstance(reply.get("tool_calls"), list):
         calls = [
@@ -159,3 +163,75 @@ def parse_reply(text: str, finish_reason: str | None) -> tuple[AssistantMessage,
     if isinstance(reply, dict) and isinstance(reply.get("content"), str):
         return AssistantMessage(content=reply["content"]), finish_reason
     return AssistantMessage(content=text), finish_reason
+
+
+_CONTENT_OPENING = re.compile(r'\s*\{\s*"content"\s*:\s*"')
+_ESCAPED = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+class ReplyStream:
+    """A tool-calling reply read as it streams. Once it has opened a text answer
+    (`{"content": "`), the answer's characters are released as they arrive; calls are
+    released only whole, at the end (`feed` returns None for them)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.start: int | None = None  # where the answer's string starts in `text`
+        self.read = 0  # of that string, the characters decoded so far
+        self.closed = False  # its closing quote has come
+        self.calls = False  # the reply is calls (or cannot be an answer)
+
+    def feed(self, delta: str) -> str | None:
+        """The answer's new text (maybe ""), or None while the reply is not known to be one."""
+        self.text += delta
+        if self.start is None and not self.calls:
+            opening = _CONTENT_OPENING.match(self.text)
+            if opening is not None:
+                self.start = opening.end()
+            elif not '{"content":"'.startswith(re.sub(r"\s+", "", self.text)):
+                self.calls = True
+        if self.start is None:
+            return None
+        if self.closed:
+            return ""
+        decoded, used, self.closed = _decode(self.text[self.start + self.read :])
+        self.read += used
+        return decoded
+
+
+def _decode(body: str) -> tuple[str, int, bool]:
+    """The start of a JSON string's body, decoded: (text, characters used, whether the
+    closing quote came). An escape not yet whole is left for the next call."""
+    out: list[str] = []
+    i = 0
+    while i < len(body):
+        char = body[i]
+        if char == '"':
+            return "".join(out), i + 1, True
+        if char != "\\":
+            out.append(char)
+            i += 1
+            continue
+        if i + 1 >= len(body):
+            break
+        if body[i + 1] != "u":
+            out.append(_ESCAPED.get(body[i + 1], body[i + 1]))
+            i += 2
+            continue
+        if i + 6 > len(body):
+            break
+        code = int(body[i + 2 : i + 6], 16)
+        if 0xD800 <= code < 0xDC00:  # the high half of a pair: the low half must follow
+            if i + 12 > len(body) and body[i + 6 : i + 8] in ("\\u", "\\", ""):
+                break
+            low = body[i + 8 : i + 12] if body[i + 6 : i + 8] == "\\u" else ""
+            if len(low) == 4 and 0xDC00 <= int(low, 16) < 0xE000:
+                out.append(chr(0x10000 + ((code - 0xD800) << 10) + int(low, 16) - 0xDC00))
+                i += 12
+                continue
+            code = 0xFFFD
+        elif 0xDC00 <= code < 0xE000:
+            code = 0xFFFD  # a lone low half
+        out.append(chr(code))
+        i += 6
+    return "".join(out), i, False

@@ -114,3 +114,15 @@ def test_bad_tool_requests_are_a_400_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(**kw)
     assert err.value.body["param"] == param
+
+
+def test_a_text_answer_streams_as_it_is_written(client, smollm2_tokenizer):
+    (content,) = smollm2_tokenizer.encode("content", add_special_tokens=False)
+    kw = {"tool_choice": "auto", "logit_bias": {str(content): 100}, "max_tokens": 60}
+    whole = create(client, **kw).choices[0]  # the bias steers it to answer in text
+    assert whole.message.content and not whole.message.tool_calls
+    chunks = [c for c in create(client, stream=True, **kw) if c.choices]
+    pieces = [c.choices[0].delta.content for c in chunks[1:] if c.choices[0].delta.content]
+    assert len(pieces) > 3  # not held to the end
+    assert "".join(pieces) == whole.message.content
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason

@@ -11,7 +11,7 @@ import pytest
 from engine.structured import JsonMatcher, grammar_for
 from gateway.errors import APIError
 from gateway.openai_types import ChatMessage, NamedToolChoice, Tool, ToolName
-from gateway.tools import parse_reply, plan_tools, render_messages
+from gateway.tools import ReplyStream, parse_reply, plan_tools, render_messages
 
 WEATHER = {
     "type": "function",
@@ -133,3 +133,16 @@ def test_replies_become_openai_messages():
     cut = '{"tool_calls": [{"name": "get_wea'
     message, finish = parse_reply(cut, "length")
     assert (message.content, finish) == (cut, "length")
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7])
+def test_a_streamed_text_answer_is_released_as_it_comes(step):
+    answer = 'Say "hi"\n\\ then 😀 and \u00e9.'
+    text = json.dumps({"content": answer})  # escapes, and a surrogate pair for the emoji
+    stream = ReplyStream()
+    released = [stream.feed(text[i : i + step]) for i in range(0, len(text), step)]
+    assert released[0] is None or step > 4  # undecided until the key is read
+    assert "".join(r or "" for r in released) == answer
+    calls = ReplyStream()
+    assert [calls.feed(part) for part in ('{"', "tool", '_calls": [')] == [None, None, None]
+    assert parse_reply('{"content": "cut sh', "length")[0].content == "cut sh"
