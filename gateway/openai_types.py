@@ -128,6 +128,10 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # for a prompt (a template writes its own)
     add_generation_prompt: bool = True  # for messages
+    # with messages: the tools' description counts, as it does in a chat request
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

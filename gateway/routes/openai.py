@@ -25,6 +25,7 @@ from gateway.openai_types import (
 from gateway.prepare import Job, new_request_id
 from gateway.routes import time_window
 from gateway.state import GatewayState
+from gateway.tools import plan_tools
 from tenants.export import export_usage
 
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -171,7 +172,8 @@ class TokenizerController(Controller):
             ids = await gw.preparer.encode(data.prompt, data.add_special_tokens)
         else:
             assert data.messages is not None
-            ids = await gw.preparer.chat_ids(data.messages, data.add_generation_prompt)
+            tools = plan_tools(data.tools, data.tool_choice, data.parallel_tool_calls)
+            ids = await gw.preparer.chat_ids(data.messages, data.add_generation_prompt, tools)
         info = gw.preparer.info
         return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)
 

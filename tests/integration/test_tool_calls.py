@@ -126,3 +126,16 @@ def test_a_text_answer_streams_as_it_is_written(client, smollm2_tokenizer):
     assert len(pieces) > 3  # not held to the end
     assert "".join(pieces) == whole.message.content
     assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+
+
+def test_tokenize_counts_the_tools_as_a_request_bills_them(client, gateway):
+    import httpx
+
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required"}
+    with httpx.Client(
+        base_url=gateway.url, headers={"authorization": f"Bearer {client.api_key}"}
+    ) as http:
+        counted = http.post("/tokenize", json=body).json()["count"]
+        plain = http.post("/tokenize", json={"model": MODEL, "messages": ASK}).json()["count"]
+    reply = create(client, tool_choice="required", max_tokens=1)
+    assert counted == reply.usage.prompt_tokens > plain + 50
