@@ -16,6 +16,7 @@ Goals:
     (NUM, integer, phase)           inside a number (phases: `_NUMBER_MOVES`)
     (BNUM, node, phase, text)       inside a number with bounds, its text so far
     (PSTR, node, count, states)     inside a string of a pattern: its automaton's states
+    (ONEOF, node, state)            inside one of an enum's texts, at a state of its trie
     (ARR, node, count)              inside an array, `count` items read
     (OBJ, node, index, first)       inside an object, at property `index` of the schema's
 """
@@ -38,12 +39,13 @@ from engine.structured.schema import (
     PATTERN,
     STRING,
     STRING_ID,
+    TRIE,
     Grammar,
     grammar_for,
 )
 
 State = frozenset[Any]
-WS, VALUE, LIT, STR, NUM, ARR, OBJ, PSTR, BNUM = range(9)
+WS, VALUE, LIT, STR, NUM, ARR, OBJ, PSTR, BNUM, ONEOF = range(10)
 
 # whitespace allowed at one place: enough to pretty-print (one line break, indentation),
 # too little for a model to loop on
@@ -130,6 +132,8 @@ class JsonMatcher:
             return True
         if kind == NUM:
             return goal[2] in _NUMBER_ENDS
+        if kind == ONEOF:
+            return goal[2] in self.nodes[goal[1]][2]
         if kind == BNUM:
             _, node_id, phase, text = goal
             return phase in _NUMBER_ENDS and self.nodes[node_id][2].contains(
@@ -176,6 +180,14 @@ class JsonMatcher:
                 self._read(rest, byte, out, depth)
         elif kind == PSTR:
             self._read_pattern(goal, rest, byte, out)
+        elif kind == ONEOF:
+            _, node_id, at = goal
+            _, table, ends = self.nodes[node_id]
+            nxt = table[at].get(byte)
+            if nxt is not None:  # a text that ends here and goes no further is complete
+                out.add(rest if nxt in ends and not table[nxt] else ((ONEOF, node_id, nxt), rest))
+            if at in ends and rest is not None:  # a text that ended (others go on)
+                self._read(rest, byte, out, depth)
         elif kind == BNUM:
             _, node_id, phase, text = goal
             nxt = _NUMBER_MOVES[phase].get(byte)
@@ -215,6 +227,8 @@ class JsonMatcher:
         elif tag == NUMBER:
             start = (NUM, node[1], 0) if node[2] is None else (BNUM, node_id, 0, b"")
             self._read((start, rest), byte, out, depth)
+        elif tag == TRIE:
+            self._read(((ONEOF, node_id, 0), rest), byte, out, depth)
         elif tag == PATTERN:
             if byte == 0x22:
                 out.add(((PSTR, node_id, 0, node[1].start), rest))

@@ -26,7 +26,7 @@ from engine.structured.numbers import bounds_of
 from engine.structured.regex import FORMATS, Pattern
 
 # node tags; a node is a tuple whose first item is its tag
-ANY, OBJECT, ARRAY, STRING, NUMBER, LITERAL, CHOICE, PATTERN = range(8)
+ANY, OBJECT, ARRAY, STRING, NUMBER, LITERAL, CHOICE, PATTERN, TRIE = range(9)
 # (ANY,)
 # (OBJECT, ((key literal, value node, required), ...), additional node or None,
 #          required_from: tuple[bool] (does any property from index i on remain required))
@@ -36,6 +36,8 @@ ANY, OBJECT, ARRAY, STRING, NUMBER, LITERAL, CHOICE, PATTERN = range(8)
 # (NUMBER, integer only, Bounds or None)
 # (LITERAL, bytes)
 # (CHOICE, (node, ...))
+# (TRIE, ({byte: state}, ...), frozenset of states where a value ends): one of several fixed
+#        texts (an enum), read in one pass however many there are
 Node = tuple[Any, ...]
 
 # the nodes every grammar starts with, at these ids
@@ -109,6 +111,21 @@ def _pattern(source: str) -> Pattern:
     return Pattern(source)
 
 
+def _trie(texts: list[bytes]) -> tuple[tuple[dict[int, int], ...], frozenset[int]]:
+    """The states of a byte trie of `texts` (state 0 is the root), and where a text ends."""
+    table: list[dict[int, int]] = [{}]
+    ends = set()
+    for text in texts:
+        state = 0
+        for byte in text:
+            if byte not in table[state]:
+                table[state][byte] = len(table)
+                table.append({})
+            state = table[state][byte]
+        ends.add(state)
+    return tuple(table), frozenset(ends)
+
+
 def _literal(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
@@ -180,8 +197,10 @@ class _Compiler:
         if not isinstance(value, list) or not value:
             raise SchemaError(f"{path}: must be a non-empty list")
         if name == "enum":
-            literals = dict.fromkeys(_literal(v) for v in value)
-            return self._choice([self.add((LITERAL, lit)) for lit in literals])
+            literals = list(dict.fromkeys(_literal(v) for v in value))
+            if len(literals) == 1:
+                return self.add((LITERAL, literals[0]))
+            return self.add((TRIE, *_trie(literals)))
         if name == "allOf":
             if len(value) != 1:
                 raise SchemaError(f"{path}: only an allOf of one schema is supported")

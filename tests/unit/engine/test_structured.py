@@ -116,6 +116,17 @@ def test_an_enum_or_const_beside_a_type_keeps_the_values_of_that_type():
         compile_schema({"type": "boolean", "enum": [1, "true"]})
 
 
+def test_enums_are_read_in_one_pass_even_when_one_value_starts_another():
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 12, "a", [1]]}}}
+    for value, ok in [(1, True), (12, True), (123, False), ("a", True), ([1], True), (2, False)]:
+        assert matches(schema, json.dumps({"n": value})) is ok, value
+    many = {"enum": [f"value-{i}" for i in range(4000)]}
+    assert matches(many, '"value-3999"') and not matches(many, '"value-4000"')
+    matcher = JsonMatcher(compile_schema(many))
+    state = matcher.advance(matcher.start, b'"value-1')
+    assert state is not None and len(state) == 1  # one stack, not one per value
+
+
 def test_numbers_end_only_where_a_number_may():
     schema = {"type": "number"}
     for text, ok in [("0", True), ("-1.25e+10", True), ("1.", False), ("-", False),
