@@ -184,11 +184,14 @@ class Preparer:
             self.check_model(body.model, tenant.policy)
         _refuse_unsupported(body)
         tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-        if tools is not None and _json_schema(body.response_format) is not None:
-            raise bad_request(
-                "response_format and callable tools together are not supported",
-                param="response_format",
-            )
+        json_schema = _json_schema(body.response_format)
+        if tools is not None:
+            if json_schema is not None:
+                raise bad_request(
+                    "response_format and callable tools together are not supported",
+                    param="response_format",
+                )
+            json_schema = tools.schema
         prompt_ids = await self.chat_ids(body.messages, tools=tools)
         logprobs = None
         if body.logprobs:
@@ -202,7 +205,7 @@ class Preparer:
         max_tokens = body.max_completion_tokens or body.max_tokens
         job = self._job(
             body, tenant, request_id, "chat.completions", [prompt_ids], max_tokens, logprobs,
-            json_schema=None if tools is None else tools.schema,
+            json_schema=json_schema,
         )  # fmt: skip
         job.lora = lora
         job.tools = tools
@@ -230,7 +233,7 @@ class Preparer:
             scoring = body.logprobs or 0
         job = self._job(
             body, tenant, request_id, "completions", prompts, body.max_tokens, body.logprobs,
-            prompt_logprobs=scoring,
+            prompt_logprobs=scoring, json_schema=_json_schema(body.response_format),
         )  # fmt: skip
         job.echo_texts = texts
         job.lora = lora
@@ -281,8 +284,8 @@ class Preparer:
         prompt_logprobs: int | None = None,
         json_schema: str | None = None,
     ) -> Job:
-        """`json_schema`: the output's schema when the body's response_format does not say it
-        (the reply format of callable tools)."""
+        """`json_schema`: what the output must be (from response_format, or the reply format
+        of callable tools)."""
         policy = tenant.policy
         if not all(prompts):
             raise bad_request("the prompt is empty", param="prompt")
@@ -345,7 +348,7 @@ class Preparer:
                 prompt_logprobs=prompt_logprobs,
                 logit_bias=_logit_bias(body.logit_bias),
                 min_tokens=body.min_tokens or 0,
-                json_schema=json_schema or _json_schema(body.response_format),
+                json_schema=json_schema,
             )
             params.validate(self.info.vocab_size)
         except InvalidRequestError as exc:

@@ -19,8 +19,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured import SchemaError, compile_schema
-from gateway.errors import bad_request
+from engine.structured import SchemaError, compile_schema, grammar_for
+from gateway.errors import APIError, bad_request
 from gateway.openai_types import (
     AssistantMessage,
     ChatMessage,
@@ -53,46 +53,22 @@ def plan_tools(
         raise bad_request("tool_choice needs tools", param="tool_choice")
     if not tools or choice == "none":
         return None
-    by_name: dict[str, dict[str, Any]] = {}
-    for i, tool in enumerate(tools):
-        fn = tool.function
-        if not _NAME.fullmatch(fn.name):
-            raise bad_request(
-                "tool names must be 1 to 64 letters, digits, '_' or '-'",
-                param=f"tools[{i}].function.name",
-            )
-        if fn.name in by_name:
-            raise bad_request(f"two tools are named '{fn.name}'", param=f"tools[{i}]")
-        parameters = fn.parameters if fn.parameters is not None else _EMPTY_ARGUMENTS
-        try:
-            compile_schema(parameters)
-        except SchemaError as exc:
-            raise bad_request(str(exc), param=f"tools[{i}].function.parameters") from None
-        by_name[fn.name] = {"name": fn.name, "description": fn.description or "",
-                            "parameters": parameters}  # fmt: skip
-    callable_names = list(by_name)
+    table = _tool_table(tools)
+    names = list(table)
     if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in by_name:
+        if choice.function.name not in table:
             raise bad_request(
                 f"tool_choice names '{choice.function.name}', which is not in tools",
                 param="tool_choice",
             )
-        callable_names = [choice.function.name]
-    calls = {
-        "type": "array",
-        "items": {"anyOf": [_call_schema(by_name[name]) for name in callable_names]},
-        "minItems": 1,
-        **({} if parallel else {"maxItems": 1}),
-    }
-    reply: dict[str, Any] = {
-        "type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
-    }  # fmt: skip
+        names = [choice.function.name]
     answer = choice in (None, "auto")
-    if answer:
-        text = {"type": "object", "properties": {"content": {"type": "string"}},
-                "required": ["content"]}  # fmt: skip
-        reply = {"anyOf": [reply, text]}
-    listing = json.dumps(list(by_name.values()), ensure_ascii=False)
+    schema = json.dumps(_reply_schema([table[n] for n in names], parallel, answer))
+    try:
+        grammar_for(schema)  # compiled once: the request's own check finds it cached
+    except SchemaError as exc:
+        raise _schema_error(tools, exc) from None
+    listing = json.dumps(list(table.values()), ensure_ascii=False)
     shape = '{"tool_calls": [{"name": <function name>, "arguments": <arguments object>}]}'
     instructions = (
         f"You can call these functions (their arguments are described as JSON Schema):\n"
@@ -100,15 +76,96 @@ def plan_tools(
         + ("functions" if parallel else "one function")
         + (', or {"content": <your answer>} to answer without calling one.' if answer else ".")
     )
-    return ToolPlan(schema=json.dumps(reply), instructions=instructions)
+    return ToolPlan(schema=schema, instructions=instructions)
 
 
-def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": tool["name"]}, "arguments": tool["parameters"]},
-        "required": ["name", "arguments"],
-    }
+def _tool_table(tools: list[Tool]) -> dict[str, dict[str, Any]]:
+    """Each tool by name, as the model is told of it; a 400 for a bad or repeated name."""
+    table: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.function
+        if not _NAME.fullmatch(fn.name):
+            raise bad_request(
+                "tool names must be 1 to 64 letters, digits, '_' or '-'",
+                param=f"tools[{i}].function.name",
+            )
+        if fn.name in table:
+            raise bad_request(f"two tools are named '{fn.name}'", param=f"tools[{i}]")
+        parameters = fn.parameters if fn.parameters is not None else _EMPTY_ARGUMENTS
+        table[fn.name] = {"name": fn.name, "description": fn.description or "",
+                          "parameters": parameters}  # fmt: skip
+    return table
+
+
+def _reply_schema(tools: list[dict[str, Any]], parallel: bool, answer: bool) -> dict[str, Any]:
+    """The JSON Schema of a reply that calls `tools` (or, with `answer`, answers in text).
+    Each tool's own definitions move to the root, renamed per tool, with its references."""
+    options: list[dict[str, Any]] = []
+    definitions: dict[str, Any] = {}
+    for i, tool in enumerate(tools):
+        parameters, own = _hoisted(tool["parameters"], f"tool{i}.")
+        definitions |= own
+        options.append({
+            "type": "object",
+            "properties": {"name": {"const": tool["name"]}, "arguments": parameters},
+            "required": ["name", "arguments"],
+        })  # fmt: skip
+    calls = {"type": "array", "items": {"anyOf": options}, "minItems": 1,
+             **({} if parallel else {"maxItems": 1})}  # fmt: skip
+    reply: dict[str, Any] = {
+        "type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
+    }  # fmt: skip
+    if answer:
+        text = {"type": "object", "properties": {"content": {"type": "string"}},
+                "required": ["content"]}  # fmt: skip
+        reply = {"anyOf": [reply, text]}
+    return reply | ({"$defs": definitions} if definitions else {})
+
+
+def _schema_error(tools: list[Tool], exc: SchemaError) -> APIError:
+    """A 400 naming the tool whose parameters the reply schema could not take."""
+    for i, tool in enumerate(tools):
+        try:
+            compile_schema(tool.function.parameters or _EMPTY_ARGUMENTS)
+        except SchemaError as own:
+            return bad_request(str(own), param=f"tools[{i}].function.parameters")
+    return bad_request(f"the tools' schemas together: {exc}", param="tools")
+
+
+def _hoisted(schema: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
+    """A tool's parameters schema without its definitions, its references rewritten to
+    `#/$defs/<prefix><name>` (`#` itself to `#/$defs/<prefix>`), and the definitions so
+    named, for the reply schema's root to hold."""
+    found_root = False
+
+    def rewrite(node: Any) -> Any:
+        nonlocal found_root
+        if isinstance(node, list):
+            return [rewrite(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key in ("$defs", "definitions"):
+                continue
+            if key == "$ref" and isinstance(value, str):
+                if value == "#":
+                    found_root = True
+                    value = f"#/$defs/{prefix}"
+                elif value.startswith(("#/$defs/", "#/definitions/")):
+                    value = f"#/$defs/{prefix}{value.split('/', 2)[2]}"
+            out[key] = rewrite(value)
+        return out
+
+    definitions = {}
+    if isinstance(schema, dict):
+        for key in ("$defs", "definitions"):
+            for name, sub in (schema.get(key) or {}).items():
+                definitions[f"{prefix}{name}"] = rewrite(sub)
+    body = rewrite(schema)
+    if found_root:
+        definitions[prefix] = body
+    return body, definitions
 
 
 def render_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> list[dict[str, Any]]:

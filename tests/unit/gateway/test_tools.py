@@ -146,3 +146,30 @@ def test_a_streamed_text_answer_is_released_as_it_comes(step):
     calls = ReplyStream()
     assert [calls.feed(part) for part in ('{"', "tool", '_calls": [')] == [None, None, None]
     assert parse_reply('{"content": "cut sh', "length")[0].content == "cut sh"
+
+
+def test_tools_with_their_own_definitions_keep_them_apart():
+    """Two tools (as pydantic writes nested models) whose $defs share a name and differ."""
+    point = {
+        "$defs": {
+            "P": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+        },
+        "type": "object",
+        "properties": {"at": {"$ref": "#/$defs/P"}},
+        "required": ["at"],
+    }
+    label = {"$defs": {"P": {"type": "string", "maxLength": 3}},
+             "type": "object", "properties": {"text": {"$ref": "#/$defs/P"}},
+             "required": ["text"]}  # fmt: skip
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    specs = [{"type": "function", "function": {"name": n, "parameters": p}}
+             for n, p in (("move", point), ("say", label), ("grow", tree))]  # fmt: skip
+    plan = plan_tools(tools(*specs), "required", True)
+    assert plan is not None
+    call = lambda name, args: {"tool_calls": [{"name": name, "arguments": args}]}  # noqa: E731
+    assert allows(plan.schema, call("move", {"at": {"x": 3}}))
+    assert not allows(plan.schema, call("move", {"at": "abc"}))
+    assert allows(plan.schema, call("say", {"text": "abc"}))
+    assert not allows(plan.schema, call("say", {"text": {"x": 3}}))
+    assert allows(plan.schema, call("grow", {"kids": [{"kids": []}, {}]}))
+    assert '"#/$defs/P"' in plan.instructions  # the model reads each tool as it was given
