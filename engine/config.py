@@ -299,6 +299,33 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Prompt-lookup speculative decoding (engine/speculative.py): up to
+    `num_speculative_tokens` drafts per request and step (0 disables it), taken after the
+    latest earlier occurrence of the sequence's last `prompt_lookup_max` ..
+    `prompt_lookup_min` tokens, for greedy requests.
+
+    A step takes at most `max_step_drafts` drafts, shared equally by the running requests:
+    a step of few rows costs about the same as a step of one (the weights are read once),
+    but past a few rows it is bound by compute, and a refused draft then costs as much as a
+    real token. So with 8, one running request gets 4 drafts, four get 2 each, and nine or
+    more get none."""
+
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    max_step_drafts: int = 8
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ConfigError("num_speculative_tokens must be in 0-16")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 16:
+            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max <= 16")
+        if self.max_step_drafts < 1:
+            raise ConfigError("max_step_drafts must be positive")
+
+
+@dataclass(frozen=True)
 class LoRAConfig:
     """Adapter slots: how many adapters the device holds at once (0 disables LoRA) and the
     largest rank a slot takes."""
@@ -330,6 +357,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads <= 0:

@@ -35,6 +35,7 @@ from engine.protocol import (
 )
 from engine.request import Request
 from engine.scheduler import Scheduler
+from engine.speculative import accept
 from engine.structured import TokenMatcher, json_matcher
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
@@ -102,6 +103,7 @@ class EngineCore:
             self.block_manager,
             self.max_model_len,
             cache_namespace=f"{model_id}|{spec.dtype}",
+            speculative=config.speculative,
         )
         self.lora: LoRAManager | None = None
         self._parked: dict[str, Request] = {}  # request id -> request waiting for its adapter
@@ -129,6 +131,8 @@ class EngineCore:
             )
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.num_draft_tokens = 0  # proposed by speculative decoding
+        self.num_accepted_draft_tokens = 0  # of those, the ones the model agreed with
         # with spill-ahead: the most blocks one step can claim (a full token budget plus
         # one per sequence) are kept saved below the device
         sc = config.scheduler
@@ -268,11 +272,21 @@ class EngineCore:
                         for s in sched.scheduled]  # fmt: skip
             return outputs + failures
         self.num_steps += 1
-        self.scheduler.advance(sched)
+        # each request's new tokens: its sampled one, then any drafts the model agreed with
+        new_tokens = [[token_id] for token_id in result.token_ids]
+        rejected: dict[str, int] = {}
+        for i, (drafts, verified) in enumerate(zip(result.drafts, result.verified, strict=True)):
+            if drafts:
+                new_tokens[i] = accept(new_tokens[i][0], drafts, verified)
+                accepted = len(new_tokens[i]) - 1
+                rejected[result.requests[i].request_id] = len(drafts) - accepted
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_draft_tokens += accepted
+        self.scheduler.advance(sched, rejected)
         for request, scores in result.prompt_logprobs:
             request.prompt_logprobs.extend(scores)
-        for request, token_id, logprob in zip(
-            result.requests, result.token_ids, result.logprobs, strict=True
+        for request, tokens, logprob in zip(
+            result.requests, new_tokens, result.logprobs, strict=True
         ):
             if request.params.max_tokens == 0:  # the prompt is scored; it generates nothing
                 self.scheduler.finish_request(request, FinishReason.LENGTH)
@@ -287,16 +301,18 @@ class EngineCore:
                     )
                 )
                 continue
-            request.append_token(token_id)
             if logprob is not None:
                 request.pending_logprobs.append(logprob)
-            self.num_generated_tokens += 1
-            if matcher is not None:
-                matcher.accept(token_id)
-            if matcher is not None and matcher.is_final:  # the value is complete
-                self.scheduler.finish_request(request, FinishReason.STOP)
-            else:
-                self.scheduler.check_stop(request, self.eos_token_ids)
+            for token_id in tokens:  # up to the first that ends the request
+                request.append_token(token_id)
+                self.num_generated_tokens += 1
+                if matcher is not None:
+                    matcher.accept(token_id)
+                if matcher is not None and matcher.is_final:  # the value is complete
+                    self.scheduler.finish_request(request, FinishReason.STOP)
+                    break
+                if self.scheduler.check_stop(request, self.eos_token_ids):
+                    break
             outputs.append(self._output(request))
         # save the pages the next step's allocations may reuse, while nothing waits on them
         self.block_manager.spill_ahead(self.spill_watermark)
@@ -361,6 +377,8 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_draft_tokens=self.num_accepted_draft_tokens,
         )
 
     def _blocks_by_tenant(self) -> dict[str, dict[str, int]]:

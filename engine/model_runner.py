@@ -36,12 +36,17 @@ _Scored = tuple[Request, range, int]
 @dataclass(frozen=True)
 class RunnerOutput:
     """One sampled token (and optional logprobs) per request whose chunk reached its end,
-    and the new prompt-token scores of requests that asked for them."""
+    and the new prompt-token scores of requests that asked for them.
+
+    A request with drafts also gets `verified`: the model's greedy token after each of its
+    `drafts` (engine/speculative.py decides how many of them stand)."""
 
     requests: list[Request]
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
     prompt_logprobs: list[tuple[Request, list[TokenLogprob]]] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # per request; [] for none
+    verified: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,8 @@ class Launched:
     sampled: list[Request]
     out: SamplerOutput | None
     prompt: PromptScores | None = None
+    drafts: list[list[int]] = field(default_factory=list)  # per sampled request
+    verified: torch.Tensor | None = None  # [D] the greedy token after each draft, in order
 
 
 class ModelRunner:
@@ -112,8 +119,14 @@ class ModelRunner:
         if out is None:
             return RunnerOutput([], [], [], prompt)
         # the step's one host sync (one more when it scored prompts)
-        token_ids = out.token_ids.tolist()
-        return RunnerOutput(sampled, token_ids, self._logprobs(sampled, out), prompt)
+        if launched.verified is None:
+            token_ids = out.token_ids.tolist()
+            return RunnerOutput(sampled, token_ids, self._logprobs(sampled, out), prompt)
+        ids = torch.cat([out.token_ids, launched.verified]).tolist()
+        token_ids, rest = ids[: len(sampled)], iter(ids[len(sampled) :])
+        verified = [[next(rest) for _ in drafts] for drafts in launched.drafts]
+        logprobs = self._logprobs(sampled, out)
+        return RunnerOutput(sampled, token_ids, logprobs, prompt, launched.drafts, verified)
 
     @torch.inference_mode()
     def launch(self, step: SchedulerOutput) -> Launched:
@@ -121,26 +134,35 @@ class ModelRunner:
         waiting for it; returns the sampled requests and their (device) sampler output."""
         # decode tokens first: the attention backend batches them without padding
         order = sorted(step.scheduled, key=lambda s: s.num_new_tokens > 1)
-        input_ids, positions, slices, sample_rows = self._flatten(order)
+        input_ids, positions, slices, sample_rows, draft_rows = self._flatten(order)
         scored = _positions_to_score(order)
         lora_slots = None
         if self.lora is not None:
             lora_slots = [s.request.lora_slot for s in order for _ in range(s.num_new_tokens)]
         # every host-side input is built and queued first: from here to the token ids the
         # host never waits for the device
-        sampled = [s.request for s in order if s.completes_sequence]
+        finishing = [s for s in order if s.completes_sequence]
+        sampled = [s.request for s in finishing]
         batch = None
         if sampled:
             batch = build_sampling_batch(
                 sampled, self.vocab_size, self.device, self.eos_token_ids, self.first_byte
             )
-        rows = to_device(torch.tensor(sample_rows, dtype=torch.long), self.device)
+        rows = to_device(torch.tensor(sample_rows + draft_rows, dtype=torch.long), self.device)
         hidden = self.forward(input_ids, positions, slices, lora_slots)  # [T, hidden]
         prompt = self._score_prompts(hidden, scored) if scored else None
         if batch is None:
             return Launched([], None, prompt)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [S, vocab]
-        return Launched(sampled, sample(logits, batch, self.generator, self.argmax), prompt)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [S + D, vocab]
+        out = sample(logits[: len(sample_rows)], batch, self.generator, self.argmax)
+        if not draft_rows:
+            return Launched(sampled, out, prompt)
+        # drafted requests are greedy with raw logits (engine/speculative.draftable): the
+        # token after each draft is the same row-wise argmax that sampling takes
+        after = logits[len(sample_rows) :]
+        verified = self.argmax(after) if self.argmax is not None else after.argmax(dim=-1)
+        drafts = [s.draft_token_ids for s in finishing]
+        return Launched(sampled, out, prompt, drafts, verified)
 
     def _score_prompts(self, hidden: torch.Tensor, scored: list[_Scored]) -> PromptScores:
         """Each scored row's logits against the prompt token after its position, a slice of
@@ -189,20 +211,26 @@ class ModelRunner:
 
     def _flatten(
         self, order: list[ScheduledRequest]
-    ) -> tuple[list[int], list[int], list[SeqSlice], list[int]]:
+    ) -> tuple[list[int], list[int], list[SeqSlice], list[int], list[int]]:
+        """The step's tokens, positions and sequences, the row sampled for each completed
+        sequence, and the rows of drafts (each scoring the token after its draft)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slices: list[SeqSlice] = []
         sample_rows: list[int] = []
+        draft_rows: list[int] = []
         for s in order:
             start = s.request.num_computed_tokens
             end = start + s.num_new_tokens
-            input_ids.extend(s.request.all_token_ids[start:end])
+            drafts = s.draft_token_ids
+            input_ids.extend(s.request.all_token_ids[start : end - len(drafts)])
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             slices.append(SeqSlice(s.num_new_tokens, start, s.block_table))
             if s.completes_sequence:
-                sample_rows.append(len(input_ids) - 1)
-        return input_ids, positions, slices, sample_rows
+                sample_rows.append(len(input_ids) - 1 - len(drafts))
+                draft_rows.extend(range(len(input_ids) - len(drafts), len(input_ids)))
+        return input_ids, positions, slices, sample_rows, draft_rows
 
     @staticmethod
     def _logprobs(requests: list[Request], out: SamplerOutput) -> list[TokenLogprob | None]:

@@ -53,29 +53,55 @@ class TextStream:
         self.finish_reason: FinishReason | None = None
 
     def process(self, out: RequestOutput) -> TextDelta:
+        """The text of `out`'s new tokens. With stop strings, an output of several tokens
+        (accepted drafts) is read a token at a time: tokens after the one that completes a
+        stop string are dropped, as if the request had ended there."""
         assert self.finish_reason is None, "output after the request finished"
-        self.token_ids.extend(out.new_token_ids)
-        delta = self.detokenizer.add(out.new_token_ids)
-        if out.finished:
+        ids = out.new_token_ids
+        if self.matcher is None or len(ids) <= 1:
+            text, finish, reason = self._read(ids, out, out.num_output_tokens, out.finished)
+            kept = list(ids)
+        else:
+            before = out.num_output_tokens - len(ids)
+            text, kept = "", []
+            for j, token_id in enumerate(ids):
+                last = j == len(ids) - 1
+                piece, finish, reason = self._read(
+                    [token_id], out, before + j + 1, out.finished and last
+                )
+                text += piece
+                kept.append(token_id)
+                if finish is not None:
+                    break
+        self.token_ids.extend(kept)
+        self.text += text
+        self.finish_reason = finish
+        return TextDelta(
+            text=text,
+            token_ids=kept,
+            logprobs=out.new_logprobs,
+            finish_reason=finish,
+            stop_reason=reason,
+            num_output_tokens=out.num_output_tokens - len(ids) + len(kept),
+            prompt_logprobs=out.prompt_logprobs,
+        )
+
+    def _read(
+        self, ids: list[int], out: RequestOutput, num_output_tokens: int, last: bool
+    ) -> tuple[str, FinishReason | None, str | int | None]:
+        """The text of `ids`, the last of `out`'s tokens when `last`: how the request ends
+        there (the engine's reason, or a stop string's), and the text that stands."""
+        delta = self.detokenizer.add(ids)
+        if last:
             delta += self.detokenizer.flush()
-        finish, stop_reason = out.finish_reason, out.stop_reason
+        finish = out.finish_reason if last else None
+        reason: str | int | None = out.stop_reason if last else None
         text = delta
-        reason: str | int | None = stop_reason
         # stop strings are looked for after min_tokens: the text of earlier tokens passes
-        if self.matcher is not None and out.num_output_tokens > self.min_tokens:
+        if self.matcher is not None and num_output_tokens > self.min_tokens:
             text, matched = self.matcher.feed(delta)
             if matched is not None:
                 finish, reason = FinishReason.STOP, matched
             elif finish is not None:
                 text += self.matcher.flush()
-        self.text += text
-        self.finish_reason = finish
-        return TextDelta(
-            text=text,
-            token_ids=list(out.new_token_ids),
-            logprobs=out.new_logprobs,
-            finish_reason=finish,
-            stop_reason=reason,
-            num_output_tokens=out.num_output_tokens,
-            prompt_logprobs=out.prompt_logprobs,
-        )
+        return text, finish, reason

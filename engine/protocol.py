@@ -230,6 +230,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_preemptions: int
     num_steps: int
     num_generated_tokens: int
+    # speculative decoding since start: draft tokens proposed, and those the model agreed with
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):

@@ -13,6 +13,7 @@ import time
 import torch
 
 from engine.protocol import FinishReason, SamplingParams, TokenLogprob
+from engine.speculative import NgramIndex
 from engine.structured import TokenMatcher
 
 
@@ -69,6 +70,8 @@ class Request:
         self.prompt_logprobs: list[TokenLogprob] = []
         self.num_emitted_prompt_logprobs = 0
         self.matcher: TokenMatcher | None = None  # with a response format: its grammar's progress
+        self.draft_index: NgramIndex | None = None  # with speculative decoding: its n-grams
+        self.draft_limit = 1 << 30  # the most drafts its next step may take
         self.generator: torch.Generator | None = None
         if params.seed is not None and not params.is_greedy:
             self.generator = torch.Generator(device=device or "cpu")

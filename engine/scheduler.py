@@ -8,6 +8,10 @@ on running sequences. When the KV pool runs dry, running requests are preempted
 A waiting request whose cached prefix continues on disk is passed over, keeping its place,
 until those pages have been read ahead into memory: the running batch never waits on the
 disk. The next few waiting requests have their pages read ahead before their turn, too.
+
+With speculative decoding on (engine/speculative.py), a running greedy request in its decode
+phase may also get draft tokens: its step then computes its next token and the drafts after
+it, and `advance` credits only the drafts the model agreed with.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ import itertools
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, chain_hashes, root_hash
-from engine.config import SchedulerConfig
+from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.protocol import FinishReason
 from engine.request import Request, RequestStatus
 from engine.sched_policy import create_policy
+from engine.speculative import NgramIndex, draftable
 from kvstore.tiers import Tier
 
 _READ_AHEAD_REQUESTS = 4  # waiting requests whose disk pages are read before their turn
@@ -28,14 +33,18 @@ _READ_AHEAD_REQUESTS = 4  # waiting requests whose disk pages are read before th
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # including the drafts
     block_table: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)  # after the last known token
 
     @property
     def completes_sequence(self) -> bool:
-        """True when this chunk reaches the last known token, so the step samples for it."""
+        """True when this chunk reaches the last known token (and its drafts), so the step
+        samples for it."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens + len(
+            self.draft_token_ids
+        )
 
 
 @dataclass(frozen=True)
@@ -59,8 +68,10 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         cache_namespace: str = "",
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
+        self.speculative = speculative or SpeculativeConfig()
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         # prefix-cache keys: model, KV dtype (from the engine) + the request's salt
@@ -116,6 +127,10 @@ class Scheduler:
         preempted: list[str] = []
         self.policy.order_running(self.running)
 
+        # each running request's share of the step's drafts
+        spec = self.speculative
+        draft_share = min(spec.num_speculative_tokens,
+                          spec.max_step_drafts // max(1, len(self.running)))  # fmt: skip
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -132,8 +147,10 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue
-            table = self.block_manager.allocate(req.request_id, target)
-            scheduled.append(ScheduledRequest(req, num_new, table))
+            drafts = self._drafts(req, draft_share, budget - num_new, target) if draft_share else []
+            num_new += len(drafts)
+            table = self.block_manager.allocate(req.request_id, target + len(drafts))
+            scheduled.append(ScheduledRequest(req, num_new, table, drafts))
             budget -= num_new
             i += 1
 
@@ -175,6 +192,31 @@ class Scheduler:
                 self.waiting.readd_preempted(req)
         self._read_ahead_waiting()
         return SchedulerOutput(scheduled, preempted)
+
+    def _drafts(self, req: Request, share: int, room: int, target: int) -> list[int]:
+        """Up to `share` draft tokens for a request whose step computes only its last token
+        (and would end at `target` tokens), within `room` more tokens of the step's budget,
+        the blocks that are free, and what its recent drafts earned (`Request.draft_limit`);
+        [] for a request that may not be drafted for."""
+        if req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        params = req.params
+        k = min(
+            share,
+            req.draft_limit,
+            room,
+            params.max_tokens - req.num_output_tokens - 1,  # each draft may become a token
+            self.max_model_len - req.num_tokens - 1,
+        )
+        if k <= 0 or not draftable(params, req.num_output_tokens):
+            return []
+        if req.draft_index is None:
+            spec = self.speculative
+            req.draft_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        drafts = req.draft_index.propose(req.all_token_ids, k)
+        if drafts and not self.block_manager.can_allocate(req.request_id, target + len(drafts)):
+            return []  # drafts never take blocks another request would have to give up
+        return drafts
 
     def _read_ahead_waiting(self) -> None:
         """Start reading from disk the pages of the next few waiting requests, which could
@@ -219,14 +261,26 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.readd_preempted(request)
 
-    def advance(self, output: SchedulerOutput) -> None:
-        """Credit every scheduled request with the tokens the step computed."""
+    def advance(self, output: SchedulerOutput, rejected: dict[str, int] | None = None) -> None:
+        """Credit every scheduled request with the tokens the step computed, less its
+        `rejected` drafts (request id -> count): their K/V is overwritten by later steps."""
         bm = self.block_manager
         for s in output.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
+            if s.draft_token_ids:
+                refused = (rejected or {}).get(req.request_id, 0)
+                req.num_computed_tokens -= refused
+                # the next drafts: twice as many after a step that kept them all, else one
+                # more than were kept (drafting goes on cheaply through a run of misses)
+                kept = len(s.draft_token_ids) - refused
+                spec = self.speculative
+                req.draft_limit = (
+                    kept + 1 if refused else min(2 * kept, spec.num_speculative_tokens)
+                )
             self.policy.charge(req, s.num_new_tokens)
-            full = req.num_computed_tokens // bm.block_size
+            # accepted drafts join the token list after this: their block waits a step
+            full = min(req.num_computed_tokens, req.num_tokens) // bm.block_size
             if bm.enable_caching and full > req.num_committed_blocks:
                 hashes = self._block_hashes(req)
                 bm.commit(req.request_id, hashes[:full], start=req.num_committed_blocks)

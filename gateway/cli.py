@@ -18,6 +18,7 @@ from engine.config import (
     ModelLoadError,
     SchedulerConfig,
     SchedulingPolicy,
+    SpeculativeConfig,
 )
 from gateway import settings
 from gateway.admin_cli import add_admin_commands, run_admin, run_usage
@@ -123,6 +124,31 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run decode steps eagerly instead of replaying captured CUDA graphs",
     )
+    g.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        help="draft tokens per step for greedy requests, looked up in their own context "
+        "(prompt-lookup speculative decoding; 0, the default, turns it off)",
+    )
+    g.add_argument(
+        "--prompt-lookup-max",
+        type=int,
+        default=4,
+        help="longest suffix looked up for drafts, in tokens",
+    )
+    g.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        default=2,
+        help="shortest suffix looked up for drafts, in tokens",
+    )
+    g.add_argument(
+        "--speculative-max-step-drafts",
+        type=int,
+        default=8,
+        help="draft tokens per step, shared by the running requests (none once more run)",
+    )
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     g.add_argument(
         "--cache-dir",
@@ -159,6 +185,12 @@ def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             policy=SchedulingPolicy(args.scheduling_policy),
+        ),
+        speculative=SpeculativeConfig(
+            num_speculative_tokens=args.speculative_tokens,
+            prompt_lookup_max=args.prompt_lookup_max,
+            prompt_lookup_min=args.prompt_lookup_min,
+            max_step_drafts=args.speculative_max_step_drafts,
         ),
     )
 
@@ -275,6 +307,10 @@ _ENGINE_FLAGS = (
     "max_num_batched_tokens",
     "max_model_len",
     "scheduling_policy",
+    "speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "speculative_max_step_drafts",
     "backend",
     "threads",
 )

@@ -88,6 +88,16 @@ class GatewayMetrics:
             "KV pages on disk that failed their checksum since start (served as misses)",
             registry=r,
         )
+        self.draft_tokens = Gauge(
+            "strata:spec_decode_draft_tokens",
+            "Draft tokens proposed by speculative decoding since start",
+            registry=r,
+        )
+        self.accepted_draft_tokens = Gauge(
+            "strata:spec_decode_accepted_tokens",
+            "Draft tokens the model agreed with (each one a decode step saved) since start",
+            registry=r,
+        )
         self.kv_bytes_per_token = Gauge(
             "strata:kv_cache_bytes_per_token",
             "KV-cache bytes per token (K and V, every layer, FP8 scales included)",
@@ -122,6 +132,8 @@ class GatewayMetrics:
         kv_blocks: dict[tuple[str, str], int],
         kv_read_ahead_bytes: int,
         kv_checksum_failures: int,
+        draft_tokens: int = 0,
+        accepted_draft_tokens: int = 0,
     ) -> None:
         """Engine-wide figures, summed over workers; `kv_blocks` by (tenant, tier)."""
         self.kv_blocks.clear()  # tenants whose blocks are all gone drop out
@@ -134,6 +146,8 @@ class GatewayMetrics:
         self.kv_bytes_per_token.set(kv_bytes_per_token)
         self.kv_read_ahead.set(kv_read_ahead_bytes)
         self.kv_checksum_failures.set(kv_checksum_failures)
+        self.draft_tokens.set(draft_tokens)
+        self.accepted_draft_tokens.set(accepted_draft_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -186,7 +186,7 @@ class Pipeline:
                 delta = stream.process(out)
                 if out.new_token_ids and tally.first_token_at is None:
                     tally.first_token_at = time.perf_counter()
-                tally.completion_tokens += len(out.new_token_ids)
+                tally.completion_tokens += len(delta.token_ids)  # none past a stop string
                 tally.cached(prompt, out)
                 if results is not None:
                     results.text += delta.text

@@ -45,5 +45,7 @@ async def metrics(request: Request[Any, Any, Any]) -> bytes:
         kv_blocks=kv_blocks,
         kv_read_ahead_bytes=sum(s.kv_disk_read_ahead_bytes for s in stats),
         kv_checksum_failures=sum(s.num_kv_disk_checksum_failures for s in stats),
+        draft_tokens=sum(s.num_draft_tokens for s in stats),
+        accepted_draft_tokens=sum(s.num_accepted_draft_tokens for s in stats),
     )
     return gw.metrics.render()

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from engine.attention.paged import SeqSlice
-from engine.config import CacheConfig, EngineConfig, KernelBackend, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    KernelBackend,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from engine.llm import LLM
 from engine.protocol import FinishReason, InvalidRequestError, SamplingParams
 
@@ -121,6 +127,66 @@ def test_prefix_cache_hits_give_the_same_tokens(make_core, smollm2_fp32):
     assert repeat.num_cached_tokens >= len(first.prompt_token_ids) // 16 * 16
     assert repeat.token_ids == reference[0]
     warm.core.check_integrity()
+
+
+# speculative decoding (engine/speculative.py): greedy output must not change by one token
+SPECULATIVE = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1)
+
+
+@pytest.mark.parametrize("backend", [KernelBackend.NATIVE, KernelBackend.TORCH])
+def test_speculative_decoding_matches_transformers(make_core, smollm2_fp32, hf_reference, backend):
+    core = make_core(EngineConfig(backend=backend, speculative=SPECULATIVE))
+    llm = LLM(core=core, tokenizer=smollm2_fp32[1])
+    assert greedy_tokens(llm, PROMPTS) == hf_reference
+    stats = core.stats()
+    # "1, 2, 3, 4, 5," and the like are drafted for, and drafts stand
+    assert stats.num_draft_tokens > stats.num_accepted_draft_tokens > 20
+    core.check_integrity()
+
+
+def test_speculation_keeps_every_token_through_preemption_prefix_hits_and_stops(
+    make_core, smollm2_fp32
+):
+    tokenizer = smollm2_fp32[1]
+    document = " ".join(PROMPTS) * 2
+    quoting = [f"{document}\nRepeat the text above, question {i}:" for i in range(3)]
+    prompts = quoting + PROMPTS
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(core=make_core(), tokenizer=tokenizer)
+    reference = greedy_tokens(plain, prompts, greedy)
+    # a pool too small for the batch: requests are preempted, recomputed, drafted for again
+    tiny_cfg = EngineConfig(
+        cache=CacheConfig(block_size=16, num_blocks=24), speculative=SPECULATIVE
+    )
+    tiny = LLM(core=make_core(tiny_cfg), tokenizer=tokenizer)
+    assert greedy_tokens(tiny, prompts, greedy) == reference
+    assert tiny.core.stats().num_preemptions > 0
+    assert tiny.core.stats().num_accepted_draft_tokens > 0
+    tiny.core.check_integrity()
+    assert tiny.core.stats().num_kv_blocks_used == 0
+
+    fast = LLM(core=make_core(EngineConfig(speculative=SPECULATIVE)), tokenizer=tokenizer)
+    assert greedy_tokens(fast, quoting, greedy) == reference[:3]
+    again = fast.generate(quoting[:1], greedy)[0]  # prompt and output blocks were cached
+    assert again.num_cached_tokens >= len(again.prompt_token_ids) // 16 * 16
+    assert again.token_ids == reference[0]
+
+    # a stop string inside a run of accepted drafts: the text and tokens end where plain
+    # decoding ends them
+    text = plain.generate(quoting[:1], greedy)[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    stopping = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+    want, got = plain.generate(quoting[:1], stopping)[0], fast.generate(quoting[:1], stopping)[0]
+    assert got.text == want.text and got.token_ids == want.token_ids
+    assert got.finish_reason is FinishReason.STOP and got.stop_reason == stop
+
+    # sampled requests are never drafted for, and their seeded draws ignore drafted mates
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=42)
+    alone = plain.generate([PROMPTS[2]], seeded)[0].token_ids
+    crowd = fast.generate([quoting[0], PROMPTS[2], PROMPTS[3]], [greedy, seeded, greedy])
+    assert crowd[1].token_ids == alone
+    assert [crowd[0].token_ids, crowd[2].token_ids] == [reference[0], reference[6]]
+    fast.core.check_integrity()
 
 
 def test_chat_answer_names_paris(llm):

@@ -4,6 +4,7 @@ default model behind it."""
 from __future__ import annotations
 
 import time
+from pydoc_data.topics import topics
 
 import httpx
 import openai
@@ -344,3 +345,24 @@ def test_tokenize_and_detokenize(client, gateway, tenant, smollm2_tokenizer):
         httpx.post(f"{gateway.url}/tokenize", json={"model": MODEL, "prompt": "a"}).status_code
         == 401
     )
+
+
+def test_a_quoting_answer_is_decoded_with_accepted_drafts(client, gateway):
+    """The shared worker drafts for greedy requests (--speculative-tokens 4)."""
+
+    def counts() -> tuple[float, float]:
+        lines = httpx.get(f"{gateway.url}/metrics").text.splitlines()
+        value = {line.split()[0]: float(line.split()[1]) for line in lines if line[:1] != "#"}
+        return value["strata:spec_decode_draft_tokens"], value["strata:spec_decode_accepted_tokens"]
+
+    drafts_before, accepted_before = counts()
+    document = topics["assert"][:1500]
+    ask = f"{document}\n\nQuote the first sentence of the text above exactly."
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": ask}], max_tokens=40, temperature=0
+    )
+    answer = reply.choices[0].message.content
+    assert answer and "debugging assertions" in answer  # copied from the document
+    drafts, accepted = counts()
+    assert drafts - drafts_before >= accepted - accepted_before > 5
+    assert reply.usage is not None and reply.usage.completion_tokens <= 40

@@ -21,6 +21,8 @@ from tokenizers import (
 from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.output_processor import TextStream
+from engine.protocol import FinishReason, RequestOutput, SamplingParams
 from engine.tokenizer import Tokenizer, byte_tokenizer
 
 TOPIC_TEXTS = list(topics.values())
@@ -246,3 +248,38 @@ def test_random_splits_match_whole_text_rule(include: bool) -> None:
         for i, _ in enumerate(emitted[:-1]):
             so_far = "".join(deltas[: i + 1])
             assert len(so_far) - len("".join(emitted[: i + 1])) <= longest - 1
+
+
+# TextStream: outputs of several tokens (accepted speculative drafts)
+def test_a_stop_string_within_a_multi_token_output_drops_the_tokens_after_it(
+    smollm2: Tokenizer,
+) -> None:
+    ids = smollm2.encode(" one two three four five six")
+    assert len(ids) == 6
+    params = SamplingParams(stop=("three",), max_tokens=16)
+    stream = TextStream(smollm2, [1], params)
+    first = stream.process(
+        RequestOutput(request_id="r", new_token_ids=ids[:1], num_output_tokens=1)
+    )
+    assert first.text == " one" and not first.finished
+    # five tokens at once: the stop string ends in the second of them
+    delta = stream.process(
+        RequestOutput(request_id="r", new_token_ids=ids[1:], num_output_tokens=6)
+    )
+    assert delta.finished and delta.stop_reason == "three"
+    assert delta.text == " two "
+    assert delta.token_ids == ids[1:3] and delta.num_output_tokens == 3
+    assert stream.token_ids == ids[:3]
+
+
+def test_a_multi_token_output_without_a_stop_string_is_read_whole(smollm2: Tokenizer) -> None:
+    ids = smollm2.encode(" one two three")
+    for stop in ((), ("never",)):
+        stream = TextStream(smollm2, [1], SamplingParams(stop=stop, max_tokens=16))
+        out = RequestOutput(
+            request_id="r", new_token_ids=ids, num_output_tokens=len(ids),
+            finish_reason=FinishReason.LENGTH,
+        )  # fmt: skip
+        delta = stream.process(out)
+        assert delta.text == " one two three" and delta.token_ids == ids
+        assert delta.finish_reason is FinishReason.LENGTH and delta.num_output_tokens == len(ids)

@@ -43,3 +43,25 @@ def test_serve_passes_engine_options_to_its_worker():
     engine = _engine_config(parser.parse_args(["engine", *switches, "--backend", "triton"]))
     assert engine.enforce_eager and engine.cache.spill_ahead
     assert engine.backend is KernelBackend.TRITON
+
+
+def test_speculative_options_reach_the_config_and_the_worker():
+    parser = build_parser()
+    assert _engine_config(parser.parse_args(["engine"])).speculative.num_speculative_tokens == 0
+    flags = [
+        "--speculative-tokens",
+        "5",
+        "--prompt-lookup-min",
+        "1",
+        "--speculative-max-step-drafts",
+        "4",
+    ]
+    spec = _engine_config(parser.parse_args(["engine", *flags])).speculative
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (
+        5,
+        1,
+        4,
+    )
+    assert spec.max_step_drafts == 4
+    argv = _engine_argv(parser.parse_args(["serve", *flags]))
+    assert _engine_config(parser.parse_args(["engine", *argv])).speculative == spec

@@ -1,0 +1,175 @@
+"""Prompt-lookup speculative decoding against plain decoding, in one run.
+
+Two workloads, each run greedily by two engines built alike except for speculation:
+
+- `rag`: a document from Python's own reference text (`pydoc_data.topics`, about
+  `--doc-tokens` tokens) followed by a request that the answer draws from it: quote, repeat,
+  list or explain what the text says. Answers that copy their context are where drafts from
+  that context are accepted.
+- `chat`: short open questions with no document, where drafts are rarely found or accepted:
+  what speculation costs when it does not help.
+
+Every prompt is run once before timing, so both engines serve the documents' KV from their
+prefix cache and the timed runs measure what speculation changes: decoding. The engines
+then alternate, each going first in turn, and the median run counts. The record gives
+tokens/s for both engines at each concurrency, the speedup, the share of drafts accepted,
+and whether both engines produced the same tokens for every request (greedy speculation
+must not change a single one).
+
+    python bench/speculative.py            # SmolLM2, bf16: 1, 4, 8 and 16 concurrent
+    python bench/speculative.py --quick    # a fast smoke run
+
+The last printed line is one JSON object; the full record goes to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import pydoc_data.topics
+
+from bench.common import engine_record, write_result
+from engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from engine.core import EngineCore
+from engine.factory import create_engine
+from engine.protocol import SamplingParams
+from engine.tokenizer import Tokenizer
+
+TOPICS = ["assert", "if", "while", "for", "try", "with", "lambda", "return", "import",
+          "global", "pass", "del", "break", "continue", "raise", "yield"]  # fmt: skip
+ASKS = [
+    "Quote the first sentence of the text above exactly.",
+    "Repeat the first paragraph of the text above word for word.",
+    "Which keywords does the text above mention? Answer with a list.",
+    "Explain what the text above says, quoting it where you can.",
+]
+QUESTIONS = [
+    "What is the capital of France?", "Write a short poem about the sea.",
+    "Give three tips for learning a language.", "Why is the sky blue?",
+    "Describe a good breakfast.", "What makes a story interesting?",
+    "How do plants grow?", "Name some famous painters.",
+]  # fmt: skip
+
+
+def rag_prompts(tokenizer: Tokenizer, num: int, doc_tokens: int) -> list[list[int]]:
+    prompts = []
+    for i in range(num):
+        text = pydoc_data.topics.topics[TOPICS[i % len(TOPICS)]]
+        doc = tokenizer.decode(tokenizer.encode(text)[:doc_tokens])
+        ask = ASKS[i % len(ASKS)]
+        prompts.append(tokenizer.encode_chat([{"role": "user", "content": f"{doc}\n\n{ask}"}]))
+    return prompts
+
+
+def chat_prompts(tokenizer: Tokenizer, num: int) -> list[list[int]]:
+    return [
+        tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
+        for i in range(num)
+    ]
+
+
+def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list]:
+    """Tokens/s over the batch, and each request's output token ids."""
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"r{i}", prompt, params)
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while core.has_unfinished():
+        for out in core.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    elapsed = time.perf_counter() - start
+    tokens = [outputs[f"r{i}"] for i in range(len(prompts))]
+    return sum(map(len, tokens)) / elapsed, tokens
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--batches", default=None, help="default 1,4,8,16 (1,4 with --quick)")
+    ap.add_argument("--doc-tokens", type=int, default=1024)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--speculative-tokens", type=int, default=4, help="drafts per step")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (median)")
+    ap.add_argument("--quick", action="store_true", help="1 run, short documents")
+    ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.repeats, args.doc_tokens, args.max_tokens = 1, 256, 48
+    batches = [int(b) for b in (args.batches or ("1,4" if args.quick else "1,4,8,16")).split(",")]
+    base = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir,
+        scheduler=SchedulerConfig(max_num_seqs=max(batches)),
+    )  # fmt: skip
+    spec = SpeculativeConfig(num_speculative_tokens=args.speculative_tokens)
+    plain_core, tokenizer = create_engine(base, progress=False)
+    spec_core, _ = create_engine(dataclasses.replace(base, speculative=spec), progress=False)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+
+    results: dict[str, dict] = {}
+    identical = True
+    for workload in ("rag", "chat"):
+        for n in batches:
+            if workload == "rag":
+                prompts = rag_prompts(tokenizer, n, args.doc_tokens)
+            else:
+                prompts = chat_prompts(tokenizer, n)
+            rates: dict[str, list[float]] = {"plain": [], "speculative": []}
+            drafts0 = spec_core.num_draft_tokens
+            accepted0 = spec_core.num_accepted_draft_tokens
+            outputs = {}
+            engines = [("plain", plain_core), ("speculative", spec_core)]
+            for _, core in engines:
+                run(core, prompts, params)  # warm: the prompts' KV is cached from here on
+            for repeat in range(args.repeats):  # each engine goes first in turn
+                for name, core in engines[:: 1 if repeat % 2 == 0 else -1]:
+                    rate, outputs[name] = run(core, prompts, params)
+                    rates[name].append(rate)
+            same = outputs["plain"] == outputs["speculative"]
+            identical &= same
+            drafts = spec_core.num_draft_tokens - drafts0
+            accepted = spec_core.num_accepted_draft_tokens - accepted0
+            plain, fast = statistics.median(rates["plain"]), statistics.median(rates["speculative"])
+            key = f"{workload}/{n}"
+            results[key] = {
+                "plain_tok_s": round(plain, 1),
+                "speculative_tok_s": round(fast, 1),
+                "speedup": round(fast / plain, 3),
+                "drafts": drafts,
+                "acceptance": round(accepted / drafts, 3) if drafts else None,
+                "same_tokens": same,
+                "mean_output_tokens": round(sum(map(len, outputs["plain"])) / n, 1),
+            }
+            r = results[key]
+            print(f"{workload:>4} concurrency {n:>3}: plain {plain:8.1f} tok/s | speculative "
+                  f"{fast:8.1f} tok/s | x{r['speedup']:.2f} | accepted {r['acceptance']} | "
+                  f"same tokens {same}", flush=True)  # fmt: skip
+    summary = {
+        "speedup": {k: r["speedup"] for k, r in results.items()},
+        "acceptance": {k: r["acceptance"] for k, r in results.items()},
+        "identical_outputs": identical,
+    }
+    record = {
+        **engine_record("speculative", spec_core, args.model),
+        "speculative": dataclasses.asdict(spec), "doc_tokens": args.doc_tokens,
+        "max_tokens": args.max_tokens, "repeats": args.repeats, "quick": args.quick,
+        "results": results, **summary,
+    }  # fmt: skip
+    path = write_result(args.out_dir, "speculative", record)
+    print(f"wrote {path}")
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

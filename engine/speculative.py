@@ -1,0 +1,86 @@
+"""Speculative decoding by prompt lookup: draft tokens copied from the request's own context.
+
+A long-context RAG answer quotes its documents: names, figures, whole sentences. When the
+last few tokens of a sequence also occur earlier in it, the tokens that followed them there
+are a cheap guess at what comes next. The scheduler appends that guess (the drafts) to the
+request's next step; one forward scores every draft position at once, and the request keeps
+the drafts up to the first one the model would not have produced, plus the model's own token
+after them. A decode step on a memory-bound device costs about the same for one token per
+sequence as for a few, so each accepted draft is a step saved.
+
+Only greedy requests are drafted for, and only those whose next-token choice depends on
+nothing but the logits (no penalties, bias, logprobs, min_tokens or response format): their
+output is then exactly what plain decoding gives, with fewer steps.
+"""
+
+from __future__ import annotations
+
+from engine.protocol import SamplingParams
+
+
+class NgramIndex:
+    """Where each n-gram of a token sequence last occurred, for n in [min_n, max_n], kept up
+    to date as tokens are appended.
+
+    The n-grams ending at the newest token are registered only once a token follows them,
+    so a lookup of the sequence's own suffix finds an earlier occurrence, never itself.
+    """
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        assert 1 <= min_n <= max_n
+        self.min_n = min_n
+        self.max_n = max_n
+        # n-gram -> index of the token that followed its latest occurrence
+        self.follows: dict[tuple[int, ...], int] = {}
+        self.num_indexed = 0  # tokens whose preceding n-grams are registered
+
+    def extend(self, tokens: list[int]) -> None:
+        """Register the n-grams followed by tokens[num_indexed:] (all but the last token's)."""
+        follows = self.follows
+        for end in range(max(self.num_indexed, 1), len(tokens)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                follows[tuple(tokens[end - n : end])] = end
+        self.num_indexed = max(self.num_indexed, len(tokens))
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """The `k` tokens that followed the latest earlier occurrence of the longest suffix
+        of `tokens` (of at least min_n tokens) seen before; [] when there is none.
+
+        A continuation that runs into the end of `tokens` goes on with its own drafts, as if
+        the sequence repeated itself (a list or a table row being written again)."""
+        self.extend(tokens)
+        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
+            start = self.follows.get(tuple(tokens[-n:]))
+            if start is not None:
+                drafts = tokens[start : start + k]
+                while len(drafts) < k:
+                    drafts.append(drafts[start + len(drafts) - len(tokens)])
+                return drafts
+        return []
+
+
+def draftable(params: SamplingParams, num_output_tokens: int) -> bool:
+    """True when a request's next tokens are each the argmax of its raw logits, so drafts can
+    be checked against the logits alone and change nothing in its output."""
+    return (
+        params.is_greedy
+        and params.logprobs is None
+        and not params.logit_bias
+        and not params.frequency_penalty
+        and not params.presence_penalty
+        and params.repetition_penalty == 1.0
+        and params.json_schema is None
+        and num_output_tokens >= params.min_tokens
+    )
+
+
+def accept(first: int, drafts: list[int], verified: list[int]) -> list[int]:
+    """The tokens a drafted step yields: the model's token after the known ones (`first`),
+    then, while the previous token matches its draft, the model's token after that draft
+    (`verified[j]` follows draft j)."""
+    out = [first]
+    for draft, after in zip(drafts, verified, strict=True):
+        if out[-1] != draft:
+            break
+        out.append(after)
+    return out
