@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from engine.attention.triton_backend import TritonPagedAttention
-from engine.config import CacheConfig, EngineConfig, KernelBackend, KVCacheDtype
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    KernelBackend,
+    KVCacheDtype,
+    SpeculativeConfig,
+)
 from engine.evaluate import greedy_agreement
 from engine.llm import LLM
 from engine.protocol import SamplingParams
@@ -25,6 +31,20 @@ def test_fp32_greedy_tokens_match_the_cpu_engine(strata_cache_dir):
         )
         runs[device] = [c.token_ids for c in LLM(cfg).generate(PROMPTS, params)]
     assert runs["cuda"] == runs["cpu"]
+
+
+def test_speculative_decoding_on_cuda_keeps_the_plain_tokens(strata_cache_dir):
+    """Drafted steps run eagerly beside graph-replayed decode steps (bf16, FP8 pages): the
+    tokens of plain decoding on the same device."""
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for k in (0, 4):
+        cfg = EngineConfig(device="cuda", cache_dir=str(strata_cache_dir),
+                           speculative=SpeculativeConfig(num_speculative_tokens=k))  # fmt: skip
+        llm = LLM(cfg)
+        runs[k] = [c.token_ids for c in llm.generate(PROMPTS, params)]
+    assert llm.core.stats().num_accepted_draft_tokens > 0
+    assert greedy_agreement(runs[0], runs[4]).token_rate > 0.95  # bf16 rows may round apart
 
 
 def test_fp8_pages_on_cuda_follow_the_cpu_torch_path(strata_cache_dir):

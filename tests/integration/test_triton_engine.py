@@ -15,6 +15,7 @@ from engine.config import (
     KVCacheDtype,
     LoRAConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from engine.llm import LLM
 from engine.loader import PRESETS
@@ -85,3 +86,20 @@ def test_triton_backend_serves_adapters_like_the_torch_backend(tmp_path):
         runs[backend] = [c.token_ids for c in llm.generate(prompts, params, lora=loras)]
     assert runs[KernelBackend.TRITON] == runs[KernelBackend.TORCH]
     assert runs[KernelBackend.TORCH][4] != runs[KernelBackend.TORCH][0], "adapters matter"
+
+
+def test_triton_backend_checks_drafts_like_plain_decoding():
+    """Speculative steps (a request's next token and its drafts in one chunk, over its
+    cached pages) on the Triton kernels, FP8 pages: the tokens of plain torch decoding."""
+    # this model repeats a prompt's last token: drafts stand, except those after "7 7",
+    # which the prompt continues with 13 21 34
+    prompts = [[3, 14, 15, 92, 65] * 5, [27, 18, 28] * 6 + [1, 2], [5, 7, 7, 13, 21, 34, 7]]
+    cache = CacheConfig(kv_cache_dtype=KVCacheDtype.FP8_E4M3)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = [c.token_ids for c in tiny_engine(KernelBackend.TORCH, cache=cache).generate(
+        prompts, params)]  # fmt: skip
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+    triton_llm = tiny_engine(KernelBackend.TRITON, cache=cache, speculative=spec)
+    assert [c.token_ids for c in triton_llm.generate(prompts, params)] == want
+    stats = triton_llm.core.stats()
+    assert stats.num_draft_tokens > stats.num_accepted_draft_tokens > 0
