@@ -36,15 +36,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pydoc_data.topics
 
+import torch
+
 from bench.common import engine_record, write_result
+from engine.attention.paged import SeqSlice
 from engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.core import EngineCore
 from engine.factory import create_engine
 from engine.protocol import SamplingParams
 from engine.tokenizer import Tokenizer
 
-TOPICS = ["assert", "if", "while", "for", "try", "with", "lambda", "return", "import",
-          "global", "pass", "del", "break", "continue", "raise", "yield"]  # fmt: skip
+# entries of 2,000 tokens or more, each cut to --doc-tokens
+TOPICS = ["specialnames", "compound", "types", "formatstrings", "string-methods", "typesseq",
+          "debugger", "typesmapping", "attribute-access", "customization", "comparisons",
+          "assignment", "execmodel", "strings", "import", "try"]  # fmt: skip
 ASKS = [
     "Quote the first sentence of the text above exactly.",
     "Repeat the first paragraph of the text above word for word.",
@@ -74,6 +79,28 @@ def chat_prompts(tokenizer: Tokenizer, num: int) -> list[list[int]]:
         tokenizer.encode_chat([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
         for i in range(num)
     ]
+
+
+def step_ms(core: EngineCore, batch: int, rows: int, context: int, repeats: int = 10) -> float:
+    """Time of one forward (with logits for every row) for `batch` sequences of `context`
+    cached tokens, each computing `rows` tokens: what a drafted step costs against a plain
+    one. Writes K/V into blocks no request holds."""
+    bs = core.pool.spec.block_size
+    per_seq = (context + rows + bs - 1) // bs
+    assert batch * per_seq <= core.block_manager.num_free_blocks
+    tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
+    ids = [100] * (batch * rows)
+    positions = [p for _ in range(batch) for p in range(context, context + rows)]
+    slices = [SeqSlice(rows, context, tables[b]) for b in range(batch)]
+    runner = core.runner
+    times = []
+    with torch.inference_mode():
+        for i in range(repeats + 2):
+            start = time.perf_counter()
+            runner.model.compute_logits(runner.forward(ids, positions, slices))
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
 
 
 def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list]:
@@ -154,6 +181,17 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{workload:>4} concurrency {n:>3}: plain {plain:8.1f} tok/s | speculative "
                   f"{fast:8.1f} tok/s | x{r['speedup']:.2f} | accepted {r['acceptance']} | "
                   f"same tokens {same}", flush=True)  # fmt: skip
+    # a step's cost by its rows, at the documents' context: 1 sequence with 4 drafts, and
+    # 8 sequences with 1 draft each
+    context = len(rag_prompts(tokenizer, 1, args.doc_tokens)[0])
+    row_cost = {}
+    for batch, rows in ((1, 5), (8, 2)):
+        plain_ms, drafted_ms = (step_ms(plain_core, batch, r, context) for r in (1, rows))
+        row_cost[f"{batch}x{rows}"] = {"plain_ms": round(plain_ms, 2),
+                                       "drafted_ms": round(drafted_ms, 2),
+                                       "ratio": round(drafted_ms / plain_ms, 3)}  # fmt: skip
+        print(f"step of {batch} sequences at {context} tokens: {rows} rows each "
+              f"{drafted_ms:.1f} ms, 1 row each {plain_ms:.1f} ms", flush=True)  # fmt: skip
     summary = {
         "speedup": {k: r["speedup"] for k, r in results.items()},
         "acceptance": {k: r["acceptance"] for k, r in results.items()},
@@ -163,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
         **engine_record("speculative", spec_core, args.model),
         "speculative": dataclasses.asdict(spec), "doc_tokens": args.doc_tokens,
         "max_tokens": args.max_tokens, "repeats": args.repeats, "quick": args.quick,
-        "results": results, **summary,
+        "results": results, "step_cost_by_rows": row_cost, **summary,
     }  # fmt: skip
     path = write_result(args.out_dir, "speculative", record)
     print(f"wrote {path}")

@@ -20,7 +20,7 @@ from engine.protocol import SamplingParams
 
 class NgramIndex:
     """Where each n-gram of a token sequence last occurred, for n in [min_n, max_n], kept up
-    to date as tokens are appended.
+    to date as tokens are appended, and where the sequence is copying from.
 
     The n-grams ending at the newest token are registered only once a token follows them,
     so a lookup of the sequence's own suffix finds an earlier occurrence, never itself.
@@ -33,6 +33,10 @@ class NgramIndex:
         # n-gram -> index of the token that followed its latest occurrence
         self.follows: dict[tuple[int, ...], int] = {}
         self.num_indexed = 0  # tokens whose preceding n-grams are registered
+        # the last drafts: the index they were copied from, and the length of the sequence
+        # then (None: no drafts)
+        self.source: int | None = None
+        self.proposed_at = 0
 
     def extend(self, tokens: list[int]) -> None:
         """Register the n-grams followed by tokens[num_indexed:] (all but the last token's)."""
@@ -42,21 +46,40 @@ class NgramIndex:
                 follows[tuple(tokens[end - n : end])] = end
         self.num_indexed = max(self.num_indexed, len(tokens))
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """The `k` tokens that followed the latest earlier occurrence of the longest suffix
-        of `tokens` (of at least min_n tokens) seen before; [] when there is none.
-
-        A continuation that runs into the end of `tokens` goes on with its own drafts, as if
-        the sequence repeated itself (a list or a table row being written again)."""
+    def lookup(self, tokens: list[int]) -> int | None:
+        """The index of the token after the latest earlier occurrence of the longest suffix
+        of `tokens` (of min_n to max_n tokens); None when there is none."""
         self.extend(tokens)
         for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
             start = self.follows.get(tuple(tokens[-n:]))
             if start is not None:
-                drafts = tokens[start : start + k]
-                while len(drafts) < k:
-                    drafts.append(drafts[start + len(drafts) - len(tokens)])
-                return drafts
-        return []
+                return start
+        return None
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """`k` draft tokens to follow `tokens`: what followed the longest earlier match of its
+        end, or [] when there is none.
+
+        While the tokens since the last drafts are exactly what followed their source, the
+        sequence is copying that place, and the drafts go on from there: that match is
+        longer than any n-gram. Otherwise they follow `lookup`. A continuation that runs
+        into the end of `tokens` goes on with its own drafts, as if the sequence repeated
+        itself (a list or a table row being written again)."""
+        start = None
+        arrived = len(tokens) - self.proposed_at
+        if self.source is not None and arrived > 0:
+            copied = tokens[self.source : self.source + arrived]
+            if copied == tokens[self.proposed_at :]:
+                start = self.source + arrived
+        if start is None:
+            start = self.lookup(tokens)
+        self.source, self.proposed_at = start, len(tokens)
+        if start is None:
+            return []
+        drafts = tokens[start : start + k]
+        while len(drafts) < k:
+            drafts.append(drafts[start + len(drafts) - len(tokens)])
+        return drafts
 
 
 def draftable(params: SamplingParams, num_output_tokens: int) -> bool:

@@ -14,19 +14,15 @@ from engine.speculative import NgramIndex, accept, draftable
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
 
 
-def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """The definition: the longest suffix (max_n down to min_n) that occurred earlier, and
-    what followed its latest earlier occurrence, continued as if the sequence (drafts
-    included) went on repeating from there."""
+def brute_force(tokens: list[int], min_n: int, max_n: int) -> int | None:
+    """The definition of a lookup: the longest suffix (max_n down to min_n) that occurred
+    earlier, and the index of what followed its latest earlier occurrence."""
     for n in range(min(max_n, len(tokens)), min_n - 1, -1):
         suffix = tokens[-n:]
         for end in range(len(tokens) - 1, n - 1, -1):  # an occurrence ending before the last
             if tokens[end - n : end] == suffix:
-                extended = list(tokens)
-                for j in range(k):
-                    extended.append(extended[end + j])
-                return extended[len(tokens) :]
-    return []
+                return end
+    return None
 
 
 def test_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix():
@@ -55,9 +51,25 @@ def test_incremental_indexing_matches_the_definition():
         index = NgramIndex(min_n, max_n)
         tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 8))]
         for _ in range(30):
-            k = rng.randrange(1, 6)
-            assert index.propose(tokens, k) == brute_force(tokens, k, min_n, max_n), trial
+            assert index.lookup(tokens) == brute_force(tokens, min_n, max_n), trial
             tokens += [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+
+
+def test_drafts_keep_following_the_place_being_copied():
+    index = NgramIndex(2, 2)
+    #          0  1  2  3  4  5  6  7  8  9 10 11 12 13
+    tokens = [1, 2, 3, 4, 5, 6, 9, 1, 2, 7, 7, 4, 1, 2]
+    # "1 2" last occurred at 7, followed by 7 7 4 ...
+    assert index.propose(tokens, 2) == [7, 7]
+    tokens += [3, 4]  # but the sequence went on as at 0: 1 2 3 4
+    assert index.propose(tokens, 2) == [5, 6]  # "3 4" occurred only at 2
+    tokens += [5, 6]  # it is copying from 2 on: the drafts follow it...
+    assert index.propose(tokens, 3) == [9, 1, 2]
+    tokens += [9, 1, 2]  # ...on to what followed there (7 7, from 9)...
+    assert index.propose(tokens, 2) == [7, 7]
+    assert index.lookup(tokens) == 14  # ...where an n-gram lookup jumps to "1 2" at 12
+    tokens += [8]  # the copy broke off: back to lookups ("2 8" never occurred)
+    assert index.propose(tokens, 2) == []
 
 
 def test_acceptance_keeps_drafts_up_to_the_first_the_model_disagrees_with():
