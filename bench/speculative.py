@@ -1,6 +1,7 @@
 """Prompt-lookup speculative decoding against plain decoding, in one run.
 
-Two workloads, each run greedily by two engines built alike except for speculation:
+Two workloads, each run by two engines built alike except for speculation, greedily or
+(`--temperature`) with seeded sampling:
 
 - `rag`: a document from Python's own reference text (`pydoc_data.topics`, about
   `--doc-tokens` tokens) followed by a request that the answer draws from it: quote, repeat,
@@ -13,11 +14,12 @@ Every prompt is run once before timing, so both engines serve the documents' KV 
 prefix cache and the timed runs measure what speculation changes: decoding. The engines
 then alternate, each going first in turn, and the median run counts. The record gives
 tokens/s for both engines at each concurrency, the speedup, the share of drafts accepted,
-and whether both engines produced the same tokens for every request (greedy speculation
-must not change a single one).
+and whether both engines produced the same tokens for every request (speculation must not
+change a single one, sampled or not).
 
     python bench/speculative.py            # SmolLM2, bf16: 1, 4, 8 and 16 concurrent
     python bench/speculative.py --quick    # a fast smoke run
+    python bench/speculative.py --temperature 0.7    # seeded sampling
 
 The last printed line is one JSON object; the full record goes to bench/results/.
 """
@@ -103,10 +105,14 @@ def step_ms(core: EngineCore, batch: int, rows: int, context: int, repeats: int 
     return 1e3 * statistics.median(times)
 
 
-def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list]:
-    """Tokens/s over the batch, and each request's output token ids."""
+def run(core: EngineCore, prompts: list[list[int]], temperature: float, max_tokens: int
+        ) -> tuple[float, list]:  # fmt: skip
+    """Tokens/s over the batch, and each request's output token ids (request i seeded with i
+    when sampled, so both engines draw the same numbers)."""
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
+        seed = i if temperature > 0 else None
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
         core.add_request(f"r{i}", prompt, params)
     outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     while core.has_unfinished():
@@ -126,6 +132,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--doc-tokens", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--speculative-tokens", type=int, default=4, help="drafts per step")
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy; above: seeded sampling"
+    )
     ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (median)")
     ap.add_argument("--quick", action="store_true", help="1 run, short documents")
     ap.add_argument("--cache-dir", default=None)
@@ -141,7 +150,6 @@ def main(argv: list[str] | None = None) -> dict:
     spec = SpeculativeConfig(num_speculative_tokens=args.speculative_tokens)
     plain_core, tokenizer = create_engine(base, progress=False)
     spec_core, _ = create_engine(dataclasses.replace(base, speculative=spec), progress=False)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
 
     results: dict[str, dict] = {}
     identical = True
@@ -157,10 +165,11 @@ def main(argv: list[str] | None = None) -> dict:
             outputs = {}
             engines = [("plain", plain_core), ("speculative", spec_core)]
             for _, core in engines:
-                run(core, prompts, params)  # warm: the prompts' KV is cached from here on
+                # warm: the prompts' KV is cached from here on
+                run(core, prompts, args.temperature, args.max_tokens)
             for repeat in range(args.repeats):  # each engine goes first in turn
                 for name, core in engines[:: 1 if repeat % 2 == 0 else -1]:
-                    rate, outputs[name] = run(core, prompts, params)
+                    rate, outputs[name] = run(core, prompts, args.temperature, args.max_tokens)
                     rates[name].append(rate)
             same = outputs["plain"] == outputs["speculative"]
             identical &= same
@@ -200,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
     record = {
         **engine_record("speculative", spec_core, args.model),
         "speculative": dataclasses.asdict(spec), "doc_tokens": args.doc_tokens,
-        "max_tokens": args.max_tokens, "repeats": args.repeats, "quick": args.quick,
+        "max_tokens": args.max_tokens, "temperature": args.temperature,
+        "repeats": args.repeats, "quick": args.quick,
         "results": results, "step_cost_by_rows": row_cost, **summary,
     }  # fmt: skip
     path = write_result(args.out_dir, "speculative", record)

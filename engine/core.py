@@ -34,6 +34,7 @@ from engine.protocol import (
     Scheduling,
 )
 from engine.request import Request
+from engine.sampler import rewind_draws
 from engine.scheduler import Scheduler
 from engine.speculative import accept
 from engine.structured import TokenMatcher, json_matcher
@@ -277,9 +278,14 @@ class EngineCore:
         rejected: dict[str, int] = {}
         for i, (drafts, verified) in enumerate(zip(result.drafts, result.verified, strict=True)):
             if drafts:
+                request = result.requests[i]
                 new_tokens[i] = accept(new_tokens[i][0], drafts, verified)
                 accepted = len(new_tokens[i]) - 1
-                rejected[result.requests[i].request_id] = len(drafts) - accepted
+                rejected[request.request_id] = len(drafts) - accepted
+                state = result.draw_states.get(request.request_id)
+                if state is not None:  # draws for the refused drafts' rows never happened
+                    assert request.generator is not None
+                    rewind_draws(request.generator, state, accepted)
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_draft_tokens += accepted
         self.scheduler.advance(sched, rejected)

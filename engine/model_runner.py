@@ -38,8 +38,8 @@ class RunnerOutput:
     """One sampled token (and optional logprobs) per request whose chunk reached its end,
     and the new prompt-token scores of requests that asked for them.
 
-    A request with drafts also gets `verified`: the model's greedy token after each of its
-    `drafts` (engine/speculative.py decides how many of them stand)."""
+    A request with drafts also gets `verified`: the token sampled after each of its `drafts`
+    (engine/speculative.py decides how many of them stand)."""
 
     requests: list[Request]
     token_ids: list[int]
@@ -47,6 +47,8 @@ class RunnerOutput:
     prompt_logprobs: list[tuple[Request, list[TokenLogprob]]] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)  # per request; [] for none
     verified: list[list[int]] = field(default_factory=list)
+    # seeded drafted requests: their generator's state after drawing for their first row
+    draw_states: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,8 @@ class Launched:
     out: SamplerOutput | None
     prompt: PromptScores | None = None
     drafts: list[list[int]] = field(default_factory=list)  # per sampled request
-    verified: torch.Tensor | None = None  # [D] the greedy token after each draft, in order
+    verified: torch.Tensor | None = None  # [D] the token sampled after each draft, in order
+    draw_states: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -126,7 +129,9 @@ class ModelRunner:
         token_ids, rest = ids[: len(sampled)], iter(ids[len(sampled) :])
         verified = [[next(rest) for _ in drafts] for drafts in launched.drafts]
         logprobs = self._logprobs(sampled, out)
-        return RunnerOutput(sampled, token_ids, logprobs, prompt, launched.drafts, verified)
+        return RunnerOutput(
+            sampled, token_ids, logprobs, prompt, launched.drafts, verified, launched.draw_states
+        )
 
     @torch.inference_mode()
     def launch(self, step: SchedulerOutput) -> Launched:
@@ -157,12 +162,19 @@ class ModelRunner:
         out = sample(logits[: len(sample_rows)], batch, self.generator, self.argmax)
         if not draft_rows:
             return Launched(sampled, out, prompt)
-        # drafted requests are greedy with raw logits (engine/speculative.draftable): the
-        # token after each draft is the same row-wise argmax that sampling takes
+        # each draft's row is sampled as its position would be without drafts (a seeded
+        # request's next uniform numbers, in order): a draft stands if it is that sample
+        drafted = [s.request for s in finishing for _ in s.draft_token_ids]
+        states = {r.request_id: r.generator.get_state()
+                  for r in drafted if r.generator is not None}  # fmt: skip
         after = logits[len(sample_rows) :]
-        verified = self.argmax(after) if self.argmax is not None else after.argmax(dim=-1)
+        if all(r.params.is_greedy for r in drafted):
+            verified = self.argmax(after) if self.argmax is not None else after.argmax(dim=-1)
+        else:
+            rows_batch = build_sampling_batch(drafted, self.vocab_size, self.device)
+            verified = sample(after, rows_batch, self.generator, self.argmax).token_ids
         drafts = [s.draft_token_ids for s in finishing]
-        return Launched(sampled, out, prompt, drafts, verified)
+        return Launched(sampled, out, prompt, drafts, verified, states)
 
     def _score_prompts(self, hidden: torch.Tensor, scored: list[_Scored]) -> PromptScores:
         """Each scored row's logits against the prompt token after its position, a slice of

@@ -252,6 +252,14 @@ def sample(
     return score(raw_logprobs, token_ids, batch.max_num_logprobs or 0)
 
 
+def rewind_draws(generator: torch.Generator, state: torch.Tensor, draws: int) -> None:
+    """Put a request's generator where `draws` single-row draws from `state` leave it: after
+    a drafted step, where plain decoding would be having sampled the tokens that stood."""
+    generator.set_state(state)
+    for _ in range(draws):
+        torch.rand((), device=generator.device, generator=generator)
+
+
 def _constrain(
     token_ids: torch.Tensor,
     probs: torch.Tensor | None,

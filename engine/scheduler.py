@@ -9,8 +9,8 @@ A waiting request whose cached prefix continues on disk is passed over, keeping 
 until those pages have been read ahead into memory: the running batch never waits on the
 disk. The next few waiting requests have their pages read ahead before their turn, too.
 
-With speculative decoding on (engine/speculative.py), a running greedy request in its decode
-phase may also get draft tokens: its step then computes its next token and the drafts after
+With speculative decoding on (engine/speculative.py), a running request in its decode phase
+may also get draft tokens: its step then computes its next token and the drafts after
 it, and `advance` credits only the drafts the model agreed with.
 """
 

@@ -8,9 +8,13 @@ the drafts up to the first one the model would not have produced, plus the model
 after them. A decode step on a memory-bound device costs about the same for one token per
 sequence as for a few, so each accepted draft is a step saved.
 
-Only greedy requests are drafted for, and only those whose next-token choice depends on
-nothing but the logits (no penalties, bias, logprobs, min_tokens or response format): their
-output is then exactly what plain decoding gives, with fewer steps.
+Only requests whose next-token choice depends on nothing but that position's logits are
+drafted for (no penalties, bias, logprobs, min_tokens or response format). Each position is
+then sampled as plain decoding would sample it, greedy or not (engine/sampler.py: one
+uniform number per sampled position, a seeded request's drawn from its own generator, which
+`rewind_draws` puts back where plain decoding would have left it), and a draft stands when
+it is the token sampled at its position. The output is exactly what plain decoding gives,
+seeded sampling included, with fewer steps.
 """
 
 from __future__ import annotations
@@ -83,11 +87,11 @@ class NgramIndex:
 
 
 def draftable(params: SamplingParams, num_output_tokens: int) -> bool:
-    """True when a request's next tokens are each the argmax of its raw logits, so drafts can
-    be checked against the logits alone and change nothing in its output."""
+    """True when each of a request's next tokens is sampled from its position's logits alone
+    (not from the tokens before it, as penalties are), so drafts can be checked against each
+    position's own sample and change nothing in its output."""
     return (
-        params.is_greedy
-        and params.logprobs is None
+        params.logprobs is None
         and not params.logit_bias
         and not params.frequency_penalty
         and not params.presence_penalty

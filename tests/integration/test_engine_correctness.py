@@ -180,12 +180,18 @@ def test_speculation_keeps_every_token_through_preemption_prefix_hits_and_stops(
     assert got.text == want.text and got.token_ids == want.token_ids
     assert got.finish_reason is FinishReason.STOP and got.stop_reason == stop
 
-    # sampled requests are never drafted for, and their seeded draws ignore drafted mates
+    # seeded sampled requests are drafted for too: every position is sampled as plain
+    # decoding samples it, with the same numbers, so their tokens do not change either
     seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=42)
     alone = plain.generate([PROMPTS[2]], seeded)[0].token_ids
     crowd = fast.generate([quoting[0], PROMPTS[2], PROMPTS[3]], [greedy, seeded, greedy])
     assert crowd[1].token_ids == alone
     assert [crowd[0].token_ids, crowd[2].token_ids] == [reference[0], reference[6]]
+    warm = SamplingParams(max_tokens=24, temperature=0.7, top_k=50, seed=3, ignore_eos=True)
+    accepted = fast.core.stats().num_accepted_draft_tokens
+    sampled = [c.token_ids for c in fast.generate(quoting, warm)]
+    assert fast.core.stats().num_accepted_draft_tokens > accepted
+    assert sampled == [c.token_ids for c in plain.generate(quoting, warm)]
     fast.core.check_integrity()
 
 

@@ -79,10 +79,10 @@ def test_acceptance_keeps_drafts_up_to_the_first_the_model_disagrees_with():
     assert accept(3, [4, 5, 6], [5, 6, 7]) == [3]  # the first draft refused
 
 
-def test_only_requests_decided_by_raw_logits_are_drafted_for():
+def test_only_requests_sampled_from_each_positions_logits_are_drafted_for():
     assert draftable(GREEDY, 0)
+    assert draftable(SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=1), 0)
     for params in (
-        SamplingParams(temperature=0.7),
         SamplingParams(temperature=0.0, logprobs=1),
         SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
         SamplingParams(temperature=0.0, frequency_penalty=0.5),
