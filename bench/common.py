@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,29 @@ def write_result(out_dir: str, name: str, record: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+def generate_all(core: Any, prompts: list[list[int]], params: list[Any]) -> tuple[float, list]:
+    """Submit every prompt with its SamplingParams to an EngineCore and step it until all
+    finish: output tokens/s over the whole batch, and each request's output token ids in
+    prompt order."""
+    start = time.perf_counter()
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        core.add_request(f"bench-{i}", prompt, p)
+    outputs: dict[str, list[int]] = {f"bench-{i}": [] for i in range(len(prompts))}
+    while core.has_unfinished():
+        for out in core.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    elapsed = time.perf_counter() - start
+    tokens = [outputs[f"bench-{i}"] for i in range(len(prompts))]
+    return sum(map(len, tokens)) / elapsed, tokens
+
+
+def publish(out_dir: str, name: str, record: dict[str, Any], summary: dict[str, Any]) -> None:
+    """Write the full record to `out_dir` and print where, then `summary` as the last line
+    (one JSON object, what the issues ask a benchmark to print)."""
+    print(f"wrote {write_result(out_dir, name, record)}")
+    print(json.dumps(summary))
 
 
 def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -26,7 +26,6 @@ The last printed line is one JSON object; the full record goes to bench/results/
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import engine_record, hf_model_for, write_result
+from bench.common import engine_record, hf_model_for, publish
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.factory import create_engine
 from engine.kernels.cpu import load_cpu_kernels
@@ -227,9 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
         **summary,
         "rounds": rounds,
     }
-    path = write_result(args.out_dir, "engine_throughput", record)
-    print(f"wrote {path}")
-    print(json.dumps(summary))
+    publish(args.out_dir, "engine_throughput", record, summary)
     return summary
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -42,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import hf_model_for, machine_info, write_result
+from bench.common import hf_model_for, machine_info, publish
 from engine.attention.paged import SeqSlice
 from engine.config import (
     CacheConfig,
@@ -270,9 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "skipped": skipped,
         **summary,
     }
-    path = write_result(args.out_dir, "gpu_decode", record)
-    print(f"wrote {path}")
-    print(json.dumps(summary))
+    publish(args.out_dir, "gpu_decode", record, summary)
     return record
 
 

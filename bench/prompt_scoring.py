@@ -17,7 +17,6 @@ The last printed line is one JSON object; the full record goes to bench/results/
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import engine_record, hf_model_for, write_result
+from bench.common import engine_record, hf_model_for, publish
 from bench.engine_throughput import make_prompts
 from engine.config import EngineConfig, SchedulerConfig
 from engine.factory import create_engine
@@ -136,9 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         **summary,
         "rounds": {"strata": [round(x, 1) for x in ours], "hf": [round(x, 1) for x in peer]},
     }
-    path = write_result(args.out_dir, "prompt_scoring", record)
-    print(f"wrote {path}")
-    print(json.dumps(summary))
+    publish(args.out_dir, "prompt_scoring", record, summary)
     return summary
 
 

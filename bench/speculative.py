@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -40,7 +39,7 @@ import pydoc_data.topics
 
 import torch
 
-from bench.common import engine_record, write_result
+from bench.common import engine_record, generate_all, publish
 from engine.attention.paged import SeqSlice
 from engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.core import EngineCore
@@ -109,18 +108,10 @@ def run(core: EngineCore, prompts: list[list[int]], temperature: float, max_toke
         ) -> tuple[float, list]:  # fmt: skip
     """Tokens/s over the batch, and each request's output token ids (request i seeded with i
     when sampled, so both engines draw the same numbers)."""
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        seed = i if temperature > 0 else None
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-        core.add_request(f"r{i}", prompt, params)
-    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    while core.has_unfinished():
-        for out in core.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-    elapsed = time.perf_counter() - start
-    tokens = [outputs[f"r{i}"] for i in range(len(prompts))]
-    return sum(map(len, tokens)) / elapsed, tokens
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                             seed=i if temperature > 0 else None)
+              for i in range(len(prompts))]  # fmt: skip
+    return generate_all(core, prompts, params)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -213,9 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
         "repeats": args.repeats, "quick": args.quick,
         "results": results, "step_cost_by_rows": row_cost, **summary,
     }  # fmt: skip
-    path = write_result(args.out_dir, "speculative", record)
-    print(f"wrote {path}")
-    print(json.dumps(summary))
+    publish(args.out_dir, "speculative", record, summary)
     return summary
 
 

@@ -21,12 +21,11 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import engine_record, write_result
+from bench.common import engine_record, generate_all, publish
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.factory import create_engine
 from engine.protocol import SamplingParams
@@ -59,19 +58,6 @@ def prompts_for(tokenizer: Tokenizer, num: int) -> list[list[int]]:
     return [tokenizer.encode_chat([{"role": "user", "content": ask}]) for ask in asks]
 
 
-def run(core, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[float, dict]:
-    """Tokens/s over the whole batch, and each request's output token ids."""
-    start = time.perf_counter()
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        core.add_request(f"s{i}", prompt, p)
-    outputs: dict[str, list[int]] = {f"s{i}": [] for i in range(len(prompts))}
-    while core.has_unfinished():
-        for out in core.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-    elapsed = time.perf_counter() - start
-    return sum(map(len, outputs.values())) / elapsed, outputs
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -96,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     schema_text = json.dumps(SCHEMA)
     constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                  json_schema=schema_text)  # fmt: skip
-    run(core, prompts_for(tokenizer, 2), [constrained] * 2)  # warm up
+    generate_all(core, prompts_for(tokenizer, 2), [constrained] * 2)  # warm up
 
     import jsonschema
 
@@ -106,14 +92,14 @@ def main(argv: list[str] | None = None) -> dict:
         with_schema, without = [], []
         valid = finished = 0
         for _ in range(args.repeats):
-            rate, outputs = run(core, prompts, [constrained] * n)
+            rate, outputs = generate_all(core, prompts, [constrained] * n)
             with_schema.append(rate)
-            lengths = [len(outputs[f"s{i}"]) for i in range(n)]
+            lengths = [len(tokens) for tokens in outputs]
             plain = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)
                      for k in lengths]  # fmt: skip
-            without.append(run(core, prompts, plain)[0])
+            without.append(generate_all(core, prompts, plain)[0])
             for i in range(n):
-                text = tokenizer.decode(outputs[f"s{i}"])
+                text = tokenizer.decode(outputs[i])
                 finished += lengths[i] < args.max_tokens
                 try:
                     jsonschema.validate(json.loads(text), SCHEMA)
@@ -142,9 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         "schema": SCHEMA, "max_tokens": args.max_tokens, "repeats": args.repeats,
         "quick": args.quick, "results": results, **summary,
     }  # fmt: skip
-    path = write_result(args.out_dir, "structured_output", record)
-    print(f"wrote {path}")
-    print(json.dumps(summary))
+    publish(args.out_dir, "structured_output", record, summary)
     return summary
 
 
