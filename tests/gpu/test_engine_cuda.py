@@ -48,8 +48,10 @@ def test_speculative_decoding_on_cuda_keeps_the_plain_tokens(strata_cache_dir):
 
 
 def test_fp8_pages_on_cuda_follow_the_cpu_torch_path(strata_cache_dir):
-    """Same quantization on both devices; only fp32 rounding in K/V may flip an FP8 step."""
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    """Same quantization on both devices. fp32 rounding in K/V may move a value across an
+    FP8 step, which shifts logits by a few thousandths: the two greedy runs agree until a
+    near tie (top two within 0.05 nats on the CPU), and there CUDA takes the other one."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     fp8 = CacheConfig(kv_cache_dtype=KVCacheDtype.FP8_E4M3)
     runs = {}
     for device in ("cpu", "cuda"):
@@ -59,8 +61,20 @@ def test_fp8_pages_on_cuda_follow_the_cpu_torch_path(strata_cache_dir):
         )  # fmt: skip
         llm = LLM(cfg)
         assert llm.core.pool.kv.dtype.is_floating_point and llm.core.pool.scales is not None
-        runs[device] = [c.token_ids for c in llm.generate(PROMPTS, params)]
-    assert greedy_agreement(runs["cpu"], runs["cuda"]).token_rate > 0.9
+        runs[device] = llm.generate(PROMPTS, params)
+    for cpu, cuda in zip(runs["cpu"], runs["cuda"], strict=True):
+        split = _first_difference(cpu.token_ids, cuda.token_ids)
+        if split is None:
+            continue
+        there = cpu.logprobs[split]
+        assert there.top_ids[:2] == [cpu.token_ids[split], cuda.token_ids[split]]
+        assert there.top_logprobs[0] - there.top_logprobs[1] < 0.05
+    same = greedy_agreement([c.token_ids for c in runs["cpu"]], [c.token_ids for c in runs["cuda"]])
+    assert same.identical >= 1
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
 
 
 def test_bf16_chat_on_cuda_answers_paris(strata_cache_dir):
@@ -95,7 +109,7 @@ def test_structured_and_seeded_sampling_on_cuda(strata_cache_dir):
     schema = json.dumps({
         "type": "object",
         "properties": {"city": {"type": "string", "maxLength": 30},
-                       "population": {"type": "integer", "minimum": 0}},
+                       "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
         "required": ["city", "population"],
     })  # fmt: skip
     ask = ["Describe Paris as JSON."]
@@ -106,7 +120,8 @@ def test_structured_and_seeded_sampling_on_cuda(strata_cache_dir):
                            cache=CacheConfig(kv_cache_dtype=KVCacheDtype.AUTO))  # fmt: skip
         llm = LLM(cfg)
         texts[device] = llm.generate(ask, greedy, chat=True)[0].text
-    assert texts["cuda"] == texts["cpu"] and json.loads(texts["cuda"])["city"]
+    # greedily, SmolLM2 writes 1s up to the maximum's 9 digits: a bounded, finished answer
+    assert texts["cuda"] == texts["cpu"] and json.loads(texts["cuda"])["city"] == "Paris"
     sampled = SamplingParams(max_tokens=60, temperature=1.0, seed=7, json_schema=schema)
     first, again = (llm.generate(ask, sampled, chat=True)[0] for _ in range(2))
     assert first.token_ids == again.token_ids
