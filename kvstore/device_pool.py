@@ -75,8 +75,9 @@ class DeviceKVPool:
 
     def load_pages(self, blocks: Sequence[int], pages: Sequence[torch.Tensor]) -> None:
         """Store `pages` (host rows as `read_pages` returns them) into `blocks`, layer by
-        layer and, on CUDA, asynchronously (`layer` waits). The rows may be reused as soon
-        as this returns."""
+        layer and, on CUDA, asynchronously (`layer` waits). Rows of the host tier may be
+        read in place later (the tier waits before rewriting one: kvstore/transfer.py); any
+        other rows may be reused as soon as this returns."""
         self.loads.start(blocks, pages)
 
     def read_pages(self, blocks: Sequence[int]) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import torch
@@ -106,6 +106,10 @@ class TieredKVStore:
         self.num_spilled = {Tier.HOST: 0, Tier.DISK: 0}
         self.num_dropped = 0
         self.allowances: dict[str, tuple[int | None, int | None]] = {}  # owner -> pages
+        # called with a host slot before its row is read to move the page to disk, and
+        # before it is handed out to be rewritten: copies in flight on that row finish first
+        # (KVOffloader: loads that read host rows in place, spills that write them)
+        self.before_host_use: Callable[[int], None] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -166,9 +170,14 @@ class TieredKVStore:
         if victim is not None:
             victim_owner = host.owners.of[victim]
             slot = host.release(victim)
+            if self.before_host_use is not None:
+                self.before_host_use(slot)
             self.to_disk(victim, host.data[slot], victim_owner)
         self.num_spilled[Tier.HOST] += 1
-        return host.data[host.take(key, owner)]
+        slot = host.take(key, owner)
+        if self.before_host_use is not None:
+            self.before_host_use(slot)
+        return host.data[slot]
 
     def to_disk(self, key: bytes, page: torch.Tensor, owner: str = "") -> None:
         """Write a page to the disk tier (within the owner's allowance), or drop it."""
@@ -215,7 +224,8 @@ class TieredKVStore:
 class KVOffloader:
     """Moves prefix-cache pages between a device pool and the tiers below it.
 
-    Spills are synchronous (on CUDA through pinned host memory). Pages on disk can be read
+    Spills are synchronous (on CUDA by kernels that write the pinned host rows in place, all
+    of a spill's pages at once). Pages on disk can be read
     ahead into memory (`prefetch`) before they are loaded. Loads go through the pool's
     layer-wise loads: on CUDA they run on their own stream while earlier layers compute.
     """
@@ -224,6 +234,20 @@ class KVOffloader:
         assert store.page_nbytes == pool.spec.bytes_per_block
         self.pool = pool
         self.store = store
+        # on CUDA, copies between the pool and host rows run in place, by kernels
+        self.in_place = store.host is not None and pool.loads.read_host_rows(store.host.data)
+        self._saving: dict[int, int] = {}  # host slot -> device block, copy not yet run
+        if self.in_place:
+            store.before_host_use = self._before_host_use
+
+    def _before_host_use(self, slot: int) -> None:
+        if slot in self._saving:  # its row is about to be read: the spill copies run now
+            self._save()
+        self.pool.loads.before_host_write(slot)
+
+    def _save(self) -> None:
+        saving, self._saving = self._saving, {}
+        self.pool.loads.save_host_rows(list(saving.values()), list(saving))
 
     def spill(
         self, evicted: Sequence[tuple[int, bytes, str]], keep: Collection[bytes] = ()
@@ -238,8 +262,13 @@ class KVOffloader:
             row = self.store.host_slot(key, keep, owner)
             if row is None:
                 to_disk.append((block, key, owner))
+            elif self.in_place:  # copied with the others below, or sooner if its row is used
+                slots = self.pool.loads.host_slots([row])
+                assert slots is not None
+                self._saving[slots[0]] = block
             else:  # filled now: the next slot may push this very page down to disk
                 self.pool.read_pages_into([block], [row])
+        self._save()
         if to_disk:
             pages = self.pool.read_pages([b for b, _, _ in to_disk]).cpu()
             for (_, key, owner), page in zip(to_disk, pages, strict=True):

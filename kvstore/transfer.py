@@ -1,13 +1,20 @@
 """Layer-wise page loads into the device pool: copies that run while earlier layers compute.
 
 A page found below the device (host RAM or disk) comes back when the scheduler admits the
-request that hits it, before the step that reads it. `start` gathers the pages' rows layer by
-layer into staging (a few host threads), so a host-tier slot can be reused as soon as it
-returns. The first wait after it (the step's first layer) issues every load staged since:
-layer 0's K/V (and FP8 scales) of all of them into the pool, then layer 1's, and so on, each
-layer marked done by its own event. Attention waits for its own layer's event only
-(`DeviceKVPool.layer`), so the copy of layer l + 1 overlaps the compute of layer l, however
-many requests brought pages.
+request that hits it, before the step that reads it. The first wait after `start` (the step's
+first layer) issues every load queued since: layer 0's K/V (and FP8 scales) of all of them
+into the pool, then layer 1's, and so on, each layer marked done by its own event. Attention
+waits for its own layer's event only (`DeviceKVPool.layer`), so the copy of layer l + 1
+overlaps the compute of layer l, however many requests brought pages.
+
+Where the pages are read from:
+- rows of the host tier's pinned tensor (`read_host_rows`), on a CUDA stream: in place. One
+  Triton kernel per (layer, part) reads the rows over PCIe through the GPU's mapping of
+  pinned memory and stores them at their blocks (kvstore/triton_load.py); nothing is copied
+  on the host. Such a row must not change until its load is done: the host tier calls
+  `before_host_write` before it reuses a slot, which waits for the loads if one reads it.
+- any other rows (pages read from disk, or no Triton): `start` gathers them into staging (a
+  few host threads) before it returns, and the copies read the staging.
 
 Modes (`CacheConfig.kv_load`):
 - `stream`, on CUDA: the copies run on a stream of their own. With CuPy (`cupy` importable
@@ -26,6 +33,7 @@ import itertools
 import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -55,6 +63,34 @@ def _cupy() -> Any:
     return cupy
 
 
+def _page_layout(pool: DeviceKVPool) -> list[tuple[int, int]]:
+    """Per part of a page (the values, then FP8 scales): (its offset in the page, bytes of
+    one layer's K or V row)."""
+    layout = []
+    offset = 0
+    for part in pool.page_parts():
+        layout.append((offset, part.shape[2]))
+        offset += part.shape[0] * part.shape[2]
+    return layout
+
+
+def _triton_loads() -> Any:
+    try:
+        from kvstore import triton_load  # noqa: PLC0415 (GPU machines: compiles kernels)
+    except Exception as exc:
+        log.warning("Triton unusable for KV page loads (%s); pages go through staging", exc)
+        return None
+    return triton_load
+
+
+class _HostRows:
+    """One load's pages read in place: rows `slots` of the host tier's pinned tensor."""
+
+    def __init__(self, slots: list[int]) -> None:
+        self.slots = slots
+        self.buffer: torch.Tensor | None = None  # nothing staged
+
+
 class _Staged:
     """One load's pages, copied into one [n, page bytes] tensor (pinned on CUDA) by a few
     threads, each a share of the pages. `layer(l)` views, per part of a page (the values,
@@ -68,11 +104,8 @@ class _Staged:
         buffer: torch.Tensor,
         workers: ThreadPoolExecutor,
     ) -> None:
-        self.parts: list[tuple[int, int]] = []  # (offset in a page, width of one K or V row)
-        offset = 0
-        for part in pool.page_parts():
-            self.parts.append((offset, part.shape[2]))
-            offset += part.shape[0] * part.shape[2]
+        self.parts = _page_layout(pool)
+        offset = pool.spec.bytes_per_block
         for page in pages:
             assert page.shape == (offset,) and page.dtype == torch.uint8
         n = len(pages)
@@ -129,7 +162,7 @@ class PageLoads:
         self.pool = pool
         self.mode = mode
         self.num_layers = pool.spec.num_layers
-        self._queued: list[tuple[_Staged, list[int]]] = []  # staged, not yet issued
+        self._queued: list[tuple[_Staged | _HostRows, list[int]]] = []  # not yet issued
         self._pending: list[Any] = []  # issued, not known to be done, oldest first
         self._failed: list[int] = []  # blocks whose pages never arrived
         self._spare: list[torch.Tensor] = []  # staging of finished loads
@@ -138,6 +171,9 @@ class PageLoads:
         self._cupy = None
         self._stream: Any = None
         self._torch_stream: torch.cuda.Stream | None = None
+        self._host: torch.Tensor | None = None  # the host tier's rows, read in place
+        self._kernels: Any = None  # kvstore/triton_load.py, once rows are read in place
+        self._reading: Counter[int] = Counter()  # host rows that queued or pending loads read
         if mode is LoadMode.STREAM:
             self._cupy = _cupy()
             if self._cupy is not None:
@@ -164,15 +200,64 @@ class PageLoads:
     def pending(self) -> bool:
         return bool(self._queued or self._pending)
 
+    def read_host_rows(self, host: torch.Tensor) -> bool:
+        """Read pages that are rows of `host` (the host tier's [slots, page bytes] tensor) in
+        place, when it is pinned and the loads run on a CUDA stream with Triton. Returns
+        whether they will be; the tier must then call `before_host_write`."""
+        if self.mode is not LoadMode.STREAM or not host.is_pinned():
+            return False
+        assert host.dim() == 2 and host.shape[1] == self.pool.spec.bytes_per_block
+        self._kernels = self._kernels or _triton_loads()
+        self._host = host if self._kernels is not None else None
+        return self._host is not None
+
+    def save_host_rows(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
+        """Copy device `blocks` (every layer) into rows `slots` of the host tensor read in
+        place, with one kernel per part on the current stream; returns once they are there."""
+        assert self._host is not None and len(blocks) == len(slots)
+        if not blocks:
+            return
+        index = torch.tensor([list(blocks), list(slots)]).to(self.pool.device)
+        self._kernels.save_pages(
+            self.pool.page_parts(), index[0], self._host, index[1], _page_layout(self.pool)
+        )
+        torch.cuda.current_stream(self.pool.device).synchronize()
+
+    def before_host_write(self, slot: int) -> None:
+        """Host row `slot` is about to be rewritten: a load that reads it finishes first
+        (a host sync, only then)."""
+        if self._reading[slot]:
+            self.finish()
+
+    def host_slots(self, pages: Sequence[torch.Tensor]) -> list[int] | None:
+        """The host rows `pages` are, or None if any is not a row of the host tensor."""
+        host = self._host
+        if host is None:
+            return None
+        base, row = host.data_ptr(), host.stride(0)
+        slots = []
+        for page in pages:
+            offset = page.data_ptr() - base
+            if not (0 <= offset < host.numel() and offset % row == 0 and page.is_contiguous()):
+                return None
+            slots.append(offset // row)
+        return slots
+
     def start(self, blocks: Sequence[int], pages: Sequence[torch.Tensor]) -> None:
         """Copy `pages` (rows as `DeviceKVPool.read_pages` returns them, on the host) into
-        device `blocks`, layer by layer, from the next wait on. The rows are read (gathered
-        layer by layer, by a few threads) before this returns."""
+        device `blocks`, layer by layer, from the next wait on. Rows of the host tier read
+        in place (`read_host_rows`) are read by the copies; any others are gathered into
+        staging before this returns."""
         assert len(blocks) == len(pages)
         if not pages:
             return
         if self.mode is LoadMode.SYNC:  # straight from the rows, nothing staged
             self.pool.write_pages(blocks, pages)
+            return
+        slots = self.host_slots(pages)
+        if slots is not None:
+            self._reading.update(slots)
+            self._queued.append((_HostRows(slots), list(blocks)))
             return
         buffer = self._buffer(len(pages) * self.pool.spec.bytes_per_block)
         staged = _Staged(self.pool, pages, buffer, self._gather_pool())
@@ -190,8 +275,10 @@ class PageLoads:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
     def _done(self, load: Any) -> None:
-        """A finished load's staging goes back for the next ones (the largest few)."""
+        """A finished load's staging goes back for the next ones (the largest few), and the
+        host rows it read may change."""
         self._spare = sorted([*self._spare, *load.buffers], key=lambda b: -b.numel())[:4]
+        self._reading -= Counter(load.host_slots)
 
     def _gather_pool(self) -> ThreadPoolExecutor:
         if self._gatherers is None:
@@ -212,22 +299,27 @@ class PageLoads:
             self._pending.append(self._issue_batch(queued, blocks))
         except BaseException:
             self._failed += blocks
+            self._reading -= Counter(s for src, _ in queued if isinstance(src, _HostRows)
+                                     for s in src.slots)  # fmt: skip
             raise
 
-    def _issue_batch(self, queued: list[tuple[_Staged, list[int]]], blocks: list[int]) -> Any:
-        # per layer, each queued load's staged rows, and each load's blocks
-        sources = [[staged.layer(layer) for staged, _ in queued]
-                   for layer in range(self.num_layers)]  # fmt: skip
+    def _issue_batch(
+        self, queued: list[tuple[_Staged | _HostRows, list[int]]], blocks: list[int]
+    ) -> Any:
+        # each queued load's blocks, and for the staged ones their rows of each layer
         indexes = [torch.tensor(b, dtype=torch.long) for _, b in queued]
         if self.mode is LoadMode.THREAD:
+            sources = [[src.layer(layer) for src, _ in queued if isinstance(src, _Staged)]
+                       for layer in range(self.num_layers)]  # fmt: skip
             load: Any = self._issue_thread(sources, indexes)
         elif self._cupy is None:
-            load = self._issue_stream(sources, indexes)
+            load = self._issue_stream([src for src, _ in queued], indexes)
         else:
             with self._cupy.cuda.Device(self.pool.device.index or 0):  # CuPy's events, there
-                load = self._issue_stream(sources, indexes)
+                load = self._issue_stream([src for src, _ in queued], indexes)
         load.blocks = blocks
-        load.buffers = [staged.buffer for staged, _ in queued]
+        load.buffers = [src.buffer for src, _ in queued if src.buffer is not None]
+        load.host_slots = [s for src, _ in queued if isinstance(src, _HostRows) for s in src.slots]
         return load
 
     # -- CPU worker thread --------------------------------------------------------------------
@@ -252,12 +344,17 @@ class PageLoads:
 
     # -- CUDA stream --------------------------------------------------------------------------
 
-    def _issue_stream(self, sources: _Sources, indexes: list[torch.Tensor]) -> _StreamLoad:
+    def _issue_stream(
+        self, loads: list[_Staged | _HostRows], indexes: list[torch.Tensor]
+    ) -> _StreamLoad:
         device, stream = self.pool.device, self._torch_stream
         assert stream is not None
         compute = torch.cuda.current_stream(device)
         # on the compute stream: waited for below
         indexes = [index.to(device, non_blocking=True) for index in indexes]
+        rows = {i: torch.tensor(src.slots).to(device, non_blocking=True)
+                for i, src in enumerate(loads) if isinstance(src, _HostRows)}  # fmt: skip
+        layout = _page_layout(self.pool)
         load = _StreamLoad()
         cp = self._cupy
         # the copies go after the work already queued on their blocks
@@ -269,11 +366,18 @@ class PageLoads:
             stream.wait_stream(compute)
         try:
             with torch.cuda.stream(stream):
-                for index in indexes:
+                for index in [*indexes, *rows.values()]:
                     index.record_stream(stream)
-                load.indexes = indexes
-                for layer, per_load in enumerate(sources):
-                    for src, index in zip(per_load, indexes, strict=True):
+                load.indexes = [*indexes, *rows.values()]
+                for layer in range(self.num_layers):
+                    dst = self.pool.layer_parts(layer)
+                    for i, (staged, index) in enumerate(zip(loads, indexes, strict=True)):
+                        if isinstance(staged, _HostRows):  # read in place, stored at the blocks
+                            assert self._host is not None
+                            self._kernels.load_layer(self._host, rows[i], index, layout, dst,
+                                                     layer)  # fmt: skip
+                            continue
+                        src = staged.layer(layer)
                         dev = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in src]
                         for d, s in zip(dev, src, strict=True):
                             if cp is not None:  # a CuPy async copy: rows a page apart
@@ -284,7 +388,7 @@ class PageLoads:
                                 )  # fmt: skip
                             else:
                                 d.copy_(s, non_blocking=True)
-                        _scatter(self.pool.layer_parts(layer), dev, index)
+                        _scatter(dst, dev, index)
                     if cp is not None:
                         event = cp.cuda.Event(disable_timing=True)
                         event.record(self._stream)
@@ -335,6 +439,7 @@ class PageLoads:
                 self._done(load)
             except Exception as exc:
                 self._failed += load.blocks
+                self._reading -= Counter(load.host_slots)
                 error = error or exc
         if error is not None:
             raise error
@@ -368,6 +473,7 @@ class _ThreadLoad:
         self.done = [threading.Event() for _ in range(num_layers)]
         self.blocks: list[int] = []
         self.buffers: list[torch.Tensor] = []  # staging, reused once the load is done
+        self.host_slots: list[int] = []  # host rows read in place (none on this path)
         self.future: Future[None] | None = None
 
     def finished(self, future: Future[None]) -> None:
@@ -394,6 +500,7 @@ class _StreamLoad:
         self.blocks: list[int] = []
         # the pinned staging the copies read: alive (and not reused) until they are done
         self.buffers: list[torch.Tensor] = []
+        self.host_slots: list[int] = []  # the host rows it reads in place
         self.indexes: list[torch.Tensor] = []
         self.events: list[Any] = []
 

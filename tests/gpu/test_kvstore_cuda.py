@@ -1,5 +1,6 @@
 """The KV store on a CUDA device: FP8 pages store the bytes the CPU path stores, and pages
-from the host tier come back layer by layer on a copy stream (CuPy where installed)."""
+from the host tier come back layer by layer on a copy stream (CuPy where installed), rows of
+the host tier's pinned tensor read in place by a Triton kernel."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from kvstore import transfer
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
 from kvstore.fp8 import quantize_fp8
+from kvstore.tiers import KVOffloader, Tier, TieredKVStore
 
 pytestmark = pytest.mark.gpu
 
@@ -67,6 +69,75 @@ def test_each_layer_waits_on_the_gpu_for_its_own_pages():
         for got, want in zip(pool.layer_parts(layer), reference.layer_parts(layer), strict=True):
             assert torch.equal(got[:, blocks].cpu(), want[:, blocks]), layer
     pool.loads.finish()
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_host_tier_rows_are_read_in_place_bit_for_bit(name):
+    """Pages that are rows of the host tier load with nothing staged, mixed in one batch
+    with pages from elsewhere (staged), and land bit for bit."""
+    spec = SPECS[name]
+    pool = DeviceKVPool(spec, 64, torch.device("cuda"))
+    store = TieredKVStore(spec.bytes_per_block, host_blocks=40, pin=True)
+    KVOffloader(pool, store)
+    assert store.before_host_use is not None  # rows are read in place
+    assert store.host is not None
+    host = store.host.data
+    host.copy_(torch.stack(pinned_pages(spec, 40)))
+    slots = [7, 3, 39, 0, 21, 22, 23, 5]
+    blocks = [60, 2, 17, 33, 34, 35, 9, 48]
+    others = pinned_pages(spec, 3)  # not host rows: staged
+    pool.load_pages(blocks, [host[s] for s in slots])
+    pool.load_pages([50, 51, 52], others)
+    assert not pool.loads._spare and pool.loads._reading[7] == 1
+    pool.loads.wait_all()
+    assert torch.equal(pool.read_pages(blocks).cpu(), host[slots])
+    assert torch.equal(pool.read_pages([50, 51, 52]).cpu(), torch.stack(others))
+    pool.loads.finish()
+    assert not pool.loads._reading
+
+
+def test_a_host_row_is_not_rewritten_before_its_load_reads_it():
+    """A load still queued behind a long kernel reads host row 5; the tier hands slot 5 out
+    for a new page: the load finishes first, so the device gets the old bytes."""
+    spec = SPECS["fp8"]
+    pool = DeviceKVPool(spec, 16, torch.device("cuda"))
+    store = TieredKVStore(spec.bytes_per_block, host_blocks=8, pin=True)
+    KVOffloader(pool, store)
+    assert store.host is not None
+    old = pinned_pages(spec, 1)[0]
+    store.host.data[5].copy_(old)
+    with torch.cuda.stream(pool.loads._torch_stream):
+        torch.cuda._sleep(200_000_000)  # the copies wait behind this
+    pool.load_pages([4], [store.host.data[5]])
+    pool.loads._issue()  # in flight, not done
+    store.before_host_use(5)  # what host_slot calls before handing slot 5 out
+    assert not pool.loads.pending
+    store.host.data[5].fill_(0)
+    assert torch.equal(pool.read_pages([4]).cpu()[0], old)
+
+
+def test_a_spill_writes_host_rows_in_place_and_a_page_it_pushes_to_disk_is_whole(tmp_path):
+    """Six blocks spill into a host tier of four slots over a disk tier: the first two
+    pages, spilled in this very call, are pushed on to disk, so their copies run before
+    their rows are read. Every page reads back bit for bit from where it ended up."""
+    spec = SPECS["fp8"]
+    pool = DeviceKVPool(spec, 16, torch.device("cuda"))
+    pool.load_pages(list(range(6)), pinned_pages(spec, 6))
+    pool.loads.finish()
+    want = pool.read_pages(list(range(6))).cpu()
+    store = TieredKVStore(spec.bytes_per_block, host_blocks=4, disk_blocks=8,
+                          disk_dir=tmp_path, pin=True)  # fmt: skip
+    offloader = KVOffloader(pool, store)
+    assert offloader.in_place
+    keys = [bytes([i]) * 16 for i in range(6)]
+    offloader.spill([(b, k, "") for b, k in enumerate(keys)])
+    assert [store.tier_of(k) for k in keys] == [Tier.DISK] * 2 + [Tier.HOST] * 4
+    assert store.disk is not None
+    store.disk.reap(wait=True)
+    for i, key in enumerate(keys):
+        got = store.get(key)
+        assert got is not None and torch.equal(got[0].cpu(), want[i]), i
+    store.close()
 
 
 def test_the_engine_gives_the_same_tokens_with_pages_loading_on_a_stream(strata_cache_dir):
