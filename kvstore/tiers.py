@@ -247,7 +247,8 @@ class KVOffloader:
 
     def _save(self) -> None:
         saving, self._saving = self._saving, {}
-        self.pool.loads.save_host_rows(list(saving.values()), list(saving))
+        if saving:
+            self.pool.loads.save_host_rows(list(saving.values()), list(saving))
 
     def spill(
         self, evicted: Sequence[tuple[int, bytes, str]], keep: Collection[bytes] = ()

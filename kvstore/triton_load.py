@@ -69,6 +69,8 @@ def load_layer(
     """
     _check(host, dst)
     n = slots.shape[0]
+    if n == 0:
+        return
     for (offset, width), out in zip(layout, dst, strict=True):
         start = offset + 2 * layer * width
         size = _word(host.stride(0), start, width, out.stride(0), out.stride(1),
@@ -94,6 +96,8 @@ def save_pages(
     num_blocks, row bytes] (`DeviceKVPool.page_parts`). Queued on the current stream."""
     _check(host, src)
     n = slots.shape[0]
+    if n == 0:
+        return
     for (offset, width), part in zip(layout, src, strict=True):
         size = _word(host.stride(0), offset, width, part.stride(0), part.stride(1),
                      host.data_ptr(), part.data_ptr())  # fmt: skip
