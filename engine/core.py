@@ -125,7 +125,7 @@ class EngineCore:
             eos_token_ids=eos_token_ids,
             first_byte=first_byte,
         )
-        if triton and not config.enforce_eager and lora_batch is None:
+        if triton and not config.enforce_eager:  # adapters too: they run on the Triton kernels
             self.runner.use_decode_graphs(
                 min(config.cuda_graph_max_batch, config.scheduler.max_num_seqs),
                 self.max_model_len,

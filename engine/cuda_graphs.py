@@ -10,7 +10,12 @@ smallest captured size >= n:
   static buffers; rows past n are padding: slot -1 (their K/V are not written), length 1
   over block 0, token 0 at position 0; their outputs are never read;
 - the block table has a fixed width (the longest context the engine allows) and every size
-  has a fixed number of split-K programs, so one graph serves any mix of context lengths.
+  has a fixed number of split-K programs, so one graph serves any mix of context lengths;
+- with adapters (a `LoRABatch` on the Triton kernels), each step's adapter tokens grouped by
+  slot go into the batch's static buffers (`LoRABatch.static`) in the same copy as the other
+  inputs; the LoRA kernels of a size-n graph always launch n tiles' programs, those past the
+  step's live tiles returning at once, so one graph serves any mix of adapters, or none.
+  Padding rows are base tokens: in no tile.
 
 Prefill and mixed steps, and batches above the largest size, run eagerly. On a CPU device the
 same buffers and padding are used but the forward runs eagerly (there is nothing to capture),
@@ -20,12 +25,14 @@ which lets tests check that padding never changes a real sequence's result.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 
 import torch
 
 from engine.attention.paged import SeqSlice, slot_indices
 from engine.attention.triton_backend import TritonContext, TritonPagedAttention
 from engine.device import to_device
+from engine.lora.layers import LoRABatch
 from engine.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -47,7 +54,10 @@ class DecodeGraphs:
         attn: TritonPagedAttention,
         max_batch: int,
         max_model_len: int,
+        lora: LoRABatch | None = None,
     ) -> None:
+        """`lora`: the model's adapter batch (Triton kernels), whose static buffers this
+        allocates and fills; None without adapters."""
         self.model = model
         self.attn = attn
         self.device = attn.pool.device
@@ -61,6 +71,8 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
         self.block_table = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.lora = lora
+        self.lora_rows = None if lora is None else lora.allocate_static(n, dev)  # [4, n]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -77,14 +89,16 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         ids, pos = self.input_ids[:size], self.positions[:size]
-        return self.model(ids, pos, self.attn, self.context(size))
+        with nullcontext() if self.lora is None else self.lora.static_step():
+            return self.model(ids, pos, self.attn, self.context(size))
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every ladder size, largest first, sharing one memory pool (CUDA only).
 
         Each size runs once eagerly first: Triton compiles there, never inside a capture.
-        The padding rows write nothing, so capturing leaves the KV pool unchanged.
+        The padding rows write nothing, so capturing leaves the KV pool unchanged; every
+        LoRA tile is padding then, so the LoRA kernels are captured but update nothing.
         """
         if self.device.type != "cuda":
             return
@@ -108,19 +122,28 @@ class DecodeGraphs:
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_batch
 
-    def run(self, input_ids: list[int], seqs: list[SeqSlice]) -> torch.Tensor:
-        """Hidden states [n, hidden] for a decode-only step of n = len(seqs) sequences."""
+    def run(
+        self, input_ids: list[int], seqs: list[SeqSlice], lora_slots: list[int] | None = None
+    ) -> torch.Tensor:
+        """Hidden states [n, hidden] for a decode-only step of n = len(seqs) sequences;
+        `lora_slots`: each sequence's adapter slot (0: base), when adapters are enabled."""
         n = len(seqs)
         size = next(s for s in self.sizes if s >= n)
-        host = torch.tensor(
-            [input_ids, [s.context_len for s in seqs], slot_indices(seqs, self.attn.block_size)],
-            dtype=torch.long,
-        )
-        rows = to_device(host, self.device)
+        inputs = [
+            input_ids,
+            [s.context_len for s in seqs],
+            slot_indices(seqs, self.attn.block_size),
+        ]
+        if self.lora is not None:
+            assert lora_slots is not None and len(lora_slots) == n
+            inputs += self.lora.static_rows(lora_slots)
+        rows = to_device(torch.tensor(inputs, dtype=torch.long), self.device)  # [3 (+ 4), n]
         self.input_ids[:n].copy_(rows[0])
         self.positions[:n].copy_(rows[1])
         self.slot_mapping[:n].copy_(rows[2])
         self.seq_lens[:n].copy_(rows[1] + 1)
+        if self.lora_rows is not None:
+            self.lora_rows[:, :n].copy_(rows[3:])
         width = max(len(s.block_table) for s in seqs)
         table = torch.zeros(n, width, dtype=torch.int32)
         for i, s in enumerate(seqs):
@@ -140,3 +163,5 @@ class DecodeGraphs:
         self.slot_mapping[n:] = -1
         self.seq_lens[n:] = 1
         self.block_table[n:] = 0
+        if self.lora_rows is not None:
+            self.lora_rows[:, n:] = 0  # no tiles: stale ones from a larger step never run

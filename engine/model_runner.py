@@ -106,9 +106,10 @@ class ModelRunner:
 
     def use_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
         """Run decode-only steps of up to `max_batch` sequences from captured CUDA graphs
-        (over static, padded buffers on any device; captured on CUDA). Triton backend only."""
+        (over static, padded buffers on any device; captured on CUDA). Triton backend only,
+        adapters included (on the Triton LoRA kernels)."""
         assert isinstance(self.attn, TritonPagedAttention)
-        self.graphs = DecodeGraphs(self.model, self.attn, max_batch, max_model_len)
+        self.graphs = DecodeGraphs(self.model, self.attn, max_batch, max_model_len, self.lora)
         self.graphs.capture()
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
@@ -212,7 +213,7 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and len(input_ids) == len(slices) and graphs.fits(len(slices)):
             self.attn.pool.loads.wait_all()  # a graph's kernels wait on no layer's loads
-            return graphs.run(input_ids, slices)
+            return graphs.run(input_ids, slices, lora_slots)
         ctx = self.attn.build_context(slices)
         ids_t = to_device(torch.tensor(input_ids, dtype=torch.long), self.device)
         pos_t = to_device(torch.tensor(positions, dtype=torch.long), self.device)

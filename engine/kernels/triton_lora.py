@@ -12,6 +12,12 @@ Decode steps are the same kernels with short segments (tokens of one adapter sti
 the reads of its A and B); base-model tokens are not in `order` and cost nothing. The rank
 dimension is padded to a power of two (at least 16) with masked loads.
 
+A tile of length 0 is padding: its programs return at once. Decode steps replayed from CUDA
+graphs use this for a grid fixed by the batch size T alone: `order` and the tile arrays are
+static buffers of T entries (a decode token opens at most one tile), the step's live tiles
+first and length-0 tiles after them, so a step whose tokens are all base launches T programs
+that all return.
+
 Arithmetic is fp32 with `h` rounded to the compute dtype between the two products, as the
 torch path rounds it. Imported through engine.attention.triton_backend.load_triton_kernels.
 """
@@ -25,14 +31,14 @@ from triton.runtime.interpreter import InterpretedFunction
 
 
 @triton.jit
-def _tile(order_ptr, tile_slot, tile_start, tile_len, BLOCK_T: tl.constexpr):
-    """This program's tile: its slot, which lanes hold a token, the tokens' rows in x and y,
-    and their rows in the h buffer (positions in `order`)."""
+def _tile(order_ptr, tile_slot, tile_start, num_rows, BLOCK_T: tl.constexpr):
+    """This program's tile (of `num_rows` tokens): its slot, which lanes hold a token, the
+    tokens' rows in x and y, and their rows in the h buffer (positions in `order`)."""
     tile = tl.program_id(0)
     slot = tl.load(tile_slot + tile).to(tl.int64)
     start = tl.load(tile_start + tile)
     i = tl.arange(0, BLOCK_T)
-    t_ok = i < tl.load(tile_len + tile)
+    t_ok = i < num_rows
     rows = tl.load(order_ptr + start + i, mask=t_ok, other=0).to(tl.int64)
     return slot, t_ok, rows, (start + i).to(tl.int64)
 
@@ -44,7 +50,10 @@ def _shrink_kernel(
     BLOCK_T: tl.constexpr, R_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    slot, t_ok, rows, h_rows = _tile(order_ptr, tile_slot, tile_start, tile_len, BLOCK_T)
+    num_rows = tl.load(tile_len + tl.program_id(0))
+    if num_rows == 0:  # a padding tile
+        return
+    slot, t_ok, rows, h_rows = _tile(order_ptr, tile_slot, tile_start, num_rows, BLOCK_T)
     r = tl.arange(0, R_PAD)
     r_ok = r < rank_rows
     acc = tl.zeros([BLOCK_T, R_PAD], tl.float32)
@@ -66,8 +75,11 @@ def _expand_kernel(
     BLOCK_T: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
+    num_rows = tl.load(tile_len + tl.program_id(0))
+    if num_rows == 0:  # a padding tile
+        return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot, t_ok, rows, h_rows = _tile(order_ptr, tile_slot, tile_start, tile_len, BLOCK_T)
+    slot, t_ok, rows, h_rows = _tile(order_ptr, tile_slot, tile_start, num_rows, BLOCK_T)
     r = tl.arange(0, R_PAD)
     n_ok = n < out_features
     h = tl.load(h_ptr + h_rows[:, None] * R_PAD + r[None, :], mask=t_ok[:, None], other=0.0)
@@ -102,7 +114,9 @@ def lora_apply(
     """y [T, out] += B[slot] A[slot] x for the rows in `order`, in place; returns y.
 
     x [T, in]; a [slots, R, in]; b [slots, out, R]; `order` [N] int32 rows grouped by slot;
-    `tiles` (slot, start in order, length <= BLOCK_T) int32 [num_tiles] each.
+    `tiles` (slot, start in order, length <= BLOCK_T) int32 [num_tiles] each, where a tile
+    of length 0 is padding. The launch depends only on these shapes (no host sync), so a
+    CUDA graph can capture it over static `order` and `tiles` (N = num_tiles = T).
     """
     num_tiles = tiles[0].shape[0]
     if num_tiles == 0:
@@ -115,7 +129,7 @@ def lora_apply(
     wide = _INTERPRETED or x.dtype == torch.float32  # see triton_attention: fp32 operands
     dot = tl.float32 if wide else _TL_DTYPES[x.dtype]
     precision = "ieee" if wide else "tf32"
-    h = torch.empty(order.shape[0], r_pad, dtype=torch.float32, device=x.device)
+    h = torch.empty(order.shape[0], r_pad, dtype=torch.float32, device=x.device)  # [N, R_PAD]
     _shrink_kernel[(num_tiles,)](
         x, a, h, order, *tiles, in_features, rank_rows, x.stride(0), a.stride(0), a.stride(1),
         BLOCK_T=BLOCK_T, R_PAD=r_pad, BLOCK_K=64, DOT_DTYPE=dot, DOT_PRECISION=precision,

@@ -68,7 +68,8 @@ def test_real_model_on_triton_answers_like_the_torch_backend(make_core, smollm2_
 
 def test_triton_backend_serves_adapters_like_the_torch_backend(tmp_path):
     """Base and adapter requests in one batch (synthetic:tiny, random rank-8 adapters on
-    every target module): the Triton LoRA kernels give the torch path's tokens."""
+    every target module): the Triton LoRA kernels, decode steps over the graph buffers
+    included, give the torch path's tokens."""
     tiny = PRESETS["tiny"]
     adapters = [
         LoRARequest(name=f"a{i}", path=str(write_random_adapter(
@@ -83,6 +84,7 @@ def test_triton_backend_serves_adapters_like_the_torch_backend(tmp_path):
     for backend in (KernelBackend.TORCH, KernelBackend.TRITON):
         llm = tiny_engine(backend, lora=LoRAConfig(max_loras=4, max_lora_rank=8))
         assert (llm.core.runner.lora.ops is not None) == (backend is KernelBackend.TRITON)
+        assert (llm.core.runner.graphs is not None) == (backend is KernelBackend.TRITON)
         runs[backend] = [c.token_ids for c in llm.generate(prompts, params, lora=loras)]
     assert runs[KernelBackend.TRITON] == runs[KernelBackend.TORCH]
     assert runs[KernelBackend.TORCH][4] != runs[KernelBackend.TORCH][0], "adapters matter"

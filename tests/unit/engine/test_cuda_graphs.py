@@ -1,6 +1,8 @@
 """Decode over the static, padded buffers of DecodeGraphs (the inputs a captured CUDA graph
 replays; on CPU the forward runs eagerly over them): padding never changes a real sequence's
-result, and padding rows write nothing into the KV pool."""
+result, and padding rows write nothing into the KV pool. With adapters, the LoRA kernels
+over the static LoRA buffers give the eager LoRA path's result, and neither padding rows
+nor a previous step's tiles reach a sequence."""
 
 from __future__ import annotations
 
@@ -8,9 +10,13 @@ import pytest
 import torch
 
 from engine.attention.paged import SeqSlice
-from engine.attention.triton_backend import TritonPagedAttention
+from engine.attention.triton_backend import TritonPagedAttention, load_triton_kernels
+from engine.config import LoRAConfig
 from engine.cuda_graphs import DecodeGraphs, batch_ladder
-from engine.loader import build_model, load_checkpoint
+from engine.loader import PRESETS, build_model, load_checkpoint
+from engine.lora.layers import LoRAManager, apply_lora
+from engine.lora.synthetic import write_random_adapter
+from engine.protocol import LoRARequest
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
 from tests.triton_marks import INTERPRETED
@@ -75,3 +81,75 @@ def test_padded_decode_matches_eager_decode(tiny_model, page_dtype):
         pool_rows = pool.kv.flatten(2, 3)[:, :, slots].float()
         torch.testing.assert_close(pool_rows, pools[0].kv.flatten(2, 3)[:, :, slots].float(),
                                    atol=1e-4, rtol=1e-2)  # fmt: skip
+
+
+def _lora_model(root, num_adapters):
+    """synthetic:tiny on the Triton LoRA kernels, with `num_adapters` random adapters in
+    slots 1..num_adapters; returns the model and its LoRA batch."""
+    model = build_model(load_checkpoint("synthetic:tiny", None, progress=False, seed=3),
+                        torch.float32, CPU)  # fmt: skip
+    manager = LoRAManager(LoRAConfig(max_loras=num_adapters, max_lora_rank=8),
+                          model.config, torch.float32, CPU)  # fmt: skip
+    batch = apply_lora(model, manager, load_triton_kernels(CPU, "triton_lora"))
+    for i in range(num_adapters):
+        path = write_random_adapter(root / f"a{i}", PRESETS["tiny"], rank=8, scale=0.2, seed=i)
+        lora = LoRARequest(name=f"a{i}", path=str(path))
+        manager.start_load(lora)
+        while manager.loading:
+            manager.wait(1.0)
+            manager.finish_loads(set())
+        assert manager.ready_slot(lora) == i + 1
+    return model, batch
+
+
+@INTERPRETED
+def test_lora_decode_over_the_graph_buffers_matches_eager_decode(tmp_path):
+    model, lora = _lora_model(tmp_path, num_adapters=4)
+    cfg = model.config
+    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, BS, torch.float32)
+    pools = [DeviceKVPool(spec, 32, CPU) for _ in range(2)]  # eager, graph buffers
+    attns = [TritonPagedAttention(pool, cfg.num_heads, block_n=16) for pool in pools]
+    prompt_lens = [3, 6, 2, 5, 4, 7]
+    tables = [[2 * i, 2 * i + 1, 2 * i + 12] for i in range(len(prompt_lens))]  # 12 tokens
+    prompts = [[(11 * i + 5 * j) % cfg.vocab_size for j in range(n)]
+               for i, n in enumerate(prompt_lens)]  # fmt: skip
+    prefill = [SeqSlice(n, 0, t) for n, t in zip(prompt_lens, tables, strict=True)]
+    positions = [p for n in prompt_lens for p in range(n)]
+    graphs = DecodeGraphs(model, attns[1], max_batch=8, max_model_len=12, lora=lora)
+    context_lens = list(prompt_lens)
+
+    def eager(attn, ids, positions, seqs, slots):
+        lora.set(slots, CPU)
+        ids_t, pos_t = torch.tensor(ids), torch.tensor(positions)
+        return model(ids_t, pos_t, attn, attn.build_context(seqs))
+
+    def decode(num_seqs, slots):
+        """One decode step of the first `num_seqs` sequences, eager and over the graph
+        buffers; returns (eager, graph, eager with every token base) hidden states."""
+        seqs = [SeqSlice(1, n, t) for n, t in zip(context_lens, tables, strict=True)][:num_seqs]
+        ids = [(7 * n + 3) % cfg.vocab_size for n in context_lens[:num_seqs]]
+        got = graphs.run(ids, seqs, slots)  # first: it must not read an eager step's state
+        pos = context_lens[:num_seqs]
+        base = eager(attns[0], ids, pos, seqs, [0] * num_seqs)  # its K/V rewritten next
+        want = eager(attns[0], ids, pos, seqs, slots)
+        for i in range(num_seqs):
+            context_lens[i] += 1
+        return want, got, base
+
+    with torch.inference_mode():
+        slots = [s for i, n in enumerate(prompt_lens) for s in [i % 5] * n]
+        for attn in attns:
+            eager(attn, [t for p in prompts for t in p], positions, prefill, slots)
+        # base tokens, two tokens in one tile, three adapters and two padding rows
+        want, got, base = decode(6, [1, 0, 3, 1, 2, 0])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        changed = (want - base).abs().amax(-1) > 1e-3
+        assert changed.tolist() == [True, False, True, True, True, False]
+        # four tiles, the last over row 0 (order [3, 2, 1, 0])
+        want, got, _ = decode(4, [4, 3, 2, 1])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        # a smaller step of the same graph size, all base: that tile must not run again
+        want, got, base = decode(3, [0, 0, 0])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(want, base)
+    assert graphs.lora_rows is not None and graphs.lora_rows[3].eq(0).all(), "no live tile"
