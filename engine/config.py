@@ -309,12 +309,16 @@ class SpeculativeConfig:
     a step of few rows costs about the same as a step of one (the weights are read once),
     but past a few rows it is bound by compute, and a refused draft then costs as much as a
     real token. So with 8, one running request gets 4 drafts, four get 2 each, and nine or
-    more get none."""
+    more get none.
+
+    `adaptive`: draft only while it pays, as measured on this machine and load
+    (engine/speculative.py, `DraftGate`); off, every draftable request is drafted for."""
 
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     max_step_drafts: int = 8
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= 16:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -256,10 +257,12 @@ class EngineCore:
                 self.block_manager.wait_below(0.005)  # or until pages are read from disk
             return outputs
         try:
+            started = time.perf_counter()
             result = self.runner.execute(sched)
             # the step has waited for its page loads (kvstore/transfer.py) on the device;
             # the host waits too before any block is freed. A failed load fails the step.
             self.pool.loads.finish()
+            seconds = time.perf_counter() - started
         except (RuntimeError, ValueError, IndexError) as exc:
             # a failed forward cannot be pinned on one request: fail this step's batch only
             log.exception("model step failed; failing %d requests", len(sched.scheduled))
@@ -289,6 +292,12 @@ class EngineCore:
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_draft_tokens += accepted
         self.scheduler.advance(sched, rejected)
+        gate = self.scheduler.draft_gate
+        if gate is not None and all(
+            s.num_new_tokens - len(s.draft_token_ids) == 1 for s in sched.scheduled
+        ):  # a decode step: what it cost, with or without drafts, and what it produced
+            gate.record(len(sched.scheduled), seconds, sum(map(len, new_tokens)),
+                        drafted=any(s.draft_token_ids for s in sched.scheduled))  # fmt: skip
         for request, scores in result.prompt_logprobs:
             request.prompt_logprobs.extend(scores)
         for request, tokens, logprob in zip(

@@ -24,7 +24,7 @@ from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.protocol import FinishReason
 from engine.request import Request, RequestStatus
 from engine.sched_policy import create_policy
-from engine.speculative import NgramIndex, draftable
+from engine.speculative import DraftGate, NgramIndex, draftable
 from kvstore.tiers import Tier
 
 _READ_AHEAD_REQUESTS = 4  # waiting requests whose disk pages are read before their turn
@@ -72,6 +72,9 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.speculative = speculative or SpeculativeConfig()
+        spec = self.speculative
+        # measures whether drafts pay (the engine core records each decode step's time)
+        self.draft_gate = DraftGate() if spec.adaptive and spec.num_speculative_tokens else None
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         # prefix-cache keys: model, KV dtype (from the engine) + the request's salt
@@ -131,6 +134,8 @@ class Scheduler:
         spec = self.speculative
         draft_share = min(spec.num_speculative_tokens,
                           spec.max_step_drafts // max(1, len(self.running)))  # fmt: skip
+        if draft_share and self.draft_gate and not self.draft_gate.allow(len(self.running)):
+            draft_share = 0
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]

@@ -19,6 +19,9 @@ seeded sampling included, with fewer steps.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 from engine.protocol import SamplingParams
 
 
@@ -111,3 +114,53 @@ def accept(first: int, drafts: list[int], verified: list[int]) -> list[int]:
             break
         out.append(after)
     return out
+
+
+class DraftGate:
+    """Whether drafting pays here and now, measured rather than assumed.
+
+    A drafted step costs more than a plain one: more rows, and on a GPU an eager forward
+    where a plain decode step replays a CUDA graph. It pays when the tokens its drafts add
+    outweigh that. Per batch size (bucketed by powers of two), the gate keeps the tokens per
+    second of the latest decode-only steps with drafts and without, and lets the scheduler
+    draft while the median of the first is at least the median of the second. It takes
+    `samples` steps of each kind before it judges (a median of three ignores one step slowed
+    by something else), and whichever kind loses is still tried once every `probe_every`
+    steps of that size, so the judgement follows the load and the machine.
+    """
+
+    def __init__(self, probe_every: int = 32, samples: int = 3, window: int = 8) -> None:
+        self.probe_every = probe_every
+        self.samples = samples
+        self.window = window
+        # bucket -> kind (True: drafted) -> tokens per second of its latest steps
+        self._rates: dict[int, dict[bool, deque[float]]] = {}
+        self._steps: dict[int, int] = {}  # bucket -> judgements taken
+
+    @staticmethod
+    def _bucket(batch: int) -> int:
+        return (batch - 1).bit_length()  # 1, 2, 3-4, 5-8, ...
+
+    def allow(self, batch: int) -> bool:
+        """Whether a decode step of `batch` requests may carry drafts (a decision: counts
+        towards the next probe)."""
+        bucket = self._bucket(batch)
+        rates = self._rates.get(bucket, {})
+        if len(rates.get(True, ())) < self.samples:
+            return True  # drafting is tried first
+        if len(rates.get(False, ())) < self.samples:
+            return False  # then plain steps, to compare with
+        n = self._steps[bucket] = self._steps.get(bucket, 0) + 1
+        pays = self.rate(batch, drafted=True) >= self.rate(batch, drafted=False)
+        return pays != (n % self.probe_every == 0)
+
+    def record(self, batch: int, seconds: float, tokens: int, *, drafted: bool) -> None:
+        """A decode-only step of `batch` requests took `seconds` and produced `tokens`."""
+        kinds = self._rates.setdefault(self._bucket(batch), {})
+        kinds.setdefault(drafted, deque(maxlen=self.window)).append(tokens / max(seconds, 1e-9))
+
+    def rate(self, batch: int, *, drafted: bool) -> float:
+        """The median tokens per second of the latest steps of this size and kind (0 if
+        none)."""
+        rates = self._rates.get(self._bucket(batch), {}).get(drafted)
+        return statistics.median(rates) if rates else 0.0

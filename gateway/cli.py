@@ -149,6 +149,12 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         default=8,
         help="draft tokens per step, shared by the running requests (none once more run)",
     )
+    g.add_argument(
+        "--speculative-always",
+        action="store_true",
+        help="draft whenever a request can be drafted for, instead of only while drafted "
+        "steps are measured to produce more tokens per second than plain ones",
+    )
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     g.add_argument(
         "--cache-dir",
@@ -191,6 +197,7 @@ def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
             prompt_lookup_max=args.prompt_lookup_max,
             prompt_lookup_min=args.prompt_lookup_min,
             max_step_drafts=args.speculative_max_step_drafts,
+            adaptive=not args.speculative_always,
         ),
     )
 
@@ -314,7 +321,7 @@ _ENGINE_FLAGS = (
     "backend",
     "threads",
 )
-_ENGINE_SWITCHES = ("enforce_eager", "kv_spill_ahead")  # store_true options
+_ENGINE_SWITCHES = ("enforce_eager", "kv_spill_ahead", "speculative_always")  # store_true
 
 
 def _engine_argv(args: argparse.Namespace) -> list[str]:

@@ -39,8 +39,8 @@ def test_speculative_decoding_on_cuda_keeps_the_plain_tokens(strata_cache_dir):
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     runs = {}
     for k in (0, 4):
-        cfg = EngineConfig(device="cuda", cache_dir=str(strata_cache_dir),
-                           speculative=SpeculativeConfig(num_speculative_tokens=k))  # fmt: skip
+        spec = SpeculativeConfig(num_speculative_tokens=k, adaptive=False)  # always drafted
+        cfg = EngineConfig(device="cuda", cache_dir=str(strata_cache_dir), speculative=spec)
         llm = LLM(cfg)
         runs[k] = [c.token_ids for c in llm.generate(PROMPTS, params)]
     assert llm.core.stats().num_accepted_draft_tokens > 0

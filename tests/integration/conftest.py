@@ -149,10 +149,12 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def smollm2_worker(tmp_path_factory, strata_cache_dir) -> Iterator[WorkerProcess]:
     """The real default model (bf16) in a worker process shared by the gateway tests, with
-    speculative decoding on: every greedy request through the gateway is drafted for."""
+    speculative decoding on, always: every greedy request through the gateway is drafted
+    for, whatever drafts earn on this machine."""
+    spec = ["--speculative-tokens", "4", "--speculative-always"]
     worker = WorkerProcess(
         tmp_path_factory.mktemp("worker") / "engine.sock",
-        ["--model", "default", "--kv-cache-gb", "0.5", "--speculative-tokens", "4"],
+        ["--model", "default", "--kv-cache-gb", "0.5", *spec],
         strata_cache_dir,
     )
     worker.start()

@@ -3,6 +3,8 @@ chunked prefill, preemption, sampling and stop strings."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -130,7 +132,8 @@ def test_prefix_cache_hits_give_the_same_tokens(make_core, smollm2_fp32):
 
 
 # speculative decoding (engine/speculative.py): greedy output must not change by one token
-SPECULATIVE = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1)
+# drafted whenever possible, whatever drafts earn here: these tests check what drafting does
+SPECULATIVE = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1, adaptive=False)
 
 
 @pytest.mark.parametrize("backend", [KernelBackend.NATIVE, KernelBackend.TORCH])
@@ -193,6 +196,35 @@ def test_speculation_keeps_every_token_through_preemption_prefix_hits_and_stops(
     assert fast.core.stats().num_accepted_draft_tokens > accepted
     assert sampled == [c.token_ids for c in plain.generate(quoting, warm)]
     fast.core.check_integrity()
+
+
+def test_drafting_stops_where_drafted_steps_are_slower_and_goes_on_where_they_pay():
+    """The default (adaptive) engine on a tiny model that repeats its prompt's last token,
+    so nearly every draft stands. Steps are made slower by 250 ms when they carry drafts,
+    then when they do not: drafting stops once measured to lose (probing now and then),
+    and goes on where it pays. The tokens are the same either way."""
+    prompt = [[3, 14, 15, 92, 65] * 5]
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+    plain = LLM(EngineConfig(model="synthetic:tiny", dtype="float32", seed=4))
+    want = plain.generate(prompt, params)[0].token_ids
+    drafted_steps = {}
+    for slow in ("drafted", "plain"):
+        llm = LLM(EngineConfig(model="synthetic:tiny", dtype="float32", seed=4, speculative=spec))
+        execute = llm.core.runner.execute
+
+        def delayed(step, execute=execute, slow=slow):
+            if any(s.draft_token_ids for s in step.scheduled) == (slow == "drafted"):
+                time.sleep(0.25)
+            return execute(step)
+
+        llm.core.runner.execute = delayed
+        assert llm.generate(prompt, params)[0].token_ids == want
+        stats = llm.core.stats()
+        assert stats.num_accepted_draft_tokens > 0.9 * stats.num_draft_tokens
+        drafted_steps[slow] = stats.num_draft_tokens / 3
+    assert drafted_steps["drafted"] <= 6  # three to judge by, then a probe every 32 steps
+    assert drafted_steps["plain"] >= 10  # about 4 tokens a drafted step over 63 tokens
 
 
 def test_chat_answer_names_paris(llm):

@@ -100,7 +100,7 @@ def test_triton_backend_checks_drafts_like_plain_decoding():
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     want = [c.token_ids for c in tiny_engine(KernelBackend.TORCH, cache=cache).generate(
         prompts, params)]  # fmt: skip
-    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1)
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, adaptive=False)
     triton_llm = tiny_engine(KernelBackend.TRITON, cache=cache, speculative=spec)
     assert [c.token_ids for c in triton_llm.generate(prompts, params)] == want
     stats = triton_llm.core.stats()

@@ -9,7 +9,7 @@ from engine.config import ConfigError, SchedulerConfig, SpeculativeConfig
 from engine.protocol import FinishReason, SamplingParams
 from engine.request import Request
 from engine.scheduler import Scheduler
-from engine.speculative import NgramIndex, accept, draftable
+from engine.speculative import DraftGate, NgramIndex, accept, draftable
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0)
 
@@ -233,3 +233,34 @@ def test_a_request_drafts_less_after_a_miss_and_more_after_a_full_hit():
     lengths = [len(step(s, m).scheduled[0].draft_token_ids) for m in (liar, CYCLE, CYCLE, CYCLE)]
     # 4 drafts (3 ...) refused at once; then 1 (kept); then 2, then 4
     assert lengths == [4, 1, 2, 4]
+
+
+# DraftGate: drafting goes on only while drafted steps produce more tokens per second
+
+
+def test_the_gate_tries_drafting_then_plain_steps_then_follows_the_faster():
+    gate = DraftGate(probe_every=4, samples=2)
+    for _ in range(2):
+        assert gate.allow(1)  # drafts first, until there are two samples
+        gate.record(1, 0.020, 3, drafted=True)  # 150 tokens/s
+    gate.record(1, 0.900, 1, drafted=False)  # a plain step slowed by something else
+    assert not gate.allow(1)  # one plain sample is not enough
+    gate.record(1, 0.010, 1, drafted=False)  # 100 tokens/s
+    gate.record(1, 0.010, 1, drafted=False)  # the median leaves the outlier out
+    assert gate.rate(1, drafted=False) == pytest.approx(100)
+    decisions = [gate.allow(1) for _ in range(8)]
+    assert decisions == [True, True, True, False] * 2  # every 4th decision probes the loser
+    for _ in range(8):  # drafted steps turn slow: 3 tokens in 40 ms
+        gate.record(1, 0.040, 3, drafted=True)
+    assert gate.rate(1, drafted=True) == pytest.approx(75)
+    assert [gate.allow(1) for _ in range(8)] == [False, False, False, True] * 2
+
+
+def test_the_gate_judges_each_batch_size_apart():
+    gate = DraftGate(samples=1)
+    for batch, drafted_seconds in ((1, 0.012), (8, 0.080)):
+        gate.record(batch, drafted_seconds, 2 * batch, drafted=True)
+        gate.record(batch, 0.010, batch, drafted=False)
+    assert gate.allow(1)  # 2 tokens in 12 ms beat 1 in 10 ms
+    assert not gate.allow(8) and not gate.allow(5)  # 16 in 80 ms lose to 8 in 10 ms
+    assert gate.allow(2) and gate.allow(16)  # sizes not seen yet: drafts first

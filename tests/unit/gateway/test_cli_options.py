@@ -55,13 +55,15 @@ def test_speculative_options_reach_the_config_and_the_worker():
         "1",
         "--speculative-max-step-drafts",
         "4",
+        "--speculative-always",
     ]
+    assert _engine_config(parser.parse_args(["engine"])).speculative.adaptive
     spec = _engine_config(parser.parse_args(["engine", *flags])).speculative
     assert (spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (
         5,
         1,
         4,
     )
-    assert spec.max_step_drafts == 4
+    assert spec.max_step_drafts == 4 and not spec.adaptive
     argv = _engine_argv(parser.parse_args(["serve", *flags]))
     assert _engine_config(parser.parse_args(["engine", *argv])).speculative == spec
