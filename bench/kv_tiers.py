@@ -3,11 +3,13 @@
 Pages of SmolLM2's shape (30 layers, 3 KV heads of 64, 16-token blocks, bf16 or FP8) move:
 
 - device -> host: `KVOffloader.spill` (gather the blocks' pages from every layer, store them
-  in host slots), against one `copy_` of a contiguous tensor of the same size;
+  in host slots; on CUDA by kernels writing the pinned slots in place), against one `copy_`
+  of a contiguous tensor of the same size;
 - host -> device: `KVOffloader.load` (read the host slots, scatter into every layer; on
-  CUDA layer by layer on a copy stream, kvstore/transfer.py), against the same raw copy the
-  other way, and on CUDA with CuPy installed, CuPy's async copy of the same bytes from pinned
-  memory against torch's (`cudaMemcpyAsync`);
+  CUDA layer by layer on a copy stream, the slots read in place by kernels,
+  kvstore/transfer.py), against the same raw copy the other way, and on CUDA with CuPy
+  installed, CuPy's async copy of the same bytes from pinned memory against torch's
+  (`cudaMemcpyAsync`);
 - host -> disk: pages written through the disk tier (staging, CRC-32, `O_DIRECT` where
   possible, background thread), against `O_DIRECT` writes of 4 MiB chunks of one file;
 - disk -> host: pages read ahead as a waiting request's are (the disk tier's reader
