@@ -14,7 +14,6 @@ likely allowed token, as does a sampled row whose filters left no allowed token 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -292,17 +291,17 @@ def _first_allowed(
     orders: list[tuple[torch.Tensor, float]], matcher: TokenMatcher, first_byte: torch.Tensor
 ) -> int | None:
     """The first token `matcher` allows, by descending key, among keys above their floor;
-    None if none is, or once `_MAX_CHECKS` candidates were refused or `_MAX_SEARCH_SECONDS`
-    passed (a grammar must not hold the whole batch up)."""
+    None if none is, or once `_MAX_CHECKS` candidates were refused (a grammar must not hold
+    the whole batch up). The bound is a count, not a time: whether a request can go on
+    must not depend on how busy the machine is."""
     allowed = torch.tensor([*matcher.next_bytes(), False])  # [257]: index 256 is "no bytes"
     candidates = allowed[first_byte]  # [V]
     if matcher.can_end:
         candidates[[t for t in matcher.stop_ids if t < len(candidates)]] = True
     checks = 0
-    deadline = time.perf_counter() + _MAX_SEARCH_SECONDS
     for key, floor in orders:
         key = key.masked_fill(~candidates, float("-inf"))
-        while checks < _MAX_CHECKS and time.perf_counter() < deadline:
+        while checks < _MAX_CHECKS:
             values, ids = key.topk(min(_CANDIDATES_PER_LOOK, key.numel()))
             for value, token in zip(values.tolist(), ids.tolist(), strict=True):
                 if value <= floor:
@@ -319,7 +318,6 @@ def _first_allowed(
 
 _CANDIDATES_PER_LOOK = 64
 _MAX_CHECKS = 4096
-_MAX_SEARCH_SECONDS = 0.05
 
 
 def score(logprobs: torch.Tensor, token_ids: torch.Tensor, n: int) -> SamplerOutput:

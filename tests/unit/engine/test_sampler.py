@@ -1,7 +1,6 @@
 import json
 import math
 
-import pytest
 import torch
 
 from engine.protocol import SamplingParams
@@ -243,12 +242,8 @@ def test_a_grammar_no_token_can_continue_marks_the_row_stuck():
     assert r.matcher.stuck
 
 
-@pytest.mark.parametrize("seconds", [60.0, 0.0])
-def test_a_grammar_gives_up_after_a_bounded_search(seconds, monkeypatch):
-    from engine import sampler
+def test_a_grammar_gives_up_after_a_bounded_search():
     from engine.structured import JsonMatcher, TokenMatcher, grammar_for
-
-    monkeypatch.setattr(sampler, "_MAX_SEARCH_SECONDS", seconds)
 
     vocab_size = 20_000
     vocab: list[bytes | None] = [b"{x"] * vocab_size  # each opens an object, then fails
@@ -263,5 +258,5 @@ def test_a_grammar_gives_up_after_a_bounded_search(seconds, monkeypatch):
     )
     sample(torch.randn(1, vocab_size), batch)
     assert matcher.stuck
-    # the drawn token, then candidates until the count (or, with no time, none at all)
-    assert len(checked) == 1 if seconds == 0 else 4096 <= len(checked) <= 4096 + 64 + 1
+    # the drawn token, then candidates until the count, however long they take
+    assert 4096 <= len(checked) <= 4096 + 64 + 1
