@@ -11,8 +11,9 @@ Where the pages are read from:
 - rows of the host tier's pinned tensor (`read_host_rows`), on a CUDA stream: in place. One
   Triton kernel per (layer, part) reads the rows over PCIe through the GPU's mapping of
   pinned memory and stores them at their blocks (kvstore/triton_load.py); nothing is copied
-  on the host. Such a row must not change until its load is done: the host tier calls
-  `before_host_write` before it reuses a slot, which waits for the loads if one reads it.
+  on the host. Such a row must not change until its load is done: before the host tier
+  reuses a slot, its offloader calls `before_host_write`, which waits for the loads if one
+  reads it (kvstore/tiers.py, `TieredKVStore.before_host_use`).
 - any other rows (pages read from disk, or no Triton): `start` gathers them into staging (a
   few host threads) before it returns, and the copies read the staging.
 
