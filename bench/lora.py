@@ -2,18 +2,21 @@
 (rank 16, every target module) against the base model, in one run.
 
 Each configuration runs the same seeded workload (32 requests of 64 prompt tokens and 64
-greedy new tokens) on the default model in bf16. `base` is the engine without adapter slots
-(its decoder layers run as whole native kernels); `base_lora_engine` is the engine with 32
-slots serving the base model only (no adapter applied). Every adapter is resident before the
-clock starts, as on a server that has served it (loading is covered by the registry tests),
-and the prefix cache is off, so every run pays its prefill.
+greedy new tokens) on the default model in bf16, on an engine of its own:
 
-`tok_s` is decode throughput: the tokens after each request's first over the time they took,
-that is, a run of N new tokens minus a run of one (prefill and first token). `e2e_tok_s`
-counts every generated token over the whole run, prefill included. The configurations take
-turns for --repeats rounds (every other round in reverse order) and each figure is the
-median of its rounds, so that a drift of this shared machine's speed falls on all of them
-alike.
+- `base`: the engine without adapter slots (its decoder layers run as whole native kernels);
+- `base_lora_engine`: an engine with 32 slots serving the base model only;
+- `1`, `8`, `32`: an engine with 32 slots, the requests spread over that many adapters.
+
+Every adapter is resident before the clock starts, as on a server that has served it
+(loading is covered by the registry tests), and the prefix cache is off.
+
+`tok_s` is decode throughput: the tokens of the steps after every request's first token
+over the time those steps took. The engines take turns step by step (each round starts with
+a different one), so that a drift of this shared machine's speed, which reaches +-15% within
+seconds, falls on all of them alike; every engine's prefill runs before any decode step.
+Each round gives each configuration's ratio to `base` from the same seconds; the ratios
+reported are the medians over --repeats rounds, and `tok_s` the totals over all of them.
 
     python bench/lora.py            # full run
     python bench/lora.py --quick    # 16 new tokens, one round
@@ -38,23 +41,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_info, write_result
 from engine.config import CacheConfig, EngineConfig, LoRAConfig
-from engine.llm import LLM
+from engine.core import EngineCore
+from engine.factory import create_engine
 from engine.lora.synthetic import write_random_adapter
 from engine.protocol import LoRARequest, SamplingParams
 
 
-def timed(llm: LLM, prompts: list[list[int]], loras: list, new_tokens: int) -> tuple[int, float]:
+def one_round(
+    runs: dict[str, tuple[EngineCore, list[LoRARequest | None]]],
+    prompts: list[list[int]],
+    new_tokens: int,
+    tag: str,
+    first: int,
+) -> dict[str, tuple[int, float]]:
+    """Every configuration's (decode tokens, decode seconds) for one pass of the workload."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, lora=loras)
-    return sum(len(o.token_ids) for o in outs), time.perf_counter() - start
-
-
-def measure(llm: LLM, prompts: list[list[int]], loras: list, new_tokens: int) -> dict[str, float]:
-    """One round: decode and end-to-end tokens per second."""
-    first_tokens, first_s = timed(llm, prompts, loras, 1)
-    tokens, elapsed = timed(llm, prompts, loras, new_tokens)
-    return {"decode": (tokens - first_tokens) / (elapsed - first_s), "e2e": tokens / elapsed}
+    for name, (core, loras) in runs.items():  # prefill: until every request has a token
+        for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+            core.add_request(f"{tag}-{name}-{i}", prompt, params, lora=lora)
+        started: set[str] = set()
+        while len(started) < len(prompts):
+            started.update(o.request_id for o in core.step() if o.new_token_ids)
+    names = list(runs)
+    names = names[first % len(names) :] + names[: first % len(names)]
+    done = {name: (0, 0.0) for name in names}
+    while any(runs[name][0].has_unfinished() for name in names):
+        for name in names:  # one decode step of each engine in turn
+            core = runs[name][0]
+            if not core.has_unfinished():
+                continue
+            start = time.perf_counter()
+            outs = core.step()
+            seconds = time.perf_counter() - start
+            tokens, total = done[name]
+            done[name] = (tokens + sum(len(o.new_token_ids) for o in outs), total + seconds)
+    return done
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -63,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default="default")
@@ -75,46 +96,46 @@ def main(argv: list[str] | None = None) -> dict:
         args.new_tokens, args.repeats = 16, 1
     counts = [1, 8, 32]
     rng = random.Random(args.seed)
-    cache = CacheConfig(kv_cache_memory_bytes=1 << 29, enable_prefix_caching=False)
-    base = LLM(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache=cache))
-    vocab = base.core.vocab_size
+    cache = CacheConfig(kv_cache_memory_bytes=1 << 28, enable_prefix_caching=False)
+
+    def engine(lora: LoRAConfig) -> EngineCore:
+        config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                              cache=cache, lora=lora)  # fmt: skip
+        return create_engine(config, progress=False)[0]
+
+    base = engine(LoRAConfig())
+    vocab = base.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)]
                for _ in range(args.requests)]  # fmt: skip
     slots = LoRAConfig(max_loras=max(counts), max_lora_rank=args.rank)
-    llm = LLM(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, cache=cache,
-                           lora=slots))  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix="strata-lora-bench-"))
     adapters = [
         LoRARequest(name=f"a{i}", path=str(write_random_adapter(
-            root / f"a{i}", base.core.model_config, rank=args.rank, seed=i)))
+            root / f"a{i}", base.model_config, rank=args.rank, seed=i)))
         for i in range(max(counts))
     ]  # fmt: skip
-    runs: dict[str, tuple[LLM, list]] = {
+    runs: dict[str, tuple[EngineCore, list[LoRARequest | None]]] = {
         "base": (base, [None] * len(prompts)),
-        "base_lora_engine": (llm, [None] * len(prompts)),
+        "base_lora_engine": (engine(slots), [None] * len(prompts)),
     }
     for n in counts:
-        runs[str(n)] = (llm, [adapters[i % n] for i in range(len(prompts))])
-    for engine, loras in runs.values():  # warm up: kernels built, every adapter loaded
-        engine.generate(prompts, SamplingParams(max_tokens=2), lora=loras)
-    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
-    for i in range(args.repeats):
-        # every other round in reverse order, so that a drift within a round does not always
-        # favour the configurations measured first
-        order = list(runs.items())
-        for name, (engine, loras) in order[::-1] if i % 2 else order:
-            rounds[name].append(measure(engine, prompts, loras, args.new_tokens))
-
-    def median(name: str, key: str) -> float:
-        return round(statistics.median(r[key] for r in rounds[name]), 1)
-
-    tok_s = {name: median(name, "decode") for name in runs}
-    e2e = {name: median(name, "e2e") for name in runs}
-    ratio = {k: round(v / tok_s["base"], 3) for k, v in tok_s.items() if k != "base"}
-    e2e_ratio = {k: round(v / e2e["base"], 3) for k, v in e2e.items() if k != "base"}
-    for k in runs:
-        extra = f"  ({ratio[k]:.2f}x base; end to end {e2e_ratio[k]:.2f}x)" if k in ratio else ""
-        print(f"{k:>16}: {tok_s[k]:8.1f} decode tok/s, {e2e[k]:8.1f} end to end" + extra)
+        runs[str(n)] = (engine(slots), [adapters[i % n] for i in range(len(prompts))])
+    one_round(runs, prompts, 2, "warm", 0)  # kernels built, every adapter loaded
+    rounds: dict[str, list[tuple[int, float]]] = {name: [] for name in runs}
+    for r in range(args.repeats):
+        for name, got in one_round(runs, prompts, args.new_tokens, f"r{r}", r).items():
+            rounds[name].append(got)
+    tok_s = {name: round(sum(t for t, _ in got) / sum(s for _, s in got), 1)
+             for name, got in rounds.items()}  # fmt: skip
+    per_round = {
+        name: [round((t / s) / (bt / bs), 3)
+               for (t, s), (bt, bs) in zip(got, rounds["base"], strict=True)]
+        for name, got in rounds.items() if name != "base"
+    }  # fmt: skip
+    ratio = {name: round(statistics.median(r), 3) for name, r in per_round.items()}
+    for name in runs:
+        extra = f"  ({ratio[name]:.2f}x base, rounds {per_round[name]})" if name in ratio else ""
+        print(f"{name:>16}: {tok_s[name]:8.1f} decode tok/s" + extra)
     summary = {"tok_s": tok_s, "ratio_vs_base": ratio}
     record = {
         "benchmark": "lora",
@@ -128,10 +149,11 @@ def main(argv: list[str] | None = None) -> dict:
         "repeats": args.repeats,
         "seed": args.seed,
         "quick": args.quick,
+        "method": "decode steps of the engines interleaved; ratio: median of per-round ratios",
         **summary,
-        "e2e_tok_s": e2e,
-        "e2e_ratio_vs_base": e2e_ratio,
-        "rounds": rounds,
+        "ratio_rounds": per_round,
+        "rounds": {name: [{"tokens": t, "seconds": round(s, 4)} for t, s in got]
+                   for name, got in rounds.items()},  # fmt: skip
     }
     print(f"wrote {write_result(args.out_dir, 'lora', record)}")
     print(json.dumps(summary))

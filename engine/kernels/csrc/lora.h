@@ -141,27 +141,40 @@ static LoRAGroups lora_groups(const int32_t* slots, int64_t T) {
     return g;
 }
 
-// One row of A dotted with the x of NT tokens, loading the row once: each token's sum runs in
-// the same order whatever NT (32-element bf16 dot products, their sum, then the tail).
-static inline __attribute__((always_inline)) void lora_dots_nt(const bf16_t* const* x,
-                                                               const bf16_t* w, int64_t k_len,
-                                                               float* out, const int NT) {
+// NR rows of A (`ldw` apart) dotted with the x of NT tokens, each row and each x loaded once:
+// each (row, token) sum runs in the same order whatever NR and NT (32-element bf16 dot
+// products into one accumulator, its sum, then the tail), so results do not depend on how
+// rows and tokens are grouped; the NR x NT accumulator chains are independent, which hides the
+// latency of the dot products (one chain alone waits on it).
+#define LORA_SHRINK_ROWS 4
+static inline __attribute__((always_inline)) void lora_dots(const bf16_t* const* x,
+                                                            const bf16_t* w, int64_t ldw,
+                                                            int64_t k_len,
+                                                            float out[][LORA_TOKENS],
+                                                            const int NR, const int NT) {
     int64_t k = 0;
-    float acc[LORA_TOKENS] = {0};
+    float acc[LORA_SHRINK_ROWS][LORA_TOKENS] = {{0}};
 #ifdef STRATA_AVX512BF16
-    __m512 v[LORA_TOKENS];
-    for (int i = 0; i < NT; i++) v[i] = _mm512_setzero_ps();
+    __m512 v[LORA_SHRINK_ROWS][LORA_TOKENS];
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < NT; i++) v[r][i] = _mm512_setzero_ps();
     for (; k + 32 <= k_len; k += 32) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
-        for (int i = 0; i < NT; i++)
-            v[i] = _mm512_dpbf16_ps(v[i], (__m512bh)_mm512_loadu_si512(x[i] + k), wv);
+        __m512bh xv[LORA_TOKENS];
+        for (int i = 0; i < NT; i++) xv[i] = (__m512bh)_mm512_loadu_si512(x[i] + k);
+        for (int r = 0; r < NR; r++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
+            for (int i = 0; i < NT; i++) v[r][i] = _mm512_dpbf16_ps(v[r][i], xv[i], wv);
+        }
     }
-    for (int i = 0; i < NT; i++) acc[i] = _mm512_reduce_add_ps(v[i]);
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < NT; i++) acc[r][i] = _mm512_reduce_add_ps(v[r][i]);
 #endif
-    for (int i = 0; i < NT; i++) {
-        for (int64_t j = k; j < k_len; j++) acc[i] += bf16_to_f32(x[i][j]) * bf16_to_f32(w[j]);
-        out[i] = acc[i];
-    }
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < NT; i++) {
+            for (int64_t j = k; j < k_len; j++)
+                acc[r][i] += bf16_to_f32(x[i][j]) * bf16_to_f32(w[r * ldw + j]);
+            out[r][i] = acc[r][i];
+        }
 }
 
 #define LORA_COLS 128  // output columns per work item of the expand
@@ -230,27 +243,47 @@ static inline __attribute__((always_inline)) void lora_expand_cols(
 #endif
 
 // h = A x for every token with an adapter: the calling thread's share of the items of the
-// enclosing parallel region, without waiting for the others.
+// enclosing parallel region (a group of tokens, LORA_SHRINK_ROWS rows of A), without waiting
+// for the others.
 static void lora_shrink(const LoRAUpdate* u, const LoRAGroups* g) {
     const bf16_t *x = u->x, *a = u->a;
     const int64_t ldx = u->ldx, K = u->K, R = u->R;
+    const int64_t row_blocks = (R + LORA_SHRINK_ROWS - 1) / LORA_SHRINK_ROWS;
     float* h = u->h;
 #pragma omp for collapse(2) schedule(static) nowait
     for (int64_t gi = 0; gi < g->n; gi++)
-        for (int64_t r = 0; r < R; r++) {
+        for (int64_t rb = 0; rb < row_blocks; rb++) {
             const int32_t* tk = g->tok + gi * LORA_TOKENS;
             const int nt = g->size[gi];
+            const int64_t r0 = rb * LORA_SHRINK_ROWS;
+            const int nr = R - r0 < LORA_SHRINK_ROWS ? (int)(R - r0) : LORA_SHRINK_ROWS;
             const bf16_t* xs[LORA_TOKENS];
-            float dots[LORA_TOKENS];
+            float dots[LORA_SHRINK_ROWS][LORA_TOKENS];
             for (int k = 0; k < nt; k++) xs[k] = x + tk[k] * ldx;
-            const bf16_t* w = a + (u->slots[tk[0]] * R + r) * K;
-            switch (nt) {
-                case 1: lora_dots_nt(xs, w, K, dots, 1); break;
-                case 2: lora_dots_nt(xs, w, K, dots, 2); break;
-                case 3: lora_dots_nt(xs, w, K, dots, 3); break;
-                default: lora_dots_nt(xs, w, K, dots, 4); break;
+            const bf16_t* w = a + (u->slots[tk[0]] * R + r0) * K;
+#define LORA_DOTS(NR)                                                      \
+    switch (nt) {                                                          \
+        case 1: lora_dots(xs, w, K, K, dots, NR, 1); break;                \
+        case 2: lora_dots(xs, w, K, K, dots, NR, 2); break;                \
+        case 3: lora_dots(xs, w, K, K, dots, NR, 3); break;                \
+        default: lora_dots(xs, w, K, K, dots, NR, 4); break;               \
+    }
+            if (nr == LORA_SHRINK_ROWS) {
+                LORA_DOTS(LORA_SHRINK_ROWS)
+            } else {
+                for (int r = 0; r < nr; r++, w += K) {  // the last few rows, one at a time
+                    float(*one)[LORA_TOKENS] = &dots[r];
+                    switch (nt) {
+                        case 1: lora_dots(xs, w, K, K, one, 1, 1); break;
+                        case 2: lora_dots(xs, w, K, K, one, 1, 2); break;
+                        case 3: lora_dots(xs, w, K, K, one, 1, 3); break;
+                        default: lora_dots(xs, w, K, K, one, 1, 4); break;
+                    }
+                }
             }
-            for (int k = 0; k < nt; k++) h[tk[k] * R + r] = round_bf16(dots[k]);
+#undef LORA_DOTS
+            for (int r = 0; r < nr; r++)
+                for (int k = 0; k < nt; k++) h[tk[k] * R + r0 + r] = round_bf16(dots[r][k]);
         }
 }
 
