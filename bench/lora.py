@@ -64,7 +64,7 @@ def one_round(
             started.update(o.request_id for o in core.step() if o.new_token_ids)
     names = list(runs)
     names = names[first % len(names) :] + names[: first % len(names)]
-    done = {name: (0, 0.0) for name in names}
+    done = dict.fromkeys(names, (0, 0.0))
     while any(runs[name][0].has_unfinished() for name in names):
         for name in names:  # one decode step of each engine in turn
             core = runs[name][0]
@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
         extra = f"  ({ratio[name]:.2f}x base, rounds {per_round[name]})" if name in ratio else ""
         print(f"{name:>16}: {tok_s[name]:8.1f} decode tok/s" + extra)
     summary = {"tok_s": tok_s, "ratio_vs_base": ratio}
+    rounds_out = {name: [{"tokens": t, "seconds": round(s, 4)} for t, s in got]
+                  for name, got in rounds.items()}  # fmt: skip
     record = {
         "benchmark": "lora",
         **machine_info(torch.device(args.device)),
@@ -152,8 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
         "method": "decode steps of the engines interleaved; ratio: median of per-round ratios",
         **summary,
         "ratio_rounds": per_round,
-        "rounds": {name: [{"tokens": t, "seconds": round(s, 4)} for t, s in got]
-                   for name, got in rounds.items()},  # fmt: skip
+        "rounds": rounds_out,
     }
     print(f"wrote {write_result(args.out_dir, 'lora', record)}")
     print(json.dumps(summary))
