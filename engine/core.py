@@ -258,6 +258,7 @@ class EngineCore:
             return outputs
         try:
             started = time.perf_counter()
+            self.pool.loads.issue()  # the copies run while the step's inputs are prepared
             result = self.runner.execute(sched)
             # the step has waited for its page loads (kvstore/transfer.py) on the device;
             # the host waits too before any block is freed. A failed load fails the step.

@@ -1,9 +1,10 @@
 """Layer-wise page loads into the device pool: copies that run while earlier layers compute.
 
 A page found below the device (host RAM or disk) comes back when the scheduler admits the
-request that hits it, before the step that reads it. The first wait after `start` (the step's
-first layer) issues every load queued since: layer 0's K/V (and FP8 scales) of all of them
-into the pool, then layer 1's, and so on, each layer marked done by its own event. Attention
+request that hits it, before the step that reads it. Once the step's requests are picked,
+`issue` (or else the step's first wait) issues every load queued since: layer 0's K/V (and
+FP8 scales) of all of them into the pool, then layer 1's, and so on, each layer marked done
+by its own event. The copies thus run while the step's inputs are prepared, too. Attention
 waits for its own layer's event only (`DeviceKVPool.layer`), so the copy of layer l + 1
 overlaps the compute of layer l, however many requests brought pages.
 
@@ -288,9 +289,10 @@ class PageLoads:
             )
         return self._gatherers
 
-    def _issue(self) -> None:
-        """Queue the copies of every staged load, layer-major: a layer's pages of all of them
-        arrive before the next layer's, whatever the order of the loads."""
+    def issue(self) -> None:
+        """Queue the copies of every load started since the last issue, layer-major: a
+        layer's pages of all of them arrive before the next layer's, whatever the order of
+        the loads. The first wait does it if no one has."""
         if not self._queued:
             return
         queued, self._queued = self._queued, []
@@ -407,7 +409,7 @@ class PageLoads:
     def wait_layer(self, layer: int) -> None:
         """Make what runs next (the compute stream's next kernels, or the caller on CPU) wait
         for layer `layer` of every load: the queued ones are issued first."""
-        self._issue()
+        self.issue()
         if not self._pending:
             return
         if self.mode is LoadMode.THREAD:
@@ -430,7 +432,7 @@ class PageLoads:
         """Block the host until every load is done (re-raising a failed copy); nothing is
         pending afterwards, even then."""
         try:
-            self._issue()
+            self.issue()
         finally:
             pending, self._pending = self._pending, []
         error: BaseException | None = None

@@ -109,7 +109,7 @@ def test_a_host_row_is_not_rewritten_before_its_load_reads_it():
     with torch.cuda.stream(pool.loads._torch_stream):
         torch.cuda._sleep(200_000_000)  # the copies wait behind this
     pool.load_pages([4], [store.host.data[5]])
-    pool.loads._issue()  # in flight, not done
+    pool.loads.issue()  # in flight, not done
     store.before_host_use(5)  # what host_slot calls before handing slot 5 out
     assert not pool.loads.pending
     store.host.data[5].fill_(0)

@@ -124,3 +124,31 @@ def test_the_loads_of_a_step_go_out_together_layer_by_layer(monkeypatch):
     pool.loads.finish()
     assert order == [(1, 2), (6, 7, 8)] * spec.num_layers
     assert torch.equal(pool.read_pages([1, 2, 6, 7, 8]), torch.stack(first + second))
+
+
+def test_issue_starts_the_queued_loads_before_any_wait(monkeypatch):
+    """The engine issues a step's loads once its requests are picked: the copies run (on the
+    worker thread) before the step reaches its first layer, still layer by layer."""
+    spec = SPECS[0]
+    pool = DeviceKVPool(spec, 10, CPU, load_mode="thread")
+    copied = threading.Event()
+    order: list[tuple[int, ...]] = []
+    real = transfer._scatter
+
+    def noted(dst, src, index):
+        real(dst, src, index)
+        order.append(tuple(index.tolist()))
+        if len(order) == 2 * spec.num_layers:
+            copied.set()
+
+    monkeypatch.setattr(transfer, "_scatter", noted)
+    first, second = random_pages(spec, 2, seed=6), random_pages(spec, 1, seed=7)
+    pool.load_pages([3, 4], first)
+    pool.load_pages([9], second)
+    assert not order
+    pool.loads.issue()
+    assert copied.wait(30), "the copies ran with no wait for a layer"
+    assert order == [(3, 4), (9,)] * spec.num_layers
+    pool.loads.issue()  # nothing queued: nothing more
+    pool.loads.finish()
+    assert torch.equal(pool.read_pages([3, 4, 9]), torch.stack(first + second))
