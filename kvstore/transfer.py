@@ -353,10 +353,19 @@ class PageLoads:
         device, stream = self.pool.device, self._torch_stream
         assert stream is not None
         compute = torch.cuda.current_stream(device)
+        # the loads read in place go as one: per layer, one kernel per part for all of them
+        in_place = [i for i, src in enumerate(loads) if isinstance(src, _HostRows)]
+        slots = [s for src in loads if isinstance(src, _HostRows) for s in src.slots]
+        staged = [(src, index) for src, index in zip(loads, indexes, strict=True)
+                  if isinstance(src, _Staged)]  # fmt: skip
         # on the compute stream: waited for below
-        indexes = [index.to(device, non_blocking=True) for index in indexes]
-        rows = {i: torch.tensor(src.slots).to(device, non_blocking=True)
-                for i, src in enumerate(loads) if isinstance(src, _HostRows)}  # fmt: skip
+        host_rows = host_blocks = None
+        if in_place:
+            host_rows = torch.tensor(slots).to(device, non_blocking=True)
+            host_blocks = torch.cat([indexes[i] for i in in_place]).to(device, non_blocking=True)
+        staged = [(src, index.to(device, non_blocking=True)) for src, index in staged]
+        on_device = [t for t in (host_rows, host_blocks) if t is not None]
+        on_device += [index for _, index in staged]
         layout = _page_layout(self.pool)
         load = _StreamLoad()
         cp = self._cupy
@@ -369,28 +378,27 @@ class PageLoads:
             stream.wait_stream(compute)
         try:
             with torch.cuda.stream(stream):
-                for index in [*indexes, *rows.values()]:
+                for index in on_device:
                     index.record_stream(stream)
-                load.indexes = [*indexes, *rows.values()]
+                load.indexes = on_device
                 for layer in range(self.num_layers):
                     dst = self.pool.layer_parts(layer)
-                    for i, (staged, index) in enumerate(zip(loads, indexes, strict=True)):
-                        if isinstance(staged, _HostRows):  # read in place, stored at the blocks
-                            assert self._host is not None
-                            self._kernels.load_layer(self._host, rows[i], index, layout, dst,
-                                                     layer)  # fmt: skip
-                            continue
-                        src = staged.layer(layer)
-                        dev = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in src]
-                        for d, s in zip(dev, src, strict=True):
+                    if host_rows is not None:  # read in place, stored at the blocks
+                        assert self._host is not None
+                        self._kernels.load_layer(self._host, host_rows, host_blocks, layout, dst,
+                                                 layer)  # fmt: skip
+                    for src, index in staged:
+                        rows = src.layer(layer)
+                        dev = [torch.empty(r.shape, dtype=r.dtype, device=device) for r in rows]
+                        for d, r in zip(dev, rows, strict=True):
                             if cp is not None:  # a CuPy async copy: rows a page apart
                                 cp.cuda.runtime.memcpy2DAsync(
-                                    d.data_ptr(), d.stride(0), s.data_ptr(), s.stride(0),
-                                    s.shape[1], s.shape[0], cp.cuda.runtime.memcpyHostToDevice,
+                                    d.data_ptr(), d.stride(0), r.data_ptr(), r.stride(0),
+                                    r.shape[1], r.shape[0], cp.cuda.runtime.memcpyHostToDevice,
                                     self._stream.ptr,
                                 )  # fmt: skip
                             else:
-                                d.copy_(s, non_blocking=True)
+                                d.copy_(r, non_blocking=True)
                         _scatter(dst, dev, index)
                     if cp is not None:
                         event = cp.cuda.Event(disable_timing=True)
