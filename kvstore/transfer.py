@@ -354,15 +354,16 @@ class PageLoads:
         assert stream is not None
         compute = torch.cuda.current_stream(device)
         # the loads read in place go as one: per layer, one kernel per part for all of them
-        in_place = [i for i, src in enumerate(loads) if isinstance(src, _HostRows)]
-        slots = [s for src in loads if isinstance(src, _HostRows) for s in src.slots]
+        in_place = [(src, index) for src, index in zip(loads, indexes, strict=True)
+                    if isinstance(src, _HostRows)]  # fmt: skip
         staged = [(src, index) for src, index in zip(loads, indexes, strict=True)
                   if isinstance(src, _Staged)]  # fmt: skip
         # on the compute stream: waited for below
         host_rows = host_blocks = None
         if in_place:
+            slots = [s for src, _ in in_place for s in src.slots]
             host_rows = torch.tensor(slots).to(device, non_blocking=True)
-            host_blocks = torch.cat([indexes[i] for i in in_place]).to(device, non_blocking=True)
+            host_blocks = torch.cat([index for _, index in in_place]).to(device, non_blocking=True)
         staged = [(src, index.to(device, non_blocking=True)) for src, index in staged]
         on_device = [t for t in (host_rows, host_blocks) if t is not None]
         on_device += [index for _, index in staged]

@@ -261,24 +261,18 @@ static void lora_shrink(const LoRAUpdate* u, const LoRAGroups* g) {
             float dots[LORA_SHRINK_ROWS][LORA_TOKENS];
             for (int k = 0; k < nt; k++) xs[k] = x + tk[k] * ldx;
             const bf16_t* w = a + (u->slots[tk[0]] * R + r0) * K;
-#define LORA_DOTS(NR)                                                      \
+#define LORA_DOTS(OUT, NR)                                                 \
     switch (nt) {                                                          \
-        case 1: lora_dots(xs, w, K, K, dots, NR, 1); break;                \
-        case 2: lora_dots(xs, w, K, K, dots, NR, 2); break;                \
-        case 3: lora_dots(xs, w, K, K, dots, NR, 3); break;                \
-        default: lora_dots(xs, w, K, K, dots, NR, 4); break;               \
+        case 1: lora_dots(xs, w, K, K, OUT, NR, 1); break;                 \
+        case 2: lora_dots(xs, w, K, K, OUT, NR, 2); break;                 \
+        case 3: lora_dots(xs, w, K, K, OUT, NR, 3); break;                 \
+        default: lora_dots(xs, w, K, K, OUT, NR, 4); break;                \
     }
             if (nr == LORA_SHRINK_ROWS) {
-                LORA_DOTS(LORA_SHRINK_ROWS)
+                LORA_DOTS(dots, LORA_SHRINK_ROWS)
             } else {
                 for (int r = 0; r < nr; r++, w += K) {  // the last few rows, one at a time
-                    float(*one)[LORA_TOKENS] = &dots[r];
-                    switch (nt) {
-                        case 1: lora_dots(xs, w, K, K, one, 1, 1); break;
-                        case 2: lora_dots(xs, w, K, K, one, 1, 2); break;
-                        case 3: lora_dots(xs, w, K, K, one, 1, 3); break;
-                        default: lora_dots(xs, w, K, K, one, 1, 4); break;
-                    }
+                    LORA_DOTS(&dots[r], 1)
                 }
             }
 #undef LORA_DOTS
