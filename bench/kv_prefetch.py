@@ -17,6 +17,12 @@ Reported: the median step time of each and their ratio (target on an H100/H200 w
 
     python bench/kv_prefetch.py --device cuda          # llama3.2-1b, B=8, C=8192
     python bench/kv_prefetch.py --quick                # synthetic:tiny on CPU, B=2, C=256
+    python bench/kv_prefetch.py --device cuda --profile /tmp/prof
+
+`--profile DIR` adds one round, left out of the figures, whose two steps are profiled:
+the host's Python calls (`<step>.pstats.txt`, by cumulative time) and torch's profiler
+(`<step>.trace.json`, a Chrome trace with the CUDA kernels and copies on CUDA;
+`<step>.ops.txt`, its table).
 
 The last printed line is one JSON object; the full record goes to bench/results/.
 """
@@ -24,10 +30,15 @@ The last printed line is one JSON object; the full record goes to bench/results/
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -45,18 +56,49 @@ _SYNTHETIC = {SYNTHETIC_PREFIX + name for name in PRESETS}
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
-def timed_step(core, prompts: list[list[int]], tag: str) -> tuple[float, int, int]:
+@contextlib.contextmanager
+def profiled(out: Path | None, name: str, cuda: bool) -> Iterator[None]:
+    """Profile what runs inside into `out` (nothing when None): `name`.pstats.txt (cProfile,
+    by cumulative time), `name`.trace.json and `name`.ops.txt (torch's profiler)."""
+    if out is None:
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    calls = cProfile.Profile()
+    with torch.profiler.profile(activities=activities) as traced:
+        calls.enable()
+        try:
+            yield
+        finally:
+            calls.disable()
+    text = io.StringIO()
+    pstats.Stats(calls, stream=text).sort_stats("cumulative").print_stats(60)
+    (out / f"{name}.pstats.txt").write_text(text.getvalue())
+    traced.export_chrome_trace(str(out / f"{name}.trace.json"))
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    (out / f"{name}.ops.txt").write_text(traced.key_averages().table(sort_by=sort, row_limit=40))
+
+
+def timed_step(
+    core, prompts: list[list[int]], tag: str, profile: Path | None = None, name: str = ""
+) -> tuple[float, int, int]:
     """Seconds of the first step of `prompts` (device synchronised), and their prompt
-    tokens found on the device and in host RAM."""
+    tokens found on the device and in host RAM; with `profile`, that step is profiled there
+    under `name`."""
     for i, p in enumerate(prompts):
         core.add_request(f"{tag}-{i}", p, ONE)
-    if core.device.type == "cuda":
+    cuda = core.device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize()
-    start = time.perf_counter()
-    outs = core.step()
-    if core.device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    with profiled(profile, name, cuda):
+        start = time.perf_counter()
+        outs = core.step()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
     while core.has_unfinished():
         outs += core.step()
     host = sum(o.num_cached_host_tokens for o in outs if o.finished)
@@ -81,6 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8_e4m3"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                    help="profile one more round's steps into DIR")  # fmt: skip
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     if args.quick:
@@ -115,18 +159,21 @@ def main(argv: list[str] | None = None) -> dict:
         timed_step(core, [d], f"doc{i}")
     resident, prefetch = [], []
     found = {"resident": [0, 0], "prefetch": [0, 0]}
-    for r in range(args.repeats):
+    # with --profile, one more round, profiled and left out of the figures
+    for r in range(args.repeats + (args.profile is not None)):
         questions = [[*d, 300 + r] for d in docs]
-        s, dev, host = timed_step(core, questions, f"res{r}")
-        resident.append(s)
-        found["resident"][0] += dev
-        found["resident"][1] += host
+        profile = args.profile if r == args.repeats else None
+        res = timed_step(core, questions, f"res{r}", profile, "resident")
         # the filler takes the device pool: every document page goes down to host RAM
         timed_step(core, [[*f, r] for f in filler], f"fill{r}")
-        s, dev, host = timed_step(core, questions, f"pre{r}")
-        prefetch.append(s)
-        found["prefetch"][0] += dev
-        found["prefetch"][1] += host
+        pre = timed_step(core, questions, f"pre{r}", profile, "prefetch")
+        if profile is not None:
+            continue
+        for times, counts, (s, dev, host) in ((resident, found["resident"], res),
+                                              (prefetch, found["prefetch"], pre)):  # fmt: skip
+            times.append(s)
+            counts[0] += dev
+            counts[1] += host
     core.check_integrity()
     res_ms = statistics.median(resident) * 1e3
     pre_ms = statistics.median(prefetch) * 1e3

@@ -21,3 +21,14 @@ def test_quick_run_measures_both_steps_from_the_tiers_they_name(tmp_path, capsys
     assert summary["step_ms"]["resident"] > 0 and summary["step_ms"]["prefetch"] > 0
     (written,) = tmp_path.glob("kv_prefetch-cpu-*.json")
     assert json.loads(written.read_text())["ratio"] == summary["ratio"]
+
+
+def test_profile_writes_both_steps_calls_and_trace_outside_the_figures(tmp_path, capsys):
+    prof = tmp_path / "prof"
+    summary = main(["--quick", "--out-dir", str(tmp_path), "--profile", str(prof)])
+    tokens = 2 * 2 * 256  # the profiled third round is not counted
+    assert summary["cached_tokens"]["prefetch"] == {"device": 0, "host": tokens}
+    for step in ("resident", "prefetch"):
+        assert "core.py" in (prof / f"{step}.pstats.txt").read_text()  # the engine's step
+        assert json.loads((prof / f"{step}.trace.json").read_text())["traceEvents"]
+        assert "Self CPU" in (prof / f"{step}.ops.txt").read_text()
