@@ -9,7 +9,8 @@ token per request over C tokens of context, like a decode step.
 - `prefetch`: filler requests first pushed every document page out to the host tier, so the
   step's pages are loaded when the scheduler admits the requests, and layer l's attention
   waits only for layer l's pages (kvstore/transfer.py: a CUDA copy stream, CuPy where
-  installed). `--kv-load sync` loads them all before the step instead, for comparison.
+  installed). `--kv-load sync` loads them all before the step instead, for comparison;
+  `--kv-host-reads copy` has the copy engines read the host rows instead of a kernel.
 
 Both steps run eagerly (a CUDA-graph replay would first wait for every layer's pages).
 Reported: the median step time of each and their ratio (target on an H100/H200 with
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kv-load", default="auto", choices=["auto", "sync", "thread", "stream"])
+    ap.add_argument("--kv-host-reads", default="auto", choices=["auto", "kernel", "copy"])
     ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8_e4m3"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
         cache=CacheConfig(
             num_blocks=args.batch * (doc_blocks + 1) + 8, kv_cache_dtype=kv_dtype,
             host_memory_bytes=2 * args.batch * doc_blocks * block * per_token,
-            kv_load=args.kv_load,
+            kv_load=args.kv_load, kv_host_reads=args.kv_host_reads,
         ),
         scheduler=SchedulerConfig(max_num_seqs=2 * args.batch,
                                   max_num_batched_tokens=max(2048, args.batch * 64)),
@@ -181,11 +183,12 @@ def main(argv: list[str] | None = None) -> dict:
         "step_ms": {"resident": round(res_ms, 2), "prefetch": round(pre_ms, 2)},
         "ratio": round(pre_ms / res_ms, 3),
         "loads": core.pool.loads.backend,
+        "host_reads": core.pool.loads.host_reads.value,
         "cached_tokens": {k: {"device": v[0], "host": v[1]} for k, v in found.items()},
     }
     print(f"model {model} ({'random weights' if model.startswith('synthetic:') else 'real'}), "
           f"batch {args.batch} x context {args.context}, KV {core.pool.spec.dtype}, "
-          f"loads: {summary['loads']}")  # fmt: skip
+          f"loads: {summary['loads']}, host rows read by: {summary['host_reads']}")  # fmt: skip
     print(f"step with resident pages {res_ms:.2f} ms; with pages prefetched from host "
           f"{pre_ms:.2f} ms ({summary['ratio']}x)")  # fmt: skip
     record = {

@@ -257,6 +257,9 @@ class CacheConfig:
     # how pages come back from those tiers (kvstore/transfer.py): "auto" (a CUDA stream,
     # layer by layer, on GPU; synchronous on CPU), "sync", "thread" or "stream"
     kv_load: str = "auto"
+    # on a CUDA stream, how host tier rows are read in place: "kernel" (a Triton kernel over
+    # PCIe), "copy" (CuPy 2-D copies by runs of slots, on the copy engines) or "auto" (kernel)
+    kv_host_reads: str = "auto"
 
     def storage_dtype(self, compute: torch.dtype, device: torch.device) -> torch.dtype:
         """The dtype KV pages are stored in, for a model computing in `compute`."""
@@ -278,6 +281,8 @@ class CacheConfig:
             raise ConfigError("KV host and disk tier sizes must not be negative")
         if self.kv_load not in ("auto", "sync", "thread", "stream"):
             raise ConfigError("kv_load must be auto, sync, thread or stream")
+        if self.kv_host_reads not in ("auto", "kernel", "copy"):
+            raise ConfigError("kv_host_reads must be auto, kernel or copy")
 
 
 @dataclass(frozen=True)

@@ -90,7 +90,9 @@ class EngineCore:
                 f"the KV budget fits {num_blocks} blocks of {spec.bytes_per_block} bytes; "
                 "raise kv_cache_memory_bytes"
             )
-        self.pool = DeviceKVPool(spec, num_blocks, self.device, config.cache.kv_load)
+        self.pool = DeviceKVPool(
+            spec, num_blocks, self.device, config.cache.kv_load, config.cache.kv_host_reads
+        )
         self.tiers = _lower_tiers(config.cache, spec, self.device)
         self.block_manager = BlockManager(
             num_blocks,

@@ -80,6 +80,14 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         "(sync); auto: stream on CUDA, sync elsewhere",
     )
     g.add_argument(
+        "--kv-host-reads",
+        default="auto",
+        choices=["auto", "kernel", "copy"],
+        help="on a CUDA stream, how pages in host RAM are read: by a Triton kernel over PCIe "
+        "(kernel) or by CuPy copies on the copy engines, a few per layer for runs of "
+        "neighbouring pages (copy); auto: kernel",
+    )
+    g.add_argument(
         "--kv-spill-ahead",
         action="store_true",
         help="save cooling prefix-cache pages to the host tier between steps, before their "
@@ -184,6 +192,7 @@ def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
             disk_path=args.kv_disk_path,
             spill_ahead=args.kv_spill_ahead,
             kv_load=args.kv_load,
+            kv_host_reads=args.kv_host_reads,
         ),
         lora=LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank),
         scheduler=SchedulerConfig(
@@ -308,6 +317,7 @@ _ENGINE_FLAGS = (
     "kv_disk_gb",
     "kv_disk_path",
     "kv_load",
+    "kv_host_reads",
     "max_loras",
     "max_lora_rank",
     "max_num_seqs",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -40,16 +41,17 @@ class KVCacheSpec:
         """Whether FP8 keys are stored Hadamard-rotated (kvstore/fp8.py)."""
         return self.quantized and can_rotate(self.head_dim)
 
-    @property
+    @functools.cached_property
     def bytes_per_token(self) -> int:
-        """K and V for one token across all layers, scales included."""
+        """K and V for one token across all layers, scales included (computed once: a page
+        load asks for it per page)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         row = self.head_dim * itemsize
         if self.quantized:
             row += torch.empty((), dtype=SCALE_DTYPE).element_size()
         return 2 * self.num_layers * self.num_kv_heads * row
 
-    @property
+    @functools.cached_property
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
 

@@ -9,7 +9,7 @@ import torch
 from kvstore.base import KVCacheSpec
 from kvstore.fp8 import SCALE_DTYPE
 from kvstore.hostmem import host_zeros
-from kvstore.transfer import LoadMode, PageLoads
+from kvstore.transfer import HostReads, LoadMode, PageLoads
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -35,6 +35,7 @@ class DeviceKVPool:
         num_blocks: int,
         device: torch.device,
         load_mode: LoadMode | str = LoadMode.AUTO,
+        host_reads: HostReads | str = HostReads.AUTO,
     ) -> None:
         assert num_blocks > 0
         self.spec = spec
@@ -44,7 +45,7 @@ class DeviceKVPool:
         # kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv = _zeros((*shape, spec.head_dim), spec.dtype, device)
         self.scales = _zeros(shape, SCALE_DTYPE, device) if spec.quantized else None
-        self.loads = PageLoads(self, load_mode)
+        self.loads = PageLoads(self, load_mode, host_reads)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) page tensors of one layer, each [num_blocks, block_size, kv_heads, D], once

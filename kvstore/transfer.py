@@ -9,12 +9,17 @@ waits for its own layer's event only (`DeviceKVPool.layer`), so the copy of laye
 overlaps the compute of layer l, however many requests brought pages.
 
 Where the pages are read from:
-- rows of the host tier's pinned tensor (`read_host_rows`), on a CUDA stream: in place. One
-  Triton kernel per (layer, part) reads the rows over PCIe through the GPU's mapping of
-  pinned memory and stores them at their blocks (kvstore/triton_load.py); nothing is copied
-  on the host. Such a row must not change until its load is done: before the host tier
-  reuses a slot, its offloader calls `before_host_write`, which waits for the loads if one
-  reads it (kvstore/tiers.py, `TieredKVStore.before_host_use`).
+- rows of the host tier's pinned tensor (`read_host_rows`), on a CUDA stream: in place,
+  nothing gathered on the host, in one of two ways (`HostReads`):
+  - `kernel`: one Triton kernel per (layer, part) reads the rows over PCIe through the GPU's
+    mapping of pinned memory and stores them at their blocks (kvstore/triton_load.py);
+  - `copy`: the copy engines move them, with no SM busy: per (layer, part), one CuPy 2-D
+    async copy per run of consecutive host slots (a row's K and V are adjacent, rows a page
+    apart) into device staging, then one scatter into the blocks. Where the rows fall in
+    more than `_MAX_RUN_COPIES` copies per layer, the kernel reads them instead.
+  Such a row must not change until its load is done: before the host tier reuses a slot,
+  its offloader calls `before_host_write`, which waits for the loads if one reads it
+  (kvstore/tiers.py, `TieredKVStore.before_host_use`).
 - any other rows (pages read from disk, or no Triton): `start` gathers them into staging (a
   few host threads) before it returns, and the copies read the staging.
 
@@ -48,6 +53,28 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _GATHER_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))  # staging copies at once
+
+
+class HostReads(enum.StrEnum):
+    """How a CUDA stream load reads host tier rows in place (`CacheConfig.kv_host_reads`)."""
+
+    AUTO = "auto"  # the kernel
+    KERNEL = "kernel"
+    COPY = "copy"  # CuPy 2-D copies by runs of slots (the kernel without CuPy)
+
+
+_MAX_RUN_COPIES = 256  # 2-D copies per layer and part before the kernel reads instead
+
+
+def slot_runs(slots: Sequence[int]) -> list[tuple[int, int]]:
+    """`slots`, sorted, as runs of consecutive slots: (first slot, count) each."""
+    runs: list[tuple[int, int]] = []
+    for slot in sorted(slots):
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((slot, 1))
+    return runs
 
 
 class LoadMode(enum.StrEnum):
@@ -154,8 +181,14 @@ class PageLoads:
     """The page loads of one device pool: queued by `start`, issued together by the first
     wait (layer 0's copies of every queued load, then layer 1's, ...), then in flight."""
 
-    def __init__(self, pool: DeviceKVPool, mode: LoadMode | str = LoadMode.AUTO) -> None:
+    def __init__(
+        self,
+        pool: DeviceKVPool,
+        mode: LoadMode | str = LoadMode.AUTO,
+        host_reads: HostReads | str = HostReads.AUTO,
+    ) -> None:
         mode = LoadMode(mode)
+        self.host_reads = HostReads(host_reads)
         cuda = pool.device.type == "cuda"
         if mode is LoadMode.AUTO:
             mode = LoadMode.STREAM if cuda else LoadMode.SYNC
@@ -190,6 +223,8 @@ class PageLoads:
             else:
                 self._torch_stream = torch.cuda.Stream(device=pool.device)
             log.info("KV page loads: layer-wise on a CUDA stream (%s)", self.backend)
+            if self.host_reads is HostReads.COPY and self._cupy is None:
+                log.warning("host rows are read by the kernel: 2-D copies need CuPy")
 
     @property
     def backend(self) -> str:
@@ -353,6 +388,7 @@ class PageLoads:
         device, stream = self.pool.device, self._torch_stream
         assert stream is not None
         compute = torch.cuda.current_stream(device)
+        cp = self._cupy
         # the loads read in place go as one: per layer, one kernel per part for all of them
         in_place = [(src, index) for src, index in zip(loads, indexes, strict=True)
                     if isinstance(src, _HostRows)]  # fmt: skip
@@ -360,16 +396,26 @@ class PageLoads:
                   if isinstance(src, _Staged)]  # fmt: skip
         # on the compute stream: waited for below
         host_rows = host_blocks = None
+        runs: list[tuple[int, int]] = []  # with 2-D copies: the host rows by runs of slots
+        if in_place and self.host_reads is HostReads.COPY and cp is not None:
+            pairs = sorted((s, b) for src, index in in_place
+                           for s, b in zip(src.slots, index.tolist(), strict=True))  # fmt: skip
+            runs = slot_runs([s for s, _ in pairs])
+            if len(runs) <= _MAX_RUN_COPIES:
+                host_blocks = torch.tensor([b for _, b in pairs]).to(device, non_blocking=True)
+                in_place = []
+            else:
+                runs = []
         if in_place:
             slots = [s for src, _ in in_place for s in src.slots]
             host_rows = torch.tensor(slots).to(device, non_blocking=True)
             host_blocks = torch.cat([index for _, index in in_place]).to(device, non_blocking=True)
         staged = [(src, index.to(device, non_blocking=True)) for src, index in staged]
         on_device = [t for t in (host_rows, host_blocks) if t is not None]
+        n_rows = sum(count for _, count in runs)
         on_device += [index for _, index in staged]
         layout = _page_layout(self.pool)
         load = _StreamLoad()
-        cp = self._cupy
         # the copies go after the work already queued on their blocks
         if cp is not None:
             ready = cp.cuda.Event(disable_timing=True)
@@ -382,8 +428,16 @@ class PageLoads:
                 for index in on_device:
                     index.record_stream(stream)
                 load.indexes = on_device
+                # 2-D copies land here, a page's K and V rows side by side, then scatter
+                landing = [torch.empty(n_rows, 2 * width, dtype=torch.uint8, device=device)
+                           for _, width in layout] if runs else []  # fmt: skip
+                load.indexes += landing
                 for layer in range(self.num_layers):
                     dst = self.pool.layer_parts(layer)
+                    if runs:
+                        assert self._host is not None and host_blocks is not None
+                        self._copy_runs(runs, layer, layout, landing)
+                        _scatter(dst, landing, host_blocks)
                     if host_rows is not None:  # read in place, stored at the blocks
                         assert self._host is not None
                         self._kernels.load_layer(self._host, host_rows, host_blocks, layout, dst,
@@ -412,6 +466,27 @@ class PageLoads:
             stream.synchronize()  # copies already queued must not outlive their staging
             raise
         return load
+
+    def _copy_runs(
+        self,
+        runs: list[tuple[int, int]],
+        layer: int,
+        layout: list[tuple[int, int]],
+        landing: list[torch.Tensor],
+    ) -> None:
+        """Layer `layer` of the host rows in `runs`, per part one CuPy 2-D copy per run into
+        `landing` (rows in slot order), on the copy stream."""
+        assert self._host is not None and self._cupy is not None
+        runtime = self._cupy.cuda.runtime
+        host, page = self._host.data_ptr(), self._host.stride(0)
+        for (offset, width), out in zip(layout, landing, strict=True):
+            at = out.data_ptr()
+            for first, count in runs:
+                runtime.memcpy2DAsync(
+                    at, 2 * width, host + first * page + offset + 2 * layer * width, page,
+                    2 * width, count, runtime.memcpyHostToDevice, self._stream.ptr,
+                )  # fmt: skip
+                at += count * 2 * width
 
     # -- waiting --------------------------------------------------------------------------------
 

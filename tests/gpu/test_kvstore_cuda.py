@@ -71,20 +71,31 @@ def test_each_layer_waits_on_the_gpu_for_its_own_pages():
     pool.loads.finish()
 
 
+@pytest.mark.parametrize("reads", ["kernel", "copy", "copy-too-many-runs"])
 @pytest.mark.parametrize("name", list(SPECS))
-def test_host_tier_rows_are_read_in_place_bit_for_bit(name):
+def test_host_tier_rows_are_read_in_place_bit_for_bit(name, reads, monkeypatch):
     """Pages that are rows of the host tier load with nothing staged, mixed in one batch
-    with pages from elsewhere (staged), and land bit for bit."""
+    with pages from elsewhere (staged), and land bit for bit: read by the Triton kernel, or
+    by CuPy 2-D copies per run of neighbouring slots (the kernel where the runs are too
+    many)."""
+    if reads != "kernel" and transfer._cupy() is None:
+        pytest.skip("2-D copies need CuPy")
     spec = SPECS[name]
-    pool = DeviceKVPool(spec, 64, torch.device("cuda"))
+    pool = DeviceKVPool(spec, 64, torch.device("cuda"), host_reads=reads.split("-")[0])
     store = TieredKVStore(spec.bytes_per_block, host_blocks=40, pin=True)
     KVOffloader(pool, store)
     assert store.before_host_use is not None  # rows are read in place
     assert store.host is not None
     host = store.host.data
     host.copy_(torch.stack(pinned_pages(spec, 40)))
-    slots = [7, 3, 39, 0, 21, 22, 23, 5]
+    slots = [7, 3, 39, 0, 21, 22, 23, 5]  # six runs
     blocks = [60, 2, 17, 33, 34, 35, 9, 48]
+    kernel_reads = []
+    load_layer = pool.loads._kernels.load_layer
+    monkeypatch.setattr(pool.loads._kernels, "load_layer",
+                        lambda *a: kernel_reads.append(a[-1]) or load_layer(*a))  # fmt: skip
+    if reads == "copy-too-many-runs":
+        monkeypatch.setattr(transfer, "_MAX_RUN_COPIES", 5)
     others = pinned_pages(spec, 3)  # not host rows: staged
     pool.load_pages(blocks, [host[s] for s in slots])
     pool.load_pages([50, 51, 52], others)
@@ -94,6 +105,7 @@ def test_host_tier_rows_are_read_in_place_bit_for_bit(name):
     assert torch.equal(pool.read_pages([50, 51, 52]).cpu(), torch.stack(others))
     pool.loads.finish()
     assert not pool.loads._reading
+    assert kernel_reads == ([] if reads == "copy" else list(range(spec.num_layers)))
 
 
 def test_a_host_row_is_not_rewritten_before_its_load_reads_it():
@@ -141,7 +153,8 @@ def test_a_spill_writes_host_rows_in_place_and_a_page_it_pushes_to_disk_is_whole
 
 
 def test_the_engine_gives_the_same_tokens_with_pages_loading_on_a_stream(strata_cache_dir):
-    """Pages spilled to host RAM come back through the copy stream while layers compute."""
+    """Pages spilled to host RAM come back through the copy stream while layers compute,
+    read from the host rows by the kernel or by 2-D copies."""
     from engine.config import CacheConfig, EngineConfig, KVCacheDtype
     from engine.llm import LLM
     from engine.protocol import SamplingParams
@@ -150,10 +163,10 @@ def test_the_engine_gives_the_same_tokens_with_pages_loading_on_a_stream(strata_
     prompts = [f"{doc}\nQuestion {i}: what is this about?" for i in range(3)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     runs = {}
-    for load in ("sync", "stream"):
+    for load in ("sync", "stream", "stream-copy"):
         cache = CacheConfig(
             num_blocks=12, kv_cache_dtype=KVCacheDtype.AUTO, host_memory_bytes=256 << 20,
-            kv_load=load,
+            kv_load=load.split("-")[0], kv_host_reads="copy" if "copy" in load else "auto",
         )  # fmt: skip
         cfg = EngineConfig(dtype="float32", device="cuda", cache=cache,
                            cache_dir=str(strata_cache_dir))  # fmt: skip
@@ -166,4 +179,4 @@ def test_the_engine_gives_the_same_tokens_with_pages_loading_on_a_stream(strata_
         runs[load] = [o.token_ids for o in outs]
         assert sum(o.num_cached_host_tokens for o in outs[1:]) > 0
         llm.core.check_integrity()
-    assert runs["stream"] == runs["sync"]
+    assert runs["stream"] == runs["sync"] == runs["stream-copy"]

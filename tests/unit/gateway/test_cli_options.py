@@ -24,6 +24,9 @@ def test_kv_tier_options_reach_the_config():
     assert default.host_memory_bytes == 0 and default.kv_load == "auto"
     threaded = build_parser().parse_args(["engine", "--kv-load", "thread"])
     assert _engine_config(threaded).cache.kv_load == "thread"
+    assert default.kv_host_reads == "auto"
+    copies = build_parser().parse_args(["engine", "--kv-host-reads", "copy"])
+    assert _engine_config(copies).cache.kv_host_reads == "copy"
 
 
 def test_serve_passes_engine_options_to_its_worker():
@@ -36,6 +39,8 @@ def test_serve_passes_engine_options_to_its_worker():
     assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8_e4m3"
     assert argv[argv.index("--kv-host-gb") + 1] == "4.0"
     assert _engine_argv(parser.parse_args(["serve", "--kv-load", "sync"])) == ["--kv-load", "sync"]
+    copies = _engine_argv(parser.parse_args(["serve", "--kv-host-reads", "copy"]))
+    assert copies == ["--kv-host-reads", "copy"]
     assert "--no-prefix-caching" in argv
     assert _engine_argv(parser.parse_args(["serve"])) == []
     switches = _engine_argv(parser.parse_args(["serve", "--enforce-eager", "--kv-spill-ahead"]))

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from engine.config import CacheConfig, ConfigError
 from kvstore import transfer
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
@@ -152,3 +153,21 @@ def test_issue_starts_the_queued_loads_before_any_wait(monkeypatch):
     pool.loads.issue()  # nothing queued: nothing more
     pool.loads.finish()
     assert torch.equal(pool.read_pages([3, 4, 9]), torch.stack(first + second))
+
+
+def test_host_slots_group_into_runs_of_neighbours_in_slot_order():
+    """The 2-D copies of host rows (kvstore/transfer.py, `copy` reads) go one per run."""
+    assert transfer.slot_runs([]) == []
+    assert transfer.slot_runs([7, 3, 39, 0, 21, 22, 23, 5]) == [
+        (0, 1), (3, 1), (5, 1), (7, 1), (21, 3), (39, 1)
+    ]  # fmt: skip
+    assert transfer.slot_runs(list(range(100, 0, -1))) == [(1, 100)]
+
+
+def test_host_reads_are_named_and_checked():
+    loads = DeviceKVPool(SPECS[0], 4, CPU, "sync", "copy").loads
+    assert loads.host_reads is transfer.HostReads.COPY
+    with pytest.raises(ValueError, match="dma"):
+        transfer.PageLoads(DeviceKVPool(SPECS[0], 4, CPU), host_reads="dma")
+    with pytest.raises(ConfigError, match="kv_host_reads"):
+        CacheConfig(kv_host_reads="dma")
