@@ -196,6 +196,15 @@ class TieredKVStore:
                     out.setdefault(owner, {})[tier.value] = n
         return out
 
+    def host_row(self, key: bytes) -> int | None:
+        """The host slot holding `key`'s page (now the most recently used), or None."""
+        if self.host is None:
+            return None
+        slot = self.host.slots.get(key)
+        if slot is not None:
+            self.host.slots.move_to_end(key)
+        return slot
+
     def get(self, key: bytes) -> tuple[torch.Tensor, Tier] | None:
         """A page and the tier it came from, or None (a host view: copy it before the next
         `put`)."""
@@ -324,16 +333,30 @@ class KVOffloader:
         that cannot be read; returns the tier each loaded page came from. Pages in `fetch`
         (read ahead, settled) come from its memory."""
         pages: list[torch.Tensor] = []
+        page_blocks: list[int] = []
+        rows: list[int] = []  # host slots read in place, known by number
+        row_blocks: list[int] = []
         tiers: list[Tier] = []
-        for key in keys:
+        for block, key in zip(blocks[: len(keys)], keys, strict=True):
             page = None if fetch is None else fetch.page(key)
+            if page is None and self.in_place:
+                slot = self.store.host_row(key)
+                if slot is not None:
+                    rows.append(slot)
+                    row_blocks.append(block)
+                    tiers.append(Tier.HOST)
+                    continue
             got = self.store.get(key) if page is None else (page, Tier.DISK)
             if got is None:
                 break
             pages.append(got[0])
+            page_blocks.append(block)
             tiers.append(got[1])
-        if pages:  # layer by layer, asynchronously on CUDA (kvstore/transfer.py)
-            self.pool.load_pages(blocks[: len(pages)], pages)
+        # layer by layer, asynchronously on CUDA and on a worker thread (kvstore/transfer.py)
+        if rows:
+            self.pool.loads.start_host_rows(row_blocks, rows)
+        if pages:
+            self.pool.load_pages(page_blocks, pages)
         return tiers
 
     def check_integrity(self, open_fetches: Collection[DiskPrefetch] = ()) -> None:

@@ -20,6 +20,8 @@ Where the pages are read from:
   Such a row must not change until its load is done: before the host tier reuses a slot,
   its offloader calls `before_host_write`, which waits for the loads if one reads it
   (kvstore/tiers.py, `TieredKVStore.before_host_use`).
+- rows of the host tier with `thread` loads on CPU: in place as well, the worker scattering
+  each run of neighbouring slots straight from the host tensor into the blocks.
 - any other rows (pages read from disk, or no Triton): `start` gathers them into staging (a
   few host threads) before it returns, and the copies read the staging.
 
@@ -153,11 +155,6 @@ class _Staged:
         ]
 
 
-# per layer, per load: the staged parts (values, then FP8 scales), each [n, 2 * width]
-# with rows a page apart
-_Sources = list[list[list[torch.Tensor]]]
-
-
 def _scatter(dst: list[torch.Tensor], src: list[torch.Tensor], index: torch.Tensor) -> None:
     """One layer's rows into the pool: dst parts [2, num_blocks, width] (DeviceKVPool.
     layer_parts), src parts [n, 2 * width] as staged (or copied to the device)."""
@@ -239,13 +236,14 @@ class PageLoads:
 
     def read_host_rows(self, host: torch.Tensor) -> bool:
         """Read pages that are rows of `host` (the host tier's [slots, page bytes] tensor) in
-        place, when it is pinned and the loads run on a CUDA stream with Triton. Returns
-        whether they will be; the tier must then call `before_host_write`."""
-        if self.mode is not LoadMode.STREAM or not host.is_pinned():
-            return False
+        place: on a worker thread, or on a CUDA stream when `host` is pinned and Triton works.
+        Returns whether they will be; the tier must then call `before_host_write`."""
         assert host.dim() == 2 and host.shape[1] == self.pool.spec.bytes_per_block
-        self._kernels = self._kernels or _triton_loads()
-        self._host = host if self._kernels is not None else None
+        if self.mode is LoadMode.THREAD:
+            self._host = host
+        elif self.mode is LoadMode.STREAM and host.is_pinned():
+            self._kernels = self._kernels or _triton_loads()
+            self._host = host if self._kernels is not None else None
         return self._host is not None
 
     def save_host_rows(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
@@ -253,6 +251,9 @@ class PageLoads:
         place, with one kernel per part on the current stream; returns once they are there."""
         assert self._host is not None and len(blocks) == len(slots)
         if not blocks:
+            return
+        if self.mode is LoadMode.THREAD:  # on CPU: the pool is in host memory too
+            self.pool.read_pages_into(blocks, [self._host[s] for s in slots])
             return
         index = torch.tensor([list(blocks), list(slots)]).to(self.pool.device)
         self._kernels.save_pages(
@@ -293,12 +294,19 @@ class PageLoads:
             return
         slots = self.host_slots(pages)
         if slots is not None:
-            self._reading.update(slots)
-            self._queued.append((_HostRows(slots), list(blocks)))
+            self.start_host_rows(blocks, slots)
             return
         buffer = self._buffer(len(pages) * self.pool.spec.bytes_per_block)
         staged = _Staged(self.pool, pages, buffer, self._gather_pool())
         self._queued.append((staged, list(blocks)))
+
+    def start_host_rows(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
+        """`start` for pages known by their rows `slots` of the host tensor read in place
+        (`read_host_rows`): nothing is looked at per page."""
+        assert self._host is not None and len(blocks) == len(slots)
+        if slots:
+            self._reading.update(slots)
+            self._queued.append((_HostRows(list(slots)), list(blocks)))
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         """Staging of at least `nbytes` (pinned on CUDA): a finished load's, or a new one
@@ -347,9 +355,11 @@ class PageLoads:
         # each queued load's blocks, and for the staged ones their rows of each layer
         indexes = [torch.tensor(b, dtype=torch.long) for _, b in queued]
         if self.mode is LoadMode.THREAD:
-            sources = [[src.layer(layer) for src, _ in queued if isinstance(src, _Staged)]
-                       for layer in range(self.num_layers)]  # fmt: skip
-            load: Any = self._issue_thread(sources, indexes)
+            staged = [(src, index) for (src, _), index in zip(queued, indexes, strict=True)
+                      if isinstance(src, _Staged)]  # fmt: skip
+            rows = [(s, b) for src, blocks in queued if isinstance(src, _HostRows)
+                    for s, b in zip(src.slots, blocks, strict=True)]  # fmt: skip
+            load: Any = self._issue_thread(staged, rows)
         elif self._cupy is None:
             load = self._issue_stream([src for src, _ in queued], indexes)
         else:
@@ -362,18 +372,33 @@ class PageLoads:
 
     # -- CPU worker thread --------------------------------------------------------------------
 
-    def _issue_thread(self, sources: _Sources, indexes: list[torch.Tensor]) -> _ThreadLoad:
+    def _issue_thread(
+        self, staged: list[tuple[_Staged, torch.Tensor]], rows: list[tuple[int, int]]
+    ) -> _ThreadLoad:
+        """The copies on the worker thread: per layer, the staged pages, then the host rows
+        read in place (`rows`: (slot, block) pairs), a scatter per run of neighbouring slots."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="strata-kv-load")
         load = _ThreadLoad(self.num_layers)
         parts = [self.pool.layer_parts(layer) for layer in range(self.num_layers)]
+        host, layout = self._host, _page_layout(self.pool)
+        pairs, runs, at = sorted(rows), [], 0
+        for first, count in slot_runs([s for s, _ in pairs]):
+            runs.append((first, count, torch.tensor([b for _, b in pairs[at : at + count]])))
+            at += count
 
         def run() -> None:
             # the views may come from a step's inference mode, which is per thread
             with torch.inference_mode():
                 for layer in range(self.num_layers):
-                    for src, index in zip(sources[layer], indexes, strict=True):
-                        _scatter(parts[layer], src, index)
+                    for src, index in staged:
+                        _scatter(parts[layer], src.layer(layer), index)
+                    for first, count, index in runs:
+                        assert host is not None
+                        span = host[first : first + count]  # this layer's K and V rows
+                        rows = [span[:, o + 2 * layer * w : o + 2 * (layer + 1) * w]
+                                for o, w in layout]  # fmt: skip
+                        _scatter(parts[layer], rows, index)
                     load.done[layer].set()
 
         load.future = self._worker.submit(run)
@@ -560,7 +585,7 @@ class _ThreadLoad:
         self.done = [threading.Event() for _ in range(num_layers)]
         self.blocks: list[int] = []
         self.buffers: list[torch.Tensor] = []  # staging, reused once the load is done
-        self.host_slots: list[int] = []  # host rows read in place (none on this path)
+        self.host_slots: list[int] = []  # host rows read in place
         self.future: Future[None] | None = None
 
     def finished(self, future: Future[None]) -> None:

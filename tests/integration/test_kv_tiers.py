@@ -48,6 +48,8 @@ def test_pages_back_from_host_and_disk_give_the_tokens_of_a_recompute(
     tiered = LLM(core=make_core(EngineConfig(cache=tiny_tiers(tmp_path, kv, kv_load=load))),
                  tokenizer=smollm2_fp32[1])  # fmt: skip
     assert tiered.core.pool.loads.backend == load
+    offloader = tiered.core.block_manager.offloader
+    assert offloader is not None and offloader.in_place == (load == "thread")  # host rows
     outs = [tiered.generate([p], GREEDY)[0] for p in prompts]
     assert [o.token_ids for o in outs] == reference
     second_round = outs[len(DOCS) :]

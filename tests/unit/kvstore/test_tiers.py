@@ -166,11 +166,12 @@ def test_a_full_disk_degrades_to_fewer_cached_pages(tmp_path, caplog):
     store.close()
 
 
-def test_block_manager_stress_keeps_every_tier_consistent(tmp_path):
+@pytest.mark.parametrize("load", ["sync", "thread"])
+def test_block_manager_stress_keeps_every_tier_consistent(tmp_path, load):
     """Seeded submits, aborts, frees, reads ahead and prefix reuse over a tiny device pool and
     tiny tiers: every block ever loaded back holds exactly the page its hash was computed
-    with."""
-    pool = DeviceKVPool(KVCacheSpec(1, 1, 16, 4, torch.float32), 6, CPU)
+    with. `thread`: host rows are read in place by a worker thread while the tiers churn."""
+    pool = DeviceKVPool(KVCacheSpec(1, 1, 16, 4, torch.float32), 6, CPU, load)
     store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=3, disk_blocks=5,
                           disk_dir=tmp_path)  # fmt: skip
     bm = BlockManager(6, 4, offloader=KVOffloader(pool, store))
@@ -217,6 +218,7 @@ def test_block_manager_stress_keeps_every_tier_consistent(tmp_path):
             for block, h in zip(table, hashes[: len(hits)], strict=False):
                 assert torch.equal(pool.kv[0, 0, block], page_for(h))
             tiers = bm.load_below(rid, len(hits), below)
+            pool.loads.wait_all()  # what the step's attention does, layer by layer
             loaded += len(tiers)
             for i, h in enumerate(below[: len(tiers)]):
                 assert torch.equal(pool.kv[0, 0, table[len(hits) + i]], page_for(h))
@@ -228,6 +230,8 @@ def test_block_manager_stress_keeps_every_tier_consistent(tmp_path):
         bm.check_integrity()
     assert loaded > 20 and read_ahead > 10 and aborted > 0
     assert bm.num_tier_hit_blocks[Tier.HOST] > 0 and bm.num_tier_hit_blocks[Tier.DISK] > 0
+    assert bm.offloader is not None and bm.offloader.in_place == (load == "thread")
+    pool.loads.close()
     store.close()
 
 

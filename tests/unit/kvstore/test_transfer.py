@@ -171,3 +171,23 @@ def test_host_reads_are_named_and_checked():
         transfer.PageLoads(DeviceKVPool(SPECS[0], 4, CPU), host_reads="dma")
     with pytest.raises(ConfigError, match="kv_host_reads"):
         CacheConfig(kv_host_reads="dma")
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["bf16", "fp8"])
+def test_thread_loads_read_host_rows_in_place_by_runs(spec):
+    """Rows of the host tier go straight from the host tensor into the blocks on the worker
+    thread, a scatter per run of neighbouring slots (one row twice, into two blocks, too);
+    they stay marked as read until the load is done. Spills write rows in place."""
+    pool = DeviceKVPool(spec, 16, CPU, "thread")
+    host = torch.stack(random_pages(spec, 12, seed=3))
+    assert pool.loads.read_host_rows(host)
+    slots = [7, 3, 8, 0, 9, 3]  # runs: 0 | 3 | 3 | 7 8 9
+    blocks = [1, 5, 2, 14, 9, 11]
+    pool.load_pages(blocks, [host[s] for s in slots])
+    assert pool.loads._reading[3] == 2
+    pool.loads.wait_all()
+    assert torch.equal(pool.read_pages(blocks), host[slots])
+    pool.loads.finish()
+    assert not pool.loads._reading and not pool.loads._spare  # nothing was staged
+    pool.loads.save_host_rows([14, 2], [10, 11])
+    assert torch.equal(host[10:12], pool.read_pages([14, 2]))
