@@ -65,7 +65,7 @@ class HostReads(enum.StrEnum):
     COPY = "copy"  # CuPy 2-D copies by runs of slots (the kernel without CuPy)
 
 
-_MAX_RUN_COPIES = 256  # 2-D copies per layer and part before the kernel reads instead
+_MAX_RUN_COPIES = 32  # 2-D copies per layer and part (each a host call) before the kernel reads
 
 
 def slot_runs(slots: Sequence[int]) -> list[tuple[int, int]]:
