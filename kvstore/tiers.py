@@ -208,11 +208,10 @@ class TieredKVStore:
     def get(self, key: bytes) -> tuple[torch.Tensor, Tier] | None:
         """A page and the tier it came from, or None (a host view: copy it before the next
         `put`)."""
-        if self.host is not None:
-            slot = self.host.slots.get(key)
-            if slot is not None:
-                self.host.slots.move_to_end(key)
-                return self.host.data[slot], Tier.HOST
+        slot = self.host_row(key)
+        if slot is not None:
+            assert self.host is not None
+            return self.host.data[slot], Tier.HOST
         if self.disk is not None:
             page = self.disk.read(key)
             if page is not None:
