@@ -15,7 +15,7 @@ Where the pages are read from:
     mapping of pinned memory and stores them at their blocks (kvstore/triton_load.py);
   - `copy`: the copy engines move them, with no SM busy: per (layer, part), one CuPy 2-D
     async copy per run of consecutive host slots (a row's K and V are adjacent, rows a page
-    apart) into device staging, then one scatter into the blocks. Where the rows fall in
+    apart) into a device landing buffer, then one scatter into the blocks. Where the rows fall in
     more than `_MAX_RUN_COPIES` copies per layer, the kernel reads them instead.
   Such a row must not change until its load is done: before the host tier reuses a slot,
   its offloader calls `before_host_write`, which waits for the loads if one reads it
@@ -77,6 +77,13 @@ def slot_runs(slots: Sequence[int]) -> list[tuple[int, int]]:
         else:
             runs.append((slot, 1))
     return runs
+
+
+def _row_runs(rows: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[int]]:
+    """Host rows to load as (slot, block) pairs: the runs of their slots (`slot_runs`), and
+    the blocks in the order of the runs' rows."""
+    pairs = sorted(rows)
+    return slot_runs([s for s, _ in pairs]), [b for _, b in pairs]
 
 
 class LoadMode(enum.StrEnum):
@@ -382,9 +389,10 @@ class PageLoads:
         load = _ThreadLoad(self.num_layers)
         parts = [self.pool.layer_parts(layer) for layer in range(self.num_layers)]
         host, layout = self._host, _page_layout(self.pool)
-        pairs, runs, at = sorted(rows), [], 0
-        for first, count in slot_runs([s for s, _ in pairs]):
-            runs.append((first, count, torch.tensor([b for _, b in pairs[at : at + count]])))
+        row_runs, blocks = _row_runs(rows)
+        runs, at = [], 0
+        for first, count in row_runs:
+            runs.append((first, count, torch.tensor(blocks[at : at + count])))
             at += count
 
         def run() -> None:
@@ -423,11 +431,11 @@ class PageLoads:
         host_rows = host_blocks = None
         runs: list[tuple[int, int]] = []  # with 2-D copies: the host rows by runs of slots
         if in_place and self.host_reads is HostReads.COPY and cp is not None:
-            pairs = sorted((s, b) for src, index in in_place
-                           for s, b in zip(src.slots, index.tolist(), strict=True))  # fmt: skip
-            runs = slot_runs([s for s, _ in pairs])
+            pairs = [(s, b) for src, index in in_place
+                     for s, b in zip(src.slots, index.tolist(), strict=True)]  # fmt: skip
+            runs, blocks = _row_runs(pairs)
             if len(runs) <= _MAX_RUN_COPIES:
-                host_blocks = torch.tensor([b for _, b in pairs]).to(device, non_blocking=True)
+                host_blocks = torch.tensor(blocks).to(device, non_blocking=True)
                 in_place = []
             else:
                 runs = []
@@ -437,7 +445,6 @@ class PageLoads:
             host_blocks = torch.cat([index for _, index in in_place]).to(device, non_blocking=True)
         staged = [(src, index.to(device, non_blocking=True)) for src, index in staged]
         on_device = [t for t in (host_rows, host_blocks) if t is not None]
-        n_rows = sum(count for _, count in runs)
         on_device += [index for _, index in staged]
         layout = _page_layout(self.pool)
         load = _StreamLoad()
@@ -454,6 +461,7 @@ class PageLoads:
                     index.record_stream(stream)
                 load.indexes = on_device
                 # 2-D copies land here, a page's K and V rows side by side, then scatter
+                n_rows = sum(count for _, count in runs)
                 landing = [torch.empty(n_rows, 2 * width, dtype=torch.uint8, device=device)
                            for _, width in layout] if runs else []  # fmt: skip
                 load.indexes += landing
