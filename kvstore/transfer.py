@@ -15,8 +15,8 @@ Where the pages are read from:
     mapping of pinned memory and stores them at their blocks (kvstore/triton_load.py);
   - `copy`: the copy engines move them, with no SM busy: per (layer, part), one CuPy 2-D
     async copy per run of consecutive host slots (a row's K and V are adjacent, rows a page
-    apart) into a device landing buffer, then one scatter into the blocks. Where the rows fall in
-    more than `_MAX_RUN_COPIES` copies per layer, the kernel reads them instead.
+    apart) into a device landing buffer, then one scatter into the blocks. Where the rows
+    fall in more than `_MAX_RUN_COPIES` runs, the kernel reads them instead.
   Such a row must not change until its load is done: before the host tier reuses a slot,
   its offloader calls `before_host_write`, which waits for the loads if one reads it
   (kvstore/tiers.py, `TieredKVStore.before_host_use`).
