@@ -201,6 +201,9 @@ class CpuKernels:
         self._lora = lib.strata_lora_bf16
         self._lora.argtypes = [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P]
         self._lora.restype = ctypes.c_int
+        self._linear_lora = lib.strata_linear_lora_bf16
+        self._linear_lora.argtypes = [*[_P] * 4, *[_I] * 3, *[_P] * 3, _I, _P, _I, _P]
+        self._linear_lora.restype = ctypes.c_int
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -389,21 +392,40 @@ class CpuKernels:
         (csrc/lora.h); bf16 x [T, K], a [S, R, K], B transposed bt [S, R, N]. `part_ends`:
         where the columns of each module of a fused projection end (default: one module).
         Mutates y."""
-        t, k = x.shape
-        rows, n = a.shape[1], bt.shape[2]
-        assert x.dtype == a.dtype == bt.dtype == y.dtype == torch.bfloat16
-        assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and bt.is_contiguous()
-        assert slots.dtype == torch.int32 and slots.shape == (t,) and y.shape == (t, n)
-        ends = list(part_ends) or [n]
-        assert ends[-1] == n and rows % len(ends) == 0
-        h = torch.empty(t * rows, dtype=torch.float32)
+        ends, h = _lora_checks(x, a, bt, slots, y, part_ends)
         rc = self._lora(
             x.data_ptr(), x.stride(0), a.data_ptr(), bt.data_ptr(), slots.data_ptr(),
-            y.data_ptr(), y.stride(0), t, k, n, rows, (ctypes.c_int64 * len(ends))(*ends),
+            y.data_ptr(), y.stride(0), x.shape[0], x.shape[1], y.shape[1], a.shape[1], ends,
             len(ends), h.data_ptr(),
         )  # fmt: skip
         if rc != 0:
             raise KernelError(f"LoRA update failed ({rc}): out of memory")
+
+    def linear_lora(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        bias: torch.Tensor | None,
+        a: torch.Tensor,
+        bt: torch.Tensor,
+        slots: torch.Tensor,
+        part_ends: Sequence[int] = (),
+    ) -> torch.Tensor:
+        """`linear_packed` to bf16 and then `lora`'s update of its output, in one kernel, as
+        the decoder layer runs each projection (csrc/linear.h): [T, N]."""
+        assert x.dtype == packed.dtype == torch.bfloat16 and x.is_contiguous()
+        m, k = x.shape
+        n = bt.shape[2]
+        assert packed.numel() == n * k
+        y = x.new_empty(m, n)
+        ends, h = _lora_checks(x, a, bt, slots, y, part_ends)
+        rc = self._linear_lora(
+            x.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(), m, n, k, a.data_ptr(),
+            bt.data_ptr(), slots.data_ptr(), a.shape[1], ends, len(ends), h.data_ptr(),
+        )  # fmt: skip
+        if rc != 0:
+            raise KernelError(f"linear with LoRA update failed ({rc})")
+        return y
 
     def decoder_layer(
         self,
@@ -547,6 +569,26 @@ def _workspace(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
     q_size = w.num_heads * w.head_dim
     qkv_size = q_size + 2 * w.num_kv_heads * w.head_dim
     return x.new_empty(x.shape[0] * (x.shape[1] + qkv_size + q_size + 3 * w.intermediate))
+
+
+def _lora_checks(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    bt: torch.Tensor,
+    slots: torch.Tensor,
+    y: torch.Tensor,
+    part_ends: Sequence[int],
+) -> tuple[Any, torch.Tensor]:
+    """What the LoRA kernels assume of their tensors; returns the part ends as a C array and
+    the kernels' scratch for h."""
+    t = x.shape[0]
+    rows, n = a.shape[1], bt.shape[2]
+    assert x.dtype == a.dtype == bt.dtype == y.dtype == torch.bfloat16
+    assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and bt.is_contiguous()
+    assert slots.dtype == torch.int32 and slots.shape == (t,) and y.shape == (t, n)
+    ends = list(part_ends) or [n]
+    assert ends[-1] == n and rows % len(ends) == 0
+    return (ctypes.c_int64 * len(ends))(*ends), torch.empty(t * rows, dtype=torch.float32)
 
 
 def _lora_args(

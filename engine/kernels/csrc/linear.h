@@ -81,8 +81,14 @@ static inline __attribute__((always_inline)) void lin_block(const bf16_t* x, con
 #endif
 
 // The product, then `lora`'s update of its output (lora.h; NULL: none) in the same parallel
-// region. In a decode step (T <= LORA_WARM_MAX_TOKENS) each thread warms the adapters of its
-// share of the update while it computes its share of the product.
+// region. In a decode step (T <= LORA_WARM_MAX_TOKENS) each thread owns a share of the update's
+// groups of tokens and splits them into LORA_PHASES phases, as it splits its items of the
+// product: during a phase's items it warms the phase's adapters, then updates those groups
+// into a scratch delta while the weights are still in its cache (warmed for the whole linear
+// and applied after it, they spilled out of the core's cache and were read again from L3 or
+// DRAM); the deltas are added to y once every thread's share of the product is done.
+#define LORA_PHASES 4
+
 static int lin_packed(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, void* y, int64_t M,
                       int64_t N, int64_t K, int out_f32, const LoRAUpdate* lora) {
 #ifndef STRATA_AVX512BF16
@@ -105,19 +111,30 @@ static int lin_packed(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, voi
         lora && lora->T <= LORA_WARM_MAX_TOKENS && blocks >= LIN_WARM_BLOCKS ? lora : 0;
     LoRAGroups groups = {0, 0, 0};
     if (lora && (groups = lora_groups(lora->slots, lora->T)).n < 0) return -3;
+    bf16_t* delta = lw ? malloc((size_t)(lw->T * lw->N) * sizeof(bf16_t)) : 0;  // [T, N]
+    if (lw && !delta) {
+        free(groups.tok);
+        return -3;
+    }
 #pragma omp parallel
     {
-        LoRAWarm warm_lora = {0};
-        int64_t lw_lines = 0;
-        if (lw) {
-            const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-            lora_warm_start(&warm_lora, lw, tid * lw->T / nth, (tid + 1) * lw->T / nth);
-            const int64_t mine = items / nth + (tid < items % nth);
-            lw_lines = mine ? (lora_warm_lines(&warm_lora) + mine - 1) / mine : 0;
-        }
-#pragma omp for collapse(2) schedule(static) nowait
-        for (int64_t p = 0; p < panels; p++) {
-            for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t i0 = tid * items / nth, i1 = (tid + 1) * items / nth;  // the thread's items
+        const int64_t g0 = lw ? tid * groups.n / nth : 0, g1 = lw ? (tid + 1) * groups.n / nth : 0;
+        const int64_t phases = g1 - g0 < LORA_PHASES ? (g1 > g0 ? g1 - g0 : 1) : LORA_PHASES;
+        int64_t item = i0;
+        for (int64_t ph = 0; ph < phases; ph++) {
+            const int64_t pg0 = g0 + ph * (g1 - g0) / phases;
+            const int64_t pg1 = g0 + (ph + 1) * (g1 - g0) / phases;
+            const int64_t end = i0 + (ph + 1) * (i1 - i0) / phases;
+            LoRAWarm warm_lora = {0};
+            int64_t lw_lines = 0;
+            if (lw && end > item) {
+                lora_warm_start(&warm_lora, lw, &groups, g0, pg0, pg1);
+                lw_lines = (lora_warm_lines(&warm_lora) + end - item - 1) / (end - item);
+            }
+            for (; item < end; item++) {
+                const int64_t p = item / blocks, blk = item % blocks;
                 const int64_t m0 = blk * LIN_MR;
                 const int64_t mr = M - m0 < LIN_MR ? M - m0 : LIN_MR;
                 const bf16_t* xs = x + m0 * K;
@@ -142,13 +159,18 @@ static int lin_packed(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, voi
                 }
 #undef LIN_CASE
             }
+            if (lw) lora_update_groups(lw, &groups, pg0, pg1, delta);
         }
-        if (lora) {
+        if (lw) {
+#pragma omp barrier
+            lora_add_delta(lw, &groups, g0, g1, delta);
+        } else if (lora) {
             lora_shrink(lora, &groups);  // reads x only: no need to wait for the product
 #pragma omp barrier
             lora_expand(lora, &groups);
         }
     }
+    free(delta);
     free(groups.tok);
     return 0;
 #endif
@@ -157,4 +179,14 @@ static int lin_packed(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, voi
 int strata_linear_packed_bf16(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, void* y,
                               int64_t M, int64_t N, int64_t K, int out_f32) {
     return lin_packed(x, wp, bias, y, M, N, K, out_f32, 0);
+}
+
+// The packed linear, then a multi-LoRA update of its output (strata_lora_bf16's arguments, y
+// [M, N] contiguous) in the same parallel region: one projection of the decoder layer.
+int strata_linear_lora_bf16(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, bf16_t* y,
+                            int64_t M, int64_t N, int64_t K, const bf16_t* a, const bf16_t* bt,
+                            const int32_t* slots, int64_t R, const int64_t* part_ends,
+                            int64_t parts, float* h) {
+    const LoRAUpdate u = {x, K, a, bt, slots, y, N, M, K, N, R, part_ends, parts, h};
+    return lin_packed(x, wp, bias, y, M, N, K, 0, &u);
 }

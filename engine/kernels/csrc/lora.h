@@ -23,84 +23,6 @@ typedef struct {
     float* h;
 } LoRAUpdate;
 
-// Warming the adapter weights of an update from inside the linear that precedes it
-// (lin_packed, linear.h). In a decode step every token may bring its own adapter, and reading
-// their A and B from DRAM after the linear cost as much as the linear itself; the linear is
-// bound by its dot products, so the same bytes can stream in while it computes. Each thread
-// warms the adapters of its share of the tokens (the update splits its work by groups of
-// tokens, which with distinct adapters is the same split): every distinct slot's A rows and
-// the B^T row segments the update reads (a fused projection's B is block-diagonal), spread
-// evenly over its items of the product. (Warming further ahead, through the next
-// projections' adapters at a fixed rate, measured no faster than not warming at all.)
-#define LORA_WARM_MAX_TOKENS 128  // more tokens (prefill) share adapters and are compute-bound
-
-typedef struct {
-    const LoRAUpdate* s;
-    int64_t t0, t, t1;  // the thread's tokens and the cursor in them
-    int64_t row;        // -1: the token's A; else the row of B^T
-    const char* at;     // the current span, as cache lines from `at` up to `end`
-    const char* end;
-} LoRAWarm;
-
-static inline void lora_warm_set(LoRAWarm* w, const char* p, int64_t bytes) {
-    w->at = (const char*)((uintptr_t)p & ~(uintptr_t)63);
-    w->end = p + bytes;
-}
-
-// Moves to the next span; returns 0 when the thread's tokens are done.
-static inline int lora_warm_next(LoRAWarm* w) {
-    const LoRAUpdate* s = w->s;
-    if (w->t < w->t1 && w->row + 1 < s->R) {
-        const int64_t row = ++w->row, per = s->R / s->parts, p = row / per;
-        const int64_t c0 = p ? s->part_ends[p - 1] : 0;
-        const int64_t slot = s->slots[w->t];
-        lora_warm_set(w, (const char*)(s->bt + (slot * s->R + row) * s->N + c0),
-                      (s->part_ends[p] - c0) * 2);
-        return 1;
-    }
-    for (w->t++; w->t < w->t1; w->t++) {  // the next token with an adapter not yet warmed
-        const int32_t slot = s->slots[w->t];
-        int64_t u = w->t0;
-        if (slot == 0 || (w->t > w->t0 && s->slots[w->t - 1] == slot)) continue;
-        while (u < w->t && s->slots[u] != slot) u++;
-        if (u < w->t) continue;
-        w->row = -1;
-        lora_warm_set(w, (const char*)(s->a + slot * s->R * s->K), s->R * s->K * 2);
-        return 1;
-    }
-    return 0;
-}
-
-static inline void lora_warm_start(LoRAWarm* w, const LoRAUpdate* s, int64_t t0, int64_t t1) {
-    w->s = s;
-    w->t0 = t0;
-    w->t = t0 - 1;
-    w->t1 = t1;
-    w->row = s->R;  // so that the first lora_warm_next moves to a token
-    w->at = w->end = 0;
-    lora_warm_next(w);
-}
-
-// Cache lines the thread has to warm in all.
-static inline int64_t lora_warm_lines(const LoRAWarm* w) {
-    LoRAWarm c = *w;
-    int64_t lines = 0;
-    if (!c.at) return 0;
-    do lines += (c.end - c.at + 63) / 64;
-    while (lora_warm_next(&c));
-    return lines;
-}
-
-// One more line (none once the thread's tokens are done).
-static inline void lora_warm_one(LoRAWarm* w) {
-    if (w->at >= w->end && (!w->at || !lora_warm_next(w))) {
-        w->at = w->end = 0;
-        return;
-    }
-    __builtin_prefetch(w->at, 0, 2);
-    w->at += 64;
-}
-
 // Tokens that share an adapter share its weights' loads: the update runs on groups of up to
 // LORA_TOKENS tokens of one slot (built once per update, before its parallel region), and each
 // token's sums are the ones it would get alone, so results do not depend on its batch mates.
@@ -139,6 +61,92 @@ static LoRAGroups lora_groups(const int32_t* slots, int64_t T) {
         if (g.size[k] == LORA_TOKENS) open[j] = open[--n_open];
     }
     return g;
+}
+
+// Warming the adapter weights of an update from inside the linear that precedes it
+// (lin_packed, linear.h). In a decode step every token may bring its own adapter, and reading
+// their A and B from DRAM after the linear cost as much as the linear itself; the linear is
+// bound by its dot products, so the same bytes can stream in while it computes. Each thread
+// warms the adapters of its own groups of tokens, a phase at a time (lin_packed): every
+// distinct slot's A rows and the B^T row segments the update reads (a fused projection's B is
+// block-diagonal), spread evenly over the phase's items of the product. (Warming further
+// ahead, through the next projections' adapters at a fixed rate, measured no faster than not
+// warming at all.)
+#define LORA_WARM_MAX_TOKENS 128  // more tokens (prefill) share adapters and are compute-bound
+
+typedef struct {
+    const LoRAUpdate* s;
+    const LoRAGroups* g;
+    int64_t g_first;  // the thread's first group: slots seen since then are warm already
+    int64_t gi, g1;   // the cursor and the end of the groups to warm
+    int64_t row;      // -1: the group's A; else the row of B^T
+    const char* at;   // the current span, as cache lines from `at` up to `end`
+    const char* end;
+} LoRAWarm;
+
+static inline int32_t lora_group_slot(const LoRAUpdate* s, const LoRAGroups* g, int64_t gi) {
+    return s->slots[g->tok[gi * LORA_TOKENS]];
+}
+
+static inline void lora_warm_set(LoRAWarm* w, const char* p, int64_t bytes) {
+    w->at = (const char*)((uintptr_t)p & ~(uintptr_t)63);
+    w->end = p + bytes;
+}
+
+// Moves to the next span; returns 0 when the groups are done.
+static inline int lora_warm_next(LoRAWarm* w) {
+    const LoRAUpdate* s = w->s;
+    if (w->gi < w->g1 && w->row + 1 < s->R) {
+        const int64_t row = ++w->row, per = s->R / s->parts, p = row / per;
+        const int64_t c0 = p ? s->part_ends[p - 1] : 0;
+        const int64_t slot = lora_group_slot(s, w->g, w->gi);
+        lora_warm_set(w, (const char*)(s->bt + (slot * s->R + row) * s->N + c0),
+                      (s->part_ends[p] - c0) * 2);
+        return 1;
+    }
+    for (w->gi++; w->gi < w->g1; w->gi++) {  // the next group with an adapter not yet warmed
+        const int32_t slot = lora_group_slot(s, w->g, w->gi);
+        int64_t u = w->g_first;
+        while (u < w->gi && lora_group_slot(s, w->g, u) != slot) u++;
+        if (u < w->gi) continue;
+        w->row = -1;
+        lora_warm_set(w, (const char*)(s->a + slot * s->R * s->K), s->R * s->K * 2);
+        return 1;
+    }
+    return 0;
+}
+
+// Groups [g0, g1) of the thread whose groups start at g_first.
+static inline void lora_warm_start(LoRAWarm* w, const LoRAUpdate* s, const LoRAGroups* g,
+                                   int64_t g_first, int64_t g0, int64_t g1) {
+    w->s = s;
+    w->g = g;
+    w->g_first = g_first;
+    w->gi = g0 - 1;
+    w->g1 = g1;
+    w->row = s->R;  // so that the first lora_warm_next moves to a group
+    w->at = w->end = 0;
+    lora_warm_next(w);
+}
+
+// Cache lines there are to warm in all.
+static inline int64_t lora_warm_lines(const LoRAWarm* w) {
+    LoRAWarm c = *w;
+    int64_t lines = 0;
+    if (!c.at) return 0;
+    do lines += (c.end - c.at + 63) / 64;
+    while (lora_warm_next(&c));
+    return lines;
+}
+
+// One more line (none once the groups are done).
+static inline void lora_warm_one(LoRAWarm* w) {
+    if (w->at >= w->end && (!w->at || !lora_warm_next(w))) {
+        w->at = w->end = 0;
+        return;
+    }
+    __builtin_prefetch(w->at, 0, 2);
+    w->at += 64;
 }
 
 // NR rows of A (`ldw` apart) dotted with the x of NT tokens, each row and each x loaded once:
@@ -242,108 +250,151 @@ static inline __attribute__((always_inline)) void lora_expand_cols(
 }
 #endif
 
-// h = A x for every token with an adapter: the calling thread's share of the items of the
-// enclosing parallel region (a group of tokens, LORA_SHRINK_ROWS rows of A), without waiting
-// for the others.
-static void lora_shrink(const LoRAUpdate* u, const LoRAGroups* g) {
+// h = A x for the tokens of group gi, LORA_SHRINK_ROWS rows of A from row block rb.
+static void lora_shrink_item(const LoRAUpdate* u, const LoRAGroups* g, int64_t gi, int64_t rb) {
     const bf16_t *x = u->x, *a = u->a;
     const int64_t ldx = u->ldx, K = u->K, R = u->R;
-    const int64_t row_blocks = (R + LORA_SHRINK_ROWS - 1) / LORA_SHRINK_ROWS;
     float* h = u->h;
+    const int32_t* tk = g->tok + gi * LORA_TOKENS;
+    const int nt = g->size[gi];
+    const int64_t r0 = rb * LORA_SHRINK_ROWS;
+    const int nr = R - r0 < LORA_SHRINK_ROWS ? (int)(R - r0) : LORA_SHRINK_ROWS;
+    const bf16_t* xs[LORA_TOKENS];
+    float dots[LORA_SHRINK_ROWS][LORA_TOKENS];
+    for (int k = 0; k < nt; k++) xs[k] = x + tk[k] * ldx;
+    const bf16_t* w = a + (u->slots[tk[0]] * R + r0) * K;
+#define LORA_DOTS(OUT, NR)                                  \
+    switch (nt) {                                           \
+        case 1: lora_dots(xs, w, K, K, OUT, NR, 1); break;  \
+        case 2: lora_dots(xs, w, K, K, OUT, NR, 2); break;  \
+        case 3: lora_dots(xs, w, K, K, OUT, NR, 3); break;  \
+        default: lora_dots(xs, w, K, K, OUT, NR, 4); break; \
+    }
+    if (nr == LORA_SHRINK_ROWS) {
+        LORA_DOTS(dots, LORA_SHRINK_ROWS)
+    } else {
+        for (int r = 0; r < nr; r++, w += K) {  // the last few rows, one at a time
+            LORA_DOTS(&dots[r], 1)
+        }
+    }
+#undef LORA_DOTS
+    for (int r = 0; r < nr; r++)
+        for (int k = 0; k < nt; k++) h[tk[k] * R + r0 + r] = round_bf16(dots[r][k]);
+}
+
+#define LORA_ROW_BLOCKS(R) (((R) + LORA_SHRINK_ROWS - 1) / LORA_SHRINK_ROWS)
+
+// h = A x for every token with an adapter: the calling thread's share of the items of the
+// enclosing parallel region, without waiting for the others.
+static void lora_shrink(const LoRAUpdate* u, const LoRAGroups* g) {
+    const int64_t row_blocks = LORA_ROW_BLOCKS(u->R);
 #pragma omp for collapse(2) schedule(static) nowait
     for (int64_t gi = 0; gi < g->n; gi++)
-        for (int64_t rb = 0; rb < row_blocks; rb++) {
-            const int32_t* tk = g->tok + gi * LORA_TOKENS;
-            const int nt = g->size[gi];
-            const int64_t r0 = rb * LORA_SHRINK_ROWS;
-            const int nr = R - r0 < LORA_SHRINK_ROWS ? (int)(R - r0) : LORA_SHRINK_ROWS;
-            const bf16_t* xs[LORA_TOKENS];
-            float dots[LORA_SHRINK_ROWS][LORA_TOKENS];
-            for (int k = 0; k < nt; k++) xs[k] = x + tk[k] * ldx;
-            const bf16_t* w = a + (u->slots[tk[0]] * R + r0) * K;
-#define LORA_DOTS(OUT, NR)                                                 \
-    switch (nt) {                                                          \
-        case 1: lora_dots(xs, w, K, K, OUT, NR, 1); break;                 \
-        case 2: lora_dots(xs, w, K, K, OUT, NR, 2); break;                 \
-        case 3: lora_dots(xs, w, K, K, OUT, NR, 3); break;                 \
-        default: lora_dots(xs, w, K, K, OUT, NR, 4); break;                \
-    }
-            if (nr == LORA_SHRINK_ROWS) {
-                LORA_DOTS(dots, LORA_SHRINK_ROWS)
-            } else {
-                for (int r = 0; r < nr; r++, w += K) {  // the last few rows, one at a time
-                    LORA_DOTS(&dots[r], 1)
-                }
-            }
-#undef LORA_DOTS
-            for (int r = 0; r < nr; r++)
-                for (int k = 0; k < nt; k++) h[tk[k] * R + r0 + r] = round_bf16(dots[r][k]);
-        }
+        for (int64_t rb = 0; rb < row_blocks; rb++) lora_shrink_item(u, g, gi, rb);
 }
+
+// y += B h for the tokens of group gi (rows of y `ldy` apart), LORA_COLS columns from chunk c.
+static void lora_expand_item(const LoRAUpdate* u, const LoRAGroups* g, int64_t gi, int64_t c,
+                             bf16_t* y, int64_t ldy) {
+    const bf16_t* bt = u->bt;
+    const int64_t N = u->N, R = u->R, parts = u->parts;
+    const int64_t* part_ends = u->part_ends;
+    const int32_t* tk = g->tok + gi * LORA_TOKENS;
+    const int nt = g->size[gi];
+    const float* hs[LORA_TOKENS];
+    bf16_t* ys[LORA_TOKENS];
+    for (int k = 0; k < nt; k++) hs[k] = u->h + tk[k] * R, ys[k] = y + tk[k] * ldy;
+    const int64_t end = (c + 1) * LORA_COLS < N ? (c + 1) * LORA_COLS : N;
+    const bf16_t* bs = bt + u->slots[tk[0]] * R * N;  // B^T of the slot: [R, N]
+    // the columns of part p only read rows [p R / parts, (p + 1) R / parts) of B^T
+    // and h: the rest of a fused projection's B is zero
+    int64_t p = 0;
+    for (int64_t n = c * LORA_COLS; n < end;) {
+        while (part_ends[p] <= n) p++;
+        const int64_t n1 = part_ends[p] < end ? part_ends[p] : end;
+        const int64_t r0 = p * (R / parts), r1 = r0 + R / parts;
+#ifdef STRATA_AVX512
+        bf16_t* yn[LORA_TOKENS];
+#define LORA_EXPAND(W, G_)                                                         \
+    for (; n + (W) <= n1; n += (W)) {                                              \
+        for (int k = 0; k < nt; k++) yn[k] = ys[k] + n;                            \
+        switch (nt) {                                                              \
+            case 1: lora_expand_cols(hs, bs + n, N, r0, r1, yn, G_, 1); break;     \
+            case 2: lora_expand_cols(hs, bs + n, N, r0, r1, yn, G_, 2); break;     \
+            case 3: lora_expand_cols(hs, bs + n, N, r0, r1, yn, G_, 3); break;     \
+            default: lora_expand_cols(hs, bs + n, N, r0, r1, yn, G_, 4); break;    \
+        }                                                                          \
+    }
+        if (nt == 1)  // one token: 4 groups of 32 columns in registers
+            for (; n + 128 <= n1; n += 128) {
+                yn[0] = ys[0] + n;
+                lora_expand_cols(hs, bs + n, N, r0, r1, yn, 4, 1);
+            }
+        LORA_EXPAND(64, 2)
+        LORA_EXPAND(32, 1)
+#undef LORA_EXPAND
+        for (int64_t m = n; m + 16 <= n1; m += 16)  // 16 columns, h[r] broadcast
+            for (int k = 0; k < nt; k++) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t r = r0; r < r1; r++)
+                    acc = _mm512_fmadd_ps(_mm512_set1_ps(hs[k][r]),
+                                          v_load_bf16(bs + r * N + m), acc);
+                v_store_bf16(ys[k] + m,
+                             _mm512_add_ps(v_load_bf16(ys[k] + m), v_round_bf16(acc)));
+            }
+        n += (n1 - n) / 16 * 16;
+#endif
+        for (; n < n1; n++)
+            for (int k = 0; k < nt; k++) {
+                float acc = 0.0f;
+                for (int64_t r = r0; r < r1; r++)
+                    acc += hs[k][r] * bf16_to_f32(bs[r * N + n]);
+                ys[k][n] = f32_to_bf16(bf16_to_f32(ys[k][n]) + round_bf16(acc));
+            }
+    }
+}
+
+#define LORA_CHUNKS(N) (((N) + LORA_COLS - 1) / LORA_COLS)
 
 // y += B h, once every thread's h (and y, when y is a linear's output) is complete: a
 // worksharing loop of the enclosing parallel region, ending at its barrier.
 static void lora_expand(const LoRAUpdate* u, const LoRAGroups* g) {
-    const bf16_t* bt = u->bt;
-    const int64_t ldy = u->ldy, N = u->N, R = u->R, parts = u->parts;
-    const int64_t* part_ends = u->part_ends;
-    const int64_t chunks = (N + LORA_COLS - 1) / LORA_COLS;
+    const int64_t chunks = LORA_CHUNKS(u->N);
 #pragma omp for collapse(2) schedule(static)
     for (int64_t gi = 0; gi < g->n; gi++)
-        for (int64_t c = 0; c < chunks; c++) {
-            const int32_t* tk = g->tok + gi * LORA_TOKENS;
-            const int nt = g->size[gi];
-            const float* hs[LORA_TOKENS];
-            bf16_t* ys[LORA_TOKENS];
-            for (int k = 0; k < nt; k++) hs[k] = u->h + tk[k] * R, ys[k] = u->y + tk[k] * ldy;
-            const int64_t end = (c + 1) * LORA_COLS < N ? (c + 1) * LORA_COLS : N;
-            const bf16_t* bs = bt + u->slots[tk[0]] * R * N;  // B^T of the slot: [R, N]
-            // the columns of part p only read rows [p R / parts, (p + 1) R / parts) of B^T
-            // and h: the rest of a fused projection's B is zero
-            int64_t p = 0;
-            for (int64_t n = c * LORA_COLS; n < end;) {
-                while (part_ends[p] <= n) p++;
-                const int64_t n1 = part_ends[p] < end ? part_ends[p] : end;
-                const int64_t r0 = p * (R / parts), r1 = r0 + R / parts;
-#ifdef STRATA_AVX512
-                bf16_t* yn[LORA_TOKENS];
-#define LORA_EXPAND(W, G_)                                                                \
-    for (; n + (W) <= n1; n += (W)) {                                                     \
-        for (int k = 0; k < nt; k++) yn[k] = ys[k] + n;                                   \
-        switch (nt) {                                                                     \
-            case 1: lora_expand_cols(hs, bs + n, N, r0, r1, yn, G_, 1); break;            \
-            case 2: lora_expand_cols(hs, bs + n, N, r0, r1, yn, G_, 2); break;            \
-            case 3: lora_expand_cols(hs, bs + n, N, r0, r1, yn, G_, 3); break;            \
-            default: lora_expand_cols(hs, bs + n, N, r0, r1, yn, G_, 4); break;           \
-        }                                                                                 \
+        for (int64_t c = 0; c < chunks; c++) lora_expand_item(u, g, gi, c, u->y, u->ldy);
+}
+
+// The update of groups [g0, g1) alone, in the calling thread, into delta ([T, N], rows of
+// those groups' tokens; added to y by lora_add_delta once the linear's output is complete):
+// the decode path of lin_packed, which runs it a few groups at a time between its items of the
+// product, on adapter weights it has just warmed.
+static void lora_update_groups(const LoRAUpdate* u, const LoRAGroups* g, int64_t g0, int64_t g1,
+                               bf16_t* delta) {
+    const int64_t row_blocks = LORA_ROW_BLOCKS(u->R), chunks = LORA_CHUNKS(u->N);
+    for (int64_t gi = g0; gi < g1; gi++) {
+        for (int k = 0; k < g->size[gi]; k++)
+            memset(delta + g->tok[gi * LORA_TOKENS + k] * u->N, 0, (size_t)u->N * sizeof(bf16_t));
+        for (int64_t rb = 0; rb < row_blocks; rb++) lora_shrink_item(u, g, gi, rb);
+        for (int64_t c = 0; c < chunks; c++) lora_expand_item(u, g, gi, c, delta, u->N);
     }
-                if (nt == 1)  // one token: 4 groups of 32 columns in registers
-                    for (; n + 128 <= n1; n += 128) {
-                        yn[0] = ys[0] + n;
-                        lora_expand_cols(hs, bs + n, N, r0, r1, yn, 4, 1);
-                    }
-                LORA_EXPAND(64, 2)
-                LORA_EXPAND(32, 1)
-#undef LORA_EXPAND
-                for (int64_t m = n; m + 16 <= n1; m += 16)  // 16 columns, h[r] broadcast
-                    for (int k = 0; k < nt; k++) {
-                        __m512 acc = _mm512_setzero_ps();
-                        for (int64_t r = r0; r < r1; r++)
-                            acc = _mm512_fmadd_ps(_mm512_set1_ps(hs[k][r]),
-                                                  v_load_bf16(bs + r * N + m), acc);
-                        v_store_bf16(ys[k] + m,
-                                     _mm512_add_ps(v_load_bf16(ys[k] + m), v_round_bf16(acc)));
-                    }
-                n += (n1 - n) / 16 * 16;
+}
+
+// y[t] += delta[t] for the tokens of groups [g0, g1): the same sums, rounded alike, as
+// lora_expand adding straight into y (delta holds the rounded updates exactly).
+static void lora_add_delta(const LoRAUpdate* u, const LoRAGroups* g, int64_t g0, int64_t g1,
+                           const bf16_t* delta) {
+    for (int64_t gi = g0; gi < g1; gi++)
+        for (int k = 0; k < g->size[gi]; k++) {
+            const int64_t t = g->tok[gi * LORA_TOKENS + k];
+            bf16_t* y = u->y + t * u->ldy;
+            const bf16_t* d = delta + t * u->N;
+            int64_t n = 0;
+#ifdef STRATA_AVX512
+            for (; n + 16 <= u->N; n += 16)
+                v_store_bf16(y + n, _mm512_add_ps(v_load_bf16(y + n), v_load_bf16(d + n)));
 #endif
-                for (; n < n1; n++)
-                    for (int k = 0; k < nt; k++) {
-                        float acc = 0.0f;
-                        for (int64_t r = r0; r < r1; r++)
-                            acc += hs[k][r] * bf16_to_f32(bs[r * N + n]);
-                        ys[k][n] = f32_to_bf16(bf16_to_f32(ys[k][n]) + round_bf16(acc));
-                    }
-            }
+            for (; n < u->N; n++) y[n] = f32_to_bf16(bf16_to_f32(y[n]) + bf16_to_f32(d[n]));
         }
 }
 

@@ -461,3 +461,38 @@ def test_lora_update_of_a_token_does_not_depend_on_its_batch(kernels):
         kernels.lora(x[i : i + 1], a, bt, slots[i : i + 1], alone, ends)
         assert torch.equal(batch[i], alone[0]), i
     assert not torch.equal(batch, y)
+
+
+@pytest.mark.parametrize("tokens", [4, 32, 100, 200])
+@pytest.mark.parametrize("adapters", ["mixed", "distinct", "shared", "none"])
+def test_a_projection_with_its_update_equals_the_linear_then_the_update(kernels, tokens, adapters):
+    """The decoder layer's projection kernel (csrc/linear.h): in a decode batch (19 to 128
+    tokens) each thread updates its groups of tokens in phases between its items of the
+    product, into a scratch delta added once the product is complete; otherwise the update
+    follows the product. Either way: the bits of the packed linear, then the update alone."""
+    g = gen(14)
+    slots_n, k_in, ends = 41, 192, (192, 256, 320)  # like qkv: three modules of 16 rows
+    rows, n_out = 48, ends[-1]
+    weight = (torch.randn(n_out, k_in, generator=g) / 8).bfloat16()
+    if not has_packed_linear(kernels, torch.bfloat16):
+        assert not kernels.can_pack(weight)
+        return
+    packed = kernels.pack(weight)
+    bias = torch.randn(n_out, generator=g).bfloat16()
+    a = (torch.randn(slots_n, rows, k_in, generator=g) / 8).bfloat16()
+    bt = (torch.randn(slots_n, rows, n_out, generator=g) / 8).bfloat16()
+    a[0], bt[0] = 0, 0
+    slots = {
+        "mixed": torch.randint(0, 12, (tokens,), generator=g),  # repeats and base tokens
+        "distinct": torch.arange(tokens) % (slots_n - 1) + 1,
+        "shared": torch.full((tokens,), 7),
+        "none": torch.zeros(tokens, dtype=torch.int64),
+    }[adapters].int()
+    x = torch.randn(tokens, k_in, generator=g).bfloat16()
+    want = kernels.linear_packed(x, packed, bias, n_out, torch.bfloat16)
+    base = want.clone()
+    kernels.lora(x, a, bt, slots, want, ends)
+    got = kernels.linear_lora(x, packed, bias, a, bt, slots, ends)
+    assert torch.equal(got, want)
+    assert torch.equal(got[slots == 0], base[slots == 0])
+    assert torch.equal(got, base) == (adapters == "none")
