@@ -389,8 +389,9 @@ class CpuKernels:
         part_ends: Sequence[int] = (),
     ) -> None:
         """y [T, N] += B[s] A[s] x[t] for each token whose slot s = slots[t] (int32) is not 0
-        (csrc/lora.h); bf16 x [T, K], a [S, R, K], B transposed bt [S, R, N]. `part_ends`:
-        where the columns of each module of a fused projection end (default: one module).
+        (csrc/lora.h); bf16 x [T, K], a [S, R, K], B transposed in pairs of rows bt
+        [S, R / 2, N, 2] (`pair_rows`). `part_ends`: where the columns of each module of a
+        fused projection end (default: one module); each module has an even number of rows.
         Mutates y."""
         ends, h = _lora_checks(x, a, bt, slots, y, part_ends)
         rc = self._lora(
@@ -505,8 +506,8 @@ class CpuKernels:
 
 class LayerLoRA:
     """One layer's adapter slots as `decoder_layer` reads them: A [slots, R, in] and B
-    transposed [slots, R, out] of qkv, o, gate_up and down, as pointer arrays for the C side
-    (the tensors are kept alive here)."""
+    transposed in pairs of rows [slots, R / 2, out, 2] (`pair_rows`) of qkv, o, gate_up and
+    down, as pointer arrays for the C side (the tensors are kept alive here)."""
 
     def __init__(
         self,
@@ -571,6 +572,13 @@ def _workspace(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
     return x.new_empty(x.shape[0] * (x.shape[1] + qkv_size + q_size + 3 * w.intermediate))
 
 
+def pair_rows(bt: torch.Tensor) -> torch.Tensor:
+    """B transposed [..., R, N] (R even) -> the layout the LoRA kernels read, [..., R / 2, N, 2],
+    element (q, n, 0) being row 2q + 1 and (q, n, 1) row 2q (csrc/lora.h)."""
+    assert bt.shape[-2] % 2 == 0
+    return bt.unflatten(-2, (bt.shape[-2] // 2, 2)).flip(-2).transpose(-2, -1).contiguous()
+
+
 def _lora_checks(
     x: torch.Tensor,
     a: torch.Tensor,
@@ -585,9 +593,10 @@ def _lora_checks(
     rows, n = a.shape[1], bt.shape[2]
     assert x.dtype == a.dtype == bt.dtype == y.dtype == torch.bfloat16
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous() and bt.is_contiguous()
+    assert bt.shape[1] * 2 == rows and bt.shape[3] == 2, "B^T in pairs of rows (pair_rows)"
     assert slots.dtype == torch.int32 and slots.shape == (t,) and y.shape == (t, n)
     ends = list(part_ends) or [n]
-    assert ends[-1] == n and rows % len(ends) == 0
+    assert ends[-1] == n and rows % (2 * len(ends)) == 0, "an even number of rows per part"
     return (ctypes.c_int64 * len(ends))(*ends), torch.empty(t * rows, dtype=torch.float32)
 
 

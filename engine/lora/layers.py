@@ -29,7 +29,7 @@ from torch import nn
 
 from engine.config import LoRAConfig, ModelConfig
 from engine.device import to_device
-from engine.kernels.cpu import LayerLoRA
+from engine.kernels.cpu import LayerLoRA, pair_rows
 from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter, read_adapter_settings
 from engine.model.llama import DecoderLayer, LlamaForCausalLM
 from engine.model.native_cpu import NativeDecoderLayer
@@ -58,21 +58,27 @@ class LoRAManager:
         *,
         b_transposed: bool = False,
     ) -> None:
-        """`b_transposed`: keep B as [slots, rows, out] (what the native decoder layer reads)
-        instead of [slots, out, rows] (the torch and Triton paths)."""
+        """`b_transposed`: keep B transposed in pairs of rows, [slots, rows / 2, out, 2]
+        (what the native decoder layer reads: `pair_rows`, each module's rows rounded up to an
+        even number), instead of [slots, out, rows] (the torch and Triton paths)."""
         assert config.max_loras > 0
         self.config = config
         self.b_transposed = b_transposed
         self.model_config = model
         self.dtype = dtype
         slots, r = config.max_loras + 1, config.max_lora_rank
+        if b_transposed:
+            r += r % 2
+        self.rows_per_module = r
         self._sizes = _group_sizes(model)
         shapes: dict[tuple[int, str], tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
         for layer in range(model.num_layers):
             for group, parts in GROUPS.items():
                 fan_in, outs = self._sizes[group]
                 rows = len(parts) * r
-                b_shape = (slots, rows, sum(outs)) if b_transposed else (slots, sum(outs), rows)
+                b_shape = (
+                    (slots, rows // 2, sum(outs), 2) if b_transposed else (slots, sum(outs), rows)
+                )
                 shapes[layer, group] = (slots, rows, fan_in), b_shape
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
@@ -164,10 +170,12 @@ class LoRAManager:
         return self._free.pop()
 
     def _write(self, slot: int, adapter: LoRAAdapter) -> None:
-        r = self.config.max_lora_rank
+        r = self.rows_per_module
         for (layer, group), a in self.a.items():
             b = self.b[layer, group]
             a[slot].zero_()
+            # bt: [rows, out], B transposed before its rows are paired
+            bt = b.new_zeros(a.shape[1], b.shape[2]) if self.b_transposed else None
             b[slot].zero_()
             row = 0
             for i, part in enumerate(GROUPS[group]):
@@ -175,11 +183,13 @@ class LoRAManager:
                 w = adapter.weights.get((layer, part))
                 if w is not None:
                     a[slot, i * r : i * r + adapter.rank] = w.a
-                    if self.b_transposed:
-                        b[slot, i * r : i * r + adapter.rank, row : row + out] = w.b.T
+                    if bt is not None:
+                        bt[i * r : i * r + adapter.rank, row : row + out] = w.b.T
                     else:
                         b[slot, row : row + out, i * r : i * r + adapter.rank] = w.b
                 row += out
+            if bt is not None:
+                b[slot] = pair_rows(bt)
 
     def part_ends(self) -> list[list[int]]:
         """Per fused projection (in GROUPS order), where each module's output columns end."""

@@ -1,12 +1,14 @@
 // Multi-LoRA update on bf16 activations, for the fused decoder layer (layer.h):
 //   y[t] += B[s] (A[s] x[t])   for every token t whose adapter slot s = slots[t] is not 0.
-// a: [slots, R, K]; bt: B transposed, [slots, R, N] (the adapter's scaling already in it), so
-// the expand reads 16 contiguous output columns per row of B^T; x rows of K at stride ldx,
-// y rows of N at stride ldy, h: scratch of T * R floats. A fused projection of `parts`
-// modules (qkv: 3) has its output columns split at part_ends and its R rows split evenly, part
-// p's columns depending only on part p's rows (B is block-diagonal). The rounding points are
-// those of the torch path (engine/lora/layers.py): h and the update are rounded to bf16, then
-// added to y. Tokens of the base model (slot 0) cost nothing.
+// a: [slots, R, K]; bt: B transposed (the adapter's scaling already in it) in pairs of rows,
+// [slots, R / 2, N, 2], element (q, n, 0) being row 2q + 1 and (q, n, 1) row 2q, so that one
+// 64-byte load feeds a bf16 dot product with 16 output columns of two rows; x rows of K at
+// stride ldx, y rows of N at stride ldy, h: scratch of T * R floats. A fused projection of
+// `parts` modules (qkv: 3) has its output columns split at part_ends and its R rows split
+// evenly (an even number each), part p's columns depending only on part p's rows (B is
+// block-diagonal). The rounding points are those of the torch path (engine/lora/layers.py): h
+// and the update are rounded to bf16, then added to y. Tokens of the base model (slot 0) cost
+// nothing.
 
 // One projection's update, as strata_lora_bf16 takes it; the fused layer hands it to the
 // linear before it (linear.h), which runs it in the same parallel region.
@@ -79,7 +81,7 @@ typedef struct {
     const LoRAGroups* g;
     int64_t g_first;  // the thread's first group: slots seen since then are warm already
     int64_t gi, g1;   // the cursor and the end of the groups to warm
-    int64_t row;      // -1: the group's A; else the row of B^T
+    int64_t row;      // -1: the group's A; else the pair of rows of B^T
     const char* at;   // the current span, as cache lines from `at` up to `end`
     const char* end;
 } LoRAWarm;
@@ -96,12 +98,12 @@ static inline void lora_warm_set(LoRAWarm* w, const char* p, int64_t bytes) {
 // Moves to the next span; returns 0 when the groups are done.
 static inline int lora_warm_next(LoRAWarm* w) {
     const LoRAUpdate* s = w->s;
-    if (w->gi < w->g1 && w->row + 1 < s->R) {
-        const int64_t row = ++w->row, per = s->R / s->parts, p = row / per;
+    if (w->gi < w->g1 && w->row + 1 < s->R / 2) {
+        const int64_t q = ++w->row, per = s->R / s->parts / 2, p = q / per;
         const int64_t c0 = p ? s->part_ends[p - 1] : 0;
         const int64_t slot = lora_group_slot(s, w->g, w->gi);
-        lora_warm_set(w, (const char*)(s->bt + (slot * s->R + row) * s->N + c0),
-                      (s->part_ends[p] - c0) * 2);
+        lora_warm_set(w, (const char*)(s->bt + (slot * s->R / 2 + q) * 2 * s->N + 2 * c0),
+                      (s->part_ends[p] - c0) * 4);
         return 1;
     }
     for (w->gi++; w->gi < w->g1; w->gi++) {  // the next group with an adapter not yet warmed
@@ -124,7 +126,7 @@ static inline void lora_warm_start(LoRAWarm* w, const LoRAUpdate* s, const LoRAG
     w->g_first = g_first;
     w->gi = g0 - 1;
     w->g1 = g1;
-    w->row = s->R;  // so that the first lora_warm_next moves to a group
+    w->row = s->R / 2;  // so that the first lora_warm_next moves to a group
     w->at = w->end = 0;
     lora_warm_next(w);
 }
@@ -186,65 +188,49 @@ static inline __attribute__((always_inline)) void lora_dots(const bf16_t* const*
 }
 
 #define LORA_COLS 128  // output columns per work item of the expand
-#define LORA_GROUPS 4  // 32-column groups the expand keeps in registers at most
+#define LORA_VECS 8    // 16-column vectors the expand keeps in registers per token at most
 
 #ifdef STRATA_AVX512
-// y[0, 32 G) += round_bf16(sum over r in [r0, r1) of h[r] B^T[r, 0, 32 G)), the rows of
-// B^T `ld` apart.
-// With AVX512-BF16, two rows per dot-product instruction: it adds the odd element's product,
-// then the even one's, each rounded, and bf16 products are exact in fp32, so placing row r at
-// the odd element gives the fp32 sums of the one-row-at-a-time path bit for bit (outside
-// denormals, which it flushes). Rows are interleaved in registers: B^T stays as stored.
-static inline __attribute__((always_inline)) void lora_expand_cols(
-    const float* const* h, const bf16_t* b, int64_t ld, int64_t r0, int64_t r1,
-    bf16_t* const* y, const int G, const int NT) {
-    __m512 acc[LORA_TOKENS][2 * LORA_GROUPS];  // per token, G groups of 32 columns
+// y[0, 16 V) += round_bf16(sum over r in [2 q0, 2 q1) of h[r] B^T[r, 0, 16 V)), B^T in row
+// pairs (bp: pair q0's first column; pairs 2 ld elements apart; see strata_lora_bf16).
+// With AVX512-BF16, one dot-product instruction per pair: it adds the odd element's product
+// (row 2q), then the even one's (row 2q + 1), each rounded, and bf16 products are exact in
+// fp32: the fp32 sums of the one-row-at-a-time path bit for bit (outside denormals, which it
+// flushes). Without it, two FMAs per pair in the same order.
+static inline __attribute__((always_inline)) void lora_expand_pairs(
+    const float* const* h, const bf16_t* bp, int64_t ld, int64_t q0, int64_t q1,
+    bf16_t* const* y, const int V, const int NT) {
+    __m512 acc[LORA_TOKENS][LORA_VECS];
     for (int k = 0; k < NT; k++)
-        for (int i = 0; i < 2 * G; i++) acc[k][i] = _mm512_setzero_ps();
-    int64_t r = r0;
+        for (int i = 0; i < V; i++) acc[k][i] = _mm512_setzero_ps();
+    for (int64_t q = q0; q < q1; q++) {
+        const bf16_t* b = bp + q * 2 * ld;
 #ifdef STRATA_AVX512BF16
-    // The unpacks interleave rows r + 1 (even elements) and r within 128-bit lanes, so the
-    // accumulators hold columns in the order 0-3 8-11 16-19 24-27 (lo) and 4-7 12-15 20-23
-    // 28-31 (hi) of each 32; they are put back in order once, after the row loop.
-    __m512 lo[LORA_TOKENS][LORA_GROUPS], hi[LORA_TOKENS][LORA_GROUPS];
-    for (int k = 0; k < NT; k++)
-        for (int i = 0; i < G; i++) lo[k][i] = hi[k][i] = _mm512_setzero_ps();
-    for (; r + 2 <= r1; r += 2) {
         __m512bh hp[LORA_TOKENS];
         for (int k = 0; k < NT; k++) {
             uint32_t h0, h1;
-            memcpy(&h0, h[k] + r, 4);
-            memcpy(&h1, h[k] + r + 1, 4);
+            memcpy(&h0, h[k] + 2 * q, 4);
+            memcpy(&h1, h[k] + 2 * q + 1, 4);
             hp[k] = (__m512bh)_mm512_set1_epi32((int)((h0 & 0xffff0000u) | (h1 >> 16)));
         }
-        for (int i = 0; i < G; i++) {
-            const __m512i a = _mm512_loadu_si512(b + r * ld + 32 * i);
-            const __m512i c = _mm512_loadu_si512(b + (r + 1) * ld + 32 * i);
-            const __m512bh ul = (__m512bh)_mm512_unpacklo_epi16(c, a);
-            const __m512bh uh = (__m512bh)_mm512_unpackhi_epi16(c, a);
+        for (int i = 0; i < V; i++) {
+            const __m512bh w = (__m512bh)_mm512_loadu_si512(b + 32 * i);
+            for (int k = 0; k < NT; k++) acc[k][i] = _mm512_dpbf16_ps(acc[k][i], hp[k], w);
+        }
+#else
+        for (int i = 0; i < V; i++) {
+            const __m512i w = _mm512_loadu_si512(b + 32 * i);
+            const __m512 first = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(-65536)));
+            const __m512 second = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
             for (int k = 0; k < NT; k++) {
-                lo[k][i] = _mm512_dpbf16_ps(lo[k][i], hp[k], ul);
-                hi[k][i] = _mm512_dpbf16_ps(hi[k][i], hp[k], uh);
+                acc[k][i] = _mm512_fmadd_ps(_mm512_set1_ps(h[k][2 * q]), first, acc[k][i]);
+                acc[k][i] = _mm512_fmadd_ps(_mm512_set1_ps(h[k][2 * q + 1]), second, acc[k][i]);
             }
         }
-    }
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second =
-        _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int k = 0; k < NT; k++)
-        for (int i = 0; i < G; i++) {
-            acc[k][2 * i] = _mm512_permutex2var_ps(lo[k][i], first, hi[k][i]);
-            acc[k][2 * i + 1] = _mm512_permutex2var_ps(lo[k][i], second, hi[k][i]);
-        }
 #endif
-    for (; r < r1; r++)
-        for (int i = 0; i < 2 * G; i++) {
-            const __m512 bv = v_load_bf16(b + r * ld + 16 * i);
-            for (int k = 0; k < NT; k++)
-                acc[k][i] = _mm512_fmadd_ps(_mm512_set1_ps(h[k][r]), bv, acc[k][i]);
-        }
+    }
     for (int k = 0; k < NT; k++)
-        for (int i = 0; i < 2 * G; i++)
+        for (int i = 0; i < V; i++)
             v_store_bf16(y[k] + 16 * i,
                          _mm512_add_ps(v_load_bf16(y[k] + 16 * i), v_round_bf16(acc[k][i])));
 }
@@ -305,7 +291,7 @@ static void lora_expand_item(const LoRAUpdate* u, const LoRAGroups* g, int64_t g
     bf16_t* ys[LORA_TOKENS];
     for (int k = 0; k < nt; k++) hs[k] = u->h + tk[k] * R, ys[k] = y + tk[k] * ldy;
     const int64_t end = (c + 1) * LORA_COLS < N ? (c + 1) * LORA_COLS : N;
-    const bf16_t* bs = bt + u->slots[tk[0]] * R * N;  // B^T of the slot: [R, N]
+    const bf16_t* bs = bt + u->slots[tk[0]] * R * N;  // B^T of the slot: [R / 2, N, 2]
     // the columns of part p only read rows [p R / parts, (p + 1) R / parts) of B^T
     // and h: the rest of a fused projection's B is zero
     int64_t p = 0;
@@ -315,40 +301,28 @@ static void lora_expand_item(const LoRAUpdate* u, const LoRAGroups* g, int64_t g
         const int64_t r0 = p * (R / parts), r1 = r0 + R / parts;
 #ifdef STRATA_AVX512
         bf16_t* yn[LORA_TOKENS];
-#define LORA_EXPAND(W, G_)                                                         \
-    for (; n + (W) <= n1; n += (W)) {                                              \
-        for (int k = 0; k < nt; k++) yn[k] = ys[k] + n;                            \
-        switch (nt) {                                                              \
-            case 1: lora_expand_cols(hs, bs + n, N, r0, r1, yn, G_, 1); break;     \
-            case 2: lora_expand_cols(hs, bs + n, N, r0, r1, yn, G_, 2); break;     \
-            case 3: lora_expand_cols(hs, bs + n, N, r0, r1, yn, G_, 3); break;     \
-            default: lora_expand_cols(hs, bs + n, N, r0, r1, yn, G_, 4); break;    \
-        }                                                                          \
+#define LORA_EXPAND(V_)                                                                   \
+    for (; n + 16 * (V_) <= n1; n += 16 * (V_)) {                                         \
+        for (int k = 0; k < nt; k++) yn[k] = ys[k] + n;                                   \
+        switch (nt) {                                                                     \
+            case 1: lora_expand_pairs(hs, bs + 2 * n, N, r0 / 2, r1 / 2, yn, V_, 1); break;  \
+            case 2: lora_expand_pairs(hs, bs + 2 * n, N, r0 / 2, r1 / 2, yn, V_, 2); break;  \
+            case 3: lora_expand_pairs(hs, bs + 2 * n, N, r0 / 2, r1 / 2, yn, V_, 3); break;  \
+            default: lora_expand_pairs(hs, bs + 2 * n, N, r0 / 2, r1 / 2, yn, V_, 4); break; \
+        }                                                                                 \
     }
-        if (nt == 1)  // one token: 4 groups of 32 columns in registers
-            for (; n + 128 <= n1; n += 128) {
-                yn[0] = ys[0] + n;
-                lora_expand_cols(hs, bs + n, N, r0, r1, yn, 4, 1);
-            }
-        LORA_EXPAND(64, 2)
-        LORA_EXPAND(32, 1)
+        if (nt <= 2) {  // 128 columns in registers per token
+            LORA_EXPAND(8)
+        }
+        LORA_EXPAND(4)
+        LORA_EXPAND(1)
 #undef LORA_EXPAND
-        for (int64_t m = n; m + 16 <= n1; m += 16)  // 16 columns, h[r] broadcast
-            for (int k = 0; k < nt; k++) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int64_t r = r0; r < r1; r++)
-                    acc = _mm512_fmadd_ps(_mm512_set1_ps(hs[k][r]),
-                                          v_load_bf16(bs + r * N + m), acc);
-                v_store_bf16(ys[k] + m,
-                             _mm512_add_ps(v_load_bf16(ys[k] + m), v_round_bf16(acc)));
-            }
-        n += (n1 - n) / 16 * 16;
 #endif
         for (; n < n1; n++)
             for (int k = 0; k < nt; k++) {
                 float acc = 0.0f;
                 for (int64_t r = r0; r < r1; r++)
-                    acc += hs[k][r] * bf16_to_f32(bs[r * N + n]);
+                    acc += hs[k][r] * bf16_to_f32(bs[(r / 2 * N + n) * 2 + 1 - r % 2]);
                 ys[k][n] = f32_to_bf16(bf16_to_f32(ys[k][n]) + round_bf16(acc));
             }
     }
@@ -365,6 +339,7 @@ static void lora_expand(const LoRAUpdate* u, const LoRAGroups* g) {
         for (int64_t c = 0; c < chunks; c++) lora_expand_item(u, g, gi, c, u->y, u->ldy);
 }
 
+#ifdef STRATA_AVX512BF16  // the decode path of lin_packed (linear.h)
 // The update of groups [g0, g1) alone, in the calling thread, into delta ([T, N], rows of
 // those groups' tokens; added to y by lora_add_delta once the linear's output is complete):
 // the decode path of lin_packed, which runs it a few groups at a time between its items of the
@@ -397,6 +372,7 @@ static void lora_add_delta(const LoRAUpdate* u, const LoRAGroups* g, int64_t g0,
             for (; n < u->N; n++) y[n] = f32_to_bf16(bf16_to_f32(y[n]) + bf16_to_f32(d[n]));
         }
 }
+#endif
 
 int strata_lora_bf16(const bf16_t* x, int64_t ldx, const bf16_t* a, const bf16_t* bt,
                       const int32_t* slots, bf16_t* y, int64_t ldy, int64_t T, int64_t K,

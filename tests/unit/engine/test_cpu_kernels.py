@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from engine.attention.paged import PagedAttention, SeqSlice
 from engine.config import ModelConfig
-from engine.kernels.cpu import CpuKernels, kernel_dir, load_cpu_kernels
+from engine.kernels.cpu import CpuKernels, kernel_dir, load_cpu_kernels, pair_rows
 from engine.model.llama import RMSNorm, RotaryEmbedding, SiluAndMul
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
@@ -405,7 +405,7 @@ def test_lora_update_matches_the_torch_path(kernels):
     h = torch.bmm(a[slots.long()], x.unsqueeze(-1))
     want = y + torch.bmm(b[slots.long()], h).squeeze(-1)
     got = y.clone()
-    kernels.lora(x, a, b.transpose(1, 2).contiguous(), slots, got, ends)
+    kernels.lora(x, a, pair_rows(b.transpose(1, 2)), slots, got, ends)
     assert torch.equal(got[slots == 0], y[slots == 0]), "base tokens are untouched"
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     assert not torch.equal(got, y)
@@ -413,17 +413,21 @@ def test_lora_update_matches_the_torch_path(kernels):
 
 @pytest.mark.parametrize("rank", [7, 16])
 def test_lora_expand_sums_rows_in_order_bit_for_bit(kernels, rank):
-    """The expand adds h[r] B[r] for r ascending in fp32, whichever instructions do it (two
-    rows per bf16 dot product, one row per FMA, scalar tails): against that sum computed
-    row by row in torch, with h made exact (each row of A picks one element of x)."""
+    """The expand adds h[r] B[r] for r ascending in fp32, whichever instructions do it (a pair
+    of rows per bf16 dot product, two FMAs per pair, scalar tails): against that sum computed
+    row by row in torch, with h made exact (each row of A picks one element of x). An odd rank
+    sits in an even number of rows, the last one zero, as the engine's slots hold it."""
     g = gen(12)
     slots_n, k_in, t = 4, 96, 12
     ends = (128, 208, 232)  # 64-column blocks, a 16-column tail, a scalar tail
-    rows, n_out = 3 * rank, ends[-1]
+    per = rank + rank % 2  # rows per module
+    rows, n_out = 3 * per, ends[-1]
+    used = torch.tensor([r % per < rank for r in range(rows)])
     a = torch.zeros(slots_n, rows, k_in, dtype=torch.bfloat16)
     picks = torch.randint(0, k_in, (slots_n, rows), generator=g)
     a.scatter_(2, picks.unsqueeze(-1), 1.0)
     bt = (torch.randn(slots_n, rows, n_out, generator=g) / 4).bfloat16()
+    a[:, ~used], bt[:, ~used] = 0, 0
     x = torch.randn(t, k_in, generator=g).bfloat16()
     y = torch.randn(t, n_out, generator=g).bfloat16()
     # tokens sharing an adapter run together, up to four: groups of 4 + 1, 3, 2 and 1
@@ -435,11 +439,11 @@ def test_lora_expand_sums_rows_in_order_bit_for_bit(kernels, rank):
         h = x[i].float()[picks[s]]  # exact: one product per dot
         for p, (start, end) in enumerate(zip((0, *ends[:-1]), ends, strict=True)):
             acc = torch.zeros(end - start)
-            for r in range(p * rank, (p + 1) * rank):
+            for r in range(p * per, p * per + rank):
                 acc = acc + h[r] * bt[s, r, start:end].float()  # exact products, fp32 sums
             want[i, start:end] = (y[i, start:end].float() + acc.bfloat16().float()).bfloat16()
     got = y.clone()
-    kernels.lora(x, a, bt, slots, got, ends)
+    kernels.lora(x, a, pair_rows(bt), slots, got, ends)
     assert torch.equal(got, want)
 
 
@@ -450,7 +454,7 @@ def test_lora_update_of_a_token_does_not_depend_on_its_batch(kernels):
     slots_n, rows, k_in, n_out = 4, 32, 200, 320  # two modules of 16 rows, like gate/up
     ends = (160, 320)
     a = (torch.randn(slots_n, rows, k_in, generator=g) / 8).bfloat16()
-    bt = (torch.randn(slots_n, rows, n_out, generator=g) / 8).bfloat16()
+    bt = pair_rows((torch.randn(slots_n, rows, n_out, generator=g) / 8).bfloat16())
     slots = torch.tensor([1, 2, 1, 1, 0, 3, 1, 2, 1, 1, 3], dtype=torch.int32)
     x = torch.randn(len(slots), k_in, generator=g).bfloat16()
     y = torch.randn(len(slots), n_out, generator=g).bfloat16()
@@ -480,7 +484,7 @@ def test_a_projection_with_its_update_equals_the_linear_then_the_update(kernels,
     packed = kernels.pack(weight)
     bias = torch.randn(n_out, generator=g).bfloat16()
     a = (torch.randn(slots_n, rows, k_in, generator=g) / 8).bfloat16()
-    bt = (torch.randn(slots_n, rows, n_out, generator=g) / 8).bfloat16()
+    bt = pair_rows((torch.randn(slots_n, rows, n_out, generator=g) / 8).bfloat16())
     a[0], bt[0] = 0, 0
     slots = {
         "mixed": torch.randint(0, 12, (tokens,), generator=g),  # repeats and base tokens
