@@ -71,12 +71,12 @@ class LoRAManager:
             r += r % 2
         self.rows_per_module = r
         self._sizes = _group_sizes(model)
-        shapes: dict[tuple[int, str], tuple[tuple[int, int, int], tuple[int, int, int]]] = {}
+        shapes: dict[tuple[int, str], tuple[tuple[int, ...], tuple[int, ...]]] = {}
         for layer in range(model.num_layers):
             for group, parts in GROUPS.items():
                 fan_in, outs = self._sizes[group]
                 rows = len(parts) * r
-                b_shape = (
+                b_shape: tuple[int, ...] = (
                     (slots, rows // 2, sum(outs), 2) if b_transposed else (slots, sum(outs), rows)
                 )
                 shapes[layer, group] = (slots, rows, fan_in), b_shape
