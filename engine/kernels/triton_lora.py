@@ -4,13 +4,9 @@ A step's adapter tokens are grouped by slot on the host once (engine/lora/layers
 `LoRABatch.set`): `order` lists their rows slot by slot, and each tile is up to BLOCK_T
 consecutive entries of one slot. Per projection:
 
-- shrink: h[i] = A[slot] x[order[i]], one program per (tile, slice of the input columns):
-  the tile's rows are gathered, and A is read once for all of them (BLOCK_K columns at a
-  time). Each program writes its slice's partial sums; the slices (up to 8, of at least 512
-  columns) let a decode step with a single adapter, one or two tiles, read A with several
-  programs per tile instead of walking all of K in one;
-- expand: y[order[i]] += B[slot] h[i], one program per (tile, BLOCK_N output columns); h
-  is the partial sums added in slice order, so it does not depend on the launch.
+- shrink: h[i] = A[slot] x[order[i]], one program per tile: the tile's rows are gathered,
+  and A is read once for all of them (BLOCK_K columns at a time);
+- expand: y[order[i]] += B[slot] h[i], one program per (tile, BLOCK_N output columns).
 
 Decode steps are the same kernels with short segments (tokens of one adapter still share
 the reads of its A and B); base-model tokens are not in `order` and cost nothing. The rank
@@ -50,7 +46,7 @@ def _tile(order_ptr, tile_slot, tile_start, num_rows, BLOCK_T: tl.constexpr):
 @triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, h_ptr, order_ptr, tile_slot, tile_start, tile_len,
-    in_features, rank_rows, stride_xt, stride_as, stride_ar, stride_hs, split_columns,
+    in_features, rank_rows, stride_xt, stride_as, stride_ar,
     BLOCK_T: tl.constexpr, R_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -61,12 +57,9 @@ def _shrink_kernel(
     r = tl.arange(0, R_PAD)
     r_ok = r < rank_rows
     acc = tl.zeros([BLOCK_T, R_PAD], tl.float32)
-    k_start = tl.program_id(1) * split_columns
-    k_end = tl.minimum(k_start + split_columns, in_features)
-    h_ptr += tl.program_id(1) * stride_hs  # this slice's partial sums
-    for k0 in range(k_start, k_end, BLOCK_K):
+    for k0 in range(0, in_features, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < k_end
+        k_ok = k < in_features
         x = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :],
                     mask=t_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         a = tl.load(a_ptr + slot * stride_as + r[:, None] * stride_ar + k[None, :],
@@ -78,8 +71,8 @@ def _shrink_kernel(
 @triton.jit
 def _expand_kernel(
     h_ptr, b_ptr, y_ptr, order_ptr, tile_slot, tile_start, tile_len,
-    out_features, rank_rows, stride_yt, stride_bs, stride_bn, stride_hs,
-    BLOCK_T: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    out_features, rank_rows, stride_yt, stride_bs, stride_bn,
+    BLOCK_T: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     num_rows = tl.load(tile_len + tl.program_id(0))
@@ -89,10 +82,7 @@ def _expand_kernel(
     slot, t_ok, rows, h_rows = _tile(order_ptr, tile_slot, tile_start, num_rows, BLOCK_T)
     r = tl.arange(0, R_PAD)
     n_ok = n < out_features
-    h_ptrs = h_ptr + h_rows[:, None] * R_PAD + r[None, :]
-    h = tl.load(h_ptrs, mask=t_ok[:, None], other=0.0)
-    for split in tl.static_range(1, SPLITS):  # the shrink's slices, in order
-        h += tl.load(h_ptrs + split * stride_hs, mask=t_ok[:, None], other=0.0)
+    h = tl.load(h_ptr + h_rows[:, None] * R_PAD + r[None, :], mask=t_ok[:, None], other=0.0)
     y_ptrs = y_ptr + rows[:, None] * stride_yt + n[None, :]
     y_mask = t_ok[:, None] & n_ok[None, :]
     y = tl.load(y_ptrs, mask=y_mask, other=0.0)
@@ -107,9 +97,6 @@ def _expand_kernel(
 _INTERPRETED = isinstance(_shrink_kernel, InterpretedFunction)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 BLOCK_T = 16
-_BLOCK_K = 64
-_SPLIT_MIN_COLUMNS = 8 * _BLOCK_K  # input columns per shrink program, at least
-_MAX_SPLITS = 8
 
 
 def rank_pad(rank_rows: int) -> int:
@@ -142,21 +129,15 @@ def lora_apply(
     wide = _INTERPRETED or x.dtype == torch.float32  # see triton_attention: fp32 operands
     dot = tl.float32 if wide else _TL_DTYPES[x.dtype]
     precision = "ieee" if wide else "tf32"
-    # the shrink's input columns in slices of at least _SPLIT_MIN_COLUMNS, at most
-    # _MAX_SPLITS of them (each expand program adds them all up), whole BLOCK_Ks each
-    splits = min(_MAX_SPLITS, triton.cdiv(in_features, _SPLIT_MIN_COLUMNS))
-    split_columns = triton.cdiv(triton.cdiv(in_features, splits), _BLOCK_K) * _BLOCK_K
-    splits = triton.cdiv(in_features, split_columns)
-    h = torch.empty(splits, order.shape[0], r_pad, dtype=torch.float32, device=x.device)
-    _shrink_kernel[(num_tiles, splits)](
+    h = torch.empty(order.shape[0], r_pad, dtype=torch.float32, device=x.device)  # [N, R_PAD]
+    _shrink_kernel[(num_tiles,)](
         x, a, h, order, *tiles, in_features, rank_rows, x.stride(0), a.stride(0), a.stride(1),
-        h.stride(0), split_columns, BLOCK_T=BLOCK_T, R_PAD=r_pad, BLOCK_K=_BLOCK_K,
-        DOT_DTYPE=dot, DOT_PRECISION=precision,
+        BLOCK_T=BLOCK_T, R_PAD=r_pad, BLOCK_K=64, DOT_DTYPE=dot, DOT_PRECISION=precision,
     )  # fmt: skip
     block_n = 64
     _expand_kernel[(num_tiles, triton.cdiv(out_features, block_n))](
         h, b, y, order, *tiles, out_features, rank_rows, y.stride(0), b.stride(0), b.stride(1),
-        h.stride(0), BLOCK_T=BLOCK_T, R_PAD=r_pad, BLOCK_N=block_n, SPLITS=splits,
-        DOT_DTYPE=dot, DOT_PRECISION=precision,
+        BLOCK_T=BLOCK_T, R_PAD=r_pad, BLOCK_N=block_n, DOT_DTYPE=dot,
+        DOT_PRECISION=precision,
     )  # fmt: skip
     return y

@@ -19,13 +19,10 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
 @pytest.mark.parametrize("dtype", list(TOL))
-@pytest.mark.parametrize(
-    ("num_tokens", "fan_in"),
-    [(7, 80), (90, 80), (7, 1100)],  # the torch path's BGMV and SGMV branches; 3 K slices
-)
-def test_kernels_match_the_torch_lora_path(dtype, num_tokens, fan_in):
+@pytest.mark.parametrize("num_tokens", [7, 90])  # the torch path's BGMV and SGMV branches
+def test_kernels_match_the_torch_lora_path(dtype, num_tokens):
     gen = torch.Generator().manual_seed(num_tokens)
-    slots, rows, fan_out = 5, 48, 120  # 3 parts x rank 16; odd widths
+    slots, rows, fan_in, fan_out = 5, 48, 80, 120  # 3 parts x rank 16; odd widths
     a = (torch.randn(slots, rows, fan_in, generator=gen) / 8).to(dtype)
     b = (torch.randn(slots, fan_out, rows, generator=gen) / 8).to(dtype)
     a[0], b[0] = 0, 0  # slot 0 is the base model
