@@ -164,9 +164,11 @@ class BlockManager:
         fetch = self._prefetches.get(request_id)
         tiers = self.offloader.load(table[start : start + len(hashes)], hashes, fetch)
         self._release_prefetch(request_id)
-        for i, tier in enumerate(tiers):
-            self._cache(table[start + i], hashes[i], self._owner.get(request_id, ""))
-            self.num_tier_hit_blocks[tier] += 1
+        owner = self._owner.get(request_id, "")
+        for i in range(len(tiers)):
+            self._cache(table[start + i], hashes[i], owner)
+        for tier in self.num_tier_hit_blocks:
+            self.num_tier_hit_blocks[tier] += tiers.count(tier)
         return tiers
 
     def _release_prefetch(self, request_id: str) -> None:

@@ -117,11 +117,15 @@ class TieredKVStore:
 
     def tier_of(self, key: bytes, *, touch: bool = False) -> Tier | None:
         """Where `key` is; `touch` also marks it recently used there."""
-        for tier, pool in ((Tier.HOST, self.host), (Tier.DISK, self.disk)):
-            if pool is not None and key in pool.slots:
-                if touch:
-                    pool.slots.move_to_end(key)
-                return tier
+        host, disk = self.host, self.disk  # a few lookups per page of a load: kept short
+        if host is not None and key in host.slots:
+            if touch:
+                host.slots.move_to_end(key)
+            return Tier.HOST
+        if disk is not None and key in disk.slots:
+            if touch:
+                disk.slots.move_to_end(key)
+            return Tier.DISK
         return None
 
     def set_allowance(self, owner: str, host_blocks: int | None, disk_blocks: int | None) -> None:
@@ -298,6 +302,8 @@ class KVOffloader:
 
     def on_disk(self, keys: Sequence[bytes]) -> list[bytes]:
         """Those of `keys` whose pages are on disk (and not in host RAM)."""
+        if self.store.disk is None:
+            return []
         return [k for k in keys if self.store.tier_of(k) is Tier.DISK]
 
     def prefetch(self, keys: Sequence[bytes]) -> DiskPrefetch | None:
