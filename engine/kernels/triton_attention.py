@@ -12,9 +12,9 @@ for FP8 one float32 scale per (token, KV head), [num_blocks, block_size, num_kv_
   BLOCK_M query rows: the G query heads that share the KV head, times up to BLOCK_M / G
   consecutive tokens of one sequence, so K/V are read once per KV head and never repeated in
   memory (GQA). Keys and values are gathered through the block table BLOCK_N tokens at a
-  time and folded in with an online softmax (base 2). FP8 values are widened in registers
-  and their per-(token, head) scales applied to the scores' columns (K) and to the softmax
-  weights (V), one multiply per token instead of one per element.
+  time and folded in with an online softmax (base 2). FP8 values are widened to fp16 in
+  registers and their per-(token, head) scales applied to the scores' columns (K) and to
+  the softmax weights (V), one multiply per token instead of one per element.
   Every query attends to the stored pages up to its own position (causal by construction);
   the chunk being prefilled was written first, so prefill and decode read the same bytes.
   Decode splits a long context across NUM_SPLITS programs per (sequence, KV head), each
@@ -39,6 +39,10 @@ from kvstore.fp8 import FP8_MAX
 
 FP8_MAX_F: tl.constexpr = tl.constexpr(FP8_MAX)
 _LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+# FP8 pages are widened to fp16 (one conversion per pair of values on a GPU, where bf16 takes
+# several); the softmax weights times the V scales (amax / 448) are raised by this power of
+# two so that they stay normal fp16 numbers, and the sums lowered by it at the end (exact)
+_V_GAIN: tl.constexpr = tl.constexpr(256.0)
 
 
 @triton.jit
@@ -157,9 +161,8 @@ def _paged_attention_kernel(
     )
     compute = DOT_DTYPE
     qk_scale = sm_scale * _LOG2E  # scores in base 2
-    if ROTATE:  # keys are stored as k H: (q H) . (k H) = D (q . k)
-        q = _hadamard_rows(q.to(tl.float32), BLOCK_M, D_PAD, LOG_D).to(q.dtype)
-        qk_scale = qk_scale / HEAD_DIM
+    if ROTATE:  # keys are stored as k H: (q H) . (k H) = D (q . k); q H / D keeps q's size
+        q = (_hadamard_rows(q.to(tl.float32), BLOCK_M, D_PAD, LOG_D) / HEAD_DIM).to(q.dtype)
     q = q.to(compute)
     q_pos = pos0 + r
     kv_len = pos0 + q_len  # tokens the tile's last query attends to
@@ -194,10 +197,14 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        pv = p * vs[None, :] if FP8 else p  # l_i sums the weights, acc their scaled values
+        # l_i sums the weights, acc their scaled values; with FP8 pages, times _V_GAIN so
+        # that they stay normal numbers in fp16
+        pv = p * (vs * _V_GAIN)[None, :] if FP8 else p
         acc = acc * alpha[:, None] + tl.dot(pv.to(compute), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if FP8:
+        acc = acc * (1.0 / _V_GAIN)
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         dst = out_ptr + (row0 + r)[:, None] * stride_ot + head[:, None] * HEAD_DIM + d[None, :]
@@ -292,6 +299,7 @@ def paged_attention(
     v_scales: torch.Tensor | None = None,
     rotated_keys: bool = False,
     block_n: int = 64,
+    launch: dict[str, int] | None = None,
 ) -> None:
     """Attention of q [T, H, D] over paged K/V; writes `out` [rows, H * D] in place.
 
@@ -301,6 +309,7 @@ def paged_attention(
     one tile per run of at most `tokens_per_tile` consecutive tokens of one sequence, whose
     rows in q and out are first row + i at position first position + i.
     `block_table` [S, max_blocks] int32 maps each sequence's token positions to blocks.
+    `launch`: Triton launch options of the attention kernel (num_warps, num_stages).
     """
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[2]
@@ -340,8 +349,9 @@ def paged_attention(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=k_pages.shape[1],
         HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
         DECODE=decode, FP8=fp8, ROTATE=fp8 and rotated_keys, LOG_D=_log_d(head_dim),
-        DOT_DTYPE=tl.float32 if _INTERPRETED else _TL_DTYPES[q.dtype],
+        DOT_DTYPE=tl.float32 if _INTERPRETED else tl.float16 if fp8 else _TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or _INTERPRETED else "tf32",
+        **(launch or {}),
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_rows, num_heads)](
