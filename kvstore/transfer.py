@@ -7,6 +7,10 @@ FP8 scales) of all of them into the pool, then layer 1's, and so on, each layer 
 by its own event. The copies thus run while the step's inputs are prepared, too. Attention
 waits for its own layer's event only (`DeviceKVPool.layer`), so the copy of layer l + 1
 overlaps the compute of layer l, however many requests brought pages.
+On a CUDA stream, loads queued in the middle of scheduling are issued as soon as they reach
+`_EARLY_ISSUE_PAGES`: a long document's pages start to cross PCIe while the scheduler is
+still hashing and admitting the requests after it (a layer then waits for its pages of
+each issued load in turn). An error there is raised by the step's `issue`.
 
 Where the pages are read from:
 - rows of the host tier's pinned tensor (`read_host_rows`), on a CUDA stream: in place,
@@ -66,6 +70,7 @@ class HostReads(enum.StrEnum):
 
 
 _MAX_RUN_COPIES = 32  # 2-D copies per layer and part (each a host call) before the kernel reads
+_EARLY_ISSUE_PAGES = 256  # queued pages that a CUDA stream starts copying before the step
 
 
 def slot_runs(slots: Sequence[int]) -> list[tuple[int, int]]:
@@ -202,6 +207,8 @@ class PageLoads:
         self.mode = mode
         self.num_layers = pool.spec.num_layers
         self._queued: list[tuple[_Staged | _HostRows, list[int]]] = []  # not yet issued
+        self._queued_pages = 0
+        self._issue_error: BaseException | None = None  # of an early issue, for the step's
         self._pending: list[Any] = []  # issued, not known to be done, oldest first
         self._failed: list[int] = []  # blocks whose pages never arrived
         self._spare: list[torch.Tensor] = []  # staging of finished loads
@@ -305,7 +312,7 @@ class PageLoads:
             return
         buffer = self._buffer(len(pages) * self.pool.spec.bytes_per_block)
         staged = _Staged(self.pool, pages, buffer, self._gather_pool())
-        self._queued.append((staged, list(blocks)))
+        self._queue(staged, blocks)
 
     def start_host_rows(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
         """`start` for pages known by their rows `slots` of the host tensor read in place
@@ -313,7 +320,16 @@ class PageLoads:
         assert self._host is not None and len(blocks) == len(slots)
         if slots:
             self._reading.update(slots)
-            self._queued.append((_HostRows(list(slots)), list(blocks)))
+            self._queue(_HostRows(list(slots)), blocks)
+
+    def _queue(self, src: _Staged | _HostRows, blocks: Sequence[int]) -> None:
+        self._queued.append((src, list(blocks)))
+        self._queued_pages += len(blocks)
+        if self.mode is LoadMode.STREAM and self._queued_pages >= _EARLY_ISSUE_PAGES:
+            try:  # the blocks of a failed issue are failed already; the step's issue raises
+                self.issue()
+            except Exception as exc:
+                self._issue_error = self._issue_error or exc
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         """Staging of at least `nbytes` (pinned on CUDA): a finished load's, or a new one
@@ -342,10 +358,14 @@ class PageLoads:
     def issue(self) -> None:
         """Queue the copies of every load started since the last issue, layer-major: a
         layer's pages of all of them arrive before the next layer's, whatever the order of
-        the loads. The first wait does it if no one has."""
+        the loads. The first wait does it if no one has. Raises the error of an early
+        issue since the last call, if one failed."""
+        error, self._issue_error = self._issue_error, None
+        if error is not None:
+            raise error
         if not self._queued:
             return
-        queued, self._queued = self._queued, []
+        queued, self._queued, self._queued_pages = self._queued, [], 0
         self._prune()
         blocks = [b for _, blocks in queued for b in blocks]
         try:

@@ -51,6 +51,34 @@ def test_stream_loads_land_bit_for_bit_and_use_cupy_where_installed(name):
     assert not pool.loads.pending
 
 
+def test_a_large_load_starts_copying_at_once_and_an_error_there_fails_the_step(monkeypatch):
+    """Queued pages reaching `_EARLY_ISSUE_PAGES` are issued while scheduling goes on; the
+    smaller rest waits for the step's issue; all land. A failed early issue raises nothing
+    then: the step's issue raises it, once, and its blocks are failed."""
+    monkeypatch.setattr(transfer, "_EARLY_ISSUE_PAGES", 6)
+    spec = SPECS["fp8"]
+    pool = DeviceKVPool(spec, 64, torch.device("cuda"))
+    pages = pinned_pages(spec, 9)
+    pool.load_pages(list(range(10, 16)), pages[:6])
+    assert not pool.loads._queued and len(pool.loads._pending) == 1
+    pool.load_pages([40, 41, 42], pages[6:])
+    assert len(pool.loads._queued) == 1
+    pool.loads.issue()
+    pool.loads.wait_all()
+    assert torch.equal(pool.read_pages([*range(10, 16), 40, 41, 42]).cpu(), torch.stack(pages))
+    pool.loads.finish()
+
+    def broken(*args):
+        raise RuntimeError("no copy engine")
+
+    monkeypatch.setattr(pool.loads, "_issue_batch", broken)
+    pool.load_pages(list(range(20, 26)), pages[:6])  # the scheduler goes on
+    with pytest.raises(RuntimeError, match="no copy engine"):
+        pool.loads.issue()
+    pool.loads.issue()
+    assert sorted(pool.loads.take_failed()) == list(range(20, 26))
+
+
 def test_each_layer_waits_on_the_gpu_for_its_own_pages():
     """The copy stream is held back by a long kernel, so the copies are still queued when the
     compute stream reads layer 0 then the last layer: each read waits for its layer's event
