@@ -219,6 +219,7 @@ class PageLoads:
         self._torch_stream: torch.cuda.Stream | None = None
         self._host: torch.Tensor | None = None  # the host tier's rows, read in place
         self._kernels: Any = None  # kvstore/triton_load.py, once rows are read in place
+        self._reader: Any = None  # its HostRowReader of the host rows, on a CUDA stream
         self._reading: Counter[int] = Counter()  # host rows that queued or pending loads read
         if mode is LoadMode.STREAM:
             self._cupy = _cupy()
@@ -257,7 +258,10 @@ class PageLoads:
             self._host = host
         elif self.mode is LoadMode.STREAM and host.is_pinned():
             self._kernels = self._kernels or _triton_loads()
-            self._host = host if self._kernels is not None else None
+            if self._kernels is not None:
+                self._host = host
+                layers = [self.pool.layer_parts(layer) for layer in range(self.num_layers)]
+                self._reader = self._kernels.HostRowReader(host, _page_layout(self.pool), layers)
         return self._host is not None
 
     def save_host_rows(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
@@ -486,15 +490,13 @@ class PageLoads:
                            for _, width in layout] if runs else []  # fmt: skip
                 load.indexes += landing
                 for layer in range(self.num_layers):
-                    dst = self.pool.layer_parts(layer)
+                    dst = self.pool.layer_parts(layer) if runs or staged else []
                     if runs:
                         assert self._host is not None and host_blocks is not None
                         self._copy_runs(runs, layer, layout, landing)
                         _scatter(dst, landing, host_blocks)
                     if host_rows is not None:  # read in place, stored at the blocks
-                        assert self._host is not None
-                        self._kernels.load_layer(self._host, host_rows, host_blocks, layout, dst,
-                                                 layer)  # fmt: skip
+                        self._reader.load_layer(layer, host_rows, host_blocks)
                     for src, index in staged:
                         rows = src.layer(layer)
                         dev = [torch.empty(r.shape, dtype=r.dtype, device=device) for r in rows]

@@ -7,8 +7,10 @@ copies a few KiB of one row between its host slot and its device block, wherever
 Nothing is staged and nothing is gathered by the CPU, and rows of a few KiB in flight reach
 the link's bandwidth.
 
-- `load_layer`: layer l of n pages, host rows -> device blocks (2n rows per part), one
-  launch per part: what a layer-wise load issues per layer (kvstore/transfer.py);
+- `HostRowReader.load_layer`: layer l of n pages, host rows -> device blocks (2n rows per
+  part), in one launch for values and FP8 scales together (one per part where their words
+  differ): what a layer-wise load issues per layer (kvstore/transfer.py). The reader works
+  out each layer's views, offsets and word sizes once; a launch is then only the kernel's;
 - `save_pages`: every layer of n pages, device blocks -> host rows, one launch per part: a
   spill of evicted blocks into their host slots.
 """
@@ -16,6 +18,7 @@ the link's bandwidth.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -53,35 +56,89 @@ def _check(host: torch.Tensor, parts: list[torch.Tensor]) -> None:
     assert all(p.dim() == 3 and p.stride(2) == 1 and p.dtype == torch.uint8 for p in parts)
 
 
-def load_layer(
-    host: torch.Tensor,
-    slots: torch.Tensor,
-    blocks: torch.Tensor,
-    layout: list[tuple[int, int]],
-    dst: list[torch.Tensor],
-    layer: int,
-) -> None:
-    """Copy layer `layer` of the pages in host rows `slots` into device `blocks`.
+@triton.jit
+def _copy_two_parts_kernel(
+    host, dst_a, dst_b, src_index, dst_index, host_stride, start_a, start_b, width_a, width_b,
+    stride_a, stride_a_j, stride_b, stride_b_j, WORDS: tl.constexpr,
+):  # fmt: skip
+    """`_copy_rows_kernel` of two parts in one launch, in words of one size: program (i, j)
+    copies the K (j even) or V row of part a (j < 2) or b of host row src_index[i] into
+    block dst_index[i]."""
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    kv = j % 2
+    w = tl.program_id(2) * WORDS + tl.arange(0, WORDS)
+    row = tl.load(src_index + i) * host_stride
+    block = tl.load(dst_index + i)
+    if j < 2:
+        ok = w < width_a
+        s = row + start_a + kv * width_a
+        tl.store(dst_a + block * stride_a + kv * stride_a_j + w, tl.load(host + s + w, mask=ok),
+                 mask=ok)  # fmt: skip
+    else:
+        ok = w < width_b
+        s = row + start_b + kv * width_b
+        tl.store(dst_b + block * stride_b + kv * stride_b_j + w, tl.load(host + s + w, mask=ok),
+                 mask=ok)  # fmt: skip
 
-    host: pinned uint8 [num_slots, page bytes]; slots, blocks: int64 [n] on the device;
-    layout: per part, (offset in a page, bytes of one K or V row); dst: per part the pool's
-    uint8 view [2 (K, V), num_blocks, row bytes]. Queued on the current stream.
+
+class _Part(NamedTuple):
+    """One part of one layer, in words of `size` bytes."""
+
+    size: int
+    host: torch.Tensor  # the host rows, viewed as words
+    dst: torch.Tensor  # the pool's [2 (K, V), num_blocks, row] of this layer, as words
+    start: int  # the K row's offset in a host row
+    width: int  # one K or V row
+    host_stride: int  # host rows
+    block_stride: int  # dst blocks
+    kv_stride: int  # dst's K to V
+
+
+class HostRowReader:
+    """Loads of pages that are rows of one pinned host tensor into one pool, layer by layer.
+
+    host: pinned uint8 [num_slots, page bytes]; layout: per part, (offset in a page, bytes
+    of one K or V row); layers: per layer, per part, the pool's uint8 view [2 (K, V),
+    num_blocks, row bytes] (`DeviceKVPool.layer_parts`).
     """
-    _check(host, dst)
-    n = slots.shape[0]
-    if n == 0:
-        return
-    for (offset, width), out in zip(layout, dst, strict=True):
-        start = offset + 2 * layer * width
-        size = _word(host.stride(0), start, width, out.stride(0), out.stride(1),
-                     host.data_ptr(), out.data_ptr())  # fmt: skip
-        words = width // size
-        kind = _WORD_TYPES[size]
-        _copy_rows_kernel[(n, 2, triton.cdiv(words, _WORDS))](
-            host.view(kind), out.view(kind), slots, blocks,
-            start // size, host.stride(0) // size, words,
-            0, out.stride(1) // size, out.stride(0) // size, words, WORDS=_WORDS,
-        )  # fmt: skip
+
+    def __init__(
+        self, host: torch.Tensor, layout: list[tuple[int, int]], layers: list[list[torch.Tensor]]
+    ) -> None:
+        self._layers: list[list[_Part]] = []
+        for layer, dst in enumerate(layers):
+            _check(host, dst)
+            parts = []
+            for (offset, width), out in zip(layout, dst, strict=True):
+                start = offset + 2 * layer * width
+                size = _word(host.stride(0), start, width, out.stride(0), out.stride(1),
+                             host.data_ptr(), out.data_ptr())  # fmt: skip
+                src, to = host.view(_WORD_TYPES[size]), out.view(_WORD_TYPES[size])
+                parts.append(_Part(size, src, to, start // size, width // size,
+                                   src.stride(0), to.stride(1), to.stride(0)))  # fmt: skip
+            self._layers.append(parts)
+
+    def load_layer(self, layer: int, slots: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Copy layer `layer` of the pages in host rows `slots` into device `blocks` (int64
+        [n] each, on the device). Queued on the current stream."""
+        n = slots.shape[0]
+        if n == 0:
+            return
+        parts = self._layers[layer]
+        if len(parts) == 2 and parts[0].size == parts[1].size:
+            a, b = parts
+            _copy_two_parts_kernel[(n, 4, triton.cdiv(max(a.width, b.width), _WORDS))](
+                a.host, a.dst, b.dst, slots, blocks, a.host_stride, a.start, b.start,
+                a.width, b.width, a.block_stride, a.kv_stride, b.block_stride, b.kv_stride,
+                WORDS=_WORDS,
+            )  # fmt: skip
+            return
+        for p in parts:
+            _copy_rows_kernel[(n, 2, triton.cdiv(p.width, _WORDS))](
+                p.host, p.dst, slots, blocks, p.start, p.host_stride, p.width,
+                0, p.block_stride, p.kv_stride, p.width, WORDS=_WORDS,
+            )  # fmt: skip
 
 
 def save_pages(
@@ -91,8 +148,8 @@ def save_pages(
     slots: torch.Tensor,
     layout: list[tuple[int, int]],
 ) -> None:
-    """Copy every layer of device `blocks` into host rows `slots` (the inverse of
-    `load_layer`, all layers at once). src: per part the pool's uint8 view [2 * num_layers,
+    """Copy every layer of device `blocks` into host rows `slots` (the inverse of the
+    reader's `load_layer`, all layers at once). src: per part the pool's uint8 view [2 * num_layers,
     num_blocks, row bytes] (`DeviceKVPool.page_parts`). Queued on the current stream."""
     _check(host, src)
     n = slots.shape[0]

@@ -119,9 +119,9 @@ def test_host_tier_rows_are_read_in_place_bit_for_bit(name, reads, monkeypatch):
     slots = [7, 3, 39, 0, 21, 22, 23, 5]  # six runs
     blocks = [60, 2, 17, 33, 34, 35, 9, 48]
     kernel_reads = []
-    load_layer = pool.loads._kernels.load_layer
-    monkeypatch.setattr(pool.loads._kernels, "load_layer",
-                        lambda *a: kernel_reads.append(a[-1]) or load_layer(*a))  # fmt: skip
+    load_layer = pool.loads._reader.load_layer
+    monkeypatch.setattr(pool.loads._reader, "load_layer",
+                        lambda *a: kernel_reads.append(a[0]) or load_layer(*a))  # fmt: skip
     if reads == "copy-too-many-runs":
         monkeypatch.setattr(transfer, "_MAX_RUN_COPIES", 5)
     others = pinned_pages(spec, 3)  # not host rows: staged
