@@ -8,9 +8,11 @@ by its own event. The copies thus run while the step's inputs are prepared, too.
 waits for its own layer's event only (`DeviceKVPool.layer`), so the copy of layer l + 1
 overlaps the compute of layer l, however many requests brought pages.
 On a CUDA stream, loads queued in the middle of scheduling are issued as soon as they reach
-`_EARLY_ISSUE_PAGES`: a long document's pages start to cross PCIe while the scheduler is
-still hashing and admitting the requests after it (a layer then waits for its pages of
-each issued load in turn). An error there is raised by the step's `issue`.
+`_EARLY_ISSUE_PAGES`, and as many pages as went early since the step's last `issue`: a long
+document's pages start to cross PCIe while the scheduler is still hashing and admitting the
+requests after it, and a batch of them goes in loads of doubling size (an issue costs the
+host about as much for a few pages as for many: a launch per layer). A layer then waits for
+its pages of each issued load in turn. An error there is raised by the step's `issue`.
 
 Where the pages are read from:
 - rows of the host tier's pinned tensor (`read_host_rows`), on a CUDA stream: in place,
@@ -208,6 +210,7 @@ class PageLoads:
         self.num_layers = pool.spec.num_layers
         self._queued: list[tuple[_Staged | _HostRows, list[int]]] = []  # not yet issued
         self._queued_pages = 0
+        self._early_pages = 0  # issued early since the last `issue`
         self._issue_error: BaseException | None = None  # of an early issue, for the step's
         self._pending: list[Any] = []  # issued, not known to be done, oldest first
         self._failed: list[int] = []  # blocks whose pages never arrived
@@ -329,9 +332,11 @@ class PageLoads:
     def _queue(self, src: _Staged | _HostRows, blocks: Sequence[int]) -> None:
         self._queued.append((src, list(blocks)))
         self._queued_pages += len(blocks)
-        if self.mode is LoadMode.STREAM and self._queued_pages >= _EARLY_ISSUE_PAGES:
+        early = max(_EARLY_ISSUE_PAGES, self._early_pages)
+        if self.mode is LoadMode.STREAM and self._queued_pages >= early:
+            self._early_pages += self._queued_pages
             try:  # the blocks of a failed issue are failed already; the step's issue raises
-                self.issue()
+                self._issue_queued()
             except Exception as exc:
                 self._issue_error = self._issue_error or exc
 
@@ -364,9 +369,12 @@ class PageLoads:
         layer's pages of all of them arrive before the next layer's, whatever the order of
         the loads. The first wait does it if no one has. Raises the error of an early
         issue since the last call, if one failed."""
-        error, self._issue_error = self._issue_error, None
+        error, self._issue_error, self._early_pages = self._issue_error, None, 0
         if error is not None:
             raise error
+        self._issue_queued()
+
+    def _issue_queued(self) -> None:
         if not self._queued:
             return
         queued, self._queued, self._queued_pages = self._queued, [], 0

@@ -52,9 +52,10 @@ def test_stream_loads_land_bit_for_bit_and_use_cupy_where_installed(name):
 
 
 def test_a_large_load_starts_copying_at_once_and_an_error_there_fails_the_step(monkeypatch):
-    """Queued pages reaching `_EARLY_ISSUE_PAGES` are issued while scheduling goes on; the
-    smaller rest waits for the step's issue; all land. A failed early issue raises nothing
-    then: the step's issue raises it, once, and its blocks are failed."""
+    """Queued pages reaching `_EARLY_ISSUE_PAGES` are issued while scheduling goes on, and
+    then again each time as many as went early are queued; the smaller rest waits for the
+    step's issue; all land. A failed early issue raises nothing then: the step's issue
+    raises it, once, and its blocks are failed."""
     monkeypatch.setattr(transfer, "_EARLY_ISSUE_PAGES", 6)
     spec = SPECS["fp8"]
     pool = DeviceKVPool(spec, 64, torch.device("cuda"))
@@ -66,6 +67,14 @@ def test_a_large_load_starts_copying_at_once_and_an_error_there_fails_the_step(m
     pool.loads.issue()
     pool.loads.wait_all()
     assert torch.equal(pool.read_pages([*range(10, 16), 40, 41, 42]).cpu(), torch.stack(pages))
+    pool.loads.finish()
+    issued = []
+    with torch.cuda.stream(pool.loads._torch_stream):
+        torch.cuda._sleep(200_000_000)  # none is done before the last is issued
+    for first in (10, 16, 22, 28, 34):  # 6 pages each: issued after 6, 12, 24
+        pool.load_pages(list(range(first, first + 6)), pages[:6])
+        issued.append(len(pool.loads._pending))
+    assert issued == [1, 2, 2, 3, 3] and len(pool.loads._queued) == 1
     pool.loads.finish()
 
     def broken(*args):
