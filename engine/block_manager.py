@@ -22,6 +22,7 @@ copies nothing.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -164,9 +165,8 @@ class BlockManager:
         fetch = self._prefetches.get(request_id)
         tiers = self.offloader.load(table[start : start + len(hashes)], hashes, fetch)
         self._release_prefetch(request_id)
-        owner = self._owner.get(request_id, "")
-        for i in range(len(tiers)):
-            self._cache(table[start + i], hashes[i], owner)
+        n = len(tiers)
+        self._cache(table[start : start + n], hashes[:n], self._owner.get(request_id, ""))
         for tier in self.num_tier_hit_blocks:
             self.num_tier_hit_blocks[tier] += tiers.count(tier)
         return tiers
@@ -185,17 +185,23 @@ class BlockManager:
         if not self.enable_caching:
             return
         table = self._tables[request_id]
-        for i in range(start, min(len(hashes), len(table))):
-            self._cache(table[i], hashes[i], self._owner.get(request_id, ""))
+        end = min(len(hashes), len(table))
+        self._cache(table[start:end], hashes[start:end], self._owner.get(request_id, ""))
 
-    def _cache(self, block: int, h: bytes, owner: str) -> None:
-        """Make `block` findable under `h` (unless either is cached already)."""
-        if block in self._hash_of or h in self._cached:
-            return
-        self._hash_of[block] = h
-        self._cached[h] = block
-        self._block_owner[block] = owner
-        self._cached_by_owner[owner] = self._cached_by_owner.get(owner, 0) + 1
+    def _cache(self, blocks: Sequence[int], hashes: Sequence[bytes], owner: str) -> None:
+        """Make each of `blocks` findable under its hash of `hashes` (unless either is
+        cached already), for `owner`."""
+        hash_of, cached, block_owner = self._hash_of, self._cached, self._block_owner
+        added = 0
+        for block, h in zip(blocks, hashes, strict=True):
+            if block in hash_of or h in cached:
+                continue
+            hash_of[block] = h
+            cached[h] = block
+            block_owner[block] = owner
+            added += 1
+        if added:
+            self._cached_by_owner[owner] = self._cached_by_owner.get(owner, 0) + added
 
     # -- allocation ---------------------------------------------------------------------------
 
@@ -240,13 +246,18 @@ class BlockManager:
         need = self.blocks_for_tokens(num_tokens) - len(table)
         assert need <= len(self._free), "allocate() without can_allocate()"
         evicted: list[tuple[int, bytes, str]] = []
-        for _ in range(need):
-            block = self._next_free()
-            del self._free[block]
+        free, refs = self._free, self._refs
+        # with one tenant or none caching, no share to weigh: the least recently freed, in
+        # order (evicting only lowers the count of tenants)
+        single = len(self._cached_by_owner) < 2
+        handout = list(itertools.islice(free, need)) if single else None
+        for i in range(need):
+            block = handout[i] if handout is not None else self._next_free()
+            del free[block]
             gone = self._evict(block)
             if gone is not None:
                 evicted.append((block, *gone))
-            self._refs[block] = 1
+            refs[block] = 1
             table.append(block)
         if evicted and self.offloader is not None:
             self.offloader.spill(evicted, keep=set(below))  # before anything overwrites them

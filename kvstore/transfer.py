@@ -49,7 +49,7 @@ import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -355,7 +355,17 @@ class PageLoads:
         """A finished load's staging goes back for the next ones (the largest few), and the
         host rows it read may change."""
         self._spare = sorted([*self._spare, *load.buffers], key=lambda b: -b.numel())[:4]
-        self._reading -= Counter(load.host_slots)
+        self._unread(load.host_slots)
+
+    def _unread(self, slots: Iterable[int]) -> None:
+        """Host rows a load no longer reads (a loop: `Counter -=` walks every row counted)."""
+        reading = self._reading
+        for slot in slots:
+            left = reading[slot] - 1
+            if left > 0:
+                reading[slot] = left
+            else:
+                reading.pop(slot, None)
 
     def _gather_pool(self) -> ThreadPoolExecutor:
         if self._gatherers is None:
@@ -384,8 +394,7 @@ class PageLoads:
             self._pending.append(self._issue_batch(queued, blocks))
         except BaseException:
             self._failed += blocks
-            self._reading -= Counter(s for src, _ in queued if isinstance(src, _HostRows)
-                                     for s in src.slots)  # fmt: skip
+            self._unread(s for src, _ in queued if isinstance(src, _HostRows) for s in src.slots)
             raise
 
     def _issue_batch(
@@ -589,7 +598,7 @@ class PageLoads:
                 self._done(load)
             except Exception as exc:
                 self._failed += load.blocks
-                self._reading -= Counter(load.host_slots)
+                self._unread(load.host_slots)
                 error = error or exc
         if error is not None:
             raise error
