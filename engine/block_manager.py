@@ -243,7 +243,7 @@ class BlockManager:
                 self._refs[block] += 1
             table.extend(hits)
             self.num_hit_blocks += len(hits)
-        need = self.blocks_for_tokens(num_tokens) - len(table)
+        need = max(0, self.blocks_for_tokens(num_tokens) - len(table))  # tables never shrink here
         assert need <= len(self._free), "allocate() without can_allocate()"
         evicted: list[tuple[int, bytes, str]] = []
         free, refs = self._free, self._refs

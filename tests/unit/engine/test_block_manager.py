@@ -13,6 +13,8 @@ def test_allocates_on_demand_and_frees_everything():
     assert len(bm.block_table("a")) == 2
     bm.allocate("b", 9)
     assert len(bm.block_table("b")) == 3
+    assert bm.allocate("b", 2) == bm.block_table("b")  # fewer tokens (refused drafts): as is
+    assert len(bm.block_table("b")) == 3
     assert bm.num_free_blocks == 3
     bm.check_integrity()
     assert bm.free("a") == 2
