@@ -20,6 +20,12 @@ Reported: the median step time of each and their ratio (target on an H100/H200 w
     python bench/kv_prefetch.py --quick                # synthetic:tiny on CPU, B=2, C=256
     python bench/kv_prefetch.py --device cuda --profile /tmp/prof
 
+Each timed step is also split on the host into its phases (`phases_ms`, medians): `schedule`
+(picking the requests, with their page bookkeeping and any loads issued early), `issue`
+(time spent issuing loads, early or at the step), `forward` (the runner, up to reading the
+sampled tokens, which waits for the GPU) and `finish` (the host's wait for the loads). The
+first `--warmup` rounds (default 1: new kernel shapes compile there) are left out.
+
 `--profile DIR` adds one round, left out of the figures, whose two steps are profiled:
 the host's Python calls (`<step>.pstats.txt`, by cumulative time) and torch's profiler
 (`<step>.trace.json`, a Chrome trace with the CUDA kernels and copies on CUDA;
@@ -83,29 +89,58 @@ def profiled(out: Path | None, name: str, cuda: bool) -> Iterator[None]:
     (out / f"{name}.ops.txt").write_text(traced.key_averages().table(sort_by=sort, row_limit=40))
 
 
+class PhaseTimers:
+    """Host seconds spent in each phase of a step, while `phases` is a dict (else untimed)."""
+
+    def __init__(self, core) -> None:
+        self.phases: dict[str, float] | None = None
+        self._wrap(core.scheduler, "schedule", "schedule")
+        self._wrap(core.pool.loads, "_issue_queued", "issue")
+        self._wrap(core.runner, "execute", "forward")
+        self._wrap(core.pool.loads, "finish", "finish")
+
+    def _wrap(self, owner, method: str, phase: str) -> None:
+        inner = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if self.phases is not None:
+                    spent = time.perf_counter() - start
+                    self.phases[phase] = self.phases.get(phase, 0.0) + spent
+
+        setattr(owner, method, timed)
+
+
 def timed_step(
-    core, prompts: list[list[int]], tag: str, profile: Path | None = None, name: str = ""
-) -> tuple[float, int, int]:
-    """Seconds of the first step of `prompts` (device synchronised), and their prompt
-    tokens found on the device and in host RAM; with `profile`, that step is profiled there
-    under `name`."""
+    core, timers: PhaseTimers, prompts: list[list[int]], tag: str,
+    profile: Path | None = None, name: str = "",
+) -> tuple[float, int, int, dict[str, float]]:  # fmt: skip
+    """Seconds of the first step of `prompts` (device synchronised), their prompt tokens
+    found on the device and in host RAM, and the step's phases (`PhaseTimers`); with
+    `profile`, that step is profiled there under `name`."""
     for i, p in enumerate(prompts):
         core.add_request(f"{tag}-{i}", p, ONE)
     cuda = core.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
     with profiled(profile, name, cuda):
+        phases: dict[str, float] = {}
+        timers.phases = phases
         start = time.perf_counter()
         outs = core.step()
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
+        timers.phases = None
     while core.has_unfinished():
         outs += core.step()
     host = sum(o.num_cached_host_tokens for o in outs if o.finished)
     device = sum(o.num_cached_tokens - o.num_cached_host_tokens - o.num_cached_disk_tokens
                  for o in outs if o.finished)  # fmt: skip
-    return seconds, device, host
+    return seconds, device, host, phases
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -120,6 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="rounds left out of the figures (default 1; 0 with --quick)")  # fmt: skip
     ap.add_argument("--kv-load", default="auto", choices=["auto", "sync", "thread", "stream"])
     ap.add_argument("--kv-host-reads", default="auto", choices=["auto", "kernel", "copy"])
     ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8_e4m3"])
@@ -131,6 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.quick:
         args.batch, args.context, args.repeats = 2, 256, 2
+    if args.warmup is None:
+        args.warmup = 0 if args.quick else 1
     device = torch.device(args.device)
     model = args.model or ("synthetic:llama3.2-1b" if device.type == "cuda" else "synthetic:tiny")
     block = 16
@@ -153,35 +192,47 @@ def main(argv: list[str] | None = None) -> dict:
                                   max_num_batched_tokens=max(2048, args.batch * 64)),
     )  # fmt: skip
     core, _ = create_engine(config, progress=False)
+    timers = PhaseTimers(core)
     vocab = core.vocab_size
     g = torch.Generator().manual_seed(args.seed)
     docs = torch.randint(300, vocab - 1, (args.batch, args.context), generator=g).tolist()
     filler = torch.randint(300, vocab - 1, (args.batch, args.context), generator=g).tolist()
-    for i, d in enumerate(docs):  # prefill each document once (and warm every path up)
-        timed_step(core, [d], f"doc{i}")
-    resident, prefetch = [], []
+    for i, d in enumerate(docs):  # prefill each document once
+        timed_step(core, timers, [d], f"doc{i}")
+    resident: list[float] = []
+    prefetch: list[float] = []
     found = {"resident": [0, 0], "prefetch": [0, 0]}
-    # with --profile, one more round, profiled and left out of the figures
-    for r in range(args.repeats + (args.profile is not None)):
+    phases: dict[str, list[dict[str, float]]] = {"resident": [], "prefetch": []}
+    # first the warm-up rounds; with --profile, one more round at the end: all left out
+    rounds = args.warmup + args.repeats
+    for r in range(rounds + (args.profile is not None)):
         questions = [[*d, 300 + r] for d in docs]
-        profile = args.profile if r == args.repeats else None
-        res = timed_step(core, questions, f"res{r}", profile, "resident")
+        profile = args.profile if r == rounds else None
+        res = timed_step(core, timers, questions, f"res{r}", profile, "resident")
         # the filler takes the device pool: every document page goes down to host RAM
-        timed_step(core, [[*f, r] for f in filler], f"fill{r}")
-        pre = timed_step(core, questions, f"pre{r}", profile, "prefetch")
-        if profile is not None:
+        timed_step(core, timers, [[*f, r] for f in filler], f"fill{r}")
+        pre = timed_step(core, timers, questions, f"pre{r}", profile, "prefetch")
+        if profile is not None or r < args.warmup:
             continue
-        for times, counts, (s, dev, host) in ((resident, found["resident"], res),
-                                              (prefetch, found["prefetch"], pre)):  # fmt: skip
+        for key, times, (s, dev, host, split) in (("resident", resident, res),
+                                                  ("prefetch", prefetch, pre)):  # fmt: skip
             times.append(s)
-            counts[0] += dev
-            counts[1] += host
+            found[key][0] += dev
+            found[key][1] += host
+            phases[key].append(split)
     core.check_integrity()
     res_ms = statistics.median(resident) * 1e3
     pre_ms = statistics.median(prefetch) * 1e3
     summary = {
         "step_ms": {"resident": round(res_ms, 2), "prefetch": round(pre_ms, 2)},
         "ratio": round(pre_ms / res_ms, 3),
+        "phases_ms": {
+            key: {
+                p: round(statistics.median(s.get(p, 0.0) for s in splits) * 1e3, 2)
+                for p in ("schedule", "issue", "forward", "finish")
+            }
+            for key, splits in phases.items()
+        },
         "loads": core.pool.loads.backend,
         "host_reads": core.pool.loads.host_reads.value,
         "cached_tokens": {k: {"device": v[0], "host": v[1]} for k, v in found.items()},
@@ -200,6 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
         "context": args.context,
         "kv_dtype": str(core.pool.spec.dtype),
         "repeats": args.repeats,
+        "warmup": args.warmup,
         "quick": args.quick,
         "rounds_ms": {
             "resident": [round(x * 1e3, 3) for x in resident],

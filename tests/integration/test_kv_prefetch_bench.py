@@ -10,15 +10,20 @@ import pytest
 from bench.kv_prefetch import main
 
 
-@pytest.mark.parametrize("load", ["sync", "thread"])
-def test_quick_run_measures_both_steps_from_the_tiers_they_name(tmp_path, capsys, load):
-    summary = main(["--quick", "--kv-load", load, "--out-dir", str(tmp_path)])
+@pytest.mark.parametrize(("load", "warmup"), [("sync", "0"), ("thread", "1")])
+def test_quick_run_measures_both_steps_from_the_tiers_they_name(tmp_path, capsys, load, warmup):
+    summary = main(["--quick", "--kv-load", load, "--warmup", warmup, "--out-dir", str(tmp_path)])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
     assert summary["loads"] == load
-    tokens = 2 * 2 * 256  # repeats x batch x context
+    tokens = 2 * 2 * 256  # repeats x batch x context: a warm-up round is not counted
     assert summary["cached_tokens"]["resident"] == {"device": tokens, "host": 0}
     assert summary["cached_tokens"]["prefetch"] == {"device": 0, "host": tokens}
     assert summary["step_ms"]["resident"] > 0 and summary["step_ms"]["prefetch"] > 0
+    for step in ("resident", "prefetch"):  # each timed step split into its host phases
+        phases = summary["phases_ms"][step]
+        assert set(phases) == {"schedule", "issue", "forward", "finish"}
+        assert phases["schedule"] > 0 and phases["forward"] > 0
+        assert sum(phases.values()) - phases["issue"] <= summary["step_ms"][step] + 0.05
     (written,) = tmp_path.glob("kv_prefetch-cpu-*.json")
     assert json.loads(written.read_text())["ratio"] == summary["ratio"]
 
