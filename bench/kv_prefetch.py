@@ -14,11 +14,22 @@ token per request over C tokens of context, like a decode step.
 
 Both steps run eagerly (a CUDA-graph replay would first wait for every layer's pages).
 Reported: the median step time of each and their ratio (target on an H100/H200 with
-`synthetic:llama3.2-1b` and long contexts: prefetch <= 1.15x resident).
+`synthetic:llama3.2-1b` and long contexts: prefetch <= 1.15x resident). Every page of such a
+step crosses PCIe within it, so the link bounds it: B x C tokens of KV over the measured
+host-to-device bandwidth (bench/kv_tiers.py) against the resident step.
+
+`--running R` measures the same arrivals in a busy engine instead: R requests over their
+own C-token contexts keep decoding (CUDA graphs allowed) while the B questions arrive. A
+question whose pages are in host RAM waits outside the batch while they copy in
+(engine/scheduler.py), and the decode steps meanwhile wait for none of it. Reported per
+round: the step in which the questions join with their pages resident, against the longest
+step from their arrival until they join with prefetched pages (`busy.ratio`), the plain
+decode step, and the questions' time to first token both ways.
 
     python bench/kv_prefetch.py --device cuda          # llama3.2-1b, B=8, C=8192
     python bench/kv_prefetch.py --quick                # synthetic:tiny on CPU, B=2, C=256
     python bench/kv_prefetch.py --device cuda --profile /tmp/prof
+    python bench/kv_prefetch.py --device cuda --running 32     # a busy engine
 
 Each timed step is also split on the host into its phases (`phases_ms`, medians): `schedule`
 (picking the requests, with their page bookkeeping and any loads issued early), `issue`
@@ -157,6 +168,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=None,
                     help="rounds left out of the figures (default 1; 0 with --quick)")  # fmt: skip
+    ap.add_argument("--running", type=int, default=0,
+                    help="requests decoding as the questions arrive (0: none)")  # fmt: skip
     ap.add_argument("--kv-load", default="auto", choices=["auto", "sync", "thread", "stream"])
     ap.add_argument("--kv-host-reads", default="auto", choices=["auto", "kernel", "copy"])
     ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8_e4m3"])
@@ -175,21 +188,26 @@ def main(argv: list[str] | None = None) -> dict:
     block = 16
     doc_blocks = -(-(args.context + 1) // block)
     kv_dtype = None if args.kv_cache_dtype is None else KVCacheDtype(args.kv_cache_dtype)
-    # device room for one set of documents (the filler evicts them all); host RAM for the
-    # documents and the filler
+    # device room for one set of documents (the filler evicts them all) and the requests
+    # decoding; host RAM for the documents and the filler
     if model not in _SYNTHETIC:
         ap.error(f"--model must be one of {sorted(_SYNTHETIC)}")
     mc = PRESETS[model.removeprefix(SYNTHETIC_PREFIX)]
     per_token = 4 * mc.num_layers * mc.num_kv_heads * mc.head_dim  # K and V, 16-bit
+    rounds = args.warmup + args.repeats
+    # each decoding request: its context, and a token per step of every round
+    decoder_blocks = args.running * (doc_blocks + -(-rounds * _steps_per_round(args) // block) + 1)
     config = EngineConfig(
-        model=model, dtype=args.dtype, device=args.device, seed=args.seed, enforce_eager=True,
+        model=model, dtype=args.dtype, device=args.device, seed=args.seed,
+        enforce_eager=args.running == 0,
         cache=CacheConfig(
-            num_blocks=args.batch * (doc_blocks + 1) + 8, kv_cache_dtype=kv_dtype,
-            host_memory_bytes=2 * args.batch * doc_blocks * block * per_token,
+            num_blocks=args.batch * (doc_blocks + 1) + decoder_blocks + 8,
+            kv_cache_dtype=kv_dtype,
+            host_memory_bytes=2 * (args.batch * doc_blocks + decoder_blocks) * block * per_token,
             kv_load=args.kv_load, kv_host_reads=args.kv_host_reads,
         ),
-        scheduler=SchedulerConfig(max_num_seqs=2 * args.batch,
-                                  max_num_batched_tokens=max(2048, args.batch * 64)),
+        scheduler=SchedulerConfig(max_num_seqs=2 * args.batch + args.running,
+                                  max_num_batched_tokens=_budget(args)),
     )  # fmt: skip
     core, _ = create_engine(config, progress=False)
     timers = PhaseTimers(core)
@@ -199,12 +217,13 @@ def main(argv: list[str] | None = None) -> dict:
     filler = torch.randint(300, vocab - 1, (args.batch, args.context), generator=g).tolist()
     for i, d in enumerate(docs):  # prefill each document once
         timed_step(core, timers, [d], f"doc{i}")
+    if args.running:
+        return busy(core, args, model, docs, g)
     resident: list[float] = []
     prefetch: list[float] = []
     found = {"resident": [0, 0], "prefetch": [0, 0]}
     phases: dict[str, list[dict[str, float]]] = {"resident": [], "prefetch": []}
     # first the warm-up rounds; with --profile, one more round at the end: all left out
-    rounds = args.warmup + args.repeats
     for r in range(rounds + (args.profile is not None)):
         questions = [[*d, 300 + r] for d in docs]
         profile = args.profile if r == rounds else None
@@ -242,9 +261,133 @@ def main(argv: list[str] | None = None) -> dict:
           f"loads: {summary['loads']}, host rows read by: {summary['host_reads']}")  # fmt: skip
     print(f"step with resident pages {res_ms:.2f} ms; with pages prefetched from host "
           f"{pre_ms:.2f} ms ({summary['ratio']}x)")  # fmt: skip
+    rounds_ms = {"resident": resident, "prefetch": prefetch}
+    publish(core, args, model, rounds_ms, summary)
+    return summary
+
+
+def _budget(args) -> int:
+    return max(2048, args.batch * 64 + args.running)
+
+
+def _steps_per_round(args) -> int:
+    """About how many steps a busy round takes: the filler's prefill chunks, and a few for
+    each set of questions."""
+    return -(-args.batch * args.context // _budget(args)) + 16
+
+
+def run_step(core) -> tuple[float, list]:
+    """One engine step, timed (device synchronised); its outputs."""
+    cuda = core.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = core.step()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, outs
+
+
+def arrive(core, prompts: list[list[int]], tag: str) -> tuple[list[float], float, int, int]:
+    """Add `prompts` (one token each) to the running engine and step until each has its
+    token: every step's seconds, the seconds until the last token, and the prompt tokens
+    found on the device and in host RAM."""
+    ids = {f"{tag}-{i}" for i in range(len(prompts))}
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        core.add_request(f"{tag}-{i}", p, ONE)
+    steps: list[float] = []
+    device = host = 0
+    while ids:
+        seconds, outs = run_step(core)
+        steps.append(seconds)
+        for o in outs:
+            if o.request_id in ids and o.finished:
+                ids.discard(o.request_id)
+                host += o.num_cached_host_tokens
+                device += o.num_cached_tokens - o.num_cached_host_tokens - o.num_cached_disk_tokens
+        assert len(steps) < 10_000, "the questions never ran"
+    return steps, time.perf_counter() - start, device, host
+
+
+def busy(core, args, model: str, docs, g: torch.Generator) -> dict:
+    """The questions arrive while `args.running` requests decode (see the module's doc)."""
+    vocab = core.vocab_size
+    contexts = torch.randint(300, vocab - 1, (args.running, args.context), generator=g).tolist()
+    talk = SamplingParams(max_tokens=1_000_000, temperature=0.0, ignore_eos=True)
+    for i, c in enumerate(contexts):
+        core.add_request(f"decode-{i}", c, talk)
+    while core.scheduler.waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
+        run_step(core)  # their prefill
+    kinds = ("decode", "resident", "prefetch", "ttft_resident", "ttft_prefetch", "waited")
+    figures: dict[str, list[float]] = {k: [] for k in kinds}
+    found = {"resident": [0, 0], "prefetch": [0, 0]}
+    for r in range(args.warmup + args.repeats):
+        questions = [[*d, 300 + r] for d in docs]
+        decoding = sum(q.request_id.startswith("decode-") for q in core.scheduler.running)
+        if decoding < args.running:  # they reached the model's context length
+            raise SystemExit("the decoding requests finished early: use a shorter --context")
+        decode = min(run_step(core)[0] for _ in range(3))  # the decoders alone
+        res_steps, res_ttft, *res_found = arrive(core, questions, f"res{r}")
+        # filler over every free block: each document page goes to host RAM
+        n_fill = -(-core.block_manager.num_free_blocks * 16 // args.context)
+        fill = {f"fill{r}-{i}" for i in range(n_fill)}
+        prompts = torch.randint(300, vocab - 1, (n_fill, args.context), generator=g).tolist()
+        for i, f in enumerate(prompts):
+            core.add_request(f"fill{r}-{i}", f, ONE)
+        while fill:
+            fill -= {o.request_id for o in run_step(core)[1] if o.finished}
+        pre_steps, pre_ttft, *pre_found = arrive(core, questions, f"pre{r}")
+        if r < args.warmup:
+            continue
+        figures["decode"].append(decode)
+        figures["resident"].append(res_steps[-1])  # the step they join, pages resident
+        figures["prefetch"].append(max(pre_steps))  # the longest while their pages arrive
+        figures["ttft_resident"].append(res_ttft)
+        figures["ttft_prefetch"].append(pre_ttft)
+        figures["waited"].append(len(pre_steps) - 1)
+        for key, (dev, host) in (("resident", res_found), ("prefetch", pre_found)):
+            found[key][0] += dev
+            found[key][1] += host
+    for i in range(args.running):
+        core.abort_request(f"decode-{i}")
+    core.check_integrity()
+    ms = {k: round(statistics.median(v) * 1e3, 2) for k, v in figures.items() if k != "waited"}
+    summary = {
+        "running": args.running,
+        "busy": {
+            "step_ms": {
+                "decode": ms["decode"],
+                "resident": ms["resident"],
+                "prefetch": ms["prefetch"],
+            },
+            "ratio": round(ms["prefetch"] / ms["resident"], 3),
+            "ttft_ms": {"resident": ms["ttft_resident"], "prefetch": ms["ttft_prefetch"]},
+            "steps_waited": statistics.median(figures["waited"]),
+        },
+        "loads": core.pool.loads.backend,
+        "host_reads": core.pool.loads.host_reads.value,
+        "cached_tokens": {k: {"device": v[0], "host": v[1]} for k, v in found.items()},
+    }
+    b = summary["busy"]
+    print(f"model {model}, {args.running} requests decoding over {args.context} tokens each; "
+          f"{args.batch} questions over {args.context}-token documents arrive; "
+          f"KV {core.pool.spec.dtype}, loads: {summary['loads']}")  # fmt: skip
+    print(f"decode step {b['step_ms']['decode']} ms; step the questions join with resident "
+          f"pages {b['step_ms']['resident']} ms; longest step while their pages arrive from "
+          f"host {b['step_ms']['prefetch']} ms ({b['ratio']}x); time to first token "
+          f"{b['ttft_ms']['resident']} -> {b['ttft_ms']['prefetch']} ms")  # fmt: skip
+    rounds_ms = {k: v for k, v in figures.items() if k != "waited"}
+    publish(core, args, model, rounds_ms, summary)
+    return summary
+
+
+def publish(core, args, model: str, rounds: dict[str, list[float]], summary: dict) -> None:
+    """Write the full record (the run, each round's seconds, `summary`) to bench/results/
+    and print `summary` as the last line."""
     record = {
         "benchmark": "kv_prefetch",
-        **machine_info(device),
+        **machine_info(core.device),
         "model": model,
         "synthetic_weights": model.startswith("synthetic:"),
         "batch": args.batch,
@@ -253,15 +396,11 @@ def main(argv: list[str] | None = None) -> dict:
         "repeats": args.repeats,
         "warmup": args.warmup,
         "quick": args.quick,
-        "rounds_ms": {
-            "resident": [round(x * 1e3, 3) for x in resident],
-            "prefetch": [round(x * 1e3, 3) for x in prefetch],
-        },
+        "rounds_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in rounds.items()},
         **summary,
     }
     print(f"wrote {write_result(args.out_dir, 'kv_prefetch', record)}")
     print(json.dumps(summary))
-    return summary
 
 
 if __name__ == "__main__":

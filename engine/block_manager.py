@@ -14,6 +14,9 @@ With an offloader (kvstore/tiers.py), a cached block is not forgotten when it is
 its page moves down to host RAM, and from there to disk, under the same hash. A later prompt
 whose chain continues below the device gets fresh blocks with those pages copied back in;
 pages on disk are first read ahead while the request waits (`prefetch_below`).
+Loads run asynchronously on a GPU (kvstore/transfer.py): each has a ticket, and a request
+waits for the newest load among its own pages and the pages it hits that are still
+arriving (`load_ticket`, `loads_ready`). Its blocks go back only once those have arrived.
 With spill-ahead on, `spill_ahead` saves between steps the pages of the blocks the next
 allocations will reuse (a watermark of free blocks), so allocating finds them saved and
 copies nothing.
@@ -23,12 +26,15 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvstore.disk import DiskPrefetch
 from kvstore.tiers import KVOffloader, Tier
+
+log = logging.getLogger(__name__)
 
 _SHARE_SCAN = 64  # free blocks looked at for one over its tenant's share
 
@@ -86,6 +92,9 @@ class BlockManager:
         self.num_spilled_ahead = 0
         self._prefetches: dict[str, DiskPrefetch] = {}  # request id -> its disk reads ahead
         self._next_prefetch: str | None = None  # refused for room: starts before any other
+        self._load_ticket: dict[str, int] = {}  # request id -> the newest load it waits for
+        self._block_ticket: dict[int, int] = {}  # block -> its load's ticket, maybe arrived
+        self._newest_block_ticket = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -163,13 +172,55 @@ class BlockManager:
         assert self.offloader is not None
         table = self._tables[request_id]
         fetch = self._prefetches.get(request_id)
+        loads = self.offloader.pool.loads
+        started = loads.num_started
         tiers = self.offloader.load(table[start : start + len(hashes)], hashes, fetch)
         self._release_prefetch(request_id)
         n = len(tiers)
-        self._cache(table[start : start + n], hashes[:n], self._owner.get(request_id, ""))
+        loaded = table[start : start + n]
+        if loads.num_started > started:  # copies in flight: the request, and hits, wait
+            ticket = loads.num_started
+            self._load_ticket[request_id] = ticket
+            self._block_ticket.update(dict.fromkeys(loaded, ticket))
+            self._newest_block_ticket = ticket
+        self._cache(loaded, hashes[:n], self._owner.get(request_id, ""))
         for tier in self.num_tier_hit_blocks:
             self.num_tier_hit_blocks[tier] += tiers.count(tier)
         return tiers
+
+    def load_ticket(self, request_id: str) -> int:
+        """The newest page load the request's blocks wait for (kvstore/transfer.py tickets;
+        0 if none): a step that runs it must wait for the loads up to there."""
+        return self._load_ticket.get(request_id, 0)
+
+    def loads_ready(self, request_id: str) -> bool:
+        """Whether the pages loading into the request's blocks have all arrived (never
+        waits)."""
+        ticket = self._load_ticket.get(request_id)
+        if ticket is None:
+            return True
+        assert self.offloader is not None
+        loads = self.offloader.pool.loads
+        if not loads.done(ticket):
+            return False
+        del self._load_ticket[request_id]
+        if self._block_ticket and loads.done(self._newest_block_ticket):
+            self._block_ticket.clear()
+        return True
+
+    def _settle_loads(self, request_id: str) -> None:
+        """Wait for the loads into the request's blocks before they can be handed out again;
+        the blocks of a load that failed are no longer cached."""
+        if self.loads_ready(request_id):
+            return
+        assert self.offloader is not None
+        loads = self.offloader.pool.loads
+        try:
+            loads.finish()
+        except Exception:
+            log.exception("a KV page load failed")
+        self.uncache(loads.take_failed())
+        self._load_ticket.pop(request_id, None)
 
     def _release_prefetch(self, request_id: str) -> None:
         if self._next_prefetch == request_id:
@@ -243,6 +294,10 @@ class BlockManager:
                 self._refs[block] += 1
             table.extend(hits)
             self.num_hit_blocks += len(hits)
+            if self._block_ticket:  # pages another request's load may still be bringing
+                waits = max(self._block_ticket.get(b, 0) for b in hits)
+                if waits:
+                    self._load_ticket[request_id] = waits
         need = max(0, self.blocks_for_tokens(num_tokens) - len(table))  # tables never shrink here
         assert need <= len(self._free), "allocate() without can_allocate()"
         evicted: list[tuple[int, bytes, str]] = []
@@ -326,7 +381,8 @@ class BlockManager:
     def free(self, request_id: str) -> int:
         """Drop the request's hold on its blocks, and its reads ahead; returns how many
         blocks it held. Blocks nobody holds go to the free list, the request's last block
-        first (so it is reused first)."""
+        first (so it is reused first). Pages still loading into them arrive first."""
+        self._settle_loads(request_id)
         table = self._tables.pop(request_id, [])
         self._owner.pop(request_id, None)
         self._release_prefetch(request_id)
@@ -380,6 +436,7 @@ class BlockManager:
             counts[owner] = counts.get(owner, 0) + 1
         assert counts == self._cached_by_owner, "cached-block counts per tenant disagree"
         assert set(self._owner) == set(self._tables), "tables without owners"
+        assert set(self._load_ticket) <= set(self._tables), "loads waited for by no request"
         for h, b in self._cached.items():
             assert self._hash_of.get(b) == h, "a cached hash points at the wrong block"
         if self.offloader is not None:

@@ -261,6 +261,9 @@ class EngineCore:
         try:
             started = time.perf_counter()
             self.pool.loads.issue()  # the copies run while the step's inputs are prepared
+            # the step waits for the loads into its requests' blocks only: those of requests
+            # waiting outside the batch for their pages run on
+            self.pool.loads.need(sched.load_ticket)
             result = self.runner.execute(sched)
             # the step has waited for its page loads (kvstore/transfer.py) on the device;
             # the host waits too before any block is freed. A failed load fails the step.
@@ -437,7 +440,7 @@ class EngineCore:
         live = set(self.scheduler.requests)
         for rid in self.block_manager.owner_ids():
             assert rid in live, f"finished request {rid!r} still owns blocks"
-        for req in self.scheduler.running:
+        for req in [*self.scheduler.running, *self.scheduler.loading]:
             need = self.block_manager.blocks_for_tokens(req.num_computed_tokens)
             assert len(self.block_manager.block_table(req.request_id)) >= need
 

@@ -19,6 +19,7 @@ from engine.structured import TokenMatcher
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # admitted, its blocks held; waits outside the batch for its pages
     RUNNING = "running"
     FINISHED = "finished"
 

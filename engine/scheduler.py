@@ -9,6 +9,13 @@ A waiting request whose cached prefix continues on disk is passed over, keeping 
 until those pages have been read ahead into memory: the running batch never waits on the
 disk. The next few waiting requests have their pages read ahead before their turn, too.
 
+Pages found in host RAM (or read ahead from disk) are copied into a request's blocks when
+it is admitted, asynchronously on a GPU (kvstore/transfer.py). Admitted while other
+requests run, it waits outside the batch (`loading`) until they have arrived, so the
+running requests' steps never wait on its copies; it joins the first step after. Admitted
+into an idle engine, it joins at once, and each layer's attention waits for that layer's
+pages only.
+
 With speculative decoding on (engine/speculative.py), a running request in its decode phase
 may also get draft tokens: its step then computes its next token and the drafts after
 it, and `advance` credits only the drafts the model agreed with.
@@ -51,6 +58,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted_ids: list[str] = field(default_factory=list)
+    load_ticket: int = 0  # the step waits for the page loads up to this one (0: none)
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +90,7 @@ class Scheduler:
         self.policy = create_policy(config.policy)
         self.waiting = self.policy.new_queue()
         self.running: list[Request] = []
+        self.loading: list[Request] = []  # admitted; their pages still arriving
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
 
@@ -101,6 +110,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        elif request.status is RequestStatus.LOADING:
+            self.loading.remove(request)
         request.finish(reason, stop)
         self.block_manager.free(request.request_id)
         if self.requests.pop(request.request_id, None) is not None:
@@ -112,7 +123,8 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        """Requests holding KV blocks: running, or waiting for their pages."""
+        return len(self.running) + len(self.loading)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -160,8 +172,13 @@ class Scheduler:
             i += 1
 
         if not preempted:
+            # requests already running take this step: new ones whose pages are still on
+            # their way wait outside it
+            busy = bool(scheduled)
+            budget = self._join_loaded(scheduled, budget, busy)
             skipped: list[Request] = []  # their pages are still being read from disk
-            while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while (len(self.waiting) and budget > 0
+                   and self.num_running < self.config.max_num_seqs):  # fmt: skip
                 req = self.waiting.peek()
                 assert req.num_computed_tokens == 0, "waiting requests hold no KV"
                 hits, below = self._cache_hits(req)
@@ -174,29 +191,52 @@ class Scheduler:
                 if not self.block_manager.can_allocate(req.request_id, target, hits):
                     break
                 self.waiting.pop()
-                table = self.block_manager.allocate(
-                    req.request_id, target, hits, below, owner=req.tenant
-                )
+                self.block_manager.allocate(req.request_id, target, hits, below, owner=req.tenant)
                 # pages found below the device (disk pages read ahead by now) are copied into
                 # the new blocks before the step that reads them; a page that fails to load
                 # is computed
                 tiers = self.block_manager.load_below(req.request_id, len(hits), below)
                 cached = (len(hits) + len(tiers)) * bs
-                num_new = min(req.num_tokens - cached, budget)  # never past `target`
                 req.num_computed_tokens = cached
                 req.num_committed_blocks = len(hits) + len(tiers)
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = cached
                     req.num_cached_host_tokens = tiers.count(Tier.HOST) * bs
                     req.num_cached_disk_tokens = tiers.count(Tier.DISK) * bs
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                scheduled.append(ScheduledRequest(req, num_new, table))
-                budget -= num_new
+                if busy and not self.block_manager.loads_ready(req.request_id):
+                    req.status = RequestStatus.LOADING
+                    self.loading.append(req)
+                    continue
+                budget = self._seat(req, scheduled, budget)
             for req in reversed(skipped):
                 self.waiting.readd_preempted(req)
         self._read_ahead_waiting()
-        return SchedulerOutput(scheduled, preempted)
+        bm = self.block_manager
+        ticket = max((bm.load_ticket(s.request.request_id) for s in scheduled), default=0)
+        return SchedulerOutput(scheduled, preempted, ticket)
+
+    def _seat(self, req: Request, scheduled: list[ScheduledRequest], budget: int) -> int:
+        """Add an admitted request to the running batch and this step, with as many of its
+        tokens as the budget and its blocks allow; returns the budget left."""
+        table = self.block_manager.block_table(req.request_id)
+        room = len(table) * self.block_manager.block_size - req.num_computed_tokens
+        num_new = min(req.num_tokens - req.num_computed_tokens, budget, room)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        scheduled.append(ScheduledRequest(req, num_new, table))
+        return budget - num_new
+
+    def _join_loaded(self, scheduled: list[ScheduledRequest], budget: int, busy: bool) -> int:
+        """Seat the loading requests whose pages have arrived, or all of them when no other
+        request runs (their layers then wait for their own pages); returns the budget left."""
+        for req in list(self.loading):
+            if budget <= 0:
+                break
+            if busy and not self.block_manager.loads_ready(req.request_id):
+                continue
+            self.loading.remove(req)
+            budget = self._seat(req, scheduled, budget)
+        return budget
 
     def _drafts(self, req: Request, share: int, room: int, target: int) -> list[int]:
         """Up to `share` draft tokens for a request whose step computes only its last token

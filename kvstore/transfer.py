@@ -14,6 +14,12 @@ requests after it, and a batch of them goes in loads of doubling size (an issue 
 host about as much for a few pages as for many: a launch per layer). A layer then waits for
 its pages of each issued load in turn. An error there is raised by the step's `issue`.
 
+Every load started gets a ticket, the count of loads started so far (`start` returns it):
+loads run in that order, so `done(t)` says whether every load up to ticket t has arrived.
+A step may need only some of them (`need`): a request admitted while others run can wait
+for its pages outside the batch (engine/scheduler.py), its load in flight across steps,
+and the steps in between wait for none of it (`wait_layer`, `finish`).
+
 Where the pages are read from:
 - rows of the host tier's pinned tensor (`read_host_rows`), on a CUDA stream: in place,
   nothing gathered on the host, in one of two ways (`HostReads`):
@@ -134,6 +140,7 @@ class _HostRows:
     def __init__(self, slots: list[int]) -> None:
         self.slots = slots
         self.buffer: torch.Tensor | None = None  # nothing staged
+        self.ticket = 0
 
 
 class _Staged:
@@ -155,6 +162,7 @@ class _Staged:
             assert page.shape == (offset,) and page.dtype == torch.uint8
         n = len(pages)
         self.buffer = buffer
+        self.ticket = 0
         self.rows = buffer[: n * offset].view(n, offset)
         shares = max(1, min(n, _GATHER_THREADS))
         bounds = [n * i // shares for i in range(shares + 1)]
@@ -214,6 +222,8 @@ class PageLoads:
         self._issue_error: BaseException | None = None  # of an early issue, for the step's
         self._pending: list[Any] = []  # issued, not known to be done, oldest first
         self._failed: list[int] = []  # blocks whose pages never arrived
+        self.num_started = 0  # the last ticket handed out
+        self._need: int | None = None  # the newest ticket the waits cover; None: every one
         self._spare: list[torch.Tensor] = []  # staging of finished loads
         self._worker: ThreadPoolExecutor | None = None
         self._gatherers: ThreadPoolExecutor | None = None
@@ -302,43 +312,44 @@ class PageLoads:
             slots.append(offset // row)
         return slots
 
-    def start(self, blocks: Sequence[int], pages: Sequence[torch.Tensor]) -> None:
+    def start(self, blocks: Sequence[int], pages: Sequence[torch.Tensor]) -> int:
         """Copy `pages` (rows as `DeviceKVPool.read_pages` returns them, on the host) into
         device `blocks`, layer by layer, from the next wait on. Rows of the host tier read
         in place (`read_host_rows`) are read by the copies; any others are gathered into
-        staging before this returns."""
+        staging before this returns. Returns the load's ticket (0: nothing left to wait
+        for, the pages are there)."""
         assert len(blocks) == len(pages)
         if not pages:
-            return
+            return 0
         if self.mode is LoadMode.SYNC:  # straight from the rows, nothing staged
             self.pool.write_pages(blocks, pages)
-            return
+            return 0
         slots = self.host_slots(pages)
         if slots is not None:
-            self.start_host_rows(blocks, slots)
-            return
+            return self.start_host_rows(blocks, slots)
         buffer = self._buffer(len(pages) * self.pool.spec.bytes_per_block)
         staged = _Staged(self.pool, pages, buffer, self._gather_pool())
-        self._queue(staged, blocks)
+        return self._queue(staged, blocks)
 
-    def start_host_rows(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
+    def start_host_rows(self, blocks: Sequence[int], slots: Sequence[int]) -> int:
         """`start` for pages known by their rows `slots` of the host tensor read in place
         (`read_host_rows`): nothing is looked at per page."""
         assert self._host is not None and len(blocks) == len(slots)
-        if slots:
-            self._reading.update(slots)
-            self._queue(_HostRows(list(slots)), blocks)
+        if not slots:
+            return 0
+        self._reading.update(slots)
+        return self._queue(_HostRows(list(slots)), blocks)
 
-    def _queue(self, src: _Staged | _HostRows, blocks: Sequence[int]) -> None:
+    def _queue(self, src: _Staged | _HostRows, blocks: Sequence[int]) -> int:
+        self.num_started += 1
+        src.ticket = self.num_started
         self._queued.append((src, list(blocks)))
         self._queued_pages += len(blocks)
         early = max(_EARLY_ISSUE_PAGES, self._early_pages)
         if self.mode is LoadMode.STREAM and self._queued_pages >= early:
             self._early_pages += self._queued_pages
-            try:  # the blocks of a failed issue are failed already; the step's issue raises
-                self._issue_queued()
-            except Exception as exc:
-                self._issue_error = self._issue_error or exc
+            self.issue_ahead()  # the blocks of a failed issue are failed already
+        return src.ticket
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         """Staging of at least `nbytes` (pinned on CUDA): a finished load's, or a new one
@@ -414,6 +425,7 @@ class PageLoads:
             with self._cupy.cuda.Device(self.pool.device.index or 0):  # CuPy's events, there
                 load = self._issue_stream([src for src, _ in queued], indexes)
         load.blocks = blocks
+        load.first_ticket = queued[0][0].ticket
         load.buffers = [src.buffer for src, _ in queued if src.buffer is not None]
         load.host_slots = [s for src, _ in queued if isinstance(src, _HostRows) for s in src.slots]
         return load
@@ -562,18 +574,45 @@ class PageLoads:
 
     # -- waiting --------------------------------------------------------------------------------
 
+    def need(self, ticket: int | None) -> None:
+        """Make the waits (`wait_layer`, `wait_all`, `finish`) cover the loads up to `ticket`
+        only, until `finish` (None: every load). Later loads run on, unwaited for."""
+        self._need = ticket
+
+    def _needed(self) -> list[Any]:
+        need = self._need
+        if need is None:
+            return self._pending
+        return [load for load in self._pending if load.first_ticket <= need]
+
+    def done(self, ticket: int) -> bool:
+        """Whether every load up to `ticket` has arrived (or failed: its step's wait raises);
+        never waits. Nothing queued up to it is left unissued."""
+        if self._queued and self._queued[0][0].ticket <= ticket:
+            self.issue_ahead()
+        self._prune()
+        return all(load.first_ticket > ticket for load in self._pending if not load.failed())
+
+    def issue_ahead(self) -> None:
+        """Issue what is queued now; an error is raised by the step's `issue`."""
+        try:
+            self._issue_queued()
+        except Exception as exc:
+            self._issue_error = self._issue_error or exc
+
     def wait_layer(self, layer: int) -> None:
         """Make what runs next (the compute stream's next kernels, or the caller on CPU) wait
-        for layer `layer` of every load: the queued ones are issued first."""
+        for layer `layer` of every load it needs (`need`): the queued ones are issued first."""
         self.issue()
-        if not self._pending:
+        needed = self._needed()
+        if not needed:
             return
         if self.mode is LoadMode.THREAD:
-            for load in self._pending:
+            for load in needed:
                 load.wait(layer)
             return
         compute = torch.cuda.current_stream(self.pool.device)
-        for load in self._pending:
+        for load in needed:
             event = load.events[layer]
             if self._cupy is not None:
                 self._cupy.cuda.runtime.streamWaitEvent(compute.cuda_stream, event.ptr, 0)
@@ -585,14 +624,17 @@ class PageLoads:
         self.wait_layer(self.num_layers - 1)
 
     def finish(self) -> None:
-        """Block the host until every load is done (re-raising a failed copy); nothing is
-        pending afterwards, even then."""
+        """Block the host until every load the waits cover (`need`) is done, re-raising a
+        failed copy; none of those is pending afterwards, even then. The waits cover every
+        load again."""
         try:
             self.issue()
         finally:
-            pending, self._pending = self._pending, []
+            needed = self._needed()
+            self._pending = [load for load in self._pending if load not in needed]
+            self._need = None
         error: BaseException | None = None
-        for load in pending:
+        for load in needed:
             try:
                 load.synchronize()
                 self._done(load)
@@ -634,6 +676,10 @@ class _ThreadLoad:
         self.buffers: list[torch.Tensor] = []  # staging, reused once the load is done
         self.host_slots: list[int] = []  # host rows read in place
         self.future: Future[None] | None = None
+        self.first_ticket = 0
+
+    def failed(self) -> bool:
+        return self.future is not None and self.future.done() and not self.query()
 
     def finished(self, future: Future[None]) -> None:
         for event in self.done:  # a failed copy must not leave waiters hanging
@@ -662,6 +708,10 @@ class _StreamLoad:
         self.host_slots: list[int] = []  # the host rows it reads in place
         self.indexes: list[torch.Tensor] = []
         self.events: list[Any] = []
+        self.first_ticket = 0
+
+    def failed(self) -> bool:
+        return False  # a failed copy fails the device: the step's wait raises it
 
     def query(self) -> bool:
         last = self.events[-1]  # a torch event (query()) or a CuPy one (done)

@@ -217,3 +217,49 @@ def test_the_engine_gives_the_same_tokens_with_pages_loading_on_a_stream(strata_
         assert sum(o.num_cached_host_tokens for o in outs[1:]) > 0
         llm.core.check_integrity()
     assert runs["stream"] == runs["sync"] == runs["stream-copy"]
+
+
+def test_a_request_loading_on_the_stream_waits_outside_the_running_batch(strata_cache_dir):
+    """The copy stream is held back by a long kernel before the reader's pages are issued:
+    the reader waits outside the batch while the running request decodes a token per step
+    (its steps wait for none of the copies, CUDA graphs included); once the pages are in, it
+    joins and gives the tokens of synchronous loads."""
+    from engine.config import CacheConfig, EngineConfig, KVCacheDtype
+    from engine.llm import LLM
+    from engine.protocol import SamplingParams
+
+    doc = "The Roman Empire reached its greatest extent under Trajan in 117 AD. " * 8
+    question = f"{doc}\nWhat is this about?"
+    filler = "Filler text that pushes the document's pages out of the device pool. " * 10
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    talk = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    tokens: dict[str, dict[str, list[int]]] = {}
+    for load in ("sync", "stream"):
+        cache = CacheConfig(num_blocks=24, kv_cache_dtype=KVCacheDtype.AUTO,
+                            host_memory_bytes=256 << 20, kv_load=load)  # fmt: skip
+        cfg = EngineConfig(dtype="float32", device="cuda", cache=cache,
+                           cache_dir=str(strata_cache_dir))  # fmt: skip
+        llm = LLM(cfg)
+        core = llm.core
+        llm.generate([doc], params)
+        llm.generate([filler], params)  # the document's pages go to host RAM
+        got: dict[str, list[int]] = {"running": [], "reader": []}
+        core.add_request("running", llm.encode("Tell me about the sea."), talk)
+        got["running"] += core.step()[0].new_token_ids
+        if load == "stream":
+            with torch.cuda.stream(core.pool.loads._torch_stream):
+                torch.cuda._sleep(1_000_000_000)  # about half a second ahead of the copies
+        core.add_request("reader", llm.encode(question), params)
+        for i in range(3 if load == "stream" else 0):
+            outs = {o.request_id: o for o in core.step()}
+            assert "reader" not in outs and len(outs["running"].new_token_ids) == 1, i
+            got["running"] += outs["running"].new_token_ids
+            assert [r.request_id for r in core.scheduler.loading] == ["reader"]
+        while core.has_unfinished():
+            for out in core.step():
+                got[out.request_id] += out.new_token_ids
+                if out.request_id == "reader" and out.finished:
+                    assert out.num_cached_host_tokens >= 64
+        core.check_integrity()
+        tokens[load] = got
+    assert tokens["stream"] == tokens["sync"]

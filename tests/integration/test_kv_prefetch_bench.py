@@ -37,3 +37,26 @@ def test_profile_writes_both_steps_calls_and_trace_outside_the_figures(tmp_path,
         assert "core.py" in (prof / f"{step}.pstats.txt").read_text()  # the engine's step
         assert json.loads((prof / f"{step}.trace.json").read_text())["traceEvents"]
         assert "Self CPU" in (prof / f"{step}.ops.txt").read_text()
+
+
+@pytest.mark.parametrize("load", ["sync", "thread"])
+def test_busy_run_measures_questions_arriving_beside_decoding_requests(tmp_path, capsys, load):
+    """`--running`: the questions' pages come from host RAM in the prefetch rounds and from
+    the device in the resident ones. Synchronous loads are there when the question is
+    admitted, so it joins the batch at once; the worker thread's may keep it waiting
+    outside the batch for a step or more."""
+    summary = main(["--quick", "--running", "2", "--kv-load", load, "--out-dir", str(tmp_path)])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
+    tokens = 2 * 2 * 256  # repeats x batch x context
+    assert summary["running"] == 2 and summary["loads"] == load
+    assert summary["cached_tokens"]["resident"] == {"device": tokens, "host": 0}
+    assert summary["cached_tokens"]["prefetch"] == {"device": 0, "host": tokens}
+    busy = summary["busy"]
+    assert all(v > 0 for v in busy["step_ms"].values())
+    assert all(v > 0 for v in busy["ttft_ms"].values())
+    assert busy["ratio"] == round(busy["step_ms"]["prefetch"] / busy["step_ms"]["resident"], 3)
+    if load == "sync":
+        assert busy["steps_waited"] == 0
+    (written,) = tmp_path.glob("kv_prefetch-cpu-*.json")
+    record = json.loads(written.read_text())
+    assert len(record["rounds_ms"]["prefetch"]) == 2 and record["busy"] == busy

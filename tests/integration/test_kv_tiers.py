@@ -195,6 +195,18 @@ def test_a_failed_page_load_fails_its_step_and_the_engine_goes_on(
     core.check_integrity()
 
 
+def _run_out(core, tokens: dict[str, list[int]]) -> dict:
+    """Step until every request finishes, adding their new tokens to `tokens`; the final
+    output of each."""
+    final = {}
+    while core.has_unfinished():
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                final[out.request_id] = out
+    return final
+
+
 def test_a_request_whose_pages_are_on_disk_waits_without_stalling_the_batch(
     make_core, smollm2_fp32, tmp_path
 ):
@@ -228,13 +240,93 @@ def test_a_request_whose_pages_are_on_disk_waits_without_stalling_the_batch(
         assert [r.request_id for r in core.scheduler.waiting] == ["reader"]
     assert core.stats().kv_disk_read_ahead_bytes > 0
     gate.set()
-    while core.has_unfinished():
-        for out in core.step():
-            tokens[out.request_id] += out.new_token_ids
-            if out.request_id == "reader" and out.finished:
-                reader = out
+    reader = _run_out(core, tokens)["reader"]
     want = LLM(core=make_core(), tokenizer=smollm2_fp32[1]).generate([question], GREEDY)
     assert tokens["reader"] == want[0].token_ids
     assert reader.num_cached_disk_tokens >= 64
     assert core.stats().kv_disk_read_ahead_bytes == 0
+    core.check_integrity()
+
+
+def _held_page_copies(monkeypatch):
+    """Hold the worker thread's page copies until the returned event is set."""
+    import threading
+
+    from kvstore import transfer
+
+    gate = threading.Event()
+    copy = transfer._scatter
+
+    def held(*args):
+        assert gate.wait(60), "page copies held too long"
+        copy(*args)
+
+    monkeypatch.setattr(transfer, "_scatter", held)
+    return gate
+
+
+def _running_beside_a_host_load(make_core, smollm2_fp32, tmp_path, monkeypatch):
+    """A core whose first document is in host RAM, a request decoding, and `reader` over
+    that document admitted while its page copies are held (the returned event); and the
+    running request's first token."""
+    cache = tiny_tiers(tmp_path, KVCacheDtype.AUTO, kv_load="thread", disk_bytes=0,
+                       host_memory_bytes=40 * 16 * 2 * 30 * 3 * 256)  # fmt: skip
+    core = make_core(EngineConfig(cache=cache))
+    llm = LLM(core=core, tokenizer=smollm2_fp32[1])
+    for doc in DOCS:  # the first document's pages leave the device
+        llm.generate([f"{doc}\n{QUESTIONS[0]}"], GREEDY)
+    gate = _held_page_copies(monkeypatch)
+    tokenize = smollm2_fp32[1].encode
+    talk = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    core.add_request("running", tokenize("Tell me about the sea."), talk)
+    (first,) = core.step()  # its prefill
+    core.add_request("reader", tokenize(f"{DOCS[0]}\n{QUESTIONS[1]}"), GREEDY)
+    return core, gate, first.new_token_ids
+
+
+def test_a_request_loading_from_host_waits_outside_the_running_batch(
+    make_core, smollm2_fp32, tmp_path, monkeypatch
+):
+    """While its page copies are held, the request over a document in host RAM waits
+    outside the batch, its blocks held, and the running request decodes a token per step
+    without waiting for them; released, it joins and gives the tokens of a fresh engine."""
+    core, gate, first = _running_beside_a_host_load(make_core, smollm2_fp32, tmp_path,
+                                                    monkeypatch)  # fmt: skip
+    tokens: dict[str, list[int]] = {"running": first, "reader": []}
+    for _ in range(4):
+        outs = {o.request_id: o for o in core.step()}
+        assert "reader" not in outs and len(outs["running"].new_token_ids) == 1
+        tokens["running"] += outs["running"].new_token_ids
+        assert [r.request_id for r in core.scheduler.loading] == ["reader"]
+        assert core.pool.loads.pending and core.stats().num_running == 2
+    core.check_integrity()
+    gate.set()
+    reader = _run_out(core, tokens)["reader"]
+    fresh = LLM(core=make_core(), tokenizer=smollm2_fp32[1])
+    question = f"{DOCS[0]}\n{QUESTIONS[1]}"
+    assert tokens["reader"] == fresh.generate([question], GREEDY)[0].token_ids
+    talk = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    assert tokens["running"] == fresh.generate(["Tell me about the sea."], talk)[0].token_ids
+    assert reader.num_cached_host_tokens >= 64
+    core.check_integrity()
+
+
+def test_aborting_a_request_while_its_pages_load_waits_for_the_copies(
+    make_core, smollm2_fp32, tmp_path, monkeypatch
+):
+    """Its blocks go back only once the copies into them are done; the running request
+    goes on."""
+    import threading
+
+    core, gate, _ = _running_beside_a_host_load(make_core, smollm2_fp32, tmp_path, monkeypatch)
+    core.step()
+    assert [r.request_id for r in core.scheduler.loading] == ["reader"]
+    threading.Timer(0.3, gate.set).start()
+    out = core.abort_request("reader")
+    assert out is not None and out.finished
+    assert not core.pool.loads.pending and not core.scheduler.loading
+    assert core.stats().num_running == 1
+    core.check_integrity()
+    while core.has_unfinished():
+        core.step()
     core.check_integrity()

@@ -314,3 +314,49 @@ def test_spill_ahead_saves_the_next_reused_pages_so_allocation_copies_nothing(tm
     assert torch.equal(pool.read_pages(fresh), originals["r0"])
     bm.check_integrity()
     store.close()
+
+
+def test_a_hit_on_pages_still_loading_waits_for_their_load(monkeypatch):
+    """A request whose pages are copying in from host RAM (held on the worker) makes its
+    blocks findable at once; a second request hitting them waits for that same load, and
+    neither is ready until it is done. Freed, the blocks go back once it is."""
+    from kvstore import transfer
+
+    pool = DeviceKVPool(KVCacheSpec(1, 1, 16, 4, torch.float32), 4, CPU, "thread")
+    store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=4)
+    bm = BlockManager(4, 4, offloader=KVOffloader(pool, store))
+    tokens = list(range(9))
+    hashes = chain_hashes(root_hash("t"), tokens, 4, 0)
+    bm.allocate("doc", 9)
+    for block, value in zip(bm.block_table("doc"), (1.0, 2.0), strict=False):
+        pool.kv[0, :, block] = value
+    bm.commit("doc", hashes)
+    bm.free("doc")
+    bm.allocate("other", 16)  # every block: the document's pages go to host RAM
+    bm.free("other")
+    assert bm.lookup(hashes) == [] and len(bm.lookup_below("a", hashes)) == 2
+
+    gate = threading.Event()
+    real = transfer._scatter
+
+    def held(*args):
+        assert gate.wait(30)
+        real(*args)
+
+    monkeypatch.setattr(transfer, "_scatter", held)
+    bm.allocate("a", 9, [], hashes)
+    assert bm.load_below("a", 0, hashes) == [Tier.HOST, Tier.HOST]
+    ticket = bm.load_ticket("a")
+    assert ticket > 0 and not bm.loads_ready("a")
+    hits = bm.lookup(hashes)
+    assert hits == bm.block_table("a")[:2]  # findable while their pages are on their way
+    bm.allocate("b", 9, hits)
+    assert bm.load_ticket("b") == ticket and not bm.loads_ready("b")
+    bm.check_integrity()
+    threading.Timer(0.2, gate.set).start()
+    bm.free("a")  # waits for the copies into its blocks
+    assert bm.loads_ready("b") and bm.load_ticket("b") == 0
+    for block, value in zip(hits, (1.0, 2.0), strict=True):
+        assert bool((pool.kv[0, :, block] == value).all())
+    bm.free("b")
+    bm.check_integrity()

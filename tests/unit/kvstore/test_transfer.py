@@ -191,3 +191,44 @@ def test_thread_loads_read_host_rows_in_place_by_runs(spec):
     assert not pool.loads._reading and not pool.loads._spare  # nothing was staged
     pool.loads.save_host_rows([14, 2], [10, 11])
     assert torch.equal(host[10:12], pool.read_pages([14, 2]))
+
+
+def test_a_step_waits_for_the_loads_it_needs_and_later_ones_run_on(monkeypatch):
+    """Tickets: the first load arrives, the second is held on the worker; a step that
+    needs only the first waits for no layer of the second, and `finish` leaves it in
+    flight. `done` tells each apart without waiting; the waits cover every load again after
+    `finish`."""
+    spec = SPECS[0]
+    pool = DeviceKVPool(spec, 8, CPU, load_mode="thread")
+    loads = pool.loads
+    gate = threading.Event()
+    real = transfer._scatter
+    held = {"on": False}
+
+    def copy(dst, src, index):
+        if held["on"]:
+            assert gate.wait(30)
+        real(dst, src, index)
+
+    monkeypatch.setattr(transfer, "_scatter", copy)
+    first, second = random_pages(spec, 2, seed=5), random_pages(spec, 2, seed=6)
+    assert loads.start([0, 1], first) == 1
+    loads.finish()
+    held["on"] = True
+    assert loads.start([2, 3], second) == 2
+    assert loads.done(1) and not loads.done(2)  # `done` issued it: the worker holds it
+    loads.need(1)
+    for layer in range(spec.num_layers):
+        pool.layer(layer)  # returns: nothing needed is in flight
+    loads.finish()
+    assert loads.pending and not loads.done(2)
+    assert torch.equal(pool.read_pages([0, 1]), torch.stack(first))
+    waiter = threading.Thread(target=loads.finish)  # every load again: waits for the second
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()
+    gate.set()
+    waiter.join(30)
+    assert not waiter.is_alive() and not loads.pending and loads.done(2)
+    assert torch.equal(pool.read_pages([2, 3]), torch.stack(second))
+    assert DeviceKVPool(spec, 2, CPU).loads.start([0], first[:1]) == 0  # sync: arrived
