@@ -14,9 +14,10 @@ With an offloader (kvstore/tiers.py), a cached block is not forgotten when it is
 its page moves down to host RAM, and from there to disk, under the same hash. A later prompt
 whose chain continues below the device gets fresh blocks with those pages copied back in;
 pages on disk are first read ahead while the request waits (`prefetch_below`).
-Loads run asynchronously on a GPU (kvstore/transfer.py): each has a ticket, and a request
-waits for the newest load among its own pages and the pages it hits that are still
-arriving (`load_ticket`, `loads_ready`). Its blocks go back only once those have arrived.
+Loads run asynchronously on a GPU (kvstore/transfer.py), and so do spills into host rows:
+each has a ticket, and a request waits for the newest among its own pages' loads, those of
+the pages it hits that are still arriving, and the spills still reading the blocks it was
+handed (`load_tickets`, `loads_ready`). Its blocks go back only once those are done.
 With spill-ahead on, `spill_ahead` saves between steps the pages of the blocks the next
 allocations will reuse (a watermark of free blocks), so allocating finds them saved and
 copies nothing.
@@ -29,7 +30,7 @@ import itertools
 import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvstore.disk import DiskPrefetch
 from kvstore.tiers import KVOffloader, Tier
@@ -92,9 +93,10 @@ class BlockManager:
         self.num_spilled_ahead = 0
         self._prefetches: dict[str, DiskPrefetch] = {}  # request id -> its disk reads ahead
         self._next_prefetch: str | None = None  # refused for room: starts before any other
-        self._load_ticket: dict[str, int] = {}  # request id -> the newest load it waits for
-        self._block_ticket: dict[int, int] = {}  # block -> its load's ticket, maybe arrived
-        self._newest_block_ticket = 0
+        # copies (kvstore/transfer.py tickets) still running, maybe finished since
+        self._waits: dict[str, set[int]] = {}  # request id -> those its blocks wait for
+        self._block_ticket: dict[int, int] = {}  # block -> the load writing it
+        self._save_ticket: dict[int, int] = {}  # free block -> a save ahead reading it
 
     @property
     def num_free_blocks(self) -> int:
@@ -180,32 +182,37 @@ class BlockManager:
         loaded = table[start : start + n]
         if loads.num_started > started:  # copies in flight: the request, and hits, wait
             ticket = loads.num_started
-            self._load_ticket[request_id] = ticket
+            self._wait(request_id, [ticket])
             self._block_ticket.update(dict.fromkeys(loaded, ticket))
-            self._newest_block_ticket = ticket
         self._cache(loaded, hashes[:n], self._owner.get(request_id, ""))
         for tier in self.num_tier_hit_blocks:
             self.num_tier_hit_blocks[tier] += tiers.count(tier)
         return tiers
 
-    def load_ticket(self, request_id: str) -> int:
-        """The newest page load the request's blocks wait for (kvstore/transfer.py tickets;
-        0 if none): a step that runs it must wait for the loads up to there."""
-        return self._load_ticket.get(request_id, 0)
+    def _wait(self, request_id: str, tickets: Iterable[int]) -> None:
+        waits = {t for t in tickets if t}
+        if waits:
+            self._waits.setdefault(request_id, set()).update(waits)
+
+    def load_tickets(self, request_id: str) -> set[int]:
+        """The copies into (or out of) the request's blocks that may still be running
+        (kvstore/transfer.py tickets): a step that runs it must wait for them."""
+        return self._waits.get(request_id, set())
 
     def loads_ready(self, request_id: str) -> bool:
-        """Whether the pages loading into the request's blocks have all arrived (never
+        """Whether the copies into (or out of) the request's blocks are all done (never
         waits)."""
-        ticket = self._load_ticket.get(request_id)
-        if ticket is None:
+        waits = self._waits.get(request_id)
+        if waits is None:
             return True
         assert self.offloader is not None
         loads = self.offloader.pool.loads
-        if not loads.done(ticket):
+        if not loads.done(waits):
             return False
-        del self._load_ticket[request_id]
-        if self._block_ticket and loads.done(self._newest_block_ticket):
-            self._block_ticket.clear()
+        del self._waits[request_id]
+        for blocks in (self._block_ticket, self._save_ticket):  # forget finished copies
+            if blocks and loads.done(set(blocks.values())):
+                blocks.clear()
         return True
 
     def _settle_loads(self, request_id: str) -> None:
@@ -220,7 +227,7 @@ class BlockManager:
         except Exception:
             log.exception("a KV page load failed")
         self.uncache(loads.take_failed())
-        self._load_ticket.pop(request_id, None)
+        self._waits.pop(request_id, None)
 
     def _release_prefetch(self, request_id: str) -> None:
         if self._next_prefetch == request_id:
@@ -295,9 +302,7 @@ class BlockManager:
             table.extend(hits)
             self.num_hit_blocks += len(hits)
             if self._block_ticket:  # pages another request's load may still be bringing
-                waits = max(self._block_ticket.get(b, 0) for b in hits)
-                if waits:
-                    self._load_ticket[request_id] = waits
+                self._wait(request_id, [self._block_ticket.get(b, 0) for b in hits])
         need = max(0, self.blocks_for_tokens(num_tokens) - len(table))  # tables never shrink here
         assert need <= len(self._free), "allocate() without can_allocate()"
         evicted: list[tuple[int, bytes, str]] = []
@@ -314,8 +319,10 @@ class BlockManager:
                 evicted.append((block, *gone))
             refs[block] = 1
             table.append(block)
-        if evicted and self.offloader is not None:
-            self.offloader.spill(evicted, keep=set(below))  # before anything overwrites them
+        if self._save_ticket and need:  # blocks a save ahead may still be reading
+            self._wait(request_id, [self._save_ticket.pop(b, 0) for b in table[-need:]])
+        if evicted and self.offloader is not None:  # saved before anything overwrites them
+            self._wait(request_id, [self.offloader.spill(evicted, keep=set(below))])
         return table
 
     def spill_ahead(self, watermark: int) -> int:
@@ -334,7 +341,9 @@ class BlockManager:
             if h is not None and store.tier_of(h) is None:
                 ahead.append((block, h, self._block_owner[block]))
         if ahead:
-            self.offloader.spill(ahead)
+            ticket = self.offloader.spill(ahead)
+            if ticket:  # still copying: whoever gets one of these blocks waits for it
+                self._save_ticket.update(dict.fromkeys((b for b, _, _ in ahead), ticket))
             self.num_spilled_ahead += len(ahead)
         return len(ahead)
 
@@ -436,7 +445,7 @@ class BlockManager:
             counts[owner] = counts.get(owner, 0) + 1
         assert counts == self._cached_by_owner, "cached-block counts per tenant disagree"
         assert set(self._owner) == set(self._tables), "tables without owners"
-        assert set(self._load_ticket) <= set(self._tables), "loads waited for by no request"
+        assert set(self._waits) <= set(self._tables), "copies waited for by no request"
         for h, b in self._cached.items():
             assert self._hash_of.get(b) == h, "a cached hash points at the wrong block"
         if self.offloader is not None:

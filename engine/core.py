@@ -263,7 +263,7 @@ class EngineCore:
             self.pool.loads.issue()  # the copies run while the step's inputs are prepared
             # the step waits for the loads into its requests' blocks only: those of requests
             # waiting outside the batch for their pages run on
-            self.pool.loads.need(sched.load_ticket)
+            self.pool.loads.need(sched.load_tickets)
             result = self.runner.execute(sched)
             # the step has waited for its page loads (kvstore/transfer.py) on the device;
             # the host waits too before any block is freed. A failed load fails the step.

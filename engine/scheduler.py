@@ -58,7 +58,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted_ids: list[str] = field(default_factory=list)
-    load_ticket: int = 0  # the step waits for the page loads up to this one (0: none)
+    # the copies into (or out of) its requests' blocks that the step waits for
+    load_tickets: frozenset[int] = frozenset()
 
     @property
     def num_tokens(self) -> int:
@@ -212,8 +213,8 @@ class Scheduler:
                 self.waiting.readd_preempted(req)
         self._read_ahead_waiting()
         bm = self.block_manager
-        ticket = max((bm.load_ticket(s.request.request_id) for s in scheduled), default=0)
-        return SchedulerOutput(scheduled, preempted, ticket)
+        tickets = frozenset().union(*(bm.load_tickets(s.request.request_id) for s in scheduled))
+        return SchedulerOutput(scheduled, preempted, tickets)
 
     def _seat(self, req: Request, scheduled: list[ScheduledRequest], budget: int) -> int:
         """Add an admitted request to the running batch and this step, with as many of its

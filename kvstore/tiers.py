@@ -236,10 +236,12 @@ class TieredKVStore:
 class KVOffloader:
     """Moves prefix-cache pages between a device pool and the tiers below it.
 
-    Spills are synchronous (on CUDA by kernels that write the pinned host rows in place, all
-    of a spill's pages at once). Pages on disk can be read
-    ahead into memory (`prefetch`) before they are loaded. Loads go through the pool's
-    layer-wise loads: on CUDA they run on their own stream while earlier layers compute.
+    Spills into host rows read in place run asynchronously, after the loads started before
+    them (on CUDA a kernel writes the pinned host rows, all of a spill's pages at once; on
+    CPU the loads' worker thread copies them); other spills are synchronous. Pages on disk
+    can be read ahead into memory (`prefetch`) before they are loaded. Loads go through the
+    pool's layer-wise loads: on CUDA they run on their own stream while earlier layers
+    compute.
     """
 
     def __init__(self, pool: DeviceKVPool, store: TieredKVStore) -> None:
@@ -257,17 +259,19 @@ class KVOffloader:
             self._save()
         self.pool.loads.before_host_write(slot)
 
-    def _save(self) -> None:
+    def _save(self) -> int:
         saving, self._saving = self._saving, {}
-        if saving:
-            self.pool.loads.save_host_rows(list(saving.values()), list(saving))
+        if not saving:
+            return 0
+        return self.pool.loads.save_host_rows(list(saving.values()), list(saving))
 
-    def spill(
-        self, evicted: Sequence[tuple[int, bytes, str]], keep: Collection[bytes] = ()
-    ) -> None:
+    def spill(self, evicted: Sequence[tuple[int, bytes, str]], keep: Collection[bytes] = ()) -> int:
         """Save the pages of device blocks about to be reused, as (block, hash, owner), without
         pushing the pages under `keep` (the ones about to be loaded) out of host RAM. Pages
-        go straight into their host slots; what host RAM cannot take goes to disk."""
+        go straight into their host slots; what host RAM cannot take goes to disk.
+        Copies into host rows read in place may still be running: returns their ticket
+        (kvstore/transfer.py; 0 if none), and the blocks are not to be rewritten before it
+        is done."""
         to_disk: list[tuple[int, bytes, str]] = []
         for block, key, owner in evicted:
             if self.store.tier_of(key, touch=True) is Tier.HOST:
@@ -281,11 +285,12 @@ class KVOffloader:
                 self._saving[slots[0]] = block
             else:  # filled now: the next slot may push this very page down to disk
                 self.pool.read_pages_into([block], [row])
-        self._save()
+        ticket = self._save()
         if to_disk:
             pages = self.pool.read_pages([b for b, _, _ in to_disk]).cpu()
             for (_, key, owner), page in zip(to_disk, pages, strict=True):
                 self.store.to_disk(key, page, owner)
+        return ticket
 
     def find(self, keys: Sequence[bytes], fetch: DiskPrefetch | None = None) -> int:
         """How many of `keys`, from the first, some tier below the device (or `fetch`, the

@@ -14,11 +14,13 @@ requests after it, and a batch of them goes in loads of doubling size (an issue 
 host about as much for a few pages as for many: a launch per layer). A layer then waits for
 its pages of each issued load in turn. An error there is raised by the step's `issue`.
 
-Every load started gets a ticket, the count of loads started so far (`start` returns it):
-loads run in that order, so `done(t)` says whether every load up to ticket t has arrived.
-A step may need only some of them (`need`): a request admitted while others run can wait
-for its pages outside the batch (engine/scheduler.py), its load in flight across steps,
-and the steps in between wait for none of it (`wait_layer`, `finish`).
+Every load started gets a ticket (`start` returns it), and so does every save of device
+blocks into host rows (`save_host_rows`, a spill: on the worker thread or a CUDA stream of
+its own, so the scheduler does not wait for it; a load starts after the saves before it).
+`done(tickets)` says whether those have all finished, without waiting. A step may need only
+some of them (`need`): a request admitted while others run can wait for its pages outside
+the batch (engine/scheduler.py), its load in flight across steps, and the steps in between
+wait for none of it (`wait_layer`, `finish`).
 
 Where the pages are read from:
 - rows of the host tier's pinned tensor (`read_host_rows`), on a CUDA stream: in place,
@@ -55,7 +57,7 @@ import logging
 import os
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -223,30 +225,40 @@ class PageLoads:
         self._pending: list[Any] = []  # issued, not known to be done, oldest first
         self._failed: list[int] = []  # blocks whose pages never arrived
         self.num_started = 0  # the last ticket handed out
-        self._need: int | None = None  # the newest ticket the waits cover; None: every one
+        self._need: frozenset[int] | None = None  # the tickets the waits cover; None: all
         self._spare: list[torch.Tensor] = []  # staging of finished loads
         self._worker: ThreadPoolExecutor | None = None
         self._gatherers: ThreadPoolExecutor | None = None
         self._cupy = None
         self._stream: Any = None
         self._torch_stream: torch.cuda.Stream | None = None
+        self._save_stream: Any = None  # saves into host rows: CuPy's, and torch's view
+        self._save_torch_stream: torch.cuda.Stream | None = None
+        self._saver: ThreadPoolExecutor | None = None  # saves on CPU
         self._host: torch.Tensor | None = None  # the host tier's rows, read in place
         self._kernels: Any = None  # kvstore/triton_load.py, once rows are read in place
         self._reader: Any = None  # its HostRowReader of the host rows, on a CUDA stream
         self._reading: Counter[int] = Counter()  # host rows that queued or pending loads read
+        self._writing: Counter[int] = Counter()  # host rows that pending saves write
+        self._save_error: BaseException | None = None  # of a save on CPU: loads then fail
         if mode is LoadMode.STREAM:
             self._cupy = _cupy()
             if self._cupy is not None:
                 try:
                     with self._cupy.cuda.Device(pool.device.index or 0):
                         self._stream = self._cupy.cuda.Stream(non_blocking=True)
+                        self._save_stream = self._cupy.cuda.Stream(non_blocking=True)
                 except Exception as exc:
                     log.warning("CuPy unusable for KV page loads (%s); using torch streams", exc)
                     self._cupy = None
             if self._cupy is not None:
                 self._torch_stream = torch.cuda.ExternalStream(self._stream.ptr, device=pool.device)
+                self._save_torch_stream = torch.cuda.ExternalStream(
+                    self._save_stream.ptr, device=pool.device
+                )
             else:
                 self._torch_stream = torch.cuda.Stream(device=pool.device)
+                self._save_torch_stream = torch.cuda.Stream(device=pool.device)
             log.info("KV page loads: layer-wise on a CUDA stream (%s)", self.backend)
             if self.host_reads is HostReads.COPY and self._cupy is None:
                 log.warning("host rows are read by the kernel: 2-D copies need CuPy")
@@ -277,25 +289,97 @@ class PageLoads:
                 self._reader = self._kernels.HostRowReader(host, _page_layout(self.pool), layers)
         return self._host is not None
 
-    def save_host_rows(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
+    def save_host_rows(self, blocks: Sequence[int], slots: Sequence[int]) -> int:
         """Copy device `blocks` (every layer) into rows `slots` of the host tensor read in
-        place, with one kernel per part on the current stream; returns once they are there."""
+        place, after the work queued so far on the device: on a thread or a CUDA stream of
+        their own (one kernel per part), so this returns at once. Returns the save's ticket:
+        the blocks may be rewritten once it is done (`done`, `need`); a load started later
+        goes after it, and the rows are not read on the host nor rewritten before it is
+        done (`before_host_write`)."""
         assert self._host is not None and len(blocks) == len(slots)
         if not blocks:
-            return
-        if self.mode is LoadMode.THREAD:  # on CPU: the pool is in host memory too
-            self.pool.read_pages_into(blocks, [self._host[s] for s in slots])
-            return
-        index = torch.tensor([list(blocks), list(slots)]).to(self.pool.device)
-        self._kernels.save_pages(
-            self.pool.page_parts(), index[0], self._host, index[1], _page_layout(self.pool)
-        )
-        torch.cuda.current_stream(self.pool.device).synchronize()
+            return 0
+        self.num_started += 1
+        blocks, slots = list(blocks), list(slots)
+        if self.mode is LoadMode.THREAD:
+            load: Any = self._save_thread(blocks, slots)
+        elif self._cupy is None:
+            load = self._save_on_stream(blocks, slots)
+        else:
+            with self._cupy.cuda.Device(self.pool.device.index or 0):
+                load = self._save_on_stream(blocks, slots)
+        load.tickets = {self.num_started}
+        load.saved_slots = slots
+        self._writing.update(slots)
+        self._pending.append(load)
+        return self.num_started
+
+    def _save_thread(self, blocks: list[int], slots: list[int]) -> _ThreadLoad:
+        """The save on a thread of its own (on CPU the pool is in host memory too). If it
+        fails, every later load fails too: none may read a row it left torn."""
+        host = self._host
+        assert host is not None
+        load = _ThreadLoad(self.num_layers)
+
+        def run() -> None:
+            try:
+                self.pool.read_pages_into(blocks, [host[s] for s in slots])
+            except BaseException as exc:
+                self._save_error = exc
+                raise
+
+        if self._saver is None:
+            self._saver = ThreadPoolExecutor(1, thread_name_prefix="strata-kv-save")
+        load.future = self._saver.submit(run)
+        load.future.add_done_callback(load.finished)
+        return load
+
+    def _saves_before(self, ticket: int) -> list[Any]:
+        """The saves still pending that were started before `ticket`, oldest first: a load
+        started after a save may read its rows or write its blocks."""
+        return [load for load in self._pending if load.saved_slots and min(load.tickets) < ticket]
+
+    def _save_on_stream(self, blocks: list[int], slots: list[int]) -> _StreamLoad:
+        device, stream = self.pool.device, self._save_torch_stream
+        assert stream is not None
+        index = torch.tensor([blocks, slots]).to(device, non_blocking=True)
+        self._after_compute(self._save_stream, stream)
+        load = _StreamLoad()
+        with torch.cuda.stream(stream):
+            index.record_stream(stream)
+            load.indexes = [index]
+            self._kernels.save_pages(
+                self.pool.page_parts(), index[0], self._host, index[1], _page_layout(self.pool)
+            )
+            load.events = [self._record(self._save_stream, stream)] * self.num_layers
+        return load
+
+    def _after_compute(self, cp_stream: Any, stream: torch.cuda.Stream) -> None:
+        """A copy stream's next work goes after the work already queued on the compute
+        stream (on the blocks it reads or writes)."""
+        compute = torch.cuda.current_stream(self.pool.device)
+        cp = self._cupy
+        if cp is not None:
+            ready = cp.cuda.Event(disable_timing=True)
+            cp.cuda.runtime.eventRecord(ready.ptr, compute.cuda_stream)
+            cp_stream.wait_event(ready)
+        else:
+            stream.wait_stream(compute)
+
+    def _record(self, cp_stream: Any, stream: torch.cuda.Stream) -> Any:
+        """An event marking a copy stream's work so far (CuPy's or torch's)."""
+        if self._cupy is not None:
+            event = self._cupy.cuda.Event(disable_timing=True)
+            event.record(cp_stream)
+        else:
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
 
     def before_host_write(self, slot: int) -> None:
-        """Host row `slot` is about to be rewritten: a load that reads it finishes first
-        (a host sync, only then)."""
-        if self._reading[slot]:
+        """Host row `slot` is about to be read on the host or rewritten: a load that reads
+        it, or a save that writes it, finishes first (a host sync, only then)."""
+        if self._reading[slot] or self._writing[slot]:
             self.finish()
 
     def host_slots(self, pages: Sequence[torch.Tensor]) -> list[int] | None:
@@ -367,10 +451,12 @@ class PageLoads:
         host rows it read may change."""
         self._spare = sorted([*self._spare, *load.buffers], key=lambda b: -b.numel())[:4]
         self._unread(load.host_slots)
+        self._unread(load.saved_slots, self._writing)
 
-    def _unread(self, slots: Iterable[int]) -> None:
-        """Host rows a load no longer reads (a loop: `Counter -=` walks every row counted)."""
-        reading = self._reading
+    def _unread(self, slots: Iterable[int], counts: Counter[int] | None = None) -> None:
+        """Host rows a load no longer reads (or, with `counts=_writing`, a save no longer
+        writes): a loop, as `Counter -=` walks every row counted."""
+        reading = self._reading if counts is None else counts
         for slot in slots:
             left = reading[slot] - 1
             if left > 0:
@@ -413,19 +499,20 @@ class PageLoads:
     ) -> Any:
         # each queued load's blocks, and for the staged ones their rows of each layer
         indexes = [torch.tensor(b, dtype=torch.long) for _, b in queued]
+        newest = queued[-1][0].ticket  # it goes after the saves started before this
         if self.mode is LoadMode.THREAD:
             staged = [(src, index) for (src, _), index in zip(queued, indexes, strict=True)
                       if isinstance(src, _Staged)]  # fmt: skip
             rows = [(s, b) for src, blocks in queued if isinstance(src, _HostRows)
                     for s, b in zip(src.slots, blocks, strict=True)]  # fmt: skip
-            load: Any = self._issue_thread(staged, rows)
+            load: Any = self._issue_thread(staged, rows, newest)
         elif self._cupy is None:
-            load = self._issue_stream([src for src, _ in queued], indexes)
+            load = self._issue_stream([src for src, _ in queued], indexes, newest)
         else:
             with self._cupy.cuda.Device(self.pool.device.index or 0):  # CuPy's events, there
-                load = self._issue_stream([src for src, _ in queued], indexes)
+                load = self._issue_stream([src for src, _ in queued], indexes, newest)
         load.blocks = blocks
-        load.first_ticket = queued[0][0].ticket
+        load.tickets = {src.ticket for src, _ in queued}
         load.buffers = [src.buffer for src, _ in queued if src.buffer is not None]
         load.host_slots = [s for src, _ in queued if isinstance(src, _HostRows) for s in src.slots]
         return load
@@ -433,12 +520,10 @@ class PageLoads:
     # -- CPU worker thread --------------------------------------------------------------------
 
     def _issue_thread(
-        self, staged: list[tuple[_Staged, torch.Tensor]], rows: list[tuple[int, int]]
+        self, staged: list[tuple[_Staged, torch.Tensor]], rows: list[tuple[int, int]], newest: int
     ) -> _ThreadLoad:
         """The copies on the worker thread: per layer, the staged pages, then the host rows
         read in place (`rows`: (slot, block) pairs), a scatter per run of neighbouring slots."""
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="strata-kv-load")
         load = _ThreadLoad(self.num_layers)
         parts = [self.pool.layer_parts(layer) for layer in range(self.num_layers)]
         host, layout = self._host, _page_layout(self.pool)
@@ -448,7 +533,13 @@ class PageLoads:
             runs.append((first, count, torch.tensor(blocks[at : at + count])))
             at += count
 
+        saves = [load.future for load in self._saves_before(newest)]
+
         def run() -> None:
+            for save in saves:  # the host rows and blocks they touch are ready after them
+                save.exception()
+            if self._save_error is not None:  # a torn row must not be read
+                raise RuntimeError("a save into host rows failed") from self._save_error
             # the views may come from a step's inference mode, which is per thread
             with torch.inference_mode():
                 for layer in range(self.num_layers):
@@ -462,18 +553,23 @@ class PageLoads:
                         _scatter(parts[layer], rows, index)
                     load.done[layer].set()
 
-        load.future = self._worker.submit(run)
+        load.future = self._worker_pool().submit(run)
         load.future.add_done_callback(load.finished)
         return load
+
+    def _worker_pool(self) -> ThreadPoolExecutor:
+        """The loads' thread: they run in the order they were issued."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="strata-kv-load")
+        return self._worker
 
     # -- CUDA stream --------------------------------------------------------------------------
 
     def _issue_stream(
-        self, loads: list[_Staged | _HostRows], indexes: list[torch.Tensor]
+        self, loads: list[_Staged | _HostRows], indexes: list[torch.Tensor], newest: int
     ) -> _StreamLoad:
         device, stream = self.pool.device, self._torch_stream
         assert stream is not None
-        compute = torch.cuda.current_stream(device)
         cp = self._cupy
         # the loads read in place go as one: per layer, one kernel per part for all of them
         in_place = [(src, index) for src, index in zip(loads, indexes, strict=True)
@@ -501,13 +597,14 @@ class PageLoads:
         on_device += [index for _, index in staged]
         layout = _page_layout(self.pool)
         load = _StreamLoad()
-        # the copies go after the work already queued on their blocks
-        if cp is not None:
-            ready = cp.cuda.Event(disable_timing=True)
-            cp.cuda.runtime.eventRecord(ready.ptr, compute.cuda_stream)
-            self._stream.wait_event(ready)
-        else:
-            stream.wait_stream(compute)
+        # the copies go after the work already queued on their blocks, and after the saves
+        self._after_compute(self._stream, stream)
+        saves = self._saves_before(newest)
+        if saves:
+            if cp is not None:
+                self._stream.wait_event(saves[-1].events[-1])
+            else:
+                stream.wait_event(saves[-1].events[-1])
         try:
             with torch.cuda.stream(stream):
                 for index in on_device:
@@ -539,13 +636,7 @@ class PageLoads:
                             else:
                                 d.copy_(r, non_blocking=True)
                         _scatter(dst, dev, index)
-                    if cp is not None:
-                        event = cp.cuda.Event(disable_timing=True)
-                        event.record(self._stream)
-                    else:
-                        event = torch.cuda.Event()
-                        event.record(stream)
-                    load.events.append(event)
+                    load.events.append(self._record(self._stream, stream))
         except BaseException:
             stream.synchronize()  # copies already queued must not outlive their staging
             raise
@@ -574,24 +665,24 @@ class PageLoads:
 
     # -- waiting --------------------------------------------------------------------------------
 
-    def need(self, ticket: int | None) -> None:
-        """Make the waits (`wait_layer`, `wait_all`, `finish`) cover the loads up to `ticket`
-        only, until `finish` (None: every load). Later loads run on, unwaited for."""
-        self._need = ticket
+    def need(self, tickets: Collection[int] | None) -> None:
+        """Make the waits (`wait_layer`, `wait_all`, `finish`) cover the copies of these
+        tickets only, until `finish` (None: every copy). Others run on, unwaited for."""
+        self._need = None if tickets is None else frozenset(tickets)
 
     def _needed(self) -> list[Any]:
         need = self._need
         if need is None:
             return self._pending
-        return [load for load in self._pending if load.first_ticket <= need]
+        return [load for load in self._pending if not load.tickets.isdisjoint(need)]
 
-    def done(self, ticket: int) -> bool:
-        """Whether every load up to `ticket` has arrived (or failed: its step's wait raises);
-        never waits. Nothing queued up to it is left unissued."""
-        if self._queued and self._queued[0][0].ticket <= ticket:
+    def done(self, tickets: Collection[int]) -> bool:
+        """Whether the copies of these tickets have all finished (a failed one too: the
+        step's wait raises it); never waits. None of them is left unissued."""
+        if any(src.ticket in tickets for src, _ in self._queued):
             self.issue_ahead()
         self._prune()
-        return all(load.first_ticket > ticket for load in self._pending if not load.failed())
+        return all(load.tickets.isdisjoint(tickets) for load in self._pending if not load.failed())
 
     def issue_ahead(self) -> None:
         """Issue what is queued now; an error is raised by the step's `issue`."""
@@ -641,6 +732,7 @@ class PageLoads:
             except Exception as exc:
                 self._failed += load.blocks
                 self._unread(load.host_slots)
+                self._unread(load.saved_slots, self._writing)
                 error = error or exc
         if error is not None:
             raise error
@@ -663,10 +755,10 @@ class PageLoads:
         try:
             self.finish()
         finally:
-            for pool in (self._worker, self._gatherers):
+            for pool in (self._worker, self._gatherers, self._saver):
                 if pool is not None:
                     pool.shutdown(wait=True)
-            self._worker = self._gatherers = None
+            self._worker = self._gatherers = self._saver = None
 
 
 class _ThreadLoad:
@@ -675,8 +767,9 @@ class _ThreadLoad:
         self.blocks: list[int] = []
         self.buffers: list[torch.Tensor] = []  # staging, reused once the load is done
         self.host_slots: list[int] = []  # host rows read in place
+        self.saved_slots: list[int] = []  # host rows a save writes
         self.future: Future[None] | None = None
-        self.first_ticket = 0
+        self.tickets: set[int] = set()
 
     def failed(self) -> bool:
         return self.future is not None and self.future.done() and not self.query()
@@ -706,9 +799,10 @@ class _StreamLoad:
         # the pinned staging the copies read: alive (and not reused) until they are done
         self.buffers: list[torch.Tensor] = []
         self.host_slots: list[int] = []  # the host rows it reads in place
+        self.saved_slots: list[int] = []  # host rows a save writes
         self.indexes: list[torch.Tensor] = []
         self.events: list[Any] = []
-        self.first_ticket = 0
+        self.tickets: set[int] = set()
 
     def failed(self) -> bool:
         return False  # a failed copy fails the device: the step's wait raises it

@@ -167,7 +167,7 @@ def test_a_host_row_is_not_rewritten_before_its_load_reads_it():
 
 def test_a_spill_writes_host_rows_in_place_and_a_page_it_pushes_to_disk_is_whole(tmp_path):
     """Six blocks spill into a host tier of four slots over a disk tier: the first two
-    pages, spilled in this very call, are pushed on to disk, so their copies run before
+    pages, spilled in this very call, are pushed on to disk, so their saves finish before
     their rows are read. Every page reads back bit for bit from where it ended up."""
     spec = SPECS["fp8"]
     pool = DeviceKVPool(spec, 16, torch.device("cuda"))
@@ -179,7 +179,8 @@ def test_a_spill_writes_host_rows_in_place_and_a_page_it_pushes_to_disk_is_whole
     offloader = KVOffloader(pool, store)
     assert offloader.in_place
     keys = [bytes([i]) * 16 for i in range(6)]
-    offloader.spill([(b, k, "") for b, k in enumerate(keys)])
+    assert offloader.spill([(b, k, "") for b, k in enumerate(keys)]) > 0  # saves in flight
+    pool.loads.finish()  # the host rows are written once the saves are done
     assert [store.tier_of(k) for k in keys] == [Tier.DISK] * 2 + [Tier.HOST] * 4
     assert store.disk is not None
     store.disk.reap(wait=True)

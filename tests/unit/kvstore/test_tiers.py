@@ -346,17 +346,69 @@ def test_a_hit_on_pages_still_loading_waits_for_their_load(monkeypatch):
     monkeypatch.setattr(transfer, "_scatter", held)
     bm.allocate("a", 9, [], hashes)
     assert bm.load_below("a", 0, hashes) == [Tier.HOST, Tier.HOST]
-    ticket = bm.load_ticket("a")
-    assert ticket > 0 and not bm.loads_ready("a")
+    tickets = bm.load_tickets("a")
+    assert len(tickets) == 1 and not bm.loads_ready("a")
     hits = bm.lookup(hashes)
     assert hits == bm.block_table("a")[:2]  # findable while their pages are on their way
     bm.allocate("b", 9, hits)
-    assert bm.load_ticket("b") == ticket and not bm.loads_ready("b")
+    assert bm.load_tickets("b") == tickets and not bm.loads_ready("b")
     bm.check_integrity()
     threading.Timer(0.2, gate.set).start()
     bm.free("a")  # waits for the copies into its blocks
-    assert bm.loads_ready("b") and bm.load_ticket("b") == 0
+    assert bm.loads_ready("b") and not bm.load_tickets("b")
     for block, value in zip(hits, (1.0, 2.0), strict=True):
         assert bool((pool.kv[0, :, block] == value).all())
     bm.free("b")
+    bm.check_integrity()
+
+
+def test_blocks_handed_out_while_their_pages_are_saved_wait_for_the_save(monkeypatch):
+    """Saves to host RAM are held on their thread: the request handed the blocks of a spill,
+    and later the one handed blocks saved ahead, are not ready until the saves are done;
+    meanwhile the pages are already findable in host RAM, and load back intact."""
+    pool = DeviceKVPool(KVCacheSpec(1, 1, 16, 4, torch.float32), 4, CPU, "thread")
+    store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=8)
+    bm = BlockManager(4, 4, offloader=KVOffloader(pool, store))
+    gate = threading.Event()
+    read = pool.read_pages_into
+
+    def held(blocks, out):
+        if threading.current_thread().name.startswith("strata-kv-save"):
+            assert gate.wait(30)
+        read(blocks, out)
+
+    monkeypatch.setattr(pool, "read_pages_into", held)
+
+    def cache(rid: str, tokens: list[int], value: float) -> list[bytes]:
+        hashes = chain_hashes(root_hash("t"), tokens, 4, 0)
+        bm.allocate(rid, len(tokens))
+        for block in bm.block_table(rid)[: len(hashes)]:
+            pool.kv[0, :, block] = value
+        bm.commit(rid, hashes)
+        bm.free(rid)
+        return hashes
+
+    doc = cache("doc", list(range(9)), 1.0)
+    bm.allocate("other", 16)  # every block: the document's two pages are spilled
+    assert bm.load_tickets("other") and not bm.loads_ready("other")
+    assert bm.lookup(doc) == [] and len(bm.lookup_below("x", doc)) == 2
+    gate.set()
+    pool.loads.finish()
+    assert bm.loads_ready("other") and not bm.load_tickets("other")
+    bm.free("other")
+
+    gate.clear()
+    second = cache("second", list(range(100, 109)), 2.0)
+    assert bm.spill_ahead(4) == 2  # the second document's pages, saved ahead
+    bm.allocate("next", 16)  # its blocks too, among the others
+    assert not bm.loads_ready("next")
+    gate.set()
+    bm.free("next")  # waits for the save
+    for hashes, value in ((doc, 1.0), (second, 2.0)):
+        bm.allocate("back", 9, [], hashes)
+        assert bm.load_below("back", 0, hashes) == [Tier.HOST, Tier.HOST]
+        pool.loads.finish()
+        for block in bm.block_table("back")[:2]:
+            assert bool((pool.kv[0, :, block] == value).all())
+        bm.free("back")
     bm.check_integrity()

@@ -177,7 +177,8 @@ def test_host_reads_are_named_and_checked():
 def test_thread_loads_read_host_rows_in_place_by_runs(spec):
     """Rows of the host tier go straight from the host tensor into the blocks on the worker
     thread, a scatter per run of neighbouring slots (one row twice, into two blocks, too);
-    they stay marked as read until the load is done. Spills write rows in place."""
+    they stay marked as read until the load is done. Spills write rows in place, on the
+    worker too: marked as written until they are done."""
     pool = DeviceKVPool(spec, 16, CPU, "thread")
     host = torch.stack(random_pages(spec, 12, seed=3))
     assert pool.loads.read_host_rows(host)
@@ -189,14 +190,16 @@ def test_thread_loads_read_host_rows_in_place_by_runs(spec):
     assert torch.equal(pool.read_pages(blocks), host[slots])
     pool.loads.finish()
     assert not pool.loads._reading and not pool.loads._spare  # nothing was staged
-    pool.loads.save_host_rows([14, 2], [10, 11])
+    assert pool.loads.save_host_rows([14, 2], [10, 11]) == 2  # the load's ticket was 1
+    pool.loads.before_host_write(10)  # waits for the save writing that row
+    assert not pool.loads._writing and not pool.loads.pending
     assert torch.equal(host[10:12], pool.read_pages([14, 2]))
 
 
 def test_a_step_waits_for_the_loads_it_needs_and_later_ones_run_on(monkeypatch):
     """Tickets: the first load arrives, the second is held on the worker; a step that
     needs only the first waits for no layer of the second, and `finish` leaves it in
-    flight. `done` tells each apart without waiting; the waits cover every load again after
+    flight. `done` tells them apart without waiting; the waits cover every load again after
     `finish`."""
     spec = SPECS[0]
     pool = DeviceKVPool(spec, 8, CPU, load_mode="thread")
@@ -216,12 +219,12 @@ def test_a_step_waits_for_the_loads_it_needs_and_later_ones_run_on(monkeypatch):
     loads.finish()
     held["on"] = True
     assert loads.start([2, 3], second) == 2
-    assert loads.done(1) and not loads.done(2)  # `done` issued it: the worker holds it
-    loads.need(1)
+    assert loads.done({1}) and not loads.done({1, 2})  # `done` issued it: the worker holds it
+    loads.need({1})
     for layer in range(spec.num_layers):
         pool.layer(layer)  # returns: nothing needed is in flight
     loads.finish()
-    assert loads.pending and not loads.done(2)
+    assert loads.pending and not loads.done({2})
     assert torch.equal(pool.read_pages([0, 1]), torch.stack(first))
     waiter = threading.Thread(target=loads.finish)  # every load again: waits for the second
     waiter.start()
@@ -229,6 +232,48 @@ def test_a_step_waits_for_the_loads_it_needs_and_later_ones_run_on(monkeypatch):
     assert waiter.is_alive()
     gate.set()
     waiter.join(30)
-    assert not waiter.is_alive() and not loads.pending and loads.done(2)
+    assert not waiter.is_alive() and not loads.pending and loads.done({2})
     assert torch.equal(pool.read_pages([2, 3]), torch.stack(second))
     assert DeviceKVPool(spec, 2, CPU).loads.start([0], first[:1]) == 0  # sync: arrived
+
+
+def test_a_save_to_host_rows_runs_beside_the_step_and_orders_what_follows(monkeypatch):
+    """A save (a spill into host rows) is held on its thread: `save_host_rows` returns at
+    once, a step needing only an earlier load does not wait for it, a load started after it
+    starts after it, and its rows are neither read on the host nor rewritten before it is
+    done."""
+    spec = SPECS[1]
+    pool = DeviceKVPool(spec, 8, CPU, load_mode="thread")
+    loads = pool.loads
+    host = torch.zeros(6, spec.bytes_per_block, dtype=torch.uint8)
+    assert loads.read_host_rows(host)
+    pages = random_pages(spec, 4, seed=8)
+    pool.write_pages([0, 1], pages[:2])
+    earlier = loads.start([2, 3], pages[2:])  # a load, not yet issued
+    gate = threading.Event()
+    read = pool.read_pages_into
+
+    def held(blocks, out):
+        if threading.current_thread().name.startswith("strata-kv-save"):
+            assert gate.wait(30)
+        read(blocks, out)
+
+    monkeypatch.setattr(pool, "read_pages_into", held)
+    saved = loads.save_host_rows([0, 1], [4, 5])
+    assert saved == earlier + 1 and not loads.done({saved}) and loads._writing[4] == 1
+    loads.need({earlier})
+    for layer in range(spec.num_layers):
+        pool.layer(layer)  # the earlier load only
+    loads.finish()
+    assert torch.equal(pool.read_pages([2, 3]), torch.stack(pages[2:]))
+    later = loads.start_host_rows([6, 7], [4, 5])  # reads the rows being saved
+    assert not loads.done({later})
+    waiter = threading.Thread(target=loads.before_host_write, args=(5,))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive(), "the row is still being written"
+    gate.set()
+    waiter.join(30)
+    assert not waiter.is_alive() and loads.done({saved, later}) and not loads._writing
+    assert torch.equal(host[4:6], torch.stack(pages[:2]))
+    assert torch.equal(pool.read_pages([6, 7]), torch.stack(pages[:2]))  # after the save
