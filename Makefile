@@ -105,6 +105,7 @@ bench-gpu:
 	$(GPU_RUN) bench/engine_throughput.py --device cuda --model synthetic:llama3.2-1b
 	$(GPU_RUN) bench/kv_tiers.py --device cuda
 	$(GPU_RUN) bench/kv_prefetch.py --device cuda
+	$(GPU_RUN) bench/kv_prefetch.py --device cuda --running 32
 	$(GPU_RUN) bench/speculative.py --device cuda
 
 clean:

@@ -196,14 +196,16 @@ def main(argv: list[str] | None = None) -> dict:
     per_token = 4 * mc.num_layers * mc.num_kv_heads * mc.head_dim  # K and V, 16-bit
     rounds = args.warmup + args.repeats
     # each decoding request: its context, and a token per step of every round
-    decoder_blocks = args.running * (doc_blocks + -(-rounds * _steps_per_round(args) // block) + 1)
+    growth = args.running * (-(-rounds * _steps_per_round(args) // block) + 1)
+    decoder_blocks = args.running * doc_blocks + growth
     config = EngineConfig(
         model=model, dtype=args.dtype, device=args.device, seed=args.seed,
         enforce_eager=args.running == 0,
         cache=CacheConfig(
             num_blocks=args.batch * (doc_blocks + 1) + decoder_blocks + 8,
             kv_cache_dtype=kv_dtype,
-            host_memory_bytes=2 * (args.batch * doc_blocks + decoder_blocks) * block * per_token,
+            # (the filler takes every free block: the documents' and the decoders' growth)
+            host_memory_bytes=2 * (args.batch * doc_blocks + growth) * block * per_token,
             kv_load=args.kv_load, kv_host_reads=args.kv_host_reads,
         ),
         scheduler=SchedulerConfig(max_num_seqs=2 * args.batch + args.running,

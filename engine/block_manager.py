@@ -282,11 +282,15 @@ class BlockManager:
         hits: Sequence[int] = (),
         below: Sequence[bytes] = (),
         owner: str = "",
+        background: bool = False,
     ) -> list[int]:
         """Grow the request's table to cover `num_tokens` tokens, starting a new table with
         the cached blocks `hits` (from `lookup`); returns the table. `below` names the pages
         (from `lookup_below`) that `load_below` will fetch next: evictions spill around them.
         `owner` (the tenant, for a new table) is charged for the blocks it caches.
+        The pages the new blocks held are saved to host RAM in the device's order, before
+        anything the next step runs; with `background` (the request waits outside the batch
+        for its copies anyway) on a stream of their own, which the steps do not wait for.
 
         Mutates the free list and the cache. The caller must have checked `can_allocate`.
         """
@@ -322,7 +326,8 @@ class BlockManager:
         if self._save_ticket and need:  # blocks a save ahead may still be reading
             self._wait(request_id, [self._save_ticket.pop(b, 0) for b in table[-need:]])
         if evicted and self.offloader is not None:  # saved before anything overwrites them
-            self._wait(request_id, [self.offloader.spill(evicted, keep=set(below))])
+            ticket = self.offloader.spill(evicted, keep=set(below), inline=not background)
+            self._wait(request_id, [ticket])
         return table
 
     def spill_ahead(self, watermark: int) -> int:

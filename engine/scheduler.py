@@ -192,7 +192,9 @@ class Scheduler:
                 if not self.block_manager.can_allocate(req.request_id, target, hits):
                     break
                 self.waiting.pop()
-                self.block_manager.allocate(req.request_id, target, hits, below, owner=req.tenant)
+                # a request with pages to load waits outside a busy batch: so can its spills
+                self.block_manager.allocate(req.request_id, target, hits, below, owner=req.tenant,
+                                            background=busy and bool(below))  # fmt: skip
                 # pages found below the device (disk pages read ahead by now) are copied into
                 # the new blocks before the step that reads them; a page that fails to load
                 # is computed

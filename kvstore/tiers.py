@@ -259,19 +259,26 @@ class KVOffloader:
             self._save()
         self.pool.loads.before_host_write(slot)
 
-    def _save(self) -> int:
+    def _save(self, inline: bool = False) -> int:
         saving, self._saving = self._saving, {}
         if not saving:
             return 0
-        return self.pool.loads.save_host_rows(list(saving.values()), list(saving))
+        return self.pool.loads.save_host_rows(list(saving.values()), list(saving), inline=inline)
 
-    def spill(self, evicted: Sequence[tuple[int, bytes, str]], keep: Collection[bytes] = ()) -> int:
+    def spill(
+        self,
+        evicted: Sequence[tuple[int, bytes, str]],
+        keep: Collection[bytes] = (),
+        *,
+        inline: bool = False,
+    ) -> int:
         """Save the pages of device blocks about to be reused, as (block, hash, owner), without
         pushing the pages under `keep` (the ones about to be loaded) out of host RAM. Pages
         go straight into their host slots; what host RAM cannot take goes to disk.
         Copies into host rows read in place may still be running: returns their ticket
         (kvstore/transfer.py; 0 if none), and the blocks are not to be rewritten before it
-        is done."""
+        is done. `inline`: in the order of the device's work instead, waited for by
+        nothing (`PageLoads.save_host_rows`)."""
         to_disk: list[tuple[int, bytes, str]] = []
         for block, key, owner in evicted:
             if self.store.tier_of(key, touch=True) is Tier.HOST:
@@ -285,7 +292,7 @@ class KVOffloader:
                 self._saving[slots[0]] = block
             else:  # filled now: the next slot may push this very page down to disk
                 self.pool.read_pages_into([block], [row])
-        ticket = self._save()
+        ticket = self._save(inline)
         if to_disk:
             pages = self.pool.read_pages([b for b, _, _ in to_disk]).cpu()
             for (_, key, owner), page in zip(to_disk, pages, strict=True):

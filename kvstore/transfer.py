@@ -289,30 +289,39 @@ class PageLoads:
                 self._reader = self._kernels.HostRowReader(host, _page_layout(self.pool), layers)
         return self._host is not None
 
-    def save_host_rows(self, blocks: Sequence[int], slots: Sequence[int]) -> int:
+    def save_host_rows(
+        self, blocks: Sequence[int], slots: Sequence[int], *, inline: bool = False
+    ) -> int:
         """Copy device `blocks` (every layer) into rows `slots` of the host tensor read in
         place, after the work queued so far on the device: on a thread or a CUDA stream of
         their own (one kernel per part), so this returns at once. Returns the save's ticket:
         the blocks may be rewritten once it is done (`done`, `need`); a load started later
         goes after it, and the rows are not read on the host nor rewritten before it is
-        done (`before_host_write`)."""
+        done (`before_host_write`).
+
+        `inline` (the blocks' new owner runs in the next step): in the compute stream's
+        order instead (on CPU, before this returns), so nothing waits for it and it never
+        waits behind a long save; returns 0."""
         assert self._host is not None and len(blocks) == len(slots)
         if not blocks:
             return 0
-        self.num_started += 1
         blocks, slots = list(blocks), list(slots)
         if self.mode is LoadMode.THREAD:
+            if inline:
+                self.pool.read_pages_into(blocks, [self._host[s] for s in slots])
+                return 0
             load: Any = self._save_thread(blocks, slots)
         elif self._cupy is None:
-            load = self._save_on_stream(blocks, slots)
+            load = self._save_on_stream(blocks, slots, inline)
         else:
             with self._cupy.cuda.Device(self.pool.device.index or 0):
-                load = self._save_on_stream(blocks, slots)
+                load = self._save_on_stream(blocks, slots, inline)
+        self.num_started += 1
         load.tickets = {self.num_started}
         load.saved_slots = slots
         self._writing.update(slots)
         self._pending.append(load)
-        return self.num_started
+        return 0 if inline else self.num_started
 
     def _save_thread(self, blocks: list[int], slots: list[int]) -> _ThreadLoad:
         """The save on a thread of its own (on CPU the pool is in host memory too). If it
@@ -339,11 +348,16 @@ class PageLoads:
         started after a save may read its rows or write its blocks."""
         return [load for load in self._pending if load.saved_slots and min(load.tickets) < ticket]
 
-    def _save_on_stream(self, blocks: list[int], slots: list[int]) -> _StreamLoad:
-        device, stream = self.pool.device, self._save_torch_stream
+    def _save_on_stream(self, blocks: list[int], slots: list[int], inline: bool) -> _StreamLoad:
+        device = self.pool.device
+        compute = torch.cuda.current_stream(device)
+        cp_stream, stream = (
+            (None, compute) if inline else (self._save_stream, self._save_torch_stream)
+        )
         assert stream is not None
         index = torch.tensor([blocks, slots]).to(device, non_blocking=True)
-        self._after_compute(self._save_stream, stream)
+        if not inline:
+            self._after_compute(cp_stream, stream)
         load = _StreamLoad()
         with torch.cuda.stream(stream):
             index.record_stream(stream)
@@ -351,7 +365,7 @@ class PageLoads:
             self._kernels.save_pages(
                 self.pool.page_parts(), index[0], self._host, index[1], _page_layout(self.pool)
             )
-            load.events = [self._record(self._save_stream, stream)] * self.num_layers
+            load.events = [self._record(cp_stream, stream)] * self.num_layers
         return load
 
     def _after_compute(self, cp_stream: Any, stream: torch.cuda.Stream) -> None:
@@ -367,13 +381,18 @@ class PageLoads:
             stream.wait_stream(compute)
 
     def _record(self, cp_stream: Any, stream: torch.cuda.Stream) -> Any:
-        """An event marking a copy stream's work so far (CuPy's or torch's)."""
-        if self._cupy is not None:
-            event = self._cupy.cuda.Event(disable_timing=True)
-            event.record(cp_stream)
-        else:
+        """An event marking a stream's work so far: CuPy's (`cp_stream`, or None for a
+        stream CuPy did not make) or torch's."""
+        cp = self._cupy
+        if cp is None:
             event = torch.cuda.Event()
             event.record(stream)
+        elif cp_stream is None:
+            event = cp.cuda.Event(disable_timing=True)
+            cp.cuda.runtime.eventRecord(event.ptr, stream.cuda_stream)
+        else:
+            event = cp.cuda.Event(disable_timing=True)
+            event.record(cp_stream)
         return event
 
     def before_host_write(self, slot: int) -> None:

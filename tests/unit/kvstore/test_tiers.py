@@ -21,6 +21,7 @@ from kvstore import disk as disk_module
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
 from kvstore.tiers import KVOffloader, Tier, TieredKVStore
+from tests.held_copies import hold_saves
 
 CPU = torch.device("cpu")
 
@@ -365,19 +366,12 @@ def test_a_hit_on_pages_still_loading_waits_for_their_load(monkeypatch):
 def test_blocks_handed_out_while_their_pages_are_saved_wait_for_the_save(monkeypatch):
     """Saves to host RAM are held on their thread: the request handed the blocks of a spill,
     and later the one handed blocks saved ahead, are not ready until the saves are done;
-    meanwhile the pages are already findable in host RAM, and load back intact."""
+    meanwhile the pages are already findable in host RAM, and load back intact. Outside
+    the background, a spill is saved before `allocate` returns, and nothing waits for it."""
     pool = DeviceKVPool(KVCacheSpec(1, 1, 16, 4, torch.float32), 4, CPU, "thread")
     store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=8)
     bm = BlockManager(4, 4, offloader=KVOffloader(pool, store))
-    gate = threading.Event()
-    read = pool.read_pages_into
-
-    def held(blocks, out):
-        if threading.current_thread().name.startswith("strata-kv-save"):
-            assert gate.wait(30)
-        read(blocks, out)
-
-    monkeypatch.setattr(pool, "read_pages_into", held)
+    gate = hold_saves(monkeypatch, pool)
 
     def cache(rid: str, tokens: list[int], value: float) -> list[bytes]:
         hashes = chain_hashes(root_hash("t"), tokens, 4, 0)
@@ -389,7 +383,7 @@ def test_blocks_handed_out_while_their_pages_are_saved_wait_for_the_save(monkeyp
         return hashes
 
     doc = cache("doc", list(range(9)), 1.0)
-    bm.allocate("other", 16)  # every block: the document's two pages are spilled
+    bm.allocate("other", 16, background=True)  # the document's two pages go on their own
     assert bm.load_tickets("other") and not bm.loads_ready("other")
     assert bm.lookup(doc) == [] and len(bm.lookup_below("x", doc)) == 2
     gate.set()
@@ -411,4 +405,13 @@ def test_blocks_handed_out_while_their_pages_are_saved_wait_for_the_save(monkeyp
         for block in bm.block_table("back")[:2]:
             assert bool((pool.kv[0, :, block] == value).all())
         bm.free("back")
+    bm.check_integrity()
+
+    gate.clear()  # held from here on: a spill in the device's order is done on return
+    third = cache("third", list(range(200, 209)), 3.0)
+    bm.allocate("small", 16)
+    assert not bm.load_tickets("small") and bm.loads_ready("small")
+    slots = [store.host_row(h) for h in third]
+    assert all(bool((store.host.data[s].view(torch.float32) == 3.0).all()) for s in slots)
+    bm.free("small")
     bm.check_integrity()

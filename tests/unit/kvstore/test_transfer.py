@@ -12,6 +12,7 @@ from engine.config import CacheConfig, ConfigError
 from kvstore import transfer
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
+from tests.held_copies import hold_saves, waits_until_set
 
 CPU = torch.device("cpu")
 SPECS = [KVCacheSpec(3, 2, 64, 4, torch.bfloat16), KVCacheSpec(3, 2, 64, 4, torch.float8_e4m3fn)]
@@ -226,13 +227,8 @@ def test_a_step_waits_for_the_loads_it_needs_and_later_ones_run_on(monkeypatch):
     loads.finish()
     assert loads.pending and not loads.done({2})
     assert torch.equal(pool.read_pages([0, 1]), torch.stack(first))
-    waiter = threading.Thread(target=loads.finish)  # every load again: waits for the second
-    waiter.start()
-    waiter.join(0.2)
-    assert waiter.is_alive()
-    gate.set()
-    waiter.join(30)
-    assert not waiter.is_alive() and not loads.pending and loads.done({2})
+    waits_until_set(gate, loads.finish)  # every load again: waits for the second
+    assert not loads.pending and loads.done({2})
     assert torch.equal(pool.read_pages([2, 3]), torch.stack(second))
     assert DeviceKVPool(spec, 2, CPU).loads.start([0], first[:1]) == 0  # sync: arrived
 
@@ -250,15 +246,7 @@ def test_a_save_to_host_rows_runs_beside_the_step_and_orders_what_follows(monkey
     pages = random_pages(spec, 4, seed=8)
     pool.write_pages([0, 1], pages[:2])
     earlier = loads.start([2, 3], pages[2:])  # a load, not yet issued
-    gate = threading.Event()
-    read = pool.read_pages_into
-
-    def held(blocks, out):
-        if threading.current_thread().name.startswith("strata-kv-save"):
-            assert gate.wait(30)
-        read(blocks, out)
-
-    monkeypatch.setattr(pool, "read_pages_into", held)
+    gate = hold_saves(monkeypatch, pool)
     saved = loads.save_host_rows([0, 1], [4, 5])
     assert saved == earlier + 1 and not loads.done({saved}) and loads._writing[4] == 1
     loads.need({earlier})
@@ -268,12 +256,7 @@ def test_a_save_to_host_rows_runs_beside_the_step_and_orders_what_follows(monkey
     assert torch.equal(pool.read_pages([2, 3]), torch.stack(pages[2:]))
     later = loads.start_host_rows([6, 7], [4, 5])  # reads the rows being saved
     assert not loads.done({later})
-    waiter = threading.Thread(target=loads.before_host_write, args=(5,))
-    waiter.start()
-    waiter.join(0.2)
-    assert waiter.is_alive(), "the row is still being written"
-    gate.set()
-    waiter.join(30)
-    assert not waiter.is_alive() and loads.done({saved, later}) and not loads._writing
+    waits_until_set(gate, loads.before_host_write, 5)  # the row is still being written
+    assert loads.done({saved, later}) and not loads._writing
     assert torch.equal(host[4:6], torch.stack(pages[:2]))
     assert torch.equal(pool.read_pages([6, 7]), torch.stack(pages[:2]))  # after the save
