@@ -618,12 +618,11 @@ class PageLoads:
         load = _StreamLoad()
         # the copies go after the work already queued on their blocks, and after the saves
         self._after_compute(self._stream, stream)
-        saves = self._saves_before(newest)
-        if saves:
+        for save in self._saves_before(newest):  # on the compute stream or their own
             if cp is not None:
-                self._stream.wait_event(saves[-1].events[-1])
+                self._stream.wait_event(save.events[-1])
             else:
-                stream.wait_event(saves[-1].events[-1])
+                stream.wait_event(save.events[-1])
         try:
             with torch.cuda.stream(stream):
                 for index in on_device:

@@ -190,6 +190,38 @@ def test_a_spill_writes_host_rows_in_place_and_a_page_it_pushes_to_disk_is_whole
     store.close()
 
 
+def test_a_spill_on_its_own_stream_runs_beside_compute_and_a_later_load_goes_after_it():
+    """The save stream is held back by a long kernel: the spill returns at once with a
+    ticket; a load of the same host rows, started after it, waits on the GPU for the save
+    and gets the saved bytes; the rows are read on the host once the save is done. A spill
+    in the compute stream's order (inline) returns no ticket."""
+    spec = SPECS["fp8"]
+    pool = DeviceKVPool(spec, 16, torch.device("cuda"))
+    pool.load_pages(list(range(4)), pinned_pages(spec, 4))
+    pool.loads.finish()
+    want = pool.read_pages(list(range(4))).cpu()
+    store = TieredKVStore(spec.bytes_per_block, host_blocks=8, pin=True)
+    offloader = KVOffloader(pool, store)
+    keys = [bytes([i]) * 16 for i in range(4)]
+    with torch.cuda.stream(pool.loads._save_torch_stream):
+        torch.cuda._sleep(200_000_000)  # ahead of the save
+    ticket = offloader.spill([(0, keys[0], ""), (1, keys[1], "")])
+    assert ticket > 0 and not pool.loads.done({ticket})
+    assert offloader.load([8, 9], keys[:2]) == [Tier.HOST, Tier.HOST]
+    pool.loads.wait_all()
+    assert torch.equal(pool.read_pages([8, 9]).cpu(), want[:2])
+    pool.loads.finish()
+    assert pool.loads.done({ticket}) and not pool.loads.pending
+    for i in range(2):
+        got = store.get(keys[i])
+        assert got is not None and torch.equal(got[0], want[i]), i
+    assert offloader.spill([(2, keys[2], ""), (3, keys[3], "")], inline=True) == 0
+    torch.cuda.synchronize()
+    for i in (2, 3):
+        got = store.get(keys[i])
+        assert got is not None and torch.equal(got[0], want[i]), i
+
+
 def test_the_engine_gives_the_same_tokens_with_pages_loading_on_a_stream(strata_cache_dir):
     """Pages spilled to host RAM come back through the copy stream while layers compute,
     read from the host rows by the kernel or by 2-D copies."""
