@@ -106,6 +106,7 @@ bench-gpu:
 	$(GPU_RUN) bench/kv_tiers.py --device cuda
 	$(GPU_RUN) bench/kv_prefetch.py --device cuda
 	$(GPU_RUN) bench/kv_prefetch.py --device cuda --running 32
+	$(GPU_RUN) bench/kv_admit.py
 	$(GPU_RUN) bench/speculative.py --device cuda
 
 clean:

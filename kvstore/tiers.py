@@ -15,6 +15,7 @@ host pages, into its device blocks (layer by layer on CUDA: kvstore/transfer.py)
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
@@ -53,6 +54,10 @@ class HostKVPool:
     @property
     def full(self) -> bool:
         return not self._free
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
 
     def clear(self) -> None:
         """Forget every page."""
@@ -151,15 +156,26 @@ class TieredKVStore:
     def host_slot(
         self, key: bytes, keep: Collection[bytes] = (), owner: str = ""
     ) -> torch.Tensor | None:
-        """A host slot registered under `key` (not yet in the host tier) for `owner`, for
-        the caller to fill at once. To make room, the owner's oldest page moves to disk
+        """A host slot's row registered under `key` (not yet in the host tier) for `owner`,
+        for the caller to fill at once (`take_host_slot`)."""
+        slot = self.take_host_slot(key, keep, owner)
+        if slot is None:
+            return None
+        assert self.host is not None
+        return self.host.data[slot]
+
+    def take_host_slot(
+        self, key: bytes, keep: Collection[bytes] = (), owner: str = ""
+    ) -> int | None:
+        """A host slot (its number) registered under `key` (not yet in the host tier) for
+        `owner`, for the caller to fill. To make room, the owner's oldest page moves to disk
         when the owner is at its host allowance, else the least recently used page does;
         pages in `keep` never move. None when the page cannot go to host RAM."""
         host = self.host
         if host is None:
             return None
         assert key not in host.slots
-        limit = self.allowances.get(owner, (None, None))[0]
+        limit = self.allowances.get(owner, (None, None))[0] if self.allowances else None
         if limit == 0:
             return None
         victim: bytes | None = None
@@ -171,17 +187,59 @@ class TieredKVStore:
             victim = host.owners.oldest(host.slots, None, keep)
             if victim is None:
                 return None
+        before = self.before_host_use
         if victim is not None:
             victim_owner = host.owners.of[victim]
             slot = host.release(victim)
-            if self.before_host_use is not None:
-                self.before_host_use(slot)
-            self.to_disk(victim, host.data[slot], victim_owner)
+            if before is not None:
+                before(slot)
+            if self.disk is None:  # dropped (no view of the row needed)
+                self.num_dropped += 1
+            else:
+                self.to_disk(victim, host.data[slot], victim_owner)
         self.num_spilled[Tier.HOST] += 1
         slot = host.take(key, owner)
-        if self.before_host_use is not None:
-            self.before_host_use(slot)
-        return host.data[slot]
+        if before is not None:
+            before(slot)
+        return slot
+
+    def take_host_slots(
+        self, pages: Sequence[tuple[bytes, str]], keep: Collection[bytes] = ()
+    ) -> list[int] | None:
+        """`take_host_slot` for each of `pages` (key, owner) at once, in one pass over the
+        least recently used pages (a spill of many pages). None, with nothing taken, where
+        that does not apply: an owner has a host allowance, or the pages already there do
+        not make room for them all (they would push out pages of this very batch)."""
+        host = self.host
+        if host is None or self.allowances:
+            return None
+        short = len(pages) - host.num_free
+        victims: list[bytes] = []
+        if short > 0:
+            victims = list(itertools.islice((k for k in host.slots if k not in keep), short))
+            if len(victims) < short:
+                return None
+        before = self.before_host_use
+        checked = set()
+        for victim in victims:
+            victim_owner = host.owners.of[victim]
+            slot = host.release(victim)
+            if before is not None:
+                before(slot)
+            checked.add(slot)
+            if self.disk is None:
+                self.num_dropped += 1
+            else:
+                self.to_disk(victim, host.data[slot], victim_owner)
+        slots: list[int] = []
+        for key, owner in pages:
+            assert key not in host.slots
+            slot = host.take(key, owner)
+            if before is not None and slot not in checked:
+                before(slot)
+            slots.append(slot)
+        self.num_spilled[Tier.HOST] += len(pages)
+        return slots
 
     def to_disk(self, key: bytes, page: torch.Tensor, owner: str = "") -> None:
         """Write a page to the disk tier (within the owner's allowance), or drop it."""
@@ -280,18 +338,20 @@ class KVOffloader:
         is done. `inline`: in the order of the device's work instead, waited for by
         nothing (`PageLoads.save_host_rows`)."""
         to_disk: list[tuple[int, bytes, str]] = []
-        for block, key, owner in evicted:
-            if self.store.tier_of(key, touch=True) is Tier.HOST:
-                continue  # loaded from there earlier: the host copy is still good
-            row = self.store.host_slot(key, keep, owner)
-            if row is None:
+        # those loaded from host RAM earlier: the host copy is still good
+        todo = [e for e in evicted if self.store.tier_of(e[1], touch=True) is not Tier.HOST]
+        at_once = self.store.take_host_slots([(key, owner) for _, key, owner in todo], keep)
+        for i, (block, key, owner) in enumerate(todo):
+            slot = (
+                at_once[i] if at_once is not None else self.store.take_host_slot(key, keep, owner)
+            )
+            if slot is None:
                 to_disk.append((block, key, owner))
             elif self.in_place:  # copied with the others below, or sooner if its row is used
-                slots = self.pool.loads.host_slots([row])
-                assert slots is not None
-                self._saving[slots[0]] = block
+                self._saving[slot] = block
             else:  # filled now: the next slot may push this very page down to disk
-                self.pool.read_pages_into([block], [row])
+                assert self.store.host is not None
+                self.pool.read_pages_into([block], [self.store.host.data[slot]])
         ticket = self._save(inline)
         if to_disk:
             pages = self.pool.read_pages([b for b, _, _ in to_disk]).cpu()

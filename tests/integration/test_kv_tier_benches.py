@@ -33,3 +33,16 @@ def test_rag_longdoc_small_run_hits_every_tier(tmp_path, capsys, strata_cache_di
         assert 0 < run["stream_gap_ms"]["p50"] <= run["stream_gap_ms"]["max"]
     (written,) = tmp_path.glob("rag_longdoc-cpu-*.json")
     assert json.loads(written.read_text())["speedup"] == summary["speedup"]
+
+
+def test_kv_admit_quick_times_admissions_whose_every_page_comes_from_host(tmp_path, capsys):
+    from bench.kv_admit import main as admit
+
+    summary = admit(["--quick", "--out-dir", str(tmp_path)])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
+    assert summary["pages_per_round"] == 2 * 512 // 16
+    assert summary["host_hits"] == 3 * summary["pages_per_round"]  # every round, every page
+    best, median = summary["us_per_page"]["best"], summary["us_per_page"]["median"]
+    assert 0 < best <= median
+    (written,) = tmp_path.glob("kv_admit-cpu-*.json")
+    assert len(json.loads(written.read_text())["round_ms"]) == 3

@@ -250,6 +250,38 @@ def test_spilling_never_pushes_out_the_pages_about_to_be_loaded(tmp_path):
     store.close()
 
 
+def test_host_slots_taken_at_once_match_one_at_a_time(tmp_path):
+    """A spill's slots taken in one pass push out the same least recently used pages (not
+    the kept ones) as taking them one by one; where the pages there cannot make room for
+    the whole batch, or an owner has an allowance, nothing is taken at once."""
+    stores = [TieredKVStore(4096, host_blocks=6, disk_blocks=8, disk_dir=tmp_path / d)
+              for d in ("once", "each")]  # fmt: skip
+    for store in stores:
+        for i in range(6):
+            store.put(key(i), torch.full((4096,), i, dtype=torch.uint8), owner="a")
+        store.tier_of(key(0), touch=True)  # now the most recently used
+    new = [(key(10 + i), "b") for i in range(3)]
+    keep = {key(1)}
+    once, each = stores
+    slots = once.take_host_slots(new, keep)
+    assert slots is not None and len(set(slots)) == 3
+    for k, owner in new:
+        each.take_host_slot(k, keep, owner)
+    for store in stores:  # keys 2, 3 and 4 went to disk; 1 was kept, 0 recently used
+        assert [store.tier_of(key(i)) for i in range(6)] == [Tier.HOST, Tier.HOST] + [
+            Tier.DISK
+        ] * 3 + [Tier.HOST]
+        assert all(store.tier_of(k) is Tier.HOST for k, _ in new)
+        assert store.num_spilled == {Tier.HOST: 9, Tier.DISK: 3}
+        store.check_integrity()
+    assert once.take_host_slots([(key(20 + i), "b") for i in range(7)]) is None  # 6 slots
+    once.set_allowance("b", 8, None)
+    assert once.take_host_slots([(key(30), "b")]) is None
+    once.check_integrity()
+    for store in stores:
+        store.close()
+
+
 def test_per_tenant_allowances_bound_each_tier(tmp_path):
     store = TieredKVStore(4096, host_blocks=4, disk_blocks=8, disk_dir=tmp_path)
     page = torch.zeros(4096, dtype=torch.uint8)
