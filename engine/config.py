@@ -293,10 +293,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     policy: SchedulingPolicy = SchedulingPolicy.FAIR
+    # while requests run, the pages from host RAM or disk that one step may admit (each
+    # costs the scheduler bookkeeping before the step can start); a request over more is
+    # admitted alone
+    max_loaded_blocks_per_step: int = 512
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
             raise ConfigError("max_num_seqs must be positive")
+        if self.max_loaded_blocks_per_step <= 0:
+            raise ConfigError("max_loaded_blocks_per_step must be positive")
         if self.max_num_batched_tokens <= 0:
             raise ConfigError("max_num_batched_tokens must be positive")
         if self.max_model_len is not None and self.max_model_len <= 0:

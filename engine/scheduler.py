@@ -14,7 +14,8 @@ it is admitted, asynchronously on a GPU (kvstore/transfer.py). Admitted while ot
 requests run, it waits outside the batch (`loading`) until they have arrived, so the
 running requests' steps never wait on its copies; it joins the first step after. Admitted
 into an idle engine, it joins at once, and each layer's attention waits for that layer's
-pages only.
+pages only. While requests run, one step admits at most `max_loaded_blocks_per_step` such
+pages (at least one request): each costs the scheduler bookkeeping before the step starts.
 
 With speculative decoding on (engine/speculative.py), a running request in its decode phase
 may also get draft tokens: its step then computes its next token and the drafts after
@@ -177,6 +178,7 @@ class Scheduler:
             # their way wait outside it
             busy = bool(scheduled)
             budget = self._join_loaded(scheduled, budget, busy)
+            loaded = 0  # pages admitted from below the device, while busy
             skipped: list[Request] = []  # their pages are still being read from disk
             while (len(self.waiting) and budget > 0
                    and self.num_running < self.config.max_num_seqs):  # fmt: skip
@@ -186,6 +188,9 @@ class Scheduler:
                 if below and not self.block_manager.prefetch_below(req.request_id, below):
                     skipped.append(self.waiting.pop())
                     continue
+                if busy and loaded and loaded + len(below) > self.config.max_loaded_blocks_per_step:
+                    break  # the next step admits it: this one's bookkeeping is spent
+                loaded += len(below)
                 bs = self.block_manager.block_size
                 num_new = min(req.num_tokens - (len(hits) + len(below)) * bs, budget)
                 target = (len(hits) + len(below)) * bs + num_new

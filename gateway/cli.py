@@ -115,6 +115,12 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument(
+        "--max-loaded-blocks-per-step",
+        type=int,
+        default=512,
+        help="while requests run, KV pages from host RAM or disk one step may admit",
+    )
+    g.add_argument(
         "--scheduling-policy",
         default="fair",
         choices=[p.value for p in SchedulingPolicy],
@@ -200,6 +206,7 @@ def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             policy=SchedulingPolicy(args.scheduling_policy),
+            max_loaded_blocks_per_step=args.max_loaded_blocks_per_step,
         ),
         speculative=SpeculativeConfig(
             num_speculative_tokens=args.speculative_tokens,
@@ -323,6 +330,7 @@ _ENGINE_FLAGS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "max_model_len",
+    "max_loaded_blocks_per_step",
     "scheduling_policy",
     "speculative_tokens",
     "prompt_lookup_max",

@@ -359,3 +359,38 @@ def test_a_request_whose_pages_are_being_read_keeps_its_place(tmp_path):
     assert [x.request.request_id for x in out.scheduled] == ["reader"]
     assert reader.num_cached_disk_tokens == 12
     store.close()
+
+
+@pytest.mark.parametrize(("cap", "first_step"), [(2, ["qa"]), (4, ["qa", "qb"])])
+def test_a_busy_step_admits_pages_from_host_up_to_its_cap(cap, first_step):
+    """Two documents in host RAM, two blocks each, and a request decoding: with a cap of two
+    loaded blocks a step, the second reader waits (in its place) for the next step; with
+    four, both join the first."""
+    import torch
+
+    from kvstore.base import KVCacheSpec
+    from kvstore.device_pool import DeviceKVPool
+    from kvstore.tiers import KVOffloader, TieredKVStore
+
+    pool = DeviceKVPool(KVCacheSpec(1, 1, 16, 4, torch.float32), 12, torch.device("cpu"))
+    store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=16)
+    bm = BlockManager(12, 4, offloader=KVOffloader(pool, store))
+    config = SchedulerConfig(max_loaded_blocks_per_step=cap)
+    s = Scheduler(config, bm, max_model_len=48, cache_namespace="m")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    docs = {"qa": list(range(1, 10)), "qb": list(range(20, 29))}
+    for name, doc in docs.items():
+        _finish_alone(s, Request(f"{name}-doc", doc, params))
+    _finish_alone(s, Request("filler", list(range(100, 144)), params))  # every block
+    runner = Request("runner", [50, 51, 52], SamplingParams(max_tokens=20, ignore_eos=True))
+    s.add_request(runner)
+    run_step(s)
+    readers = {name: Request(name, [*doc, 99], params) for name, doc in docs.items()}
+    for r in readers.values():
+        s.add_request(r)
+    out = run_step(s)
+    assert [sr.request.request_id for sr in out.scheduled] == ["runner", *first_step]
+    out = run_step(s)
+    assert {r.request_id for r in s.running} == {"runner", "qa", "qb"}
+    assert all(r.num_cached_host_tokens == 8 for r in readers.values())
+    bm.check_integrity()
