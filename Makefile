@@ -101,6 +101,7 @@ bench-gpu:
 	test ! -f $(GPU_MODEL_PART)/gguf.part1 || $(MAKE) gpu-model
 	$(GPU_RUN) -m pytest -q -p no:cacheprovider tests/gpu
 	$(GPU_RUN) bench/gpu_decode.py
+	$(GPU_RUN) bench/gpu_decode.py --batches 1 --skip-hf --triton-gemv
 	$(GPU_RUN) bench/lora.py --device cuda --model synthetic:llama3.2-1b
 	$(GPU_RUN) bench/engine_throughput.py --device cuda --model synthetic:llama3.2-1b
 	$(GPU_RUN) bench/kv_tiers.py --device cuda

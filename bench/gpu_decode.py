@@ -23,6 +23,7 @@ Step time is the median of `--steps` timed steps after warm-up.
 
     python bench/gpu_decode.py            # on a GPU: the full grid
     python bench/gpu_decode.py --quick    # fewer shapes and steps
+    python bench/gpu_decode.py --batches 1 --triton-gemv   # one-token steps by Triton's GEMV
 
 The last printed line is one JSON object; the full record goes to bench/results/.
 """
@@ -100,6 +101,7 @@ def build_engine(args: argparse.Namespace, kv: str, device: torch.device) -> Eng
         ),
         scheduler=SchedulerConfig(max_num_seqs=max(args.batches), max_model_len=max_len),
         cuda_graph_max_batch=max(args.batches),
+        triton_gemv=args.triton_gemv,
     )
     core, _ = create_engine(config, progress=False)
     return core
@@ -161,6 +163,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 32, CPU 4)")
     ap.add_argument("--kv-gb", type=float, default=None, help="KV pool (default: what fits)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--triton-gemv", action="store_true", help="one-token steps: Triton's GEMV, not cuBLAS"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
@@ -262,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "weights": "random (seeded), real shapes" if "synthetic" in args.model else "checkpoint",
         "dtype": args.dtype,
         "steps": args.steps,
+        "triton_gemv": args.triton_gemv,
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "step_ms": step_ms,
         "batch1_step_vs_weight_streaming_limit": batch1_vs_limit,

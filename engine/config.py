@@ -369,6 +369,9 @@ class EngineConfig:
     # decode steps from captured CUDA graphs (Triton backend only; engine/cuda_graphs.py)
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
+    # one-token steps' projections by a Triton GEMV kernel instead of cuBLAS (CUDA, Triton
+    # backend; engine/kernels/triton_gemv.py)
+    triton_gemv: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)

@@ -47,7 +47,7 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
         apply_native_cpu(model, kernels)
     triton = use_triton(config)
     if triton and config.torch_device().type == "cuda":  # interpreted, they only cost time
-        apply_triton_layers(model)
+        apply_triton_layers(model, gemv=config.triton_gemv)
     core = EngineCore(
         model,
         config,

@@ -3,6 +3,8 @@
 RMSNorm (with its residual add), the rotary embedding and SiLU-and-multiply each become one
 kernel launch (engine/kernels/triton_fused.py). The modules keep the weights and tables of
 the ones they replace, and the same call signatures, so the model code does not change.
+With `gemv`, the projections and the LM head of one-token steps run a Triton matrix-vector
+kernel instead of cuBLAS (engine/kernels/triton_gemv.py); other steps keep cuBLAS.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from types import ModuleType
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from engine.attention.triton_backend import load_triton_kernels
 from engine.model.llama import LlamaForCausalLM, RMSNorm, RotaryEmbedding
@@ -59,9 +62,38 @@ class TritonSiluMul(nn.Module):
         return out
 
 
-def apply_triton_layers(model: LlamaForCausalLM) -> None:
-    """Replace every RMSNorm, the rotary embedding and every activation in place."""
+class TritonLinear(nn.Module):
+    """An nn.Linear (its parameters shared) whose one-row inputs go to the GEMV kernel."""
+
+    def __init__(self, linear: nn.Linear, ops: ModuleType) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1:
+            out: torch.Tensor = self.ops.gemv(x, self.weight, self.bias)
+            return out
+        return F.linear(x, self.weight, self.bias)
+
+
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def apply_triton_layers(model: LlamaForCausalLM, *, gemv: bool = False) -> None:
+    """Replace every RMSNorm, the rotary embedding and every activation in place; with
+    `gemv`, every projection and the LM head too (`TritonLinear`)."""
     device = model.embed_tokens.weight.device
+    if gemv:
+        gemv_ops = load_triton_kernels(device, "triton_gemv")
+        for layer in model.layers:
+            for name in _PROJECTIONS:
+                linear = getattr(layer, name)
+                assert isinstance(linear, nn.Linear)
+                setattr(layer, name, TritonLinear(linear, gemv_ops))
+        assert isinstance(model.lm_head, nn.Linear)
+        model.lm_head = TritonLinear(model.lm_head, gemv_ops)
     ops = load_triton_kernels(device, "triton_fused")
     for layer in model.layers:
         assert isinstance(layer.input_norm, RMSNorm) and isinstance(layer.post_attn_norm, RMSNorm)
