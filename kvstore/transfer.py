@@ -15,8 +15,9 @@ host about as much for a few pages as for many: a launch per layer). A layer the
 its pages of each issued load in turn. An error there is raised by the step's `issue`.
 
 Every load started gets a ticket (`start` returns it), and so does every save of device
-blocks into host rows (`save_host_rows`, a spill: on the worker thread or a CUDA stream of
-its own, so the scheduler does not wait for it; a load starts after the saves before it).
+blocks into host rows (`save_host_rows`, a spill: on a thread or CUDA stream of its own, so
+the scheduler does not wait for it, or in the compute stream's order; a load starts after
+the saves before it).
 `done(tickets)` says whether those have all finished, without waiting. A step may need only
 some of them (`need`): a request admitted while others run can wait for its pages outside
 the batch (engine/scheduler.py), its load in flight across steps, and the steps in between
