@@ -194,10 +194,13 @@ class BlockManager:
         if waits:
             self._waits.setdefault(request_id, set()).update(waits)
 
-    def load_tickets(self, request_id: str) -> set[int]:
-        """The copies into (or out of) the request's blocks that may still be running
-        (kvstore/transfer.py tickets): a step that runs it must wait for them."""
-        return self._waits.get(request_id, set())
+    def load_tickets(self, request_ids: Iterable[str]) -> frozenset[int]:
+        """The copies into (or out of) these requests' blocks that may still be running
+        (kvstore/transfer.py tickets): a step that runs them must wait for them."""
+        if not self._waits:  # the usual step: nothing of its own in flight
+            return frozenset()
+        waits = self._waits
+        return frozenset().union(*(waits[r] for r in request_ids if r in waits))
 
     def loads_ready(self, request_id: str) -> bool:
         """Whether the copies into (or out of) the request's blocks are all done (never

@@ -219,8 +219,7 @@ class Scheduler:
             for req in reversed(skipped):
                 self.waiting.readd_preempted(req)
         self._read_ahead_waiting()
-        bm = self.block_manager
-        tickets = frozenset().union(*(bm.load_tickets(s.request.request_id) for s in scheduled))
+        tickets = self.block_manager.load_tickets(s.request.request_id for s in scheduled)
         return SchedulerOutput(scheduled, preempted, tickets)
 
     def _seat(self, req: Request, scheduled: list[ScheduledRequest], budget: int) -> int:

@@ -379,16 +379,16 @@ def test_a_hit_on_pages_still_loading_waits_for_their_load(monkeypatch):
     monkeypatch.setattr(transfer, "_scatter", held)
     bm.allocate("a", 9, [], hashes)
     assert bm.load_below("a", 0, hashes) == [Tier.HOST, Tier.HOST]
-    tickets = bm.load_tickets("a")
+    tickets = bm.load_tickets(["a"])
     assert len(tickets) == 1 and not bm.loads_ready("a")
     hits = bm.lookup(hashes)
     assert hits == bm.block_table("a")[:2]  # findable while their pages are on their way
     bm.allocate("b", 9, hits)
-    assert bm.load_tickets("b") == tickets and not bm.loads_ready("b")
+    assert bm.load_tickets(["b"]) == tickets and not bm.loads_ready("b")
     bm.check_integrity()
     threading.Timer(0.2, gate.set).start()
     bm.free("a")  # waits for the copies into its blocks
-    assert bm.loads_ready("b") and not bm.load_tickets("b")
+    assert bm.loads_ready("b") and not bm.load_tickets(["b"])
     for block, value in zip(hits, (1.0, 2.0), strict=True):
         assert bool((pool.kv[0, :, block] == value).all())
     bm.free("b")
@@ -416,11 +416,11 @@ def test_blocks_handed_out_while_their_pages_are_saved_wait_for_the_save(monkeyp
 
     doc = cache("doc", list(range(9)), 1.0)
     bm.allocate("other", 16, background=True)  # the document's two pages go on their own
-    assert bm.load_tickets("other") and not bm.loads_ready("other")
+    assert bm.load_tickets(["other"]) and not bm.loads_ready("other")
     assert bm.lookup(doc) == [] and len(bm.lookup_below("x", doc)) == 2
     gate.set()
     pool.loads.finish()
-    assert bm.loads_ready("other") and not bm.load_tickets("other")
+    assert bm.loads_ready("other") and not bm.load_tickets(["other"])
     bm.free("other")
 
     gate.clear()
@@ -442,7 +442,7 @@ def test_blocks_handed_out_while_their_pages_are_saved_wait_for_the_save(monkeyp
     gate.clear()  # held from here on: a spill in the device's order is done on return
     third = cache("third", list(range(200, 209)), 3.0)
     bm.allocate("small", 16)
-    assert not bm.load_tickets("small") and bm.loads_ready("small")
+    assert not bm.load_tickets(["small"]) and bm.loads_ready("small")
     slots = [store.host_row(h) for h in third]
     assert all(bool((store.host.data[s].view(torch.float32) == 3.0).all()) for s in slots)
     bm.free("small")
