@@ -396,6 +396,12 @@ class EngineCore:
                 Tier.DISK.value: bm.num_tier_hit_blocks[Tier.DISK],
             },
             num_preemptions=self.scheduler.num_preemptions,
+            num_loading=len(self.scheduler.loading),
+            num_kv_spilled_blocks={}
+            if self.tiers is None
+            else {tier.value: n for tier, n in self.tiers.num_spilled.items()},
+            num_kv_dropped_blocks=0 if self.tiers is None else self.tiers.num_dropped,
+            num_kv_disk_write_errors=0 if disk is None else disk.num_write_errors,
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
             num_draft_tokens=self.num_draft_tokens,

@@ -228,6 +228,12 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # blocks per tenant per tier ("device", "host", "disk"): held by its requests or cached
     kv_blocks_by_tenant: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
     num_preemptions: int
+    num_loading: int = 0  # of num_running: waiting outside the batch for their pages to load
+    # cached pages moved down since start, by the tier they went to ("host", "disk"); pages
+    # dropped because no tier below could keep them; writes to disk that failed (dropped)
+    num_kv_spilled_blocks: dict[str, int] = msgspec.field(default_factory=dict)
+    num_kv_dropped_blocks: int = 0
+    num_kv_disk_write_errors: int = 0
     num_steps: int
     num_generated_tokens: int
     # speculative decoding since start: draft tokens proposed, and those the model agreed with

@@ -6,9 +6,12 @@ Names follow vLLM's where they overlap, prefixed `strata:` instead of `vllm:`.
 from __future__ import annotations
 
 import time
+from collections import Counter as Tally
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engine.protocol import EngineStats
 from tenants.records import UsageRecord
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -68,7 +71,19 @@ class GatewayMetrics:
             "strata:num_requests_waiting", "Requests queued in the engines", registry=r
         )
         self.running = Gauge(
-            "strata:num_requests_running", "Requests running in the engines", registry=r
+            "strata:num_requests_running",
+            "Requests holding KV blocks in the engines (running, or loading their pages)",
+            registry=r,
+        )
+        self.loading = Gauge(
+            "strata:num_requests_loading_kv",
+            "Running requests waiting outside the batch for their pages from host RAM or disk",
+            registry=r,
+        )
+        self.preemptions = Gauge(
+            "strata:num_preemptions",
+            "Requests preempted for KV space since start",
+            registry=r,
         )
         self.kv_used = Gauge("strata:kv_blocks_used", "KV-cache blocks in use", registry=r)
         self.kv_total = Gauge("strata:kv_blocks_total", "KV-cache blocks in the pools", registry=r)
@@ -76,6 +91,28 @@ class GatewayMetrics:
             "strata:kv_blocks",
             "KV-cache blocks per tenant and tier (device, host, disk): held or cached",
             ["tenant", "tier"],
+            registry=r,
+        )
+        self.kv_hits = Gauge(
+            "strata:kv_cache_hit_blocks",
+            "Prefix-cache hits since start, in blocks, by the tier each block came from",
+            ["tier"],
+            registry=r,
+        )
+        self.kv_spilled = Gauge(
+            "strata:kv_spilled_blocks",
+            "Cached KV pages moved down since start, by the tier they went to (host, disk)",
+            ["tier"],
+            registry=r,
+        )
+        self.kv_dropped = Gauge(
+            "strata:kv_dropped_blocks",
+            "Cached KV pages dropped since start because no tier below could keep them",
+            registry=r,
+        )
+        self.kv_write_errors = Gauge(
+            "strata:kv_disk_write_errors",
+            "KV page writes to disk that failed since start (those pages were dropped)",
             registry=r,
         )
         self.kv_read_ahead = Gauge(
@@ -122,32 +159,40 @@ class GatewayMetrics:
                 decode = time.perf_counter() - first_token_at
                 self.itl.labels(t).observe(decode / (rec.completion_tokens - 1))
 
-    def set_engine(
-        self,
-        waiting: int,
-        running: int,
-        kv_used: int,
-        kv_total: int,
-        kv_bytes_per_token: int,
-        kv_blocks: dict[tuple[str, str], int],
-        kv_read_ahead_bytes: int,
-        kv_checksum_failures: int,
-        draft_tokens: int = 0,
-        accepted_draft_tokens: int = 0,
-    ) -> None:
-        """Engine-wide figures, summed over workers; `kv_blocks` by (tenant, tier)."""
+    def set_engine(self, stats: Sequence[EngineStats]) -> None:
+        """The engine workers' figures, summed over workers."""
+        kv_blocks: Tally[tuple[str, str]] = Tally()
+        hits: Tally[str] = Tally()
+        spilled: Tally[str] = Tally()
+        for s in stats:
+            for tenant, tiers in s.kv_blocks_by_tenant.items():
+                kv_blocks.update({(tenant, tier): n for tier, n in tiers.items()})
+            hits.update(s.num_cache_hit_blocks)
+            spilled.update(s.num_kv_spilled_blocks)
         self.kv_blocks.clear()  # tenants whose blocks are all gone drop out
         for (tenant, tier), n in kv_blocks.items():
             self.kv_blocks.labels(tenant, tier).set(n)
-        self.waiting.set(waiting)
-        self.running.set(running)
-        self.kv_used.set(kv_used)
-        self.kv_total.set(kv_total)
-        self.kv_bytes_per_token.set(kv_bytes_per_token)
-        self.kv_read_ahead.set(kv_read_ahead_bytes)
-        self.kv_checksum_failures.set(kv_checksum_failures)
-        self.draft_tokens.set(draft_tokens)
-        self.accepted_draft_tokens.set(accepted_draft_tokens)
+        for tier, n in hits.items():
+            self.kv_hits.labels(tier).set(n)
+        for tier, n in spilled.items():
+            self.kv_spilled.labels(tier).set(n)
+        total = {
+            self.waiting: sum(s.num_waiting for s in stats),
+            self.running: sum(s.num_running for s in stats),
+            self.loading: sum(s.num_loading for s in stats),
+            self.preemptions: sum(s.num_preemptions for s in stats),
+            self.kv_used: sum(s.num_kv_blocks_used for s in stats),
+            self.kv_total: sum(s.num_kv_blocks_total for s in stats),
+            self.kv_dropped: sum(s.num_kv_dropped_blocks for s in stats),
+            self.kv_write_errors: sum(s.num_kv_disk_write_errors for s in stats),
+            self.kv_read_ahead: sum(s.kv_disk_read_ahead_bytes for s in stats),
+            self.kv_checksum_failures: sum(s.num_kv_disk_checksum_failures for s in stats),
+            self.draft_tokens: sum(s.num_draft_tokens for s in stats),
+            self.accepted_draft_tokens: sum(s.num_accepted_draft_tokens for s in stats),
+        }
+        for gauge, n in total.items():
+            gauge.set(n)
+        self.kv_bytes_per_token.set(max((s.kv_bytes_per_token for s in stats), default=0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

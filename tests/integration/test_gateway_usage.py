@@ -288,9 +288,20 @@ async def test_cached_tokens_are_broken_down_by_tier(store_server, strata_cache_
             metrics = (await http.get("/metrics")).text
         for tier in ("device", "host", "disk"):  # the tenant's blocks, tier by tier
             assert f'strata:kv_blocks{{tenant="{tenant_id}",tier="{tier}"}}' in metrics
+        value = {
+            line.split()[0]: float(line.split()[1])
+            for line in metrics.splitlines()
+            if line[:1] != "#"
+        }
+        for tier in ("host", "disk"):  # pages went down to each tier and were hit there
+            assert value[f'strata:kv_spilled_blocks{{tier="{tier}"}}'] > 0
+            assert value[f'strata:kv_cache_hit_blocks{{tier="{tier}"}}'] > 0
+        assert value['strata:kv_cache_hit_blocks{tier="device"}'] >= 0
+        assert value["strata:num_requests_loading_kv"] == 0  # every load is over
+        assert value["strata:kv_disk_write_errors"] == 0
         # the disk pages were read ahead, and their buffers went with the loads
-        assert "\nstrata:kv_disk_read_ahead_bytes 0.0\n" in metrics
-        assert "\nstrata:kv_disk_checksum_failures 0.0\n" in metrics
+        assert value["strata:kv_disk_read_ahead_bytes"] == 0
+        assert value["strata:kv_disk_checksum_failures"] == 0
     finally:
         server.stop()
         worker.stop()

@@ -63,6 +63,11 @@ def test_pages_back_from_host_and_disk_give_the_tokens_of_a_recompute(
     assert stats.num_cache_hit_blocks["host"] * 16 == host
     assert stats.num_cache_hit_blocks["disk"] * 16 == disk
     assert stats.num_kv_host_blocks_used == 6 and stats.num_kv_disk_blocks_used > 0
+    # every page now below the device went down through host RAM, to disk when it filled
+    spilled = stats.num_kv_spilled_blocks
+    assert spilled["host"] >= 6 + stats.num_kv_disk_blocks_used
+    assert spilled["disk"] >= stats.num_kv_disk_blocks_used
+    assert stats.num_kv_dropped_blocks == 0 and stats.num_kv_disk_write_errors == 0
     tiered.core.check_integrity()
 
 
@@ -298,7 +303,8 @@ def test_a_request_loading_from_host_waits_outside_the_running_batch(
         assert "reader" not in outs and len(outs["running"].new_token_ids) == 1
         tokens["running"] += outs["running"].new_token_ids
         assert [r.request_id for r in core.scheduler.loading] == ["reader"]
-        assert core.pool.loads.pending and core.stats().num_running == 2
+        stats = core.stats()
+        assert core.pool.loads.pending and (stats.num_running, stats.num_loading) == (2, 1)
     core.check_integrity()
     gate.set()
     reader = _run_out(core, tokens)["reader"]
@@ -325,7 +331,8 @@ def test_aborting_a_request_while_its_pages_load_waits_for_the_copies(
     out = core.abort_request("reader")
     assert out is not None and out.finished
     assert not core.pool.loads.pending and not core.scheduler.loading
-    assert core.stats().num_running == 1
+    stats = core.stats()
+    assert (stats.num_running, stats.num_loading) == (1, 0)
     core.check_integrity()
     while core.has_unfinished():
         core.step()
