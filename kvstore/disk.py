@@ -2,10 +2,12 @@
 
 Pages live in slots rounded up to 4 KiB, opened with `O_DIRECT` where the filesystem allows
 it. The file is unlinked as soon as it is open, so it disappears with the process however
-that ends. Writes go to a background thread from page-aligned staging buffers; a page whose
-write is still in flight (state "moving") is read from its staging buffer. Every page
-carries a CRC-32 checked on read: a corrupt or truncated page is a miss, never wrong KV. A
-disk that cannot be opened, preallocated or written degrades to a warning and fewer cached
+that ends. A write copies the page into a page-aligned staging buffer (reused from earlier
+writes, since fresh memory costs page faults) and leaves the rest, its CRC-32 and the write
+itself, to a few writer threads; the caller, the scheduler, pays for one memory copy. A page
+whose write is not yet retired (state "moving") is read from its staging buffer. Every page
+carries its CRC-32, checked on read: a corrupt or truncated page is a miss, never wrong KV.
+A disk that cannot be opened, preallocated or written degrades to a warning and fewer cached
 pages.
 
 Reads ahead (`prefetch`) run on a few reader threads at once, into one page-aligned buffer
@@ -34,8 +36,9 @@ from kvstore.base import PageOwners
 log = logging.getLogger(__name__)
 
 _ALIGN = 4096  # O_DIRECT offsets, sizes and buffers are multiples of this
-_SPARE_STAGING = 64  # finished writes' buffers kept for the next ones
-_READ_THREADS = 4  # reads in flight at once: one at a time leaves the disk idle between them
+_SPARE_STAGING_BYTES = 256 << 20  # finished writes' staging buffers kept for the next ones
+_WRITE_THREADS = 4  # writes in flight at once: one at a time leaves the disk idle between them
+_READ_THREADS = 4  # reads in flight at once, for the same reason
 PREFETCH_BYTES = 256 << 20  # read-ahead buffers of several requests at once, at most
 
 
@@ -44,13 +47,25 @@ def disk_slot_nbytes(page_nbytes: int) -> int:
     return -(-page_nbytes // _ALIGN) * _ALIGN
 
 
+class _Write:
+    """A page on its way to its slot: `future` gives its CRC-32 once it is on disk."""
+
+    __slots__ = ("future", "key", "staging")
+
+    def __init__(self, future: Future[int], staging: mmap.mmap, key: bytes) -> None:
+        self.future = future
+        self.staging = staging
+        self.key = key
+
+
 class DiskPrefetch:
     """Pages of one request read ahead from the disk tier: page i of `keys` lands in row i of
-    one page-aligned buffer and is checked against the checksum it had when the read began.
+    one page-aligned buffer and is checked against the checksum it had when the read began
+    (None: the page was copied from its staging buffer, not read).
 
     Built by `DiskKVPool.prefetch`; `DiskKVPool.settle` turns failed reads into misses."""
 
-    def __init__(self, keys: list[bytes], slots: list[int], checksums: list[int],
+    def __init__(self, keys: list[bytes], slots: list[int], checksums: list[int | None],
                  page_nbytes: int, slot_nbytes: int) -> None:  # fmt: skip
         self.keys = keys
         self.slots = slots
@@ -111,10 +126,10 @@ class DiskKVPool:
         self.slots: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
         self.owners = PageOwners()
         self._free = list(range(self.num_blocks - 1, -1, -1))
-        self._checksums: dict[int, int] = {}
-        self._pending: dict[int, tuple[Future[None], mmap.mmap]] = {}
+        self._checksums: dict[int, int] = {}  # of the pages whose writes are retired
+        self._pending: dict[int, _Write] = {}  # by slot, oldest first
         self._spare: list[mmap.mmap] = []  # staging buffers of finished writes
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="strata-kv-disk")
+        self._io = ThreadPoolExecutor(_WRITE_THREADS, thread_name_prefix="strata-kv-disk")
         self._readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="strata-kv-read")
         self._prefetches: list[DiskPrefetch] = []  # not yet released, or still reading
         self.num_write_errors = 0
@@ -170,24 +185,29 @@ class DiskKVPool:
         slot = self._free.pop()
         # page aligned, as O_DIRECT needs; reused, since fresh memory costs page faults
         staging = self._spare.pop() if self._spare else mmap.mmap(-1, self.slot_nbytes)
-        view = memoryview(staging)
-        view[: self.page_nbytes] = page.contiguous().numpy().data
-        self._checksums[slot] = zlib.crc32(view[: self.page_nbytes])
-        view.release()
-        offset = slot * self.slot_nbytes
-        future = self._io.submit(self._pwrite, staging, offset)
-        # oldest first, as the one writer thread runs them (a slot written again before its
-        # first write was retired moves to the end: that first write's page is forgotten)
-        self._pending.pop(slot, None)
-        self._pending[slot] = (future, staging)
+        with memoryview(staging) as view:
+            view[: self.page_nbytes] = page.contiguous().numpy().data
+        # a slot written again before its last write was retired: that write's page is
+        # forgotten, and this one goes to the disk after it
+        earlier = self._pending.pop(slot, None)
+        after = None if earlier is None else earlier.future
+        future = self._io.submit(self._write_slot, staging, slot, after)
+        self._pending[slot] = _Write(future, staging, key)  # oldest first: in queued order
         self.slots[key] = slot
         self.owners.add(key, owner)
         return True
 
-    def _pwrite(self, staging: mmap.mmap, offset: int) -> None:
-        written = os.pwritev(self.fd, [staging], offset)
+    def _write_slot(self, staging: mmap.mmap, slot: int, after: Future[int] | None) -> int:
+        """Writer thread: the staged page's CRC-32, once it is written to `slot` (after
+        `after`, the slot's earlier write: queued before, so running or done already)."""
+        with memoryview(staging) as view:
+            crc = zlib.crc32(view[: self.page_nbytes])
+        if after is not None:
+            wait([after])
+        written = os.pwritev(self.fd, [staging], slot * self.slot_nbytes)
         if written != self.slot_nbytes:
             raise OSError(errno.EIO, f"short write ({written} of {self.slot_nbytes} bytes)")
+        return crc
 
     def read(self, key: bytes) -> torch.Tensor | None:
         """The page stored under `key`, or None (absent, unreadable or failing its
@@ -195,31 +215,27 @@ class DiskKVPool:
         slot = self.slots.get(key)
         if slot is None:
             return None
+        self.slots.move_to_end(key)
         pending = self._pending.get(slot)
-        moving = pending is not None and not pending[0].done()
-        if pending is not None and moving:
-            buf, got = pending[1], self.page_nbytes  # still moving: read its staging buffer
-        else:
-            self.reap()
-            if key not in self.slots:
-                return None  # its write failed
-            buf = mmap.mmap(-1, self.slot_nbytes)  # page aligned, as O_DIRECT needs
-            try:
-                got = os.preadv(self.fd, [buf], slot * self.slot_nbytes)
-            except OSError as exc:
-                log.warning("KV disk tier: read failed (%s); treating the page as a miss", exc)
-                got = 0
-        view = memoryview(buf)[: self.page_nbytes]
-        intact = got >= self.page_nbytes and zlib.crc32(view) == self._checksums.get(slot)
-        view.release()
+        if pending is not None:  # moving: its staging buffer holds it (and goes back on reap)
+            return torch.frombuffer(pending.staging, dtype=torch.uint8,
+                                    count=self.page_nbytes).clone()  # fmt: skip
+        buf = mmap.mmap(-1, self.slot_nbytes)  # page aligned, as O_DIRECT needs
+        try:
+            got = os.preadv(self.fd, [buf], slot * self.slot_nbytes)
+        except OSError as exc:
+            log.warning("KV disk tier: read failed (%s); treating the page as a miss", exc)
+            got = 0
+        with memoryview(buf) as view:
+            intact = got >= self.page_nbytes and zlib.crc32(view[: self.page_nbytes]) == (
+                self._checksums.get(slot)
+            )
         if not intact:
             self.num_checksum_failures += 1
             log.warning("KV disk tier: page %d failed its checksum; treating it as a miss", slot)
             self._forget(key)
             return None
-        self.slots.move_to_end(key)
-        page = torch.frombuffer(buf, dtype=torch.uint8, count=self.page_nbytes)
-        return page.clone() if moving else page  # staging buffers go back to the writer
+        return torch.frombuffer(buf, dtype=torch.uint8, count=self.page_nbytes)
 
     def _forget(self, key: bytes, reuse: bool = True) -> None:
         slot = self.slots.pop(key)
@@ -229,24 +245,26 @@ class DiskKVPool:
             self._free.append(slot)
 
     def reap(self, wait: bool = False) -> None:
-        """Retire finished writes; a failed write loses its page and its slot. Writes finish
-        in the order they were queued, so the scan stops at the first one still running."""
-        for slot, (future, staging) in list(self._pending.items()):
-            if not (wait or future.done()):
+        """Retire finished writes: a page written keeps its checksum, a failed write loses
+        its page and its slot. Writes finish about in the order they were queued, so the
+        scan stops at the first one still running."""
+        for slot, write in list(self._pending.items()):
+            if not (wait or write.future.done()):
                 break
-            exc = future.exception()
+            exc = write.future.exception()
             del self._pending[slot]
-            if len(self._spare) < _SPARE_STAGING:
-                self._spare.append(staging)
+            if (len(self._spare) + 1) * self.slot_nbytes <= _SPARE_STAGING_BYTES:
+                self._spare.append(write.staging)
             else:
-                staging.close()
+                write.staging.close()
+            if self.slots.get(write.key) != slot:
+                continue  # forgotten while it was being written
             if exc is None:
+                self._checksums[slot] = write.future.result()
                 continue
             self.num_write_errors += 1
             log.warning("KV disk tier: write failed (%s); caching fewer pages", exc)
-            for key, s in list(self.slots.items()):
-                if s == slot:  # the slot is not reused: the disk may be full
-                    self._forget(key, reuse=False)
+            self._forget(write.key, reuse=False)  # the slot is not reused: the disk may be full
 
     # -- reading ahead ------------------------------------------------------------------
 
@@ -271,14 +289,14 @@ class DiskKVPool:
         if not keys or (used and used + len(keys) * self.slot_nbytes > PREFETCH_BYTES):
             return None
         slots = [self.slots[k] for k in keys]
-        fetch = DiskPrefetch(keys, slots, [self._checksums[s] for s in slots],
+        fetch = DiskPrefetch(keys, slots, [self._checksums.get(s) for s in slots],
                              self.page_nbytes, self.slot_nbytes)  # fmt: skip
         for row, (key, slot) in enumerate(zip(keys, slots, strict=True)):
             self.slots.move_to_end(key)
             pending = self._pending.get(slot)
-            if pending is not None and not pending[0].done():  # moving: copy its staging
+            if pending is not None:  # moving: copy its staging
                 start = row * self.slot_nbytes
-                fetch.buffer[start : start + self.page_nbytes] = pending[1][: self.page_nbytes]
+                fetch.buffer[start : start + self.page_nbytes] = pending.staging[: self.page_nbytes]
                 read: Future[str | None] = Future()
                 read.set_result(None)
             else:
@@ -342,7 +360,7 @@ class DiskKVPool:
         assert len(set(used)) == len(used), "two disk pages share a slot"
         assert not set(used) & set(self._free), "a disk slot is both used and free"
         for slot in used:
-            assert slot in self._checksums, "a disk page has no checksum"
+            assert slot in self._checksums or slot in self._pending, "a disk page has no checksum"
         self.owners.check(self.slots)
         assert self.num_prefetch_bytes <= max(
             PREFETCH_BYTES, max((f.nbytes for f in self._prefetches), default=0)

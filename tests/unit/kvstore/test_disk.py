@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch
 from kvstore import disk as disk_module
 from kvstore.disk import DiskPrefetch
 from kvstore.tiers import KVOffloader, Tier, TieredKVStore
-from tests.unit.kvstore.test_tiers import HeldReaders, filled_pool, key
+from tests.unit.kvstore.test_tiers import HeldReaders, HeldWriters, filled_pool, key
 
 
 def on_disk(tmp_path, num_pages: int = 4, disk_blocks: int = 8):
@@ -160,14 +159,13 @@ def test_pages_still_being_written_are_read_ahead_from_their_staging(tmp_path, n
                           disk_dir=tmp_path)  # fmt: skip
     offloader = KVOffloader(pool, store)
     assert store.disk is not None
-    gate = threading.Event()
-    store.disk._io.submit(gate.wait)  # hold the writer back
+    writers = HeldWriters(store)
     offloader.spill([(b, key(b), "t") for b in range(num_pages)])
     keys = [key(b) for b in range(num_pages)]
     fetch = offloader.prefetch(keys)
     assert fetch is not None
     assert offloader.settle(fetch), "nothing to wait for: the pages are in memory"
-    gate.set()
+    writers.release()
     original = pool.read_pages(list(range(num_pages)))
     pool.kv.zero_()
     assert offloader.load(list(range(num_pages)), keys, fetch) == [Tier.DISK] * num_pages

@@ -49,6 +49,19 @@ class HeldReaders:
         self.gate.set()
 
 
+class HeldWriters:
+    """Occupies every disk writer thread until `release()`: writes queue behind it."""
+
+    def __init__(self, store: TieredKVStore) -> None:
+        assert store.disk is not None
+        self.gate = threading.Event()
+        for _ in range(disk_module._WRITE_THREADS):
+            store.disk._io.submit(self.gate.wait)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
 def key(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
@@ -163,6 +176,42 @@ def test_a_full_disk_degrades_to_fewer_cached_pages(tmp_path, caplog):
     assert store.tier_of(key(0)) is Tier.DISK and store.tier_of(key(1)) is None
     got = store.get(key(0))
     assert got is not None and int(got[0][0]) == 0
+    store.check_integrity()
+    store.close()
+
+
+def test_a_slot_written_again_while_its_last_write_runs_ends_with_the_new_page(
+    tmp_path, monkeypatch
+):
+    """Writes run on several threads. A one-page disk: B evicts A, whose write is still
+    running (slowly), and takes its slot; B's write goes to the disk after A's, so B reads
+    back intact."""
+    page = 8192
+    store = TieredKVStore(page, host_blocks=0, disk_blocks=1, disk_dir=tmp_path)
+    disk = store.disk
+    assert disk is not None
+    pwritev, calls, first_written = os.pwritev, [], threading.Event()
+
+    def slow_first_write(fd: int, buffers: list, offset: int) -> int:
+        calls.append(offset)
+        if len(calls) > 1:
+            return pwritev(fd, buffers, offset)
+        time.sleep(0.3)
+        written = pwritev(fd, buffers, offset)
+        first_written.set()
+        return written
+
+    monkeypatch.setattr(disk_module.os, "pwritev", slow_first_write)
+    a, b = (torch.full((page,), v, dtype=torch.uint8) for v in (1, 2))
+    store.put(key(0), a)
+    store.put(key(1), b)  # the disk is full: A is forgotten and B takes its slot
+    assert store.tier_of(key(0)) is None and store.tier_of(key(1)) is Tier.DISK
+    assert disk.read(key(1)) is not None  # moving: from its staging buffer
+    disk.reap(wait=True)
+    assert first_written.wait(5) and calls == [0, 0]
+    got = disk.read(key(1))  # from the disk now, checked
+    assert got is not None and torch.equal(got, b)
+    assert disk.num_checksum_failures == 0 and disk.num_write_errors == 0
     store.check_integrity()
     store.close()
 
