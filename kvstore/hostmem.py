@@ -16,8 +16,10 @@ import logging
 import math
 import mmap
 import os
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -88,3 +90,42 @@ class HostArena:
 def host_zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     """A large zero-filled CPU tensor of its own, in huge pages where possible."""
     return HostArena(_nbytes(shape, dtype)).take(shape, dtype)
+
+
+_HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 1, 2  # cudaHostRegister flags
+
+
+def _cuda_register(ptr: int, nbytes: int) -> Callable[[], None] | None:
+    """Page-lock [ptr, ptr + nbytes) for every GPU, mapped into their address space (kernels
+    read it in place): the function that undoes it, or None when CUDA refuses."""
+    cudart = torch.cuda.cudart()
+    flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
+    if cudart.cudaHostRegister(ptr, nbytes, flags) != cudart.cudaError.success:
+        return None
+    return lambda: cudart.cudaHostUnregister(ptr)
+
+
+def pinned_zeros(
+    *shape: int,
+    dtype: torch.dtype,
+    register: Callable[[int, int], Callable[[], None] | None] = _cuda_register,
+) -> torch.Tensor:
+    """A zero-filled CPU tensor in page-locked memory of exactly its size, for the host
+    KV tier on CUDA machines.
+
+    torch's pinned allocator rounds every request up to a power of two, so a 40 GiB host
+    tier would lock 64 GiB. This maps the memory itself and registers it with CUDA
+    (`register`); it is unregistered when the last view of it is gone, before it is
+    unmapped. Falls back to torch's allocator, with a warning, where registration fails.
+    """
+    nbytes = _nbytes(shape, dtype)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    owner = np.frombuffer(mapping, dtype=np.uint8)  # dies (weakly referenced) before mapping
+    raw = torch.from_numpy(owner)  # every view keeps `owner`, so the mapping, alive
+    raw.zero_()  # fault every page in now, not under a request
+    unregister = register(raw.data_ptr(), nbytes)
+    if unregister is None:
+        log.warning("cudaHostRegister refused %d bytes; pinning through torch instead", nbytes)
+        return torch.zeros(*shape, dtype=dtype, pin_memory=True)
+    weakref.finalize(owner, unregister)
+    return raw.view(dtype).view(*shape)

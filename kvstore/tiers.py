@@ -26,6 +26,7 @@ import torch
 from kvstore.base import PageOwners
 from kvstore.device_pool import DeviceKVPool
 from kvstore.disk import DiskKVPool, DiskPrefetch
+from kvstore.hostmem import pinned_zeros
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,11 @@ class HostKVPool:
     def __init__(self, page_nbytes: int, num_blocks: int, *, pin: bool) -> None:
         assert num_blocks > 0
         self.num_blocks = num_blocks
-        self.data = torch.empty(num_blocks, page_nbytes, dtype=torch.uint8, pin_memory=pin)
+        # pinned: page-locked for CUDA copies (and in-place reads), of exactly this size
+        rows = (num_blocks, page_nbytes)
+        self.data = (
+            pinned_zeros(*rows, dtype=torch.uint8) if pin else torch.empty(*rows, dtype=torch.uint8)
+        )
         self.slots: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
         self.owners = PageOwners()
         self._free = list(range(num_blocks - 1, -1, -1))

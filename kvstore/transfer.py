@@ -231,6 +231,7 @@ class PageLoads:
         self._worker: ThreadPoolExecutor | None = None
         self._gatherers: ThreadPoolExecutor | None = None
         self._cupy = None
+        self._gpu = 0  # the pool's CUDA device (STREAM mode)
         self._stream: Any = None
         self._torch_stream: torch.cuda.Stream | None = None
         self._save_stream: Any = None  # saves into host rows: CuPy's, and torch's view
@@ -243,10 +244,13 @@ class PageLoads:
         self._writing: Counter[int] = Counter()  # host rows that pending saves write
         self._save_error: BaseException | None = None  # of a save on CPU: loads then fail
         if mode is LoadMode.STREAM:
+            # the pool's GPU: "cuda" alone is the current one, not necessarily the first
+            index = pool.device.index
+            self._gpu = torch.cuda.current_device() if index is None else index
             self._cupy = _cupy()
             if self._cupy is not None:
                 try:
-                    with self._cupy.cuda.Device(pool.device.index or 0):
+                    with self._cupy.cuda.Device(self._gpu):
                         self._stream = self._cupy.cuda.Stream(non_blocking=True)
                         self._save_stream = self._cupy.cuda.Stream(non_blocking=True)
                 except Exception as exc:
@@ -315,7 +319,7 @@ class PageLoads:
         elif self._cupy is None:
             load = self._save_on_stream(blocks, slots, inline)
         else:
-            with self._cupy.cuda.Device(self.pool.device.index or 0):
+            with self._cupy.cuda.Device(self._gpu):
                 load = self._save_on_stream(blocks, slots, inline)
         self.num_started += 1
         load.tickets = {self.num_started}
@@ -529,7 +533,7 @@ class PageLoads:
         elif self._cupy is None:
             load = self._issue_stream([src for src, _ in queued], indexes, newest)
         else:
-            with self._cupy.cuda.Device(self.pool.device.index or 0):  # CuPy's events, there
+            with self._cupy.cuda.Device(self._gpu):  # CuPy's events, there
                 load = self._issue_stream([src for src, _ in queued], indexes, newest)
         load.blocks = blocks
         load.tickets = {src.ticket for src, _ in queued}

@@ -37,7 +37,7 @@ def _copy_rows_kernel(
     src[src_offset + src_index[i] * src_stride + j * src_stride_j + w], for program (i, j)
     and w < width, in words."""
     i = tl.program_id(0)
-    j = tl.program_id(1)
+    j = tl.program_id(1).to(tl.int64)  # j * src_stride_j: past 2**31 words in large pools
     w = tl.program_id(2) * WORDS + tl.arange(0, WORDS)
     ok = w < width
     s = src_offset + tl.load(src_index + i) * src_stride + j * src_stride_j
@@ -66,7 +66,7 @@ def _copy_two_parts_kernel(
     block dst_index[i]."""
     i = tl.program_id(0)
     j = tl.program_id(1)
-    kv = j % 2
+    kv = (j % 2).to(tl.int64)
     w = tl.program_id(2) * WORDS + tl.arange(0, WORDS)
     row = tl.load(src_index + i) * host_stride
     block = tl.load(dst_index + i)

@@ -165,6 +165,26 @@ def test_a_host_row_is_not_rewritten_before_its_load_reads_it():
     assert torch.equal(pool.read_pages([4]).cpu()[0], old)
 
 
+def test_the_pinned_host_tier_is_locked_at_its_own_size_and_let_go_with_it(caplog):
+    """The host tier registers its own mapping with CUDA (torch's pinned allocator would
+    round it up to a power of two); a second tier after the first is gone registers too."""
+    import gc
+
+    spec = SPECS["fp8"]
+    for _ in range(2):
+        store = TieredKVStore(spec.bytes_per_block, host_blocks=3, pin=True)
+        assert store.host is not None
+        data = store.host.data
+        assert data.is_pinned() and data.numel() == 3 * spec.bytes_per_block
+        dev = torch.randint(0, 120, data.shape, dtype=torch.uint8, device="cuda")
+        data.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(data.cuda(), dev)
+        del store, data
+        gc.collect()
+    assert "cudaHostRegister refused" not in caplog.text
+
+
 def test_a_spill_writes_host_rows_in_place_and_a_page_it_pushes_to_disk_is_whole(tmp_path):
     """Six blocks spill into a host tier of four slots over a disk tier: the first two
     pages, spilled in this very call, are pushed on to disk, so their saves finish before
@@ -190,6 +210,28 @@ def test_a_spill_writes_host_rows_in_place_and_a_page_it_pushes_to_disk_is_whole
     store.close()
 
 
+def test_a_spill_from_a_pool_past_16_gib_reads_every_layer_from_its_own_block():
+    """The save kernel's offsets pass 2**31 words (8-byte words): the last layers of a large
+    pool are read from where they are, not from a wrapped-around address."""
+    spec = KVCacheSpec(32, 8, 128, 16, torch.float8_e4m3fn)
+    num_blocks = 17_000  # 63 rows * 17,000 blocks * 2,048 words > 2**31: ~18 GB of values
+    pool = DeviceKVPool(spec, num_blocks, torch.device("cuda"))
+    blocks = [0, 9_999, num_blocks - 1]
+    pool.write_pages(blocks, pinned_pages(spec, len(blocks)))
+    want = pool.read_pages(blocks).cpu()
+    store = TieredKVStore(spec.bytes_per_block, host_blocks=4, pin=True)
+    offloader = KVOffloader(pool, store)
+    assert offloader.in_place
+    keys = [bytes([i]) * 16 for i in range(len(blocks))]
+    offloader.spill([(b, k, "") for b, k in zip(blocks, keys, strict=True)])
+    pool.loads.finish()
+    for i, key in enumerate(keys):
+        got = store.get(key)
+        assert got is not None and torch.equal(got[0].cpu(), want[i]), i
+    del pool
+    torch.cuda.empty_cache()
+
+
 def test_a_spill_on_its_own_stream_runs_beside_compute_and_a_later_load_goes_after_it():
     """The save stream is held back by a long kernel: the spill returns at once with a
     ticket; a load of the same host rows, started after it, waits on the GPU for the save
@@ -204,7 +246,7 @@ def test_a_spill_on_its_own_stream_runs_beside_compute_and_a_later_load_goes_aft
     offloader = KVOffloader(pool, store)
     keys = [bytes([i]) * 16 for i in range(4)]
     with torch.cuda.stream(pool.loads._save_torch_stream):
-        torch.cuda._sleep(200_000_000)  # ahead of the save
+        torch.cuda._sleep(4_000_000_000)  # ahead of the save, longer than compiling it
     ticket = offloader.spill([(0, keys[0], ""), (1, keys[1], "")])
     assert ticket > 0 and not pool.loads.done({ticket})
     assert offloader.load([8, 9], keys[:2]) == [Tier.HOST, Tier.HOST]
@@ -268,7 +310,8 @@ def test_a_request_loading_on_the_stream_waits_outside_the_running_batch(strata_
     talk = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     tokens: dict[str, dict[str, list[int]]] = {}
     for load in ("sync", "stream"):
-        cache = CacheConfig(num_blocks=24, kv_cache_dtype=KVCacheDtype.AUTO,
+        # 14 blocks: the filler evicts 5 of the document's 8 cached pages to host RAM
+        cache = CacheConfig(num_blocks=14, kv_cache_dtype=KVCacheDtype.AUTO,
                             host_memory_bytes=256 << 20, kv_load=load)  # fmt: skip
         cfg = EngineConfig(dtype="float32", device="cuda", cache=cache,
                            cache_dir=str(strata_cache_dir))  # fmt: skip
@@ -281,7 +324,8 @@ def test_a_request_loading_on_the_stream_waits_outside_the_running_batch(strata_
         got["running"] += core.step()[0].new_token_ids
         if load == "stream":
             with torch.cuda.stream(core.pool.loads._torch_stream):
-                torch.cuda._sleep(1_000_000_000)  # about half a second ahead of the copies
+                # about two seconds ahead of the copies, longer than compiling their kernel
+                torch.cuda._sleep(4_000_000_000)
         core.add_request("reader", llm.encode(question), params)
         for i in range(3 if load == "stream" else 0):
             outs = {o.request_id: o for o in core.step()}

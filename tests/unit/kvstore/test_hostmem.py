@@ -70,3 +70,54 @@ def test_host_kv_pool_lives_in_huge_pages() -> None:
     pool = DeviceKVPool(spec, num_blocks=256, device=torch.device("cpu"))
     assert pool.kv.numel() * 2 == 8 << 20 and not pool.kv.any()
     assert huge_kib(pool.kv) >= 8 << 10
+
+
+class Registrar:
+    """Stands in for cudaHostRegister/Unregister (no GPU here): records what is page-locked
+    and checks the memory is still mapped when it is let go."""
+
+    def __init__(self) -> None:
+        self.locked: dict[int, int] = {}  # ptr -> bytes
+        self.released: list[int] = []
+
+    def __call__(self, ptr: int, nbytes: int):
+        self.locked[ptr] = nbytes
+
+        def unregister() -> None:
+            with open("/proc/self/maps") as maps:  # the range must still be mapped
+                assert any(
+                    int(lo, 16) <= ptr < int(hi, 16)
+                    for lo, hi in (line.split()[0].split("-") for line in maps)
+                )
+            self.released.append(ptr)
+
+        return unregister
+
+
+def test_pinned_memory_is_exactly_its_size_and_let_go_after_its_last_view() -> None:
+    import gc
+
+    from kvstore.hostmem import pinned_zeros
+
+    registrar = Registrar()
+    rows = pinned_zeros(3, 100_000, dtype=torch.uint8, register=registrar)
+    assert rows.shape == (3, 100_000) and not rows.any()
+    assert registrar.locked == {rows.data_ptr(): 300_000}  # not rounded up to 2**19
+    row = rows[2]
+    del rows
+    gc.collect()
+    assert registrar.released == []  # a view is alive: still page-locked
+    row.fill_(7)
+    del row
+    gc.collect()
+    assert registrar.released == list(registrar.locked)
+
+
+def test_pinned_memory_falls_back_to_torch_when_registration_is_refused(monkeypatch, caplog):
+    from kvstore import hostmem
+
+    calls = []
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: calls.append(k) or torch.empty(0))
+    hostmem.pinned_zeros(4, 8, dtype=torch.uint8, register=lambda ptr, n: None)
+    assert calls == [{"dtype": torch.uint8, "pin_memory": True}]
+    assert "cudaHostRegister refused 32 bytes" in caplog.text
