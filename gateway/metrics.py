@@ -5,6 +5,7 @@ Names follow vLLM's where they overlap, prefixed `strata:` instead of `vllm:`.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter as Tally
 from collections.abc import Sequence
@@ -67,78 +68,63 @@ class GatewayMetrics:
             ["tenant"],
             registry=r,
         )
-        self.waiting = Gauge(
-            "strata:num_requests_waiting", "Requests queued in the engines", registry=r
-        )
-        self.running = Gauge(
+        gauge = functools.partial(Gauge, registry=r)  # engine figures, set from their stats
+        self.waiting = gauge("strata:num_requests_waiting", "Requests queued in the engines")
+        self.running = gauge(
             "strata:num_requests_running",
             "Requests holding KV blocks in the engines (running, or loading their pages)",
-            registry=r,
         )
-        self.loading = Gauge(
+        self.loading = gauge(
             "strata:num_requests_loading_kv",
             "Running requests waiting outside the batch for their pages from host RAM or disk",
-            registry=r,
         )
-        self.preemptions = Gauge(
-            "strata:num_preemptions",
-            "Requests preempted for KV space since start",
-            registry=r,
+        self.preemptions = gauge(
+            "strata:num_preemptions", "Requests preempted for KV space since start"
         )
-        self.kv_used = Gauge("strata:kv_blocks_used", "KV-cache blocks in use", registry=r)
-        self.kv_total = Gauge("strata:kv_blocks_total", "KV-cache blocks in the pools", registry=r)
-        self.kv_blocks = Gauge(
+        self.kv_used = gauge("strata:kv_blocks_used", "KV-cache blocks in use")
+        self.kv_total = gauge("strata:kv_blocks_total", "KV-cache blocks in the pools")
+        self.kv_blocks = gauge(
             "strata:kv_blocks",
             "KV-cache blocks per tenant and tier (device, host, disk): held or cached",
             ["tenant", "tier"],
-            registry=r,
         )
-        self.kv_hits = Gauge(
+        self.kv_hits = gauge(
             "strata:kv_cache_hit_blocks",
             "Prefix-cache hits since start, in blocks, by the tier each block came from",
             ["tier"],
-            registry=r,
         )
-        self.kv_spilled = Gauge(
+        self.kv_spilled = gauge(
             "strata:kv_spilled_blocks",
             "Cached KV pages moved down since start, by the tier they went to (host, disk)",
             ["tier"],
-            registry=r,
         )
-        self.kv_dropped = Gauge(
+        self.kv_dropped = gauge(
             "strata:kv_dropped_blocks",
             "Cached KV pages dropped since start because no tier below could keep them",
-            registry=r,
         )
-        self.kv_write_errors = Gauge(
+        self.kv_write_errors = gauge(
             "strata:kv_disk_write_errors",
             "KV page writes to disk that failed since start (those pages were dropped)",
-            registry=r,
         )
-        self.kv_read_ahead = Gauge(
+        self.kv_read_ahead = gauge(
             "strata:kv_disk_read_ahead_bytes",
             "Bytes of KV pages read from disk for waiting requests, held in memory",
-            registry=r,
         )
-        self.kv_checksum_failures = Gauge(
+        self.kv_checksum_failures = gauge(
             "strata:kv_disk_checksum_failures",
             "KV pages on disk that failed their checksum since start (served as misses)",
-            registry=r,
         )
-        self.draft_tokens = Gauge(
+        self.draft_tokens = gauge(
             "strata:spec_decode_draft_tokens",
             "Draft tokens proposed by speculative decoding since start",
-            registry=r,
         )
-        self.accepted_draft_tokens = Gauge(
+        self.accepted_draft_tokens = gauge(
             "strata:spec_decode_accepted_tokens",
             "Draft tokens the model agreed with (each one a decode step saved) since start",
-            registry=r,
         )
-        self.kv_bytes_per_token = Gauge(
+        self.kv_bytes_per_token = gauge(
             "strata:kv_cache_bytes_per_token",
             "KV-cache bytes per token (K and V, every layer, FP8 scales included)",
-            registry=r,
         )
 
     def rejected(self, tenant: str, reason: str) -> None:

@@ -36,30 +36,38 @@ def filled_pool(dtype: torch.dtype, num_blocks: int = 8, seed: int = 0) -> Devic
     return pool
 
 
-class HeldReaders:
-    """Occupies every disk reader thread until `release()`: reads ahead queue behind it."""
+class _HeldThreads:
+    """Occupies every thread of one of the disk tier's pools until `release()`: work
+    queues behind it."""
 
-    def __init__(self, store: TieredKVStore) -> None:
-        assert store.disk is not None
+    def __init__(self, store: TieredKVStore, readers: bool) -> None:
+        disk = store.disk
+        assert disk is not None
+        pool, count = (
+            (disk._readers, disk_module._READ_THREADS)
+            if readers
+            else (disk._io, disk_module._WRITE_THREADS)
+        )
         self.gate = threading.Event()
-        for _ in range(disk_module._READ_THREADS):
-            store.disk._readers.submit(self.gate.wait)
+        for _ in range(count):
+            pool.submit(self.gate.wait)
 
     def release(self) -> None:
         self.gate.set()
 
 
-class HeldWriters:
-    """Occupies every disk writer thread until `release()`: writes queue behind it."""
+class HeldReaders(_HeldThreads):
+    """Every disk reader thread held: reads ahead queue."""
 
     def __init__(self, store: TieredKVStore) -> None:
-        assert store.disk is not None
-        self.gate = threading.Event()
-        for _ in range(disk_module._WRITE_THREADS):
-            store.disk._io.submit(self.gate.wait)
+        super().__init__(store, readers=True)
 
-    def release(self) -> None:
-        self.gate.set()
+
+class HeldWriters(_HeldThreads):
+    """Every disk writer thread held: writes queue."""
+
+    def __init__(self, store: TieredKVStore) -> None:
+        super().__init__(store, readers=False)
 
 
 def key(i: int) -> bytes:
