@@ -30,6 +30,10 @@ from engine.kernels.cpu import CpuKernels, LayerPages
 from kvstore.device_pool import DeviceKVPool
 from kvstore.fp8 import FP8_DTYPE, dequantize_fp8, hadamard, quantize_fp8
 
+# the torch path's temporaries per layer at most (one sequence's, if that is more): a large
+# batch over long contexts is attended a few sequences at a time
+ATTEND_TEMP_BYTES = 1 << 30
+
 
 @dataclass(frozen=True)
 class SeqSlice:
@@ -263,10 +267,29 @@ class PagedAttention(PoolAttention):
         return rows.view(b, length, self.num_kv_heads, self.head_dim)
 
     def _attend(self, q: torch.Tensor, layer_idx: int, g: _Group) -> torch.Tensor:
-        """q: [B, Q, H, D] -> [B * Q, H * D] over each sequence's gathered pages."""
+        """q: [B, Q, H, D] -> [B * Q, H * D] over each sequence's gathered pages, a few
+        sequences at a time: their temporaries (gathered and widened pages, SDPA's K/V
+        repeated per query head, scores) stay within ATTEND_TEMP_BYTES."""
+        b, nq, h, d = q.shape
+        assert g.mask is not None
+        length = g.block_table.shape[1] * self.block_size
+        widths = 2 * self.num_kv_heads * (q.element_size() + 4) + 2 * h * q.element_size()
+        per_seq = length * (d * widths + 4 * h * nq)
+        step = max(1, ATTEND_TEMP_BYTES // per_seq)
+        if b <= step:
+            return self._attend_seqs(q, layer_idx, g.block_table, g.mask)
+        return torch.cat([
+            self._attend_seqs(q[i : i + step], layer_idx, g.block_table[i : i + step],
+                              g.mask[i : i + step])
+            for i in range(0, b, step)
+        ])  # fmt: skip
+
+    def _attend_seqs(
+        self, q: torch.Tensor, layer_idx: int, table: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """`_attend` for sequences with block tables `table` and mask `mask` [B, 1, 1, Q, L]."""
         b, nq, h, d = q.shape
         hkv = self.num_kv_heads
-        assert g.mask is not None
         k_pages, v_pages = self.pool.layer(layer_idx)
         k_scales, v_scales = self.pool.layer_scales(layer_idx) or (None, None)
         scale = self.scale
@@ -274,19 +297,19 @@ class PagedAttention(PoolAttention):
             q = hadamard(q).to(q.dtype)
             scale /= d
         # gathered pages: [B, L, Hkv, D] -> [B, Hkv, L, D]
-        keys = self._gather(k_pages, k_scales, g.block_table, q.dtype).transpose(1, 2)
-        values = self._gather(v_pages, v_scales, g.block_table, q.dtype).transpose(1, 2)
+        keys = self._gather(k_pages, k_scales, table, q.dtype).transpose(1, 2)
+        values = self._gather(v_pages, v_scales, table, q.dtype).transpose(1, 2)
         if self.use_sdpa:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2),
                 keys,
                 values,
-                attn_mask=g.mask[:, :, 0],
+                attn_mask=mask[:, :, 0],
                 scale=scale,
                 enable_gqa=hkv != h,
             )  # [B, H, Q, D]
             return out.transpose(1, 2).reshape(b * nq, h * d)
-        return self._attend_matmul(q, keys, values, g.mask, scale)
+        return self._attend_matmul(q, keys, values, mask, scale)
 
     def _attend_matmul(
         self,

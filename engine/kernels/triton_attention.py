@@ -86,7 +86,7 @@ def _store_fp8_rows(x, pages, scales, page_off, scale_off, mask, row_ok, d):
     tl.store(scales + scale_off, scale, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # varies by step: no recompiles
 def _kv_write_kernel(
     k_ptr, v_ptr, k_pages, v_pages, k_scales, v_scales, slots_ptr, num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -120,7 +120,7 @@ def _kv_write_kernel(
         tl.store(v_pages + page_off[:, None] + d[None, :], v.to(v_pages.dtype.element_ty), mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "stride_bt"])  # vary by step
 def _paged_attention_kernel(
     q_ptr, k_pages, v_pages, k_scales, v_scales, out_ptr, part_acc, part_ml,
     block_table, seq_lens, tile_seq, tile_row, tile_len, tile_pos,
@@ -216,7 +216,7 @@ def _paged_attention_kernel(
         tl.store(part_ml + prow * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _merge_splits_kernel(
     part_acc, part_ml, out_ptr, num_rows, stride_ot,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,

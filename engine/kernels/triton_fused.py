@@ -26,7 +26,7 @@ def _round(x, dtype: tl.constexpr):
     return x.to(dtype).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # varies by step: no recompiles
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, num_cols, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
@@ -47,7 +47,7 @@ def _add_rms_norm_kernel(
     tl.store(out_ptr + offs, (w[None, :] * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _rope_kernel(
     x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, num_tokens, stride_xt, stride_xh,
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, H_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
@@ -77,7 +77,7 @@ def _rope_kernel(
             tl.store(dst + HALF, second.to(dtype), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _silu_mul_kernel(
     x_ptr, out_ptr, num_rows, inter, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr
 ):

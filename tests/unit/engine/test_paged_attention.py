@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.attention import paged
 from engine.attention.paged import PagedAttention, SeqSlice
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
@@ -25,8 +26,13 @@ def dense_reference(q, keys, values, context_len):
     return out.reshape(q.shape[0], H * D)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "seq-by-seq"])
 @pytest.mark.parametrize("use_sdpa", [False, True])
-def test_mixed_step_matches_dense_attention(use_sdpa):
+def test_mixed_step_matches_dense_attention(use_sdpa, chunked, monkeypatch):
+    """`chunked`: a temporaries budget smaller than one sequence's: each group of
+    sequences (the decodes, the prefill chunks) is attended one sequence at a time."""
+    if chunked:
+        monkeypatch.setattr(paged, "ATTEND_TEMP_BYTES", 1)
     gen = torch.Generator().manual_seed(0)
     pool = DeviceKVPool(KVCacheSpec(1, HKV, D, BS, torch.float32), 64, torch.device("cpu"))
     attn = PagedAttention(pool, H)
