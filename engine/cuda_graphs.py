@@ -29,7 +29,7 @@ from contextlib import nullcontext
 
 import torch
 
-from engine.attention.paged import SeqSlice, slot_indices
+from engine.attention.paged import SeqSlice, padded_tables, slot_indices
 from engine.attention.triton_backend import TritonContext, TritonPagedAttention
 from engine.device import to_device
 from engine.lora.layers import LoRABatch
@@ -144,11 +144,8 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(rows[1] + 1)
         if self.lora_rows is not None:
             self.lora_rows[:, :n].copy_(rows[3:])
-        width = max(len(s.block_table) for s in seqs)
-        table = torch.zeros(n, width, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            table[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        self.block_table[:n, :width].copy_(to_device(table, self.device))
+        table = padded_tables(seqs, torch.int32)
+        self.block_table[:n, : table.shape[1]].copy_(to_device(table, self.device))
         self._reset_padding(n)
         graph = self.graphs.get(size)
         if graph is None:

@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from engine.attention.paged import PoolAttention, SeqSlice, slot_indices
+from engine.attention.paged import PoolAttention, SeqSlice, padded_tables, slot_indices
 from engine.device import to_device
 from kvstore.device_pool import DeviceKVPool
 
@@ -114,10 +114,7 @@ class TritonPagedAttention(PoolAttention):
         while num_decode < len(seqs) and seqs[num_decode].query_len == 1:
             num_decode += 1
         assert all(s.query_len > 1 for s in seqs[num_decode:]), "decodes must come first"
-        max_blocks = max(len(s.block_table) for s in seqs)
-        table = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            table[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        table = padded_tables(seqs, torch.int32)
         seq_lens = None
         splits = 1
         if num_decode:

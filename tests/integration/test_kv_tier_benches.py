@@ -15,6 +15,7 @@ def test_kv_tiers_quick_run_times_every_path(tmp_path, capsys):
     paths = {"device_to_host", "host_to_device", "host_to_disk", "disk_to_host"}
     assert set(summary["gb_per_s"]) == paths and min(summary["gb_per_s"].values()) > 0
     assert summary["disk_to_host_serial_gb_per_s"] > 0
+    assert summary["host_to_disk_caller_us_per_page"] > 0  # the scheduler's share of a write
     (written,) = tmp_path.glob("kv_tiers-cpu-*.json")
     assert json.loads(written.read_text())["gb_per_s"] == summary["gb_per_s"]
 
