@@ -62,7 +62,8 @@ class TritonContext:
     num_decode: int
     seq_lens: torch.Tensor | None  # [num_decode] int32: each decode sequence's length
     tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
-    num_splits: int
+    num_splits: int  # of the decode rows' contexts
+    tile_splits: int = 1  # of the prefill tiles' contexts
 
 
 class TritonPagedAttention(PoolAttention):
@@ -98,10 +99,18 @@ class TritonPagedAttention(PoolAttention):
     def decode_splits(self, num_seqs: int, max_len: int) -> int:
         """Programs per (sequence, KV head): enough for about two waves over the GPU's SMs,
         never more than the longest context has KV tiles; a power of two."""
+        return self._splits(num_seqs, max_len, self.decode_block_n)
+
+    def tile_splits(self, num_tiles: int, max_len: int) -> int:
+        """`decode_splits` for prefill tiles: a few tiles over a long context (a drafted
+        step's tokens, a short chunk after a long prefix) split it; a long chunk does not."""
+        return self._splits(num_tiles, max_len, self.block_n)
+
+    def _splits(self, num_tiles: int, max_len: int, block_n: int) -> int:
         if self.fixed_splits is not None:
             return self.fixed_splits
-        want = -(-2 * self.num_sms // max(1, num_seqs * self.num_kv_heads))
-        tiles = -(-max_len // self.decode_block_n)
+        want = -(-2 * self.num_sms // max(1, num_tiles * self.num_kv_heads))
+        tiles = -(-max_len // block_n)
         splits = 1
         while splits < min(want, tiles, _MAX_SPLITS):
             splits *= 2
@@ -122,6 +131,7 @@ class TritonPagedAttention(PoolAttention):
             seq_lens = to_device(torch.tensor(lens, dtype=torch.int32), device)
             splits = self.decode_splits(num_decode, max(lens))
         tiles = None
+        tile_splits = 1
         if num_decode < len(seqs):
             rows: list[tuple[int, int, int, int]] = []
             row = num_decode
@@ -132,6 +142,8 @@ class TritonPagedAttention(PoolAttention):
                 row += s.query_len
             cols = to_device(torch.tensor(rows, dtype=torch.int32).t().contiguous(), device)
             tiles = (cols[0], cols[1], cols[2], cols[3])
+            longest = max(s.context_len + s.query_len for s in seqs[num_decode:])
+            tile_splits = self.tile_splits(len(rows), longest)
         slots = torch.tensor(slot_indices(seqs, self.block_size), dtype=torch.long)
         return TritonContext(
             slot_mapping=to_device(slots, device),
@@ -140,6 +152,7 @@ class TritonPagedAttention(PoolAttention):
             seq_lens=seq_lens,
             tiles=tiles,
             num_splits=splits,
+            tile_splits=tile_splits,
         )
 
     def forward(
@@ -171,6 +184,6 @@ class TritonPagedAttention(PoolAttention):
             kern.paged_attention(
                 q, k_pages, v_pages, out, ctx.block_table, self.scale,
                 tiles=ctx.tiles, tokens_per_tile=self.tokens_per_tile, block_n=self.block_n,
-                **common,
+                num_splits=ctx.tile_splits, first_row=ctx.num_decode, **common,
             )  # fmt: skip
         return out

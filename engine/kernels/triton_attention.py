@@ -17,9 +17,11 @@ for FP8 one float32 scale per (token, KV head), [num_blocks, block_size, num_kv_
   the softmax weights (V), one multiply per token instead of one per element.
   Every query attends to the stored pages up to its own position (causal by construction);
   the chunk being prefilled was written first, so prefill and decode read the same bytes.
-  Decode splits a long context across NUM_SPLITS programs per (sequence, KV head), each
-  over a contiguous range of KV tiles; a second kernel merges the partial results by their
-  log-sum-exp. Prefill tiles already give the GPU enough programs and use one split.
+  A long context is split across NUM_SPLITS programs per (tile, KV head), each over a
+  contiguous range of KV tiles; a second kernel merges the partial results by their
+  log-sum-exp. Decode splits when the batch leaves SMs idle; so do prefill tiles when they
+  are few (a drafted step's tokens, a short chunk after a long prefix), while a long
+  chunk's many tiles fill the GPU unsplit.
 
 Every launcher takes torch tensors on one device. On a machine without a GPU the same kernels
 run under Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported; see
@@ -216,13 +218,13 @@ def _paged_attention_kernel(
         tl.store(part_ml + prow * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+@triton.jit(do_not_specialize=["num_rows", "first_row"])
 def _merge_splits_kernel(
-    part_acc, part_ml, out_ptr, num_rows, stride_ot,
+    part_acc, part_ml, out_ptr, num_rows, first_row, stride_ot,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
+    row = first_row + tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, D_PAD)
@@ -295,6 +297,7 @@ def paged_attention(
     tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     tokens_per_tile: int = 1,
     num_splits: int = 1,
+    first_row: int = 0,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     rotated_keys: bool = False,
@@ -304,10 +307,11 @@ def paged_attention(
     """Attention of q [T, H, D] over paged K/V; writes `out` [rows, H * D] in place.
 
     Decode (`seq_lens` [S] given): row i is sequence i's one new token at position
-    seq_lens[i] - 1, and the context may be split across `num_splits` programs (a power of
-    two). Prefill (`tiles` given): (seq, first row, length, first position) int32 [N] each,
-    one tile per run of at most `tokens_per_tile` consecutive tokens of one sequence, whose
-    rows in q and out are first row + i at position first position + i.
+    seq_lens[i] - 1. Prefill (`tiles` given): (seq, first row, length, first position)
+    int32 [N] each, one tile per run of at most `tokens_per_tile` consecutive tokens of one
+    sequence, whose rows in q and out are first row + i at position first position + i;
+    the tiles cover rows `first_row` on. Either way the context may be split across
+    `num_splits` programs (a power of two), merged by log-sum-exp.
     `block_table` [S, max_blocks] int32 maps each sequence's token positions to blocks.
     `launch`: Triton launch options of the attention kernel (num_warps, num_stages).
     """
@@ -321,8 +325,8 @@ def paged_attention(
         tokens_per_tile = 1
         tile_args = (seq_lens, seq_lens, seq_lens, seq_lens, seq_lens)
     else:
-        assert tiles is not None and num_splits == 1
-        num_tiles, num_rows = tiles[0].shape[0], 0
+        assert tiles is not None
+        num_tiles, num_rows = tiles[0].shape[0], q.shape[0]
         tile_args = (tiles[0], *tiles)  # seq_lens unused
     if num_tiles == 0:
         return
@@ -354,7 +358,8 @@ def paged_attention(
         **(launch or {}),
     )  # fmt: skip
     if num_splits > 1:
-        _merge_splits_kernel[(num_rows, num_heads)](
-            part_acc, part_ml, out, num_rows, out.stride(0),
+        first_row = 0 if decode else first_row
+        _merge_splits_kernel[(num_rows - first_row, num_heads)](
+            part_acc, part_ml, out, num_rows, first_row, out.stride(0),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
         )  # fmt: skip

@@ -95,7 +95,10 @@ def test_mixed_step_matches_torch_backend(dtype, page_dtype, h, hkv, d):
 
 @pytest.mark.parametrize("page_dtype", [torch.float32, FP8])
 def test_split_k_merges_to_the_unsplit_result(page_dtype):
-    shapes = [(200, 1), (3, 1), (63, 1)]  # 13, 1 and 4 KV tiles of 16: some splits empty
+    # decodes over 13, 1 and 4 KV tiles of 16 (some splits empty); then prefill tiles: a
+    # drafted step's 5 tokens after 120 cached, 3 after 40, and 9 from scratch (their early
+    # rows see nothing in the later splits)
+    shapes = [(200, 1), (3, 1), (63, 1), (120, 5), (40, 3), (0, 9)]
     expected, one, _ = run_step(torch.float32, page_dtype, 4, 2, 16, shapes, splits=1)
     torch.testing.assert_close(one, expected, atol=1e-5, rtol=1e-4)
     for splits in (2, 4, 16):
@@ -132,8 +135,13 @@ def test_decode_splits_fill_the_gpu_but_never_exceed_the_context():
     assert tri.decode_splits(1, 100) == 2  # only two KV tiles to split
     assert tri.decode_splits(16, 2048) == 4  # 128 programs unsplit: two waves need 4
     assert tri.decode_splits(64, 2048) == 1
+    # prefill tiles: a drafted step's tile over a long context splits as a decode does; a
+    # long chunk's many tiles fill the GPU unsplit
+    assert tri.tile_splits(1, 32_768) == 16
+    assert tri.tile_splits(32, 4096) == 2
+    assert tri.tile_splits(128, 32_768) == 1
     tri.fixed_splits = 8
-    assert tri.decode_splits(64, 2048) == 8
+    assert tri.decode_splits(64, 2048) == 8 and tri.tile_splits(128, 32_768) == 8
 
 
 def test_kernels_loaded_for_the_interpreter_refuse_a_gpu():
