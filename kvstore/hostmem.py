@@ -127,5 +127,6 @@ def pinned_zeros(
     if unregister is None:
         log.warning("cudaHostRegister refused %d bytes; pinning through torch instead", nbytes)
         return torch.zeros(*shape, dtype=dtype, pin_memory=True)
-    weakref.finalize(owner, unregister)
+    # not at exit: the process's end lets go of everything, CUDA's teardown included
+    weakref.finalize(owner, unregister).atexit = False
     return raw.view(dtype).view(*shape)
