@@ -29,7 +29,7 @@ import hashlib
 import itertools
 import logging
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvstore.disk import DiskPrefetch
@@ -316,16 +316,22 @@ class BlockManager:
         free, refs = self._free, self._refs
         # with one tenant or none caching, no share to weigh: the least recently freed, in
         # order (evicting only lowers the count of tenants)
-        single = len(self._cached_by_owner) < 2
-        handout = list(itertools.islice(free, need)) if single else None
-        for i in range(need):
-            block = handout[i] if handout is not None else self._next_free()
-            del free[block]
-            gone = self._evict(block)
-            if gone is not None:
-                evicted.append((block, *gone))
-            refs[block] = 1
-            table.append(block)
+        if len(self._cached_by_owner) < 2:
+            handout = list(itertools.islice(free, need))
+            for block in handout:
+                del free[block]
+                refs[block] = 1
+            evicted = self._evict_many(handout)
+            table += handout
+        else:
+            for _ in range(need):
+                block = self._next_free()
+                del free[block]
+                gone = self._evict(block)
+                if gone is not None:
+                    evicted.append((block, *gone))
+                refs[block] = 1
+                table.append(block)
         if self._save_ticket and need:  # blocks a save ahead may still be reading
             self._wait(request_id, [self._save_ticket.pop(b, 0) for b in table[-need:]])
         if evicted and self.offloader is not None:  # saved before anything overwrites them
@@ -381,6 +387,23 @@ class BlockManager:
         for block in blocks:
             if self._evict(block) is not None:
                 self.num_evicted_blocks -= 1  # not an eviction
+
+    def _evict_many(self, blocks: list[int]) -> list[tuple[int, bytes, str]]:
+        """`_evict` for each of `blocks`: (block, hash, owner) of those that were cached."""
+        hash_of, cached, block_owner = self._hash_of, self._cached, self._block_owner
+        gone = []
+        for block in blocks:
+            h = hash_of.pop(block, None)
+            if h is not None:
+                del cached[h]
+                gone.append((block, h, block_owner.pop(block)))
+        self.num_evicted_blocks += len(gone)
+        counts = self._cached_by_owner
+        for owner, n in Counter(owner for _, _, owner in gone).items():
+            counts[owner] -= n
+            if not counts[owner]:
+                del counts[owner]
+        return gone
 
     def _evict(self, block: int) -> tuple[bytes, str] | None:
         """Forget a cached block; its hash and owner, or None if it was not cached."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection
+from collections import Counter
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,23 @@ class PageOwners:
         self.counts[owner] -= 1
         if not self.counts[owner]:
             del self.counts[owner]
+
+    def add_many(self, pages: Iterable[tuple[bytes, str]]) -> None:
+        """`add` for each (key, owner)."""
+        of, added = self.of, Counter[str]()
+        for key, owner in pages:
+            of[key] = owner
+            added[owner] += 1
+        for owner, n in added.items():
+            self.counts[owner] = self.counts.get(owner, 0) + n
+
+    def remove_many(self, keys: Iterable[bytes]) -> None:
+        """`remove` for each key."""
+        of, counts = self.of, self.counts
+        for owner, n in Counter(of.pop(key) for key in keys).items():
+            counts[owner] -= n
+            if not counts[owner]:
+                del counts[owner]
 
     def oldest(
         self, order: Collection[bytes], owner: str | None, keep: Collection[bytes]

@@ -84,6 +84,26 @@ class HostKVPool:
         self._free.append(slot)
         return slot
 
+    def take_many(self, pages: Sequence[tuple[bytes, str]]) -> list[int]:
+        """`take` for each (key, owner) of `pages` (none of them here yet), in order."""
+        free, slots = self._free, self.slots
+        assert len(pages) <= len(free)
+        taken = free[len(free) - len(pages) :][::-1]  # as many pop() would give
+        del free[len(free) - len(pages) :]
+        for (key, _), slot in zip(pages, taken, strict=True):
+            slots[key] = slot
+        self.owners.add_many(pages)
+        assert len(slots) + len(free) == self.num_blocks, "a page taken twice"
+        return taken
+
+    def release_many(self, keys: Sequence[bytes]) -> list[int]:
+        """`release` for each of `keys`, in order; their slots."""
+        slots = self.slots
+        freed = [slots.pop(key) for key in keys]
+        self.owners.remove_many(keys)
+        self._free += freed
+        return freed
+
     def check_integrity(self) -> None:
         used = list(self.slots.values())
         assert len(set(used)) == len(used), "two host pages share a slot"
@@ -119,7 +139,7 @@ class TieredKVStore:
         # called with a host slot before its row is read to move the page to disk, and
         # before it is handed out to be rewritten: copies in flight on that row finish first
         # (KVOffloader: loads that read host rows in place, spills that write them)
-        self.before_host_use: Callable[[int], None] | None = None
+        self.before_host_use: Callable[[Collection[int]], None] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -197,7 +217,7 @@ class TieredKVStore:
             victim_owner = host.owners.of[victim]
             slot = host.release(victim)
             if before is not None:
-                before(slot)
+                before((slot,))
             if self.disk is None:  # dropped (no view of the row needed)
                 self.num_dropped += 1
             else:
@@ -205,7 +225,7 @@ class TieredKVStore:
         self.num_spilled[Tier.HOST] += 1
         slot = host.take(key, owner)
         if before is not None:
-            before(slot)
+            before((slot,))
         return slot
 
     def take_host_slots(
@@ -224,25 +244,16 @@ class TieredKVStore:
             victims = list(itertools.islice((k for k in host.slots if k not in keep), short))
             if len(victims) < short:
                 return None
-        before = self.before_host_use
-        checked = set()
-        for victim in victims:
-            victim_owner = host.owners.of[victim]
-            slot = host.release(victim)
-            if before is not None:
-                before(slot)
-            checked.add(slot)
-            if self.disk is None:
-                self.num_dropped += 1
-            else:
-                self.to_disk(victim, host.data[slot], victim_owner)
-        slots: list[int] = []
-        for key, owner in pages:
-            assert key not in host.slots
-            slot = host.take(key, owner)
-            if before is not None and slot not in checked:
-                before(slot)
-            slots.append(slot)
+        victim_owners = [host.owners.of[v] for v in victims]
+        freed = host.release_many(victims)
+        slots = host.take_many(pages)  # the victims' slots among them: the free list is spent
+        if self.before_host_use is not None:  # before the victims' rows are read, and all
+            self.before_host_use(slots)  # of them are handed out
+        if self.disk is None:
+            self.num_dropped += len(victims)
+        else:  # read now, before the new pages are copied in
+            for victim, slot, owner in zip(victims, freed, victim_owners, strict=True):
+                self.to_disk(victim, host.data[slot], owner)
         self.num_spilled[Tier.HOST] += len(pages)
         return slots
 
@@ -317,10 +328,10 @@ class KVOffloader:
         if self.in_place:
             store.before_host_use = self._before_host_use
 
-    def _before_host_use(self, slot: int) -> None:
-        if slot in self._saving:  # its row is about to be read: the spill copies run now
-            self._save()
-        self.pool.loads.before_host_write(slot)
+    def _before_host_use(self, slots: Collection[int]) -> None:
+        if self._saving and not self._saving.keys().isdisjoint(slots):
+            self._save()  # a row about to be read or rewritten: the spill copies run now
+        self.pool.loads.before_host_writes(slots)
 
     def _save(self, inline: bool = False) -> int:
         saving, self._saving = self._saving, {}

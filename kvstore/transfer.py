@@ -33,7 +33,7 @@ Where the pages are read from:
     apart) into a device landing buffer, then one scatter into the blocks. Where the rows
     fall in more than `_MAX_RUN_COPIES` runs, the kernel reads them instead.
   Such a row must not change until its load is done: before the host tier reuses a slot,
-  its offloader calls `before_host_write`, which waits for the loads if one reads it
+  its offloader calls `before_host_writes`, which waits for the loads if one reads it
   (kvstore/tiers.py, `TieredKVStore.before_host_use`).
 - rows of the host tier with `thread` loads on CPU: in place as well, the worker scattering
   each run of neighbouring slots straight from the host tensor into the blocks.
@@ -282,7 +282,7 @@ class PageLoads:
     def read_host_rows(self, host: torch.Tensor) -> bool:
         """Read pages that are rows of `host` (the host tier's [slots, page bytes] tensor) in
         place: on a worker thread, or on a CUDA stream when `host` is pinned and Triton works.
-        Returns whether they will be; the tier must then call `before_host_write`."""
+        Returns whether they will be; the tier must then call `before_host_writes`."""
         assert host.dim() == 2 and host.shape[1] == self.pool.spec.bytes_per_block
         if self.mode is LoadMode.THREAD:
             self._host = host
@@ -302,7 +302,7 @@ class PageLoads:
         their own (one kernel per part), so this returns at once. Returns the save's ticket:
         the blocks may be rewritten once it is done (`done`, `need`); a load started later
         goes after it, and the rows are not read on the host nor rewritten before it is
-        done (`before_host_write`).
+        done (`before_host_writes`).
 
         `inline` (the blocks' new owner runs in the next step): in the compute stream's
         order instead (on CPU, before this returns), so nothing waits for it and it never
@@ -400,10 +400,11 @@ class PageLoads:
             event.record(cp_stream)
         return event
 
-    def before_host_write(self, slot: int) -> None:
-        """Host row `slot` is about to be read on the host or rewritten: a load that reads
-        it, or a save that writes it, finishes first (a host sync, only then)."""
-        if self._reading[slot] or self._writing[slot]:
+    def before_host_writes(self, slots: Collection[int]) -> None:
+        """Host rows `slots` are about to be read on the host or rewritten: the loads that
+        read them, or the saves that write them, finish first (a host sync, only then)."""
+        # rows no copy uses are not counted at all (`_unread`)
+        if not (self._reading.keys().isdisjoint(slots) and self._writing.keys().isdisjoint(slots)):
             self.finish()
 
     def host_slots(self, pages: Sequence[torch.Tensor]) -> list[int] | None:

@@ -159,7 +159,7 @@ def test_a_host_row_is_not_rewritten_before_its_load_reads_it():
         torch.cuda._sleep(200_000_000)  # the copies wait behind this
     pool.load_pages([4], [store.host.data[5]])
     pool.loads.issue()  # in flight, not done
-    store.before_host_use(5)  # what host_slot calls before handing slot 5 out
+    store.before_host_use([5])  # what host_slot calls before handing slot 5 out
     assert not pool.loads.pending
     store.host.data[5].fill_(0)
     assert torch.equal(pool.read_pages([4]).cpu()[0], old)

@@ -192,7 +192,7 @@ def test_thread_loads_read_host_rows_in_place_by_runs(spec):
     pool.loads.finish()
     assert not pool.loads._reading and not pool.loads._spare  # nothing was staged
     assert pool.loads.save_host_rows([14, 2], [10, 11]) == 2  # the load's ticket was 1
-    pool.loads.before_host_write(10)  # waits for the save writing that row
+    pool.loads.before_host_writes([10])  # waits for the save writing that row
     assert not pool.loads._writing and not pool.loads.pending
     assert torch.equal(host[10:12], pool.read_pages([14, 2]))
 
@@ -256,7 +256,7 @@ def test_a_save_to_host_rows_runs_beside_the_step_and_orders_what_follows(monkey
     assert torch.equal(pool.read_pages([2, 3]), torch.stack(pages[2:]))
     later = loads.start_host_rows([6, 7], [4, 5])  # reads the rows being saved
     assert not loads.done({later})
-    waits_until_set(gate, loads.before_host_write, 5)  # the row is still being written
+    waits_until_set(gate, loads.before_host_writes, [5])  # the row is still being written
     assert loads.done({saved, later}) and not loads._writing
     assert torch.equal(host[4:6], torch.stack(pages[:2]))
     assert torch.equal(pool.read_pages([6, 7]), torch.stack(pages[:2]))  # after the save
