@@ -88,7 +88,7 @@ def test_bad_input_gives_one_clear_line(strata_cache_dir, args, needle):
     assert needle in lines[0]
 
 
-def test_commands_that_load_no_model_start_without_torch(strata_cache_dir):
+def test_commands_that_load_no_model_start_without_torch(strata_cache_dir, tmp_path):
     """`--help`, the admin and usage commands, and a rejected sampling option answer in a
     fraction of a second: none of them imports torch (a second and a half on its own)."""
     probe = (
@@ -109,9 +109,9 @@ def test_commands_that_load_no_model_start_without_torch(strata_cache_dir):
     ]
     env = dict(os.environ, STRATA_CACHE_DIR=str(strata_cache_dir))
     env.pop("STRATA_ADMIN_TOKEN", None)
-    done = subprocess.run(
+    done = subprocess.run(  # elsewhere than the checkout: `make serve` leaves .strata/ there
         [sys.executable, "-c", probe.format(argvs=argvs)],
-        env=env, capture_output=True, text=True, timeout=60, check=False,
+        env=env, capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "False", done.stdout
