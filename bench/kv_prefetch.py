@@ -196,7 +196,9 @@ def main(argv: list[str] | None = None) -> dict:
     per_token = 4 * mc.num_layers * mc.num_kv_heads * mc.head_dim  # K and V, 16-bit
     rounds = args.warmup + args.repeats
     # each decoding request: its context, and a token per step of every round
-    growth = args.running * (-(-rounds * _steps_per_round(args) // block) + 1)
+    # (and while they prefill in turn, the first ones decode already)
+    steps = rounds * _steps_per_round(args) + -(-args.running * args.context // _budget(args))
+    growth = args.running * (-(-steps // block) + 1)
     decoder_blocks = args.running * doc_blocks + growth
     config = EngineConfig(
         model=model, dtype=args.dtype, device=args.device, seed=args.seed,
@@ -273,20 +275,24 @@ def _budget(args) -> int:
 
 
 def _steps_per_round(args) -> int:
-    """About how many steps a busy round takes: the filler's prefill chunks, and a few for
-    each set of questions."""
-    return -(-args.batch * args.context // _budget(args)) + 16
+    """At most about how many steps a busy round takes: the filler's prefill chunks (it
+    covers every free block, somewhat more than the documents), and a few for each set of
+    questions."""
+    return -(-2 * args.batch * args.context // _budget(args)) + 16
 
 
 def run_step(core) -> tuple[float, list]:
-    """One engine step, timed (device synchronised); its outputs."""
+    """One engine step of a busy engine, timed; its outputs. On CUDA only the compute
+    stream is waited for: the copy and save streams run on beside the steps (a step that
+    needs their pages waits for them there), and a device-wide sync would charge their
+    copies to whichever step happens to be timed."""
     cuda = core.device.type == "cuda"
     if cuda:
-        torch.cuda.synchronize()
+        torch.cuda.current_stream(core.device).synchronize()
     start = time.perf_counter()
     outs = core.step()
     if cuda:
-        torch.cuda.synchronize()
+        torch.cuda.current_stream(core.device).synchronize()
     return time.perf_counter() - start, outs
 
 

@@ -99,8 +99,13 @@ def _cuda_register(ptr: int, nbytes: int) -> Callable[[], None] | None:
     """Page-lock [ptr, ptr + nbytes) for every GPU, mapped into their address space (kernels
     read it in place): the function that undoes it, or None when CUDA refuses."""
     cudart = torch.cuda.cudart()
+    if not hasattr(cudart, "cudaHostUnregister"):  # an old binding: no way to let go
+        return None
     flags = _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED
     if cudart.cudaHostRegister(ptr, nbytes, flags) != cudart.cudaError.success:
+        clear = getattr(cudart, "cudaGetLastError", None)
+        if clear is not None:  # or torch's next launch check would report this failure
+            clear()
         return None
     return lambda: cudart.cudaHostUnregister(ptr)
 
