@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.attention.paged import SeqSlice
 from engine.config import (
@@ -390,10 +391,12 @@ def test_bf16_native_path_answers_and_tracks_fp32(bf16_engines, llm):
     )
     assert "Paris" in answer.text
     # teacher-forced over prompt + fp32 continuation: how often does bf16 pick fp32's token,
-    # and how far are its logits? The native path must be at least as faithful as torch's
-    # bf16 ops (it keeps softmax and accumulations in fp32).
+    # how far are its logits, and how far its next-token distribution (KL from fp32's)? The
+    # native path must be at least as faithful as torch's bf16 ops (it keeps softmax and
+    # accumulations in fp32). Top-1 agreement alone would hinge on a few near-ties (bf16
+    # flips fp32 margins of 0.2 either way), so the comparison is of the distributions.
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    stats = {"native": [0.0, 0.0], "torch": [0.0, 0.0]}
+    stats = {"native": [0.0, 0.0, 0.0], "torch": [0.0, 0.0, 0.0]}
     positions = 0
     for prompt, cont in zip(PROMPTS, greedy_tokens(llm, PROMPTS, params), strict=True):
         ids = llm.tokenizer.encode(prompt) + cont
@@ -403,11 +406,15 @@ def test_bf16_native_path_answers_and_tracks_fp32(bf16_engines, llm):
             got = all_position_logits(engine, ids)
             stats[name][0] += (got.argmax(-1) == ref.argmax(-1)).sum().item()
             stats[name][1] = max(stats[name][1], (got - ref).abs().max().item())
+            kl = F.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
+                          reduction="none").sum(-1)  # fmt: skip
+            stats[name][2] += kl.sum().item()
     top1 = {k: v[0] / positions for k, v in stats.items()}
+    kl_mean = {k: v[2] / positions for k, v in stats.items()}
     print(
         f"bf16 vs fp32: top-1 agreement {top1}, max |logit error| "
-        f"{ {k: round(v[1], 3) for k, v in stats.items()} }"
+        f"{ {k: round(v[1], 3) for k, v in stats.items()} }, mean KL {kl_mean}"
     )
     assert top1["native"] >= 0.95
-    assert top1["native"] >= top1["torch"] - 0.01
+    assert kl_mean["native"] <= 1.25 * kl_mean["torch"]
     assert stats["native"][1] <= 1.5 * stats["torch"][1]
