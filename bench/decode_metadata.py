@@ -3,11 +3,18 @@ the new tokens, which the GPU waits for between two decode steps (the step's onl
 besides scheduling and sampling).
 
 B sequences of C tokens each (their block tables of C / 16 blocks, scattered), one new
-token each. Timed: `padded_tables` (numpy, row by row) against building the same table
-with one tensor per row, the way steps built it before; and `slot_indices`.
+token each. Timed:
+- `padded_tables` (numpy, row by row) against building the same table with one tensor per
+  row, the way steps built it before; and `slot_indices`;
+- a CUDA-graph decode step's inputs (`GraphInputs`: written into a host mirror of the one
+  static buffer, sent in one copy) against the way graph steps staged them before (a tensor
+  of the step's rows and a block table sent to the device, then a copy or fill launch per
+  static buffer). On a GPU (`--device cuda`) both are the host's time to queue the work,
+  which the GPU waits for between two replays; on a CPU the copies themselves run.
 
-    python bench/decode_metadata.py                # B = 64, 128, 256 at C = 2,048 and 8,192
+    python bench/decode_metadata.py                # B = 1, 64, 128, 256 at C = 2,048 and 8,192
     python bench/decode_metadata.py --quick
+    python bench/decode_metadata.py --device cuda
 
 The last printed line is one JSON object; the full record goes to bench/results/.
 """
@@ -29,8 +36,41 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_info, write_result
 from engine.attention.paged import SeqSlice, padded_tables, slot_indices
+from engine.cuda_graphs import GraphInputs
+from engine.device import to_device
 
 BLOCK = 16
+
+
+class PerBufferStaging:
+    """The peer for graph inputs: separate static buffers, each step's rows and block table
+    sent as two tensors, then one launch per buffer to copy them in and to reset the padding
+    (the previous `DecodeGraphs.run`)."""
+
+    def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
+        n = max_batch
+        self.device = device
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.block_table = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+
+    def run(self, input_ids: list[int], seqs: list[SeqSlice]) -> None:
+        n = len(seqs)
+        inputs = [input_ids, [s.context_len for s in seqs], slot_indices(seqs, BLOCK)]
+        rows = to_device(torch.tensor(inputs, dtype=torch.long), self.device)
+        self.input_ids[:n].copy_(rows[0])
+        self.positions[:n].copy_(rows[1])
+        self.slot_mapping[:n].copy_(rows[2])
+        self.seq_lens[:n].copy_(rows[1] + 1)
+        table = padded_tables(seqs, torch.int32)
+        self.block_table[:n, : table.shape[1]].copy_(to_device(table, self.device))
+        self.input_ids[n:] = 0
+        self.positions[n:] = 0
+        self.slot_mapping[n:] = -1
+        self.seq_lens[n:] = 1
+        self.block_table[n:] = 0
 
 
 def row_by_row(seqs: list[SeqSlice]) -> torch.Tensor:
@@ -42,24 +82,73 @@ def row_by_row(seqs: list[SeqSlice]) -> torch.Tensor:
     return table
 
 
-def median_us(fn: Callable[[], object], repeats: int) -> float:
+def median_us(
+    fn: Callable[[], object], repeats: int, between: Callable[[], object] | None = None
+) -> float:
+    """Median host time of `fn`; `between` runs untimed after each call (a device sync)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
+        if between is not None:
+            between()
     return round(statistics.median(times) * 1e6, 1)
+
+
+def graph_input_times(
+    seqs: list[SeqSlice], max_model_len: int, device: torch.device, repeats: int
+) -> dict[str, float]:
+    """Host time to stage one graph step's inputs, both ways, after checking that they
+    agree: in a decode step where every 16th sequence (in turn) gains a block, and in a
+    step of sequences new to the graph (every block table row written whole)."""
+    max_batch = len(seqs)
+    max_blocks = -(-max_model_len // BLOCK)
+    ids = list(range(max_batch))
+    one = GraphInputs(max_batch, max_blocks, False, device)
+    peer = PerBufferStaging(max_batch, max_blocks, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    step = 0
+
+    def staged() -> None:
+        one.write(max_batch, ids, seqs, BLOCK)
+        one.send()
+
+    def grow() -> None:
+        nonlocal step
+        sync()
+        for s in seqs[step % 16 :: 16]:
+            s.block_table.append(s.block_table[0])
+        step += 1
+
+    def renew() -> None:
+        sync()
+        seqs[:] = [SeqSlice(s.query_len, s.context_len, list(s.block_table)) for s in seqs]
+
+    for _ in range(2):  # the second time, a step that only grows the tables
+        staged()
+        peer.run(ids, seqs)
+        for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "block_table"):
+            assert torch.equal(one.static[name], getattr(peer, name)), name
+        grow()
+    return {
+        "graph_inputs_us": median_us(staged, repeats, grow),
+        "graph_inputs_new_us": median_us(staged, repeats, renew),
+        "per_buffer_us": median_us(lambda: peer.run(ids, seqs), repeats, grow),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 128, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
+    device = torch.device(args.device)
     if args.quick:
         args.batches, args.contexts, args.repeats = [8], [512], 20
     rng = random.Random(args.seed)
@@ -84,15 +173,19 @@ def main(argv: list[str] | None = None) -> dict:
                 "slot_indices_us": median_us(
                     lambda seqs=seqs: slot_indices(seqs, BLOCK), args.repeats
                 ),
+                # room for the blocks the timed steps add
+                **graph_input_times(seqs, 2 * context, device, args.repeats),
             }
             row["speedup"] = round(row["row_by_row_us"] / row["padded_tables_us"], 2)
             rows.append(row)
             print(f"B={batch:4d} C={context:5d}: block table {row['padded_tables_us']:8.1f} us "
                   f"(one tensor per row {row['row_by_row_us']:8.1f} us, {row['speedup']}x); "
-                  f"slots {row['slot_indices_us']:.1f} us")  # fmt: skip
+                  f"slots {row['slot_indices_us']:.1f} us; graph inputs "
+                  f"{row['graph_inputs_us']:.1f} us, new rows {row['graph_inputs_new_us']:.1f} us"
+                  f" (per buffer {row['per_buffer_us']:.1f} us)")  # fmt: skip
     record = {
         "benchmark": "decode_metadata",
-        **machine_info(torch.device("cpu")),
+        **machine_info(device),
         "seed": args.seed,
         "repeats": args.repeats,
         "quick": args.quick,
@@ -102,6 +195,12 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {
         "block_table_us": {f"{r['batch']}x{r['context']}": r["padded_tables_us"] for r in rows},
         "speedup_vs_row_by_row": {f"{r['batch']}x{r['context']}": r["speedup"] for r in rows},
+        "graph_inputs_us": {
+            f"{r['batch']}x{r['context']}": {
+                k: r[f"{k}_us"] for k in ("graph_inputs", "graph_inputs_new", "per_buffer")
+            }
+            for r in rows
+        },
     }
     print(json.dumps(summary))
     return summary

@@ -6,15 +6,19 @@ for a ladder of batch sizes (1, 2, 4, 8, then every multiple of 8 up to the larg
 preallocated input buffers, and a decode step of n sequences replays the graph of the
 smallest captured size >= n:
 
-- inputs (token ids, positions, KV slots, block tables, sequence lengths) are copied into the
-  static buffers; rows past n are padding: slot -1 (their K/V are not written), length 1
-  over block 0, token 0 at position 0; their outputs are never read;
+- inputs (token ids, positions, KV slots, block tables, sequence lengths, adapter tiles) live
+  in one device buffer (`GraphInputs`), written on the host into a pinned mirror of it and
+  sent in a copy or two: between two replays the host queues those and nothing else, where
+  a dozen small copies and fills cost a launch each while the GPU waited. Block tables are
+  mirrored incrementally: a decode step sends only the rows that gained a block. Rows past
+  n are padding: slot -1 (their K/V are not written), length 1 over block 0, token 0 at
+  position 0; their outputs are never read;
 - the block table has a fixed width (the longest context the engine allows) and every size
   has a fixed number of split-K programs, so one graph serves any mix of context lengths;
 - with adapters (a `LoRABatch` on the Triton kernels), each step's adapter tokens grouped by
-  slot go into the batch's static buffers (`LoRABatch.static`) in the same copy as the other
-  inputs; the LoRA kernels of a size-n graph always launch n tiles' programs, those past the
-  step's live tiles returning at once, so one graph serves any mix of adapters, or none.
+  slot go into the batch's static buffers (`LoRABatch.static`, a view of the same buffer);
+  the LoRA kernels of a size-n graph always launch n tiles' programs, those past the step's
+  live tiles returning at once, so one graph serves any mix of adapters, or none.
   Padding rows are base tokens: in no tile.
 
 Prefill and mixed steps, and batches above the largest size, run eagerly. On a CPU device the
@@ -27,11 +31,11 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 
-from engine.attention.paged import SeqSlice, padded_tables, slot_indices
+from engine.attention.paged import SeqSlice
 from engine.attention.triton_backend import TritonContext, TritonPagedAttention
-from engine.device import to_device
 from engine.lora.layers import LoRABatch
 from engine.model.llama import LlamaForCausalLM
 
@@ -43,6 +47,123 @@ def batch_ladder(max_batch: int) -> list[int]:
     sizes = [s for s in (1, 2, 4) if s < max_batch]
     sizes += list(range(8, max_batch, 8))
     return [*sizes, max_batch]
+
+
+class GraphInputs:
+    """A decode graph's inputs in one device buffer and a host mirror of it (pinned on CUDA).
+
+    Layout, for `max_batch` rows: int64 token ids, positions and KV slots [3, max_batch];
+    then int32: the adapter rows [4, max_batch] (with adapters), sequence lengths
+    [max_batch] and the block table [max_batch, max_blocks]. `write` fills the host side
+    for a step; `send` copies what changed to the device, queued on the current stream:
+    everything before the block table, and the band of table rows that changed.
+
+    A block table row is written incrementally: it remembers the list it mirrors and how
+    many of its entries it holds, and a step whose sequence in that row has the same list
+    (which only grows, see `SeqSlice`) writes the new entries alone. A row that turns to
+    padding is zeroed once.
+    """
+
+    def __init__(
+        self, max_batch: int, max_blocks: int, with_lora: bool, device: torch.device
+    ) -> None:
+        n = max_batch
+        self.max_blocks = max_blocks
+        self._i64_bytes = 3 * n * 8
+        self._table_start = self._i64_bytes + 4 * ((4 * n if with_lora else 0) + n)
+        nbytes = self._table_start + 4 * n * max_blocks
+        self.device_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.host_buffer = torch.zeros(nbytes, dtype=torch.uint8,
+                                       pin_memory=device.type == "cuda")  # fmt: skip
+        self.static = self._views(self.device_buffer, n, with_lora)
+        host = self._views(self.host_buffer, n, with_lora)
+        self.host = {name: view.numpy() for name, view in host.items()}
+        # per table row: the list it mirrors and how many of its entries it holds, and how
+        # many columns are not zero
+        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * n
+        self._widths = [0] * n
+        self._dirty = (0, 0)  # table rows written since the last send
+        self._rows_index = np.arange(n)
+        # the last send, which the host waits for before writing the mirror again (CUDA)
+        self._sent = torch.cuda.Event() if device.type == "cuda" else None
+
+    def _views(self, buffer: torch.Tensor, n: int, with_lora: bool) -> dict[str, torch.Tensor]:
+        i64 = buffer[: self._i64_bytes].view(torch.int64).view(3, n)
+        i32 = buffer[self._i64_bytes :].view(torch.int32)
+        lora = 4 * n if with_lora else 0
+        views = {
+            "input_ids": i64[0],
+            "positions": i64[1],
+            "slot_mapping": i64[2],
+            "seq_lens": i32[lora : lora + n],
+            "block_table": i32[lora + n :].view(n, self.max_blocks),
+        }
+        if with_lora:
+            views["lora_rows"] = i32[:lora].view(4, n)
+        return views
+
+    def write(
+        self,
+        size: int,
+        input_ids: list[int],
+        seqs: list[SeqSlice],
+        block_size: int,
+        lora_rows: list[list[int]] | None = None,
+    ) -> None:
+        """The host mirror for a decode step of len(seqs) sequences (one new token each) in
+        a graph of `size` rows; the rows from len(seqs) to `size` become padding."""
+        if self._sent is not None and not self._sent.query():
+            self._sent.synchronize()  # the last step's copy has yet to read the mirror
+        h = self.host
+        n = len(seqs)
+        h["input_ids"][:n] = input_ids
+        positions = h["positions"]
+        positions[:n] = [s.context_len for s in seqs]  # one new token each
+        h["input_ids"][n:size] = 0
+        positions[n:size] = 0
+        self._write_tables(size, seqs)
+        # each new token's slot, from the tables just mirrored
+        pos = positions[:n]
+        blocks = h["block_table"][self._rows_index[:n], pos // block_size]
+        h["slot_mapping"][:n] = blocks.astype(np.int64) * block_size + pos % block_size
+        h["slot_mapping"][n:size] = -1
+        h["seq_lens"][:size] = positions[:size] + 1
+        if lora_rows is not None:
+            h["lora_rows"][:, :n] = lora_rows
+            h["lora_rows"][:, n:size] = 0  # no tiles: stale ones from a larger step never run
+
+    def _write_tables(self, size: int, seqs: list[SeqSlice]) -> None:
+        table, rows, widths = self.host["block_table"], self._rows, self._widths
+        lo, hi = self._dirty if self._dirty[1] else (size, 0)
+        for i, s in enumerate(seqs):
+            blocks = s.block_table
+            mirrored, have = rows[i]
+            if mirrored is not blocks or len(blocks) < have:
+                have = 0
+            if len(blocks) > have:
+                table[i, have : len(blocks)] = blocks[have:]
+                rows[i] = (blocks, len(blocks))
+                widths[i] = max(widths[i], len(blocks))
+                lo, hi = min(lo, i), max(hi, i + 1)
+        for i in range(len(seqs), size):
+            if widths[i]:
+                table[i, : widths[i]] = 0  # a padding row reads block 0
+                rows[i], widths[i] = (None, 0), 0
+                lo, hi = min(lo, i), max(hi, i + 1)
+        self._dirty = (lo, hi) if lo < hi else (0, 0)
+
+    def send(self) -> None:
+        """Copy what `write` changed to the device (no host wait on CUDA)."""
+        start = self._table_start
+        self.device_buffer[:start].copy_(self.host_buffer[:start], non_blocking=True)
+        lo, hi = self._dirty
+        if lo < hi:
+            row_bytes = 4 * self.max_blocks
+            band = slice(start + lo * row_bytes, start + hi * row_bytes)
+            self.device_buffer[band].copy_(self.host_buffer[band], non_blocking=True)
+            self._dirty = (0, 0)
+        if self._sent is not None:
+            self._sent.record()
 
 
 class DecodeGraphs:
@@ -65,14 +186,19 @@ class DecodeGraphs:
         self.max_batch = self.sizes[-1]
         self.max_blocks = -(-max_model_len // attn.block_size)
         self.max_model_len = max_model_len
-        n, dev = self.max_batch, self.device
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=dev)
-        self.block_table = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.lora = lora
-        self.lora_rows = None if lora is None else lora.allocate_static(n, dev)  # [4, n]
+        self.inputs = GraphInputs(self.max_batch, self.max_blocks, lora is not None, self.device)
+        static = self.inputs.static
+        self.input_ids = static["input_ids"]
+        self.positions = static["positions"]
+        self.slot_mapping = static["slot_mapping"]
+        self.seq_lens = static["seq_lens"]
+        self.block_table = static["block_table"]
+        self.lora_rows = static.get("lora_rows")
+        if lora is not None:
+            assert self.lora_rows is not None
+            lora.use_static(self.lora_rows)
+        self._reset_padding()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -102,7 +228,6 @@ class DecodeGraphs:
         """
         if self.device.type != "cuda":
             return
-        self._reset_padding(0)
         pool = None
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -129,36 +254,20 @@ class DecodeGraphs:
         `lora_slots`: each sequence's adapter slot (0: base), when adapters are enabled."""
         n = len(seqs)
         size = next(s for s in self.sizes if s >= n)
-        inputs = [
-            input_ids,
-            [s.context_len for s in seqs],
-            slot_indices(seqs, self.attn.block_size),
-        ]
+        lora_rows = None
         if self.lora is not None:
             assert lora_slots is not None and len(lora_slots) == n
-            inputs += self.lora.static_rows(lora_slots)
-        rows = to_device(torch.tensor(inputs, dtype=torch.long), self.device)  # [3 (+ 4), n]
-        self.input_ids[:n].copy_(rows[0])
-        self.positions[:n].copy_(rows[1])
-        self.slot_mapping[:n].copy_(rows[2])
-        self.seq_lens[:n].copy_(rows[1] + 1)
-        if self.lora_rows is not None:
-            self.lora_rows[:, :n].copy_(rows[3:])
-        table = padded_tables(seqs, torch.int32)
-        self.block_table[:n, : table.shape[1]].copy_(to_device(table, self.device))
-        self._reset_padding(n)
+            lora_rows = self.lora.static_rows(lora_slots)
+        self.inputs.write(size, input_ids, seqs, self.attn.block_size, lora_rows)
+        self.inputs.send()
         graph = self.graphs.get(size)
         if graph is None:
             return self._forward(size)[:n]
         graph.replay()
         return self.outputs[size][:n]
 
-    def _reset_padding(self, n: int) -> None:
-        """Rows from n on become padding (see the module docstring)."""
-        self.input_ids[n:] = 0
-        self.positions[n:] = 0
-        self.slot_mapping[n:] = -1
-        self.seq_lens[n:] = 1
-        self.block_table[n:] = 0
-        if self.lora_rows is not None:
-            self.lora_rows[:, n:] = 0  # no tiles: stale ones from a larger step never run
+    def _reset_padding(self) -> None:
+        """Every row becomes padding (see the module docstring)."""
+        lora_rows: list[list[int]] | None = None if self.lora is None else [[]] * 4
+        self.inputs.write(self.max_batch, [], [], self.attn.block_size, lora_rows)
+        self.inputs.send()

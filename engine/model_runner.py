@@ -145,21 +145,22 @@ class ModelRunner:
         lora_slots = None
         if self.lora is not None:
             lora_slots = [s.request.lora_slot for s in order for _ in range(s.num_new_tokens)]
-        # every host-side input is built and queued first: from here to the token ids the
-        # host never waits for the device
+        # the forward is queued first, and the sampling inputs built while the device runs
+        # it: from here to the token ids the host never waits for the device
+        hidden = self.forward(input_ids, positions, slices, lora_slots)  # [T, hidden]
         finishing = [s for s in order if s.completes_sequence]
         sampled = [s.request for s in finishing]
-        batch = None
-        if sampled:
-            batch = build_sampling_batch(
-                sampled, self.vocab_size, self.device, self.eos_token_ids, self.first_byte
-            )
-        rows = to_device(torch.tensor(sample_rows + draft_rows, dtype=torch.long), self.device)
-        hidden = self.forward(input_ids, positions, slices, lora_slots)  # [T, hidden]
         prompt = self._score_prompts(hidden, scored) if scored else None
-        if batch is None:
+        if not sampled:
             return Launched([], None, prompt)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # [S + D, vocab]
+        batch = build_sampling_batch(
+            sampled, self.vocab_size, self.device, self.eos_token_ids, self.first_byte
+        )
+        rows = sample_rows + draft_rows
+        if rows != list(range(len(input_ids))):  # not a step of decode tokens alone
+            rows_t = to_device(torch.tensor(rows, dtype=torch.long), self.device)
+            hidden = hidden.index_select(0, rows_t)
+        logits = self.model.compute_logits(hidden)  # [S + D, vocab]
         out = sample(logits[: len(sample_rows)], batch, self.generator, self.argmax)
         if not draft_rows:
             return Launched(sampled, out, prompt)

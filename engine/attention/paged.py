@@ -39,7 +39,11 @@ ATTEND_TEMP_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class SeqSlice:
-    """One sequence's share of a step: `query_len` new tokens after `context_len` cached."""
+    """One sequence's share of a step: `query_len` new tokens after `context_len` cached.
+
+    `block_table` only grows while the same list serves a request's steps (the block
+    manager's tables never lose or change an entry): decode graphs send only a row's new
+    entries (engine/cuda_graphs.py)."""
 
     query_len: int
     context_len: int

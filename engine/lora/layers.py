@@ -253,12 +253,13 @@ class LoRABatch:
         cols = to_device(torch.tensor(tiles, dtype=torch.int32).t().contiguous(), device)
         self.tiles = (cols[0], cols[1], cols[2])
 
-    def allocate_static(self, max_batch: int, device: torch.device) -> torch.Tensor:
-        """Allocate `static` for graph steps of up to `max_batch` tokens, all padding
-        (zeros), and return it; its first T columns serve a step of T rows."""
+    def use_static(self, rows: torch.Tensor) -> None:
+        """Take `rows` ([4, max_batch] int32, all padding: zeros) as `static` for graph steps
+        of up to max_batch tokens; its first T columns serve a step of T rows. The caller
+        owns the buffer and fills it before every replay (`static_rows`)."""
         assert self.ops is not None, "graph steps run the Triton kernels"
-        self.static = torch.zeros(4, max_batch, dtype=torch.int32, device=device)
-        return self.static
+        assert rows.dtype == torch.int32 and rows.dim() == 2 and rows.shape[0] == 4
+        self.static = rows
 
     def static_rows(self, token_slots: list[int]) -> list[list[int]]:
         """The first len(token_slots) columns of `static` for a graph step of these slots,

@@ -6,13 +6,15 @@ nor a previous step's tiles reach a sequence."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from engine.attention.paged import SeqSlice
 from engine.attention.triton_backend import TritonPagedAttention, load_triton_kernels
 from engine.config import LoRAConfig
-from engine.cuda_graphs import DecodeGraphs, batch_ladder
+from engine.cuda_graphs import DecodeGraphs, GraphInputs, batch_ladder
 from engine.loader import PRESETS, build_model, load_checkpoint
 from engine.lora.layers import LoRAManager, apply_lora
 from engine.lora.synthetic import write_random_adapter
@@ -153,3 +155,79 @@ def test_lora_decode_over_the_graph_buffers_matches_eager_decode(tmp_path):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert torch.equal(want, base)
     assert graphs.lora_rows is not None and graphs.lora_rows[3].eq(0).all(), "no live tile"
+
+
+def test_graph_inputs_mirror_every_step_as_if_written_whole():
+    """A seeded run of decode steps over `GraphInputs`: sequences grow by a block, leave,
+    join with new tables, and the batch shrinks and grows across graph sizes. After every
+    step the device buffer holds what the step's inputs say (padding rows included), though
+    a row's table is written only where it changed."""
+    rng = random.Random(0)
+    max_batch, max_blocks = 8, 12
+    inputs = GraphInputs(max_batch, max_blocks, with_lora=True, device=CPU)
+    static = inputs.static
+    ladder = batch_ladder(max_batch)
+    live: list[SeqSlice] = []
+    next_block = 0
+
+    def new_seq() -> SeqSlice:
+        nonlocal next_block
+        context = rng.randrange(1, 5 * BS)  # the next token's position: in the table
+        table = list(range(next_block, next_block + context // BS + 1))
+        next_block += len(table)
+        return SeqSlice(1, context, table)
+
+    for step in range(200):
+        action = rng.random()
+        if live and action < 0.15:
+            live.pop(rng.randrange(len(live)))
+        elif len(live) < max_batch and action < 0.35:
+            live.insert(rng.randrange(len(live) + 1), new_seq())
+        # every sequence decodes a token, gaining a block at each block boundary
+        for i, s in enumerate(live):
+            position = min(s.context_len + 1, max_blocks * BS - 1)  # the new token's
+            if position // BS == len(s.block_table):
+                s.block_table.append(next_block)
+                next_block += 1
+            live[i] = SeqSlice(1, position, s.block_table)
+        if not live:
+            continue
+        n = len(live)
+        size = next(s for s in ladder if s >= n)
+        ids = [rng.randrange(1000) for _ in range(n)]
+        lora = [[rng.randrange(4) for _ in range(n)] for _ in range(4)]
+        inputs.write(size, ids, live, BS, lora)
+        inputs.send()
+        pad = size - n
+        assert static["input_ids"][:size].tolist() == ids + [0] * pad, step
+        positions = [s.context_len for s in live]
+        assert static["positions"][:size].tolist() == positions + [0] * pad, step
+        slots = [s.block_table[p // BS] * BS + p % BS for s, p in zip(live, positions, strict=True)]
+        assert static["slot_mapping"][:size].tolist() == slots + [-1] * pad, step
+        assert static["seq_lens"][:size].tolist() == [p + 1 for p in positions] + [1] * pad
+        for i, s in enumerate(live):
+            row = static["block_table"][i, : len(s.block_table)].tolist()
+            assert row == s.block_table, (step, i)
+        assert static["block_table"][n:size].eq(0).all(), step
+        assert static["lora_rows"][:, :size].tolist() == [r + [0] * pad for r in lora], step
+
+
+def test_graph_inputs_send_only_the_table_rows_a_step_changed():
+    inputs = GraphInputs(4, 8, with_lora=False, device=CPU)
+    seqs = [SeqSlice(1, 5, [3, 4]), SeqSlice(1, 9, [6, 1, 2])]
+    inputs.write(2, [10, 11], seqs, BS)
+    inputs.send()
+    table = inputs.static["block_table"]
+    table[0, 7] = 99  # stands for device memory the host mirror does not know of
+    seqs = [SeqSlice(1, 6, seqs[0].block_table), seqs[1]]  # no table grows
+    inputs.write(2, [12, 13], seqs, BS)
+    inputs.send()
+    assert inputs.static["input_ids"][:2].tolist() == [12, 13]
+    assert table[0, 7] == 99, "an unchanged table row is not sent again"
+    seqs[1].block_table.append(5)  # the second table grows: only its row is sent
+    inputs.write(2, [14, 15], [seqs[0], SeqSlice(1, 12, seqs[1].block_table)], BS)
+    inputs.send()
+    assert table[1, :4].tolist() == [6, 1, 2, 5] and table[0, 7] == 99
+    inputs.write(2, [16, 17], [SeqSlice(1, 6, [3, 4]), seqs[1]], BS)  # a new list: row 0 whole
+    inputs.send()
+    assert table[0, 7] == 0 and table[0, :2].tolist() == [3, 4]
