@@ -24,6 +24,11 @@ Step time is the median of `--steps` timed steps after warm-up.
     python bench/gpu_decode.py            # on a GPU: the full grid
     python bench/gpu_decode.py --quick    # fewer shapes and steps
     python bench/gpu_decode.py --batches 1 --triton-gemv   # one-token steps by Triton's GEMV
+    python bench/gpu_decode.py --batches 1,64 --contexts 2048 --profile   # where a step goes
+
+`--profile` also records, for each batch at the first context, a few more steps under
+torch's profiler: the device time per step by kernel (the host's time per op on CPU), the
+largest first, and how much of the step the device was busy.
 
 The last printed line is one JSON object; the full record goes to bench/results/.
 """
@@ -35,6 +40,7 @@ import gc
 import statistics
 import sys
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +113,16 @@ def build_engine(args: argparse.Namespace, kv: str, device: torch.device) -> Eng
     return core
 
 
-def decode_point(core: EngineCore, batch: int, context: int, steps: int, seed: int) -> float:
-    """Median seconds of one decode step of `batch` sequences at `context` tokens."""
+def decode_point(
+    core: EngineCore,
+    batch: int,
+    context: int,
+    steps: int,
+    seed: int,
+    around: AbstractContextManager[Any] | None = None,
+) -> float:
+    """Median seconds of one decode step of `batch` sequences at `context` tokens, after 3
+    untimed steps; the timed steps run within `around` (a profiler) when given."""
     bs = core.pool.spec.block_size
     per_seq = -(-context // bs)
     gen = torch.Generator().manual_seed(seed)
@@ -119,15 +133,53 @@ def decode_point(core: EngineCore, batch: int, context: int, steps: int, seed: i
     ids = torch.randint(0, core.vocab_size, (batch,), generator=gen).tolist()
     positions = [context - 1] * batch
     runner = core.runner
-    times = []
+
+    def step() -> float:
+        start = time.perf_counter()
+        hidden = runner.forward(ids, positions, slices)
+        ids[:] = runner.model.compute_logits(hidden).argmax(-1).tolist()
+        return time.perf_counter() - start
+
     with torch.inference_mode():
-        for step in range(steps + 3):
-            start = time.perf_counter()
-            hidden = runner.forward(ids, positions, slices)
-            ids = runner.model.compute_logits(hidden).argmax(-1).tolist()
-            if step >= 3:
-                times.append(time.perf_counter() - start)
+        for _ in range(3):
+            step()
+        with around or nullcontext():
+            times = [step() for _ in range(steps)]
     return statistics.median(times)
+
+
+def kernel_profile(
+    core: EngineCore, batch: int, context: int, steps: int, seed: int, top: int = 20
+) -> dict[str, Any]:
+    """Per step: the device busy time and the `top` kernels by device time (on CPU, ops by
+    host time), from `steps` more decode steps of this shape under torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = core.pool.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=activities)
+    seconds = decode_point(core, batch, context, steps, seed, around=prof)
+    rows = []
+    for event in prof.key_averages():
+        # on CUDA the kernels' time; elsewhere each op's own host time
+        us = (
+            (getattr(event, "self_device_time_total", 0) or 0)
+            if cuda
+            else event.self_cpu_time_total
+        )
+        if us > 0:
+            rows.append((us, event.count, event.key))
+    rows.sort(reverse=True)
+    kernels = [
+        {"name": name[:120], "calls_per_step": round(count / steps, 2),
+         "us_per_step": round(us / steps, 1)}
+        for us, count, name in rows[:top]
+    ]  # fmt: skip
+    return {
+        "step_ms": round(seconds * 1e3, 3),
+        "busy_us_per_step": round(sum(us for us, _, _ in rows) / steps, 1),
+        "kernels": kernels,
+    }
 
 
 def hf_decode_tok_s(hf, batch: int, context: int, steps: int, device: torch.device) -> float:
@@ -163,6 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 32, CPU 4)")
     ap.add_argument("--kv-gb", type=float, default=None, help="KV pool (default: what fits)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="kernel times of a few steps per batch")
     ap.add_argument(
         "--triton-gemv", action="store_true", help="one-token steps: Triton's GEMV, not cuBLAS"
     )
@@ -191,6 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     skipped: list[str] = []
     batch1_vs_limit: dict[str, float] = {}
     config_used: dict[str, Any] = {}
+    profiles: dict[str, Any] = {}
     for kv in kv_names:
         if args.kv_gb is None:
             args.kv_gb = _kv_budget_gib(args, device)
@@ -224,6 +278,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{need / seconds / 1e9:7.1f} GB/s ({fraction:.0%} of copy)",
                     flush=True,
                 )
+                if args.profile and context == args.contexts[0]:
+                    profiles[key] = kernel_profile(core, batch, context, 5, args.seed)
+                    print(_profile_lines(key, profiles[key]), flush=True)
         del core
         gc.collect()
         if gpu:
@@ -272,11 +329,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "step_ms": step_ms,
         "batch1_step_vs_weight_streaming_limit": batch1_vs_limit,
         "engine": config_used,
+        "profiles": profiles,
         "skipped": skipped,
         **summary,
     }
     publish(args.out_dir, "gpu_decode", record, summary)
     return record
+
+
+def _profile_lines(key: str, prof: dict[str, Any], top: int = 8) -> str:
+    head = (f"{key:>18}: profiled step {prof['step_ms']:.2f} ms, "
+            f"busy {prof['busy_us_per_step'] / 1e3:.2f} ms")  # fmt: skip
+    rows = [f"{k['us_per_step']:>12.1f} us {k['calls_per_step']:>7.1f}x  {k['name'][:70]}"
+            for k in prof["kernels"][:top]]  # fmt: skip
+    return "\n".join([head, *rows])
 
 
 def _kv_budget_gib(args: argparse.Namespace, device: torch.device) -> float:

@@ -8,7 +8,7 @@ from bench.gpu_decode import main
 
 
 def test_quick_run_reports_every_shape(tmp_path, capsys):
-    record = main(["--quick", "--out-dir", str(tmp_path)])
+    record = main(["--quick", "--profile", "--out-dir", str(tmp_path)])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last)
     assert set(summary) == {"device", "tok_s", "hbm_fraction", "hf_tok_s", "ratio_vs_hf"}
@@ -22,5 +22,11 @@ def test_quick_run_reports_every_shape(tmp_path, capsys):
         < record["engine"]["bf16"]["kv_bytes_per_token"]
     )
     assert record["weights"] == "random (seeded), real shapes"
+    # --profile: each batch at the first context, the step's largest ops first
+    assert set(record["profiles"]) == {f"{kv}/b{b}/c64" for kv in ("fp8", "bf16") for b in (1, 4)}
+    for prof in record["profiles"].values():
+        times = [k["us_per_step"] for k in prof["kernels"]]
+        assert times == sorted(times, reverse=True) and times[0] > 0
+        assert any("mm" in k["name"] for k in prof["kernels"]), "the projections' matmuls"
     (written,) = tmp_path.glob("gpu_decode-cpu-*.json")
     assert json.loads(written.read_text())["tok_s"] == summary["tok_s"]
