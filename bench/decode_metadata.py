@@ -26,7 +26,6 @@ import json
 import random
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_info, write_result
+from bench.common import machine_info, timed_calls, write_result
 from engine.attention.paged import SeqSlice, padded_tables, slot_indices
 from engine.cuda_graphs import GraphInputs
 from engine.device import to_device
@@ -86,22 +85,16 @@ def median_us(
     fn: Callable[[], object], repeats: int, between: Callable[[], object] | None = None
 ) -> float:
     """Median host time of `fn`; `between` runs untimed after each call (a device sync)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-        if between is not None:
-            between()
-    return round(statistics.median(times) * 1e6, 1)
+    return round(statistics.median(timed_calls(fn, repeats, between=between)) * 1e6, 1)
 
 
 def graph_input_times(
     seqs: list[SeqSlice], max_model_len: int, device: torch.device, repeats: int
 ) -> dict[str, float]:
     """Host time to stage one graph step's inputs, both ways, after checking that they
-    agree: in a decode step where every 16th sequence (in turn) gains a block, and in a
-    step of sequences new to the graph (every block table row written whole)."""
+    agree: in a decode step where every 16th sequence (in turn) gains a block, in a step of
+    sequences new to the graph (every block table row written whole), and in a step whose
+    sequences all moved up a row (as when the first one leaves)."""
     max_batch = len(seqs)
     max_blocks = -(-max_model_len // BLOCK)
     ids = list(range(max_batch))
@@ -125,6 +118,10 @@ def graph_input_times(
         sync()
         seqs[:] = [SeqSlice(s.query_len, s.context_len, list(s.block_table)) for s in seqs]
 
+    def rotate() -> None:  # the first sequence to the end: every row moves up
+        sync()
+        seqs.append(seqs.pop(0))
+
     for _ in range(2):  # the second time, a step that only grows the tables
         staged()
         peer.run(ids, seqs)
@@ -134,6 +131,7 @@ def graph_input_times(
     return {
         "graph_inputs_us": median_us(staged, repeats, grow),
         "graph_inputs_new_us": median_us(staged, repeats, renew),
+        "graph_inputs_moved_us": median_us(staged, repeats, rotate),
         "per_buffer_us": median_us(lambda: peer.run(ids, seqs), repeats, grow),
     }
 
@@ -181,7 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"B={batch:4d} C={context:5d}: block table {row['padded_tables_us']:8.1f} us "
                   f"(one tensor per row {row['row_by_row_us']:8.1f} us, {row['speedup']}x); "
                   f"slots {row['slot_indices_us']:.1f} us; graph inputs "
-                  f"{row['graph_inputs_us']:.1f} us, new rows {row['graph_inputs_new_us']:.1f} us"
+                  f"{row['graph_inputs_us']:.1f} us, new rows {row['graph_inputs_new_us']:.1f} us, "
+                  f"moved rows {row['graph_inputs_moved_us']:.1f} us"
                   f" (per buffer {row['per_buffer_us']:.1f} us)")  # fmt: skip
     record = {
         "benchmark": "decode_metadata",
@@ -197,7 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
         "speedup_vs_row_by_row": {f"{r['batch']}x{r['context']}": r["speedup"] for r in rows},
         "graph_inputs_us": {
             f"{r['batch']}x{r['context']}": {
-                k: r[f"{k}_us"] for k in ("graph_inputs", "graph_inputs_new", "per_buffer")
+                k: r[f"{k}_us"]
+                for k in ("graph_inputs", "graph_inputs_new", "graph_inputs_moved", "per_buffer")
             }
             for r in rows
         },

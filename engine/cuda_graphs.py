@@ -60,8 +60,9 @@ class GraphInputs:
 
     A block table row is written incrementally: it remembers the list it mirrors and how
     many of its entries it holds, and a step whose sequence in that row has the same list
-    (which only grows, see `SeqSlice`) writes the new entries alone. A row that turns to
-    padding is zeroed once.
+    (which only grows, see `SeqSlice`) writes the new entries alone. A sequence found in
+    another row (the rows after one that left move up) has that row copied over first. A
+    row that turns to padding is zeroed once.
     """
 
     def __init__(
@@ -135,6 +136,20 @@ class GraphInputs:
     def _write_tables(self, size: int, seqs: list[SeqSlice]) -> None:
         table, rows, widths = self.host["block_table"], self._rows, self._widths
         lo, hi = self._dirty if self._dirty[1] else (size, 0)
+        # a sequence in another row than last step (one before it left, or one joined):
+        # its row is copied within the mirror, in numpy, then only its new entries written
+        moved = [i for i, s in enumerate(seqs) if rows[i][0] is not s.block_table]
+        if moved:
+            row_of = {id(m): j for j, (m, _) in enumerate(rows) if m is not None}
+            pairs = [(i, row_of[id(seqs[i].block_table)])
+                     for i in moved if id(seqs[i].block_table) in row_of]  # fmt: skip
+            if pairs:
+                dst, src = [i for i, _ in pairs], [j for _, j in pairs]
+                table[dst] = table[src]  # the right side is read whole first
+                states = [(rows[j], widths[j]) for j in src]
+                for i, (state, width) in zip(dst, states, strict=True):
+                    rows[i], widths[i] = state, width
+                lo, hi = min(lo, dst[0]), max(hi, dst[-1] + 1)
         for i, s in enumerate(seqs):
             blocks = s.block_table
             mirrored, have = rows[i]
