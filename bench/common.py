@@ -8,6 +8,7 @@ import os
 import platform
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,26 @@ def generate_all(core: Any, prompts: list[list[int]], params: list[Any]) -> tupl
     elapsed = time.perf_counter() - start
     tokens = [outputs[f"bench-{i}"] for i in range(len(prompts))]
     return sum(map(len, tokens)) / elapsed, tokens
+
+
+def timed_calls(
+    fn: Callable[[], object],
+    repeats: int,
+    warmup: int = 0,
+    between: Callable[[], object] | None = None,
+) -> list[float]:
+    """Host seconds of each of `repeats` calls of `fn`, after `warmup` untimed ones;
+    `between` runs untimed after each timed call (a device sync, a change of inputs)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        if between is not None:
+            between()
+    return times
 
 
 def publish(out_dir: str, name: str, record: dict[str, Any], summary: dict[str, Any]) -> None:

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import engine_record, hf_model_for, publish
+from bench.common import engine_record, hf_model_for, publish, timed_calls
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.factory import create_engine
 from engine.kernels.cpu import load_cpu_kernels
@@ -90,12 +90,7 @@ def run_hf(
 
 def _rate(fn, work: float, repeats: int = 5, best: bool = True) -> float:
     """`work` units per second over timed calls of `fn`: the best call, or the median."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+    times = timed_calls(fn, repeats, warmup=1)
     return work / (min(times) if best else statistics.median(times))
 
 

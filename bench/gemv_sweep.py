@@ -21,7 +21,6 @@ import argparse
 import itertools
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_info, publish
+from bench.common import machine_info, publish, timed_calls
 from bench.gpu_decode import copy_bandwidth
 from engine.attention.triton_backend import load_triton_kernels
 from engine.config import resolve_device
@@ -59,13 +58,7 @@ def median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> f
 
         ms: float = triton.testing.do_bench(fn, warmup=25, rep=repeats, return_mode="median")
         return ms
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(timed_calls(fn, repeats, warmup=1)) * 1e3
 
 
 def sweep_shape(
