@@ -109,7 +109,7 @@ bench-gpu-tests: gpu-setup
 
 bench-gpu-decode: gpu-setup
 	-$(GPU_RUN) bench/gpu_decode.py
-	-$(GPU_RUN) bench/gpu_decode.py --batches 1 --skip-hf --triton-gemv
+	-$(GPU_RUN) bench/gpu_decode.py --batches 1 --skip-hf --gemv triton
 	-$(GPU_RUN) bench/lora.py --device cuda --model synthetic:llama3.2-1b
 
 bench-gpu-engine: gpu-setup
@@ -143,7 +143,7 @@ bench-gpu-quick: gpu-setup
 	-timeout 60 env $(GPU_RUN) bench/gemv_sweep.py
 	-$(GPU_PACK)
 	-timeout 70 env $(GPU_RUN) bench/gpu_decode.py --batches 1 --contexts 512,2048 --skip-hf \
-		--triton-gemv --profile
+		--gemv cublas --profile
 	-timeout 20 env $(GPU_RUN) bench/decode_metadata.py --device cuda --batches 1 64 \
 		--contexts 2048 --repeats 100
 	-timeout 30 env $(GPU_RUN) bench/kv_admit.py

@@ -5,7 +5,9 @@ A batch-1 decode step is bound by streaming the weights, so each matrix-vector p
 timed as weight bytes over time, against the device's copy bandwidth (device-to-device,
 read + write) measured in the same run. The weights are random bf16 (never zeros), and
 each product reads another of enough copies that they do not fit in the GPU's L2 cache.
-Per shape: cuBLAS (`F.linear`), every Triton configuration, and the best one; overall, the
+On a GPU each is timed as a decode step runs it: a CUDA graph of back-to-back products
+(each on the next copy), replayed, its time over the products. Per shape: cuBLAS
+(`F.linear`), every Triton configuration, and the best one; overall, the
 configuration with the least total time over the shapes, weighted by how often a step runs
 each (once per layer; the LM head once), and that total against cuBLAS's.
 
@@ -34,9 +36,11 @@ from bench.common import machine_info, publish, timed_calls
 from bench.gpu_decode import copy_bandwidth
 from engine.attention.triton_backend import load_triton_kernels
 from engine.config import resolve_device
+from engine.cuda_graphs import graph_ms_per_call
 from engine.model_specs import PRESETS
 
 _L2_MARGIN = 256 << 20  # bytes of weight copies per shape: well past any L2 cache
+_GRAPH_CALLS = 16  # products per timed graph (CUDA)
 
 
 def shapes(preset: str) -> dict[str, tuple[int, int, int]]:
@@ -53,12 +57,12 @@ def shapes(preset: str) -> dict[str, tuple[int, int, int]]:
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    if device.type == "cuda":
-        import triton.testing
-
-        ms: float = triton.testing.do_bench(fn, warmup=25, rep=repeats, return_mode="median")
-        return ms
-    return statistics.median(timed_calls(fn, repeats, warmup=1)) * 1e3
+    """Median ms of one call of `fn`: on CUDA per product of a graph of `_GRAPH_CALLS` calls
+    replayed `repeats` times (no launch gaps, as in a captured decode step); elsewhere per
+    host call."""
+    if device.type != "cuda":
+        return statistics.median(timed_calls(fn, repeats, warmup=1)) * 1e3
+    return graph_ms_per_call([fn] * _GRAPH_CALLS, repeats)
 
 
 def sweep_shape(
@@ -123,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--block-n", default="4,8,16")
     ap.add_argument("--block-k", default="256,512,1024")
     ap.add_argument("--warps", default="4,8")
-    ap.add_argument("--repeats", type=int, default=100, help="ms of timing per point (GPU)")
+    ap.add_argument("--repeats", type=int, default=30, help="timed graph replays per point (GPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))

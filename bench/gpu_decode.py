@@ -23,12 +23,13 @@ Step time is the median of `--steps` timed steps after warm-up.
 
     python bench/gpu_decode.py            # on a GPU: the full grid
     python bench/gpu_decode.py --quick    # fewer shapes and steps
-    python bench/gpu_decode.py --batches 1 --triton-gemv   # one-token steps by Triton's GEMV
+    python bench/gpu_decode.py --batches 1 --gemv cublas   # one-token steps by cuBLAS alone
     python bench/gpu_decode.py --batches 1,64 --contexts 2048 --profile   # where a step goes
 
-`--profile` also records, for each batch at the first context, a few more steps under
-torch's profiler: the device time per step by kernel (the host's time per op on CPU), the
-largest first, and how much of the step the device was busy.
+`--profile` also records, for every point, a few more steps under torch's profiler: the
+device time per step by kernel (the host's time per op on CPU), the largest first, and how
+much of the step the device was busy (the sum of its kernels' and copies' times; the gap to
+the step time is the device waiting, between kernels or on the host).
 
 The last printed line is one JSON object; the full record goes to bench/results/.
 """
@@ -53,12 +54,14 @@ from engine.attention.paged import SeqSlice
 from engine.config import (
     CacheConfig,
     EngineConfig,
+    GemvKernel,
     KVCacheDtype,
     SchedulerConfig,
     resolve_device,
 )
 from engine.core import EngineCore
 from engine.factory import create_engine
+from engine.model.triton_layers import PROJECTIONS, TritonLinear
 
 _GIB = 1 << 30
 KV_DTYPES = {"fp8": KVCacheDtype.FP8_E4M3, "bf16": KVCacheDtype.AUTO}
@@ -92,6 +95,16 @@ def weight_bytes(core: EngineCore) -> int:
     return total
 
 
+def one_token_kernels(core: EngineCore) -> dict[str, str]:
+    """Which kernel the engine gave each projection's (and the LM head's) one-token product."""
+    model = core.runner.model
+    modules = {name: getattr(model.layers[0], name) for name in PROJECTIONS}
+    modules["lm_head"] = model.lm_head
+    return {
+        name: "triton" if isinstance(m, TritonLinear) else "cublas" for name, m in modules.items()
+    }
+
+
 def build_engine(args: argparse.Namespace, kv: str, device: torch.device) -> EngineCore:
     """An engine whose KV pool takes what the GPU has left after the weights."""
     max_len = max(args.contexts) + 1
@@ -107,7 +120,7 @@ def build_engine(args: argparse.Namespace, kv: str, device: torch.device) -> Eng
         ),
         scheduler=SchedulerConfig(max_num_seqs=max(args.batches), max_model_len=max_len),
         cuda_graph_max_batch=max(args.batches),
-        triton_gemv=args.triton_gemv,
+        gemv=GemvKernel(args.gemv),
     )
     core, _ = create_engine(config, progress=False)
     return core
@@ -153,6 +166,7 @@ def kernel_profile(
 ) -> dict[str, Any]:
     """Per step: the device busy time and the `top` kernels by device time (on CPU, ops by
     host time), from `steps` more decode steps of this shape under torch's profiler."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = core.pool.device.type == "cuda"
@@ -161,12 +175,12 @@ def kernel_profile(
     seconds = decode_point(core, batch, context, steps, seed, around=prof)
     rows = []
     for event in prof.key_averages():
-        # on CUDA the kernels' time; elsewhere each op's own host time
-        us = (
-            (getattr(event, "self_device_time_total", 0) or 0)
-            if cuda
-            else event.self_cpu_time_total
-        )
+        # on CUDA the kernels' and copies' device time (a host op is credited with its
+        # kernels' time too: counting both would count it twice); elsewhere each op's own
+        # host time
+        if cuda and event.device_type == DeviceType.CPU:
+            continue
+        us = event.self_device_time_total if cuda else event.self_cpu_time_total
         if us > 0:
             rows.append((us, event.count, event.key))
     rows.sort(reverse=True)
@@ -217,7 +231,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel times of a few steps per batch")
     ap.add_argument(
-        "--triton-gemv", action="store_true", help="one-token steps: Triton's GEMV, not cuBLAS"
+        "--gemv",
+        choices=[k.value for k in GemvKernel],
+        default="auto",
+        help="one-token steps' products: per shape the faster (auto), cuBLAS, or Triton's GEMV",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
@@ -257,7 +274,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "kv_bytes_per_token": spec.bytes_per_token,
             "kv_pool_blocks": core.pool.num_blocks,
             "weight_bytes_read": wbytes,
+            "one_token_products": one_token_kernels(core),
         }
+        print(f"{kv}: one-token products by {config_used[kv]['one_token_products']}", flush=True)
         for context in args.contexts:
             for batch in args.batches:
                 key = f"{kv}/b{batch}/c{context}"
@@ -278,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{need / seconds / 1e9:7.1f} GB/s ({fraction:.0%} of copy)",
                     flush=True,
                 )
-                if args.profile and context == args.contexts[0]:
+                if args.profile:
                     profiles[key] = kernel_profile(core, batch, context, 5, args.seed)
                     print(_profile_lines(key, profiles[key]), flush=True)
         del core
@@ -324,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "weights": "random (seeded), real shapes" if "synthetic" in args.model else "checkpoint",
         "dtype": args.dtype,
         "steps": args.steps,
-        "triton_gemv": args.triton_gemv,
+        "gemv": args.gemv,
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "step_ms": step_ms,
         "batch1_step_vs_weight_streaming_limit": batch1_vs_limit,

@@ -46,6 +46,17 @@ class KernelBackend(enum.Enum):
     TRITON = "triton"
 
 
+class GemvKernel(enum.Enum):
+    """The product of a one-token step's projections and LM head (CUDA, Triton backend).
+    `cublas`: cuBLAS, as every other step. `triton`: the Triton GEMV kernel
+    (engine/kernels/triton_gemv.py). `auto`: per weight shape, whichever of the two runs
+    faster in a CUDA graph on the engine's own weights, timed once at start."""
+
+    AUTO = "auto"
+    CUBLAS = "cublas"
+    TRITON = "triton"
+
+
 class KVCacheDtype(enum.Enum):
     """Storage of KV pages. `auto`: the model's compute dtype. `fp8_e4m3`: float8_e4m3fn
     values with a float32 scale per (token, KV head), about half the bytes of 16-bit pages."""
@@ -369,9 +380,8 @@ class EngineConfig:
     # decode steps from captured CUDA graphs (Triton backend only; engine/cuda_graphs.py)
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
-    # one-token steps' projections by a Triton GEMV kernel instead of cuBLAS (CUDA, Triton
-    # backend; engine/kernels/triton_gemv.py)
-    triton_gemv: bool = False
+    # one-token steps' projections: cuBLAS, Triton's GEMV, or per shape the faster (CUDA)
+    gemv: GemvKernel = GemvKernel.AUTO
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)

@@ -29,6 +29,8 @@ which lets tests check that padding never changes a real sequence's result.
 from __future__ import annotations
 
 import logging
+import statistics
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 
 import numpy as np
@@ -47,6 +49,34 @@ def batch_ladder(max_batch: int) -> list[int]:
     sizes = [s for s in (1, 2, 4) if s < max_batch]
     sizes += list(range(8, max_batch, 8))
     return [*sizes, max_batch]
+
+
+def graph_ms_per_call(calls: Sequence[Callable[[], object]], repeats: int = 20) -> float:
+    """Median device ms per call of `calls` run back to back in one CUDA graph, replayed
+    `repeats` times: kernels timed as a captured decode step runs them, without the gaps
+    that launching each from the host leaves. Each call runs once first, outside the
+    capture (Triton compiles there)."""
+    device = torch.cuda.current_device()
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(calls))
+    return statistics.median(times)
 
 
 class GraphInputs:

@@ -47,7 +47,8 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
         apply_native_cpu(model, kernels)
     triton = use_triton(config)
     if triton and config.torch_device().type == "cuda":  # interpreted, they only cost time
-        apply_triton_layers(model, gemv=config.triton_gemv)
+        gemv = apply_triton_layers(model, gemv=config.gemv)
+        log.info("one-token products by kernel: %s", gemv)
     core = EngineCore(
         model,
         config,

@@ -12,6 +12,7 @@ from engine.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
+    GemvKernel,
     KernelBackend,
     KVCacheDtype,
     LoRAConfig,
@@ -134,6 +135,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         "triton: force the Triton kernels (interpreted on CPU, slow)",
     )
     g.add_argument(
+        "--gemv",
+        default="auto",
+        choices=[k.value for k in GemvKernel],
+        help="one-token steps' products on CUDA: auto (per weight shape, whichever of cuBLAS "
+        "and Triton's GEMV timed faster at start), cublas, or triton",
+    )
+    g.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run decode steps eagerly instead of replaying captured CUDA graphs",
@@ -187,6 +195,7 @@ def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
         cache_dir=args.cache_dir or settings.cache_dir(),
         backend=KernelBackend(args.backend),
         enforce_eager=args.enforce_eager,
+        gemv=GemvKernel(args.gemv),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_bytes=max(1, int(args.kv_cache_gb * _GIB)),
@@ -337,6 +346,7 @@ _ENGINE_FLAGS = (
     "prompt_lookup_min",
     "speculative_max_step_drafts",
     "backend",
+    "gemv",
     "threads",
 )
 _ENGINE_SWITCHES = ("enforce_eager", "kv_spill_ahead", "speculative_always")  # store_true

@@ -262,16 +262,21 @@ def kv_write(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     rotate_keys: bool = False,
-    block_t: int = 16,
+    block_t: int | None = None,
 ) -> None:
     """Store k, v [T, Hkv, D] (rows may be strided) at flat `slots` [T] of the pages.
 
     Mutates the pages (and the scales of an FP8 pool). Slots < 0 are skipped.
+    `block_t`: tokens per program; None: up to 16, no more than there are tokens, so that a
+    decode step of a few sequences runs its FP8 rotation and rounding on their rows alone,
+    with a warp per 128 elements of a program's tile.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_pages.is_contiguous()
     if num_tokens == 0:
         return
+    block_t = block_t or min(16, triton.next_power_of_2(num_tokens))
+    num_warps = max(1, min(4, block_t * _pad(head_dim) // 128))
     fp8 = k_scales is not None
     scale_strides = (0, 0) if k_scales is None else (k_scales.stride(0), k_scales.stride(1))
     _kv_write_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads)](
@@ -282,6 +287,7 @@ def kv_write(
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), *scale_strides,
         BLOCK_SIZE=k_pages.shape[1], HEAD_DIM=head_dim, D_PAD=_pad(head_dim),
         BLOCK_T=block_t, FP8=fp8, ROTATE=fp8 and rotate_keys, LOG_D=_log_d(head_dim),
+        num_warps=num_warps,
     )  # fmt: skip
 
 

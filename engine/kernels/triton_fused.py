@@ -94,6 +94,9 @@ def _silu_mul_kernel(
 
 
 def _rows_per_program(num_cols: int) -> int:
+    """Rows per program: about 8K elements' worth. Fixed by the width alone for RMSNorm,
+    whose row sums could otherwise be reduced in another order in a step of another size
+    (a sequence's result must not depend on what it is batched with)."""
     return max(1, min(16, 8192 // triton.next_power_of_2(num_cols)))
 
 
@@ -126,7 +129,7 @@ def rope(
     out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    block_t = 4
+    block_t = 1 if tokens < 512 else 4  # a program per token while that leaves SMs idle
     _rope_kernel[(triton.cdiv(tokens, block_t),)](
         x, out, positions, cos, sin, tokens, x.stride(0), x.stride(1),
         NUM_HEADS=heads, HALF=dim // 2, H_PAD=triton.next_power_of_2(heads),
@@ -141,7 +144,8 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     block_cols = min(1024, triton.next_power_of_2(inter))
-    block_rows = _rows_per_program(block_cols)
+    # element-wise, so a row's result is the same in any tile: no more rows than there are
+    block_rows = min(_rows_per_program(block_cols), triton.next_power_of_2(max(1, rows)))
     grid = (triton.cdiv(rows, block_rows), triton.cdiv(inter, block_cols))
     _silu_mul_kernel[grid](x, out, rows, inter, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols)
     return out

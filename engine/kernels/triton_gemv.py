@@ -8,8 +8,9 @@ fp32 sum per row; rows are independent, so no program waits for another and the 
 deterministic. Products and sums are in fp32 (cuBLAS accumulates in fp32 too), rounded to
 the output dtype once.
 
-Opt-in (`EngineConfig.triton_gemv`) until it is measured against cuBLAS on a GPU
-(`bench/gpu_decode.py --triton-gemv`). Interpreted on CPU for tests.
+`EngineConfig.gemv` says where it replaces cuBLAS (by default: the weight shapes where it
+timed faster at start). The default tiles are the best overall of `bench/gemv_sweep.py` on
+an H100 at Llama-3-8B's shapes. Interpreted on CPU for tests.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    block_n: int = 8,
-    block_k: int = 512,
+    block_n: int = 4,
+    block_k: int = 1024,
     launch: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """x [1, K] @ weight[N, K]^T (+ bias [N]) -> [1, N] in x's dtype. `launch`: Triton's

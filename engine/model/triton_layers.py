@@ -3,12 +3,19 @@
 RMSNorm (with its residual add), the rotary embedding and SiLU-and-multiply each become one
 kernel launch (engine/kernels/triton_fused.py). The modules keep the weights and tables of
 the ones they replace, and the same call signatures, so the model code does not change.
-With `gemv`, the projections and the LM head of one-token steps run a Triton matrix-vector
-kernel instead of cuBLAS (engine/kernels/triton_gemv.py); other steps keep cuBLAS.
+One-token steps' projections and LM head may run a Triton matrix-vector kernel instead of
+cuBLAS (engine/kernels/triton_gemv.py; other steps keep cuBLAS): everywhere, nowhere, or
+(`GemvKernel.AUTO`) for each weight shape where it ran faster when both were timed at
+start, back to back in a CUDA graph over the model's own weights, as a decode step runs
+them. Timings vary a little between starts, so two starts of one engine may pick
+differently for a shape where the two are close; either way the products agree to the
+compute dtype's rounding.
 """
 
 from __future__ import annotations
 
+import logging
+from functools import partial
 from types import ModuleType
 
 import torch
@@ -16,7 +23,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.attention.triton_backend import load_triton_kernels
+from engine.config import GemvKernel
+from engine.cuda_graphs import graph_ms_per_call
 from engine.model.llama import LlamaForCausalLM, RMSNorm, RotaryEmbedding
+
+log = logging.getLogger(__name__)
 
 
 class TritonRMSNorm(nn.Module):
@@ -48,8 +59,28 @@ class TritonRotary(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One launch when k's heads follow q's in memory (views into the fused QKV
+        projection, as the model passes them): the rotated q and k are views into one output."""
         rope = self.ops.rope
-        return rope(q, positions, self.cos, self.sin), rope(k, positions, self.cos, self.sin)
+        both = _adjacent_heads(q, k)
+        if both is None:
+            return rope(q, positions, self.cos, self.sin), rope(k, positions, self.cos, self.sin)
+        out = rope(both, positions, self.cos, self.sin)
+        return out[:, : q.shape[1]], out[:, q.shape[1] :]
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q [T, Hq, D] and k [T, Hk, D] as one [T, Hq + Hk, D] view, when k's heads are the ones
+    right after q's in every row; else None."""
+    tokens, q_heads, dim = q.shape
+    row, head = q.stride(0), q.stride(1)
+    follows = k.data_ptr() == q.data_ptr() + q_heads * head * q.element_size()
+    same = k.dtype == q.dtype and k.shape[::2] == q.shape[::2] and k.stride(1) == head
+    # a single token's row stride means nothing (views of one row may differ in it)
+    same_rows = tokens == 1 or k.stride(0) == row
+    if not (follows and same and same_rows and head == dim and q.stride(2) == k.stride(2) == 1):
+        return None
+    return q.as_strided((tokens, q_heads + k.shape[1], dim), (row, head, 1))
 
 
 class TritonSiluMul(nn.Module):
@@ -78,22 +109,33 @@ class TritonLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# Triton's GEMV replaces cuBLAS for a shape (`GemvKernel.AUTO`) when it is this much faster
+_AUTO_MARGIN = 0.97
 
 
-def apply_triton_layers(model: LlamaForCausalLM, *, gemv: bool = False) -> None:
-    """Replace every RMSNorm, the rotary embedding and every activation in place; with
-    `gemv`, every projection and the LM head too (`TritonLinear`)."""
+def apply_triton_layers(
+    model: LlamaForCausalLM, *, gemv: GemvKernel = GemvKernel.CUBLAS
+) -> dict[str, str]:
+    """Replace every RMSNorm, the rotary embedding and every activation in place, and the
+    one-token product of each projection and the LM head as `gemv` says (`TritonLinear`).
+    Returns, per projection name and "lm_head", the product's kernel: "cublas" or "triton"."""
     device = model.embed_tokens.weight.device
-    if gemv:
+    groups = {name: [getattr(layer, name) for layer in model.layers] for name in PROJECTIONS}
+    groups["lm_head"] = [model.lm_head]
+    choice = dict.fromkeys(groups, "cublas")
+    if gemv is not GemvKernel.CUBLAS:
         gemv_ops = load_triton_kernels(device, "triton_gemv")
-        for layer in model.layers:
-            for name in _PROJECTIONS:
-                linear = getattr(layer, name)
-                assert isinstance(linear, nn.Linear)
-                setattr(layer, name, TritonLinear(linear, gemv_ops))
-        assert isinstance(model.lm_head, nn.Linear)
-        model.lm_head = TritonLinear(model.lm_head, gemv_ops)
+        for name, linears in groups.items():
+            assert all(isinstance(linear, nn.Linear) for linear in linears)
+            if gemv is GemvKernel.TRITON or _triton_is_faster(linears, gemv_ops, name):
+                choice[name] = "triton"
+                wrapped = [TritonLinear(linear, gemv_ops) for linear in linears]
+                if name == "lm_head":
+                    model.lm_head = wrapped[0]
+                else:
+                    for layer, module in zip(model.layers, wrapped, strict=True):
+                        setattr(layer, name, module)
     ops = load_triton_kernels(device, "triton_fused")
     for layer in model.layers:
         assert isinstance(layer.input_norm, RMSNorm) and isinstance(layer.post_attn_norm, RMSNorm)
@@ -103,3 +145,19 @@ def apply_triton_layers(model: LlamaForCausalLM, *, gemv: bool = False) -> None:
     assert isinstance(model.norm, RMSNorm) and isinstance(model.rope, RotaryEmbedding)
     model.norm = TritonRMSNorm(model.norm, ops)
     model.rope = TritonRotary(model.rope, ops)
+    return choice
+
+
+@torch.inference_mode()
+def _triton_is_faster(linears: list[nn.Linear], gemv_ops: ModuleType, name: str) -> bool:
+    """Time one-token products of these weights (up to 16 of them, the first layers') back
+    to back in a CUDA graph, through cuBLAS and through Triton's GEMV."""
+    weights = [(m.weight, m.bias) for m in linears[:16]]
+    weights = [weights[i % len(weights)] for i in range(max(8, len(weights)))]
+    w0 = weights[0][0]
+    x = torch.randn(1, w0.shape[1], dtype=w0.dtype, device=w0.device)
+    cublas = graph_ms_per_call([partial(F.linear, x, w, b) for w, b in weights])
+    triton = graph_ms_per_call([partial(gemv_ops.gemv, x, w, b) for w, b in weights])
+    log.info("one-token %s: cuBLAS %.1f us, Triton GEMV %.1f us", name, cublas * 1e3,
+             triton * 1e3)  # fmt: skip
+    return triton < _AUTO_MARGIN * cublas

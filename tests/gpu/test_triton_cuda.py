@@ -13,14 +13,29 @@ import torch
 
 from engine.attention.paged import PagedAttention, SeqSlice
 from engine.attention.triton_backend import TritonPagedAttention, load_triton_kernels
-from engine.config import CacheConfig, EngineConfig, KernelBackend, KVCacheDtype, LoRAConfig
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    GemvKernel,
+    KernelBackend,
+    KVCacheDtype,
+    LoRAConfig,
+    ModelConfig,
+)
 from engine.cuda_graphs import batch_ladder
 from engine.evaluate import greedy_agreement
 from engine.llm import LLM
 from engine.lora.layers import LoRABatch, LoRALinear
 from engine.lora.synthetic import write_random_adapter
-from engine.model.llama import RMSNorm, SiluAndMul
-from engine.model.triton_layers import TritonRMSNorm, TritonSiluMul
+from engine.model.llama import LlamaForCausalLM, RMSNorm, RotaryEmbedding, SiluAndMul
+from engine.model.triton_layers import (
+    PROJECTIONS,
+    TritonLinear,
+    TritonRMSNorm,
+    TritonRotary,
+    TritonSiluMul,
+    apply_triton_layers,
+)
 from engine.protocol import LoRARequest, SamplingParams
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
@@ -69,18 +84,47 @@ def test_attention_and_write_match_the_torch_backend(dtype, page_dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_fused_layers_match_the_torch_modules():
+@pytest.mark.parametrize("tokens", [1, 64, 600])  # one decode, a batch, a prefill chunk
+def test_fused_layers_match_the_torch_modules(tokens):
     ops = load_triton_kernels(CUDA, "triton_fused")
     gen = torch.Generator().manual_seed(1)
-    norm = RMSNorm(4096, 1e-5).to(CUDA, torch.bfloat16)
-    x, res = (torch.randn(64, 4096, generator=gen).to(CUDA, torch.bfloat16) for _ in range(2))
+    bf16 = torch.bfloat16
+    norm = RMSNorm(4096, 1e-5).to(CUDA, bf16)
+    x, res = (torch.randn(tokens, 4096, generator=gen).to(CUDA, bf16) for _ in range(2))
     want, want_res = norm(x, res)
     got, got_res = TritonRMSNorm(norm, ops)(x, res)
     assert torch.equal(got_res, want_res)
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
-    gate_up = torch.randn(64, 2 * 14336, generator=gen).to(CUDA, torch.bfloat16)
+    gate_up = torch.randn(tokens, 2 * 14336, generator=gen).to(CUDA, bf16)
     torch.testing.assert_close(TritonSiluMul(ops)(gate_up), SiluAndMul()(gate_up),
                                atol=3e-2, rtol=3e-2)  # fmt: skip
+    # q and k as the model passes them: views into the fused QKV output, rotated in one launch
+    cfg = ModelConfig(vocab_size=16, hidden_size=H * D, intermediate_size=8, num_layers=1,
+                      num_heads=H, num_kv_heads=HKV, head_dim=D,
+                      max_position_embeddings=8192)  # fmt: skip
+    rope = RotaryEmbedding(cfg).to(CUDA)
+    qkv = torch.randn(tokens, (H + 2 * HKV) * D, generator=gen).to(CUDA, bf16)
+    q, k = qkv[:, : H * D].view(tokens, H, D), qkv[:, H * D : (H + HKV) * D].view(tokens, HKV, D)
+    positions = torch.randint(0, 8192, (tokens,), generator=gen).to(CUDA)
+    for got, want in zip(TritonRotary(rope, ops)(positions, q, k), rope(positions, q, k),
+                         strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 64])
+def test_fp8_write_of_a_decode_step_stores_the_torch_paths_bytes(tokens):
+    """The write's tile and warps follow the step's size: each stores the same bytes."""
+    pools = _pools(torch.float8_e4m3fn)
+    gen = torch.Generator().manual_seed(6)
+    blocks = iter(torch.randperm(2048, generator=gen).tolist())
+    contexts = torch.randint(0, 200, (tokens,), generator=gen).tolist()
+    seqs = [SeqSlice(1, c, [next(blocks) for _ in range(-(-(c + 1) // BS))]) for c in contexts]
+    q = torch.zeros(tokens, H, D, device=CUDA, dtype=torch.bfloat16)
+    k, v = (torch.randn(tokens, HKV, D, generator=gen).to(CUDA, torch.bfloat16) for _ in range(2))
+    for attn in (PagedAttention(pools[0], H), TritonPagedAttention(pools[1], H)):
+        attn.forward(0, q, k, v, attn.build_context(seqs))
+    assert torch.equal(pools[0].kv.view(torch.uint8), pools[1].kv.view(torch.uint8))
+    assert torch.equal(pools[0].scales, pools[1].scales)
 
 
 def test_gemv_matches_cublas_at_real_shapes():
@@ -100,13 +144,35 @@ def test_the_gemv_engine_follows_the_cublas_engine_at_batch_one(strata_cache_dir
     prompt = "The capital of France is"
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     runs = {}
-    for gemv in (False, True):
+    for gemv in (GemvKernel.CUBLAS, GemvKernel.TRITON):
         cfg = EngineConfig(dtype="float32", device="cuda", cache_dir=str(strata_cache_dir),
-                           backend=KernelBackend.TRITON, triton_gemv=gemv,
+                           backend=KernelBackend.TRITON, gemv=gemv,
                            cache=CacheConfig(kv_cache_dtype=KVCacheDtype.AUTO))  # fmt: skip
         llm = LLM(cfg)
         runs[gemv] = llm.generate([prompt], params)[0].token_ids
-    assert runs[True] == runs[False]
+    assert runs[GemvKernel.TRITON] == runs[GemvKernel.CUBLAS]
+
+
+def test_auto_gemv_times_each_shape_and_keeps_cublas_unless_triton_wins():
+    """A synthetic Llama-3-8B layer stack (4 layers): each projection and the LM head gets
+    the kernel that ran faster, and the swapped modules answer like cuBLAS."""
+    cfg = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_layers=4, num_heads=H, num_kv_heads=HKV, head_dim=D,
+                      max_position_embeddings=8192)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(CUDA):
+        model = LlamaForCausalLM(cfg).to(CUDA, torch.bfloat16)
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    x = torch.randn(1, 4096, device=CUDA, dtype=torch.bfloat16)
+    want = model.layers[0].qkv_proj(x)
+    choice = apply_triton_layers(model, gemv=GemvKernel.AUTO)
+    assert set(choice) == {*PROJECTIONS, "lm_head"} and set(choice.values()) <= {"cublas", "triton"}
+    for name in PROJECTIONS:
+        swapped = isinstance(getattr(model.layers[3], name), TritonLinear)
+        assert swapped == (choice[name] == "triton")
+    assert isinstance(model.lm_head, TritonLinear) == (choice["lm_head"] == "triton")
+    torch.testing.assert_close(model.layers[0].qkv_proj(x), want, atol=2e-2, rtol=2e-2)
 
 
 def test_graph_replay_follows_eager_decode(strata_cache_dir):

@@ -22,7 +22,11 @@ def test_quick_run_reports_every_shape(tmp_path, capsys):
         < record["engine"]["bf16"]["kv_bytes_per_token"]
     )
     assert record["weights"] == "random (seeded), real shapes"
-    # --profile: each batch at the first context, the step's largest ops first
+    # Triton's GEMV is a CUDA-only choice: on CPU every product stays with torch's matmul
+    products = record["engine"]["fp8"]["one_token_products"]
+    assert set(products) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    assert set(products.values()) == {"cublas"}
+    # --profile: every point, the step's largest ops first
     assert set(record["profiles"]) == {f"{kv}/b{b}/c64" for kv in ("fp8", "bf16") for b in (1, 4)}
     for prof in record["profiles"].values():
         times = [k["us_per_step"] for k in prof["kernels"]]

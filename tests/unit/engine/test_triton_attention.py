@@ -114,6 +114,15 @@ def test_fp8_keys_are_rotated_only_for_power_of_two_widths():
         assert same_pools(*pools)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 2, 5, 16, 21])
+def test_fp8_write_of_any_step_size_stores_the_torch_paths_bytes(num_tokens):
+    """The write's tile follows the step's token count (one row for a single decode, up to
+    16): every size stores the same bytes and scales, keys rotated or not."""
+    for d in (32, 24):
+        _, _, pools = run_step(torch.float32, FP8, 4, 2, d, [(3, 1)] * num_tokens)
+        assert same_pools(*pools)
+
+
 def test_write_skips_padding_slots():
     kernels = load_triton_kernels(CPU)
     for page_dtype in (torch.float32, FP8):

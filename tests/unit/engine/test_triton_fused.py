@@ -42,19 +42,26 @@ def test_add_rms_norm(ops, dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", list(TOL))
-def test_rope_on_strided_views(ops, dtype):
+@pytest.mark.parametrize(("adjacent", "tokens"), [(True, 13), (True, 1), (False, 13)])
+def test_rope_on_strided_views(ops, dtype, adjacent, tokens):
+    """q and k as the model passes them (views into the fused projection, k's heads right
+    after q's: one launch, outputs in one buffer), also for one token, whose views' row
+    strides differ; or as unrelated tensors (two launches)."""
     cfg = ModelConfig(
         vocab_size=16, hidden_size=96, intermediate_size=8, num_layers=1, num_heads=6,
         num_kv_heads=2, head_dim=16, max_position_embeddings=512,
     )  # fmt: skip
     rope = RotaryEmbedding(cfg)
     gen = torch.Generator().manual_seed(1)
-    qkv = torch.randn(13, (6 + 2 + 2) * 16, generator=gen).to(dtype)
-    q = qkv[:, :96].view(13, 6, 16)  # views into the fused projection, as in the model
-    k = qkv[:, 96:128].view(13, 2, 16)
-    positions = torch.randint(0, 512, (13,), generator=gen)
+    qkv = torch.randn(tokens, (6 + 2 + 2) * 16, generator=gen).to(dtype)
+    q = qkv[:, :96].view(tokens, 6, 16)  # views into the fused projection, as in the model
+    k = qkv[:, 96:128] if adjacent else qkv[:, 128:].clone()
+    k = k.view(tokens, 2, 16)
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
     want_q, want_k = rope(positions, q, k)
     got_q, got_k = TritonRotary(rope, ops)(positions, q, k)
+    shared = got_k.data_ptr() == got_q.data_ptr() + 6 * 16 * got_q.element_size()
+    assert shared == adjacent
     torch.testing.assert_close(got_q, want_q, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(got_k, want_k, atol=TOL[dtype], rtol=TOL[dtype])
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.config import KernelBackend, KVCacheDtype
+from engine.config import GemvKernel, KernelBackend, KVCacheDtype
 from gateway.cli import _engine_argv, _engine_config, build_parser
 
 
@@ -48,6 +48,10 @@ def test_serve_passes_engine_options_to_its_worker():
     engine = _engine_config(parser.parse_args(["engine", *switches, "--backend", "triton"]))
     assert engine.enforce_eager and engine.cache.spill_ahead
     assert engine.backend is KernelBackend.TRITON
+    assert _engine_config(parser.parse_args(["engine"])).gemv is GemvKernel.AUTO
+    gemv = _engine_argv(parser.parse_args(["serve", "--gemv", "cublas"]))
+    assert gemv == ["--gemv", "cublas"]
+    assert _engine_config(parser.parse_args(["engine", *gemv])).gemv is GemvKernel.CUBLAS
 
 
 def test_speculative_options_reach_the_config_and_the_worker():
