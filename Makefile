@@ -55,7 +55,7 @@ format: $(VENV)/.installed-dev
 	$(BIN)/ruff check --fix .
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/engine_throughput.py

@@ -21,17 +21,20 @@ static inline void fwht_f32(float* x, int64_t n) {
             }
 }
 
-// Exact value of an e4m3fn byte (NaN encodings are never written).
+// Exact value of an e4m3fn byte (NaN encodings are never written). Both readings (normal
+// and subnormal) are computed and one taken by a bit mask, with no branch, so that the
+// compiler vectorizes loops over it: on CPUs without AVX-512 a branch here kept FP8
+// attention about 16 times slower than attention over 32-bit pages.
 static inline float e4m3_to_f32(uint8_t b) {
-    const uint32_t e = (b >> 3) & 0xFu, m = b & 7u;
+    const uint32_t normal = ((uint32_t)(b & 0x7fu) << 20) + (120u << 23);  // exponent + 120
+    const float sub_f = (float)(b & 7u) * (1.0f / 512.0f);                 // m * 2^-9
+    uint32_t sub;
+    memcpy(&sub, &sub_f, sizeof sub);
+    const uint32_t is_normal = 0u - (uint32_t)((b & 0x78u) != 0);
+    const uint32_t u = (normal & is_normal) | (sub & ~is_normal) | ((uint32_t)(b & 0x80u) << 24);
     float f;
-    if (e == 0) {
-        f = (float)m * (1.0f / 512.0f);  // subnormal: m * 2^-9
-    } else {
-        const uint32_t u = ((e + 120u) << 23) | (m << 20);
-        memcpy(&f, &u, sizeof f);
-    }
-    return (b & 0x80) ? -f : f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
 // Nearest e4m3fn value, ties to even; |x| must already be within E4M3_MAX.

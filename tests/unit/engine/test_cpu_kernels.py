@@ -169,6 +169,25 @@ def test_paged_decode_rows_do_not_depend_on_the_batch(kernels, page_dtype):
         assert torch.equal(batched[i : i + 1], alone), f"sequence {i} depends on its batch"
 
 
+def test_paged_decode_reads_every_fp8_value_exactly(kernels):
+    """One cached token: each query head's output is its V row times the row's scale, so
+    the kernel's reading of every e4m3fn byte (subnormals, signed zeros, the largest values)
+    must equal torch's exactly. The two NaN encodings are never stored."""
+    values = torch.arange(256, dtype=torch.uint8)
+    values[[0x7F, 0xFF]] = 0
+    pages = torch.zeros(2, 1, 16, 2, 128, dtype=torch.uint8)  # K and V, 1 block, 2 KV heads
+    pages[1, 0, 0] = values.view(2, 128)
+    pages = pages.view(torch.float8_e4m3fn)
+    scales = torch.ones(2, 1, 16, 2)
+    q = torch.randn(1, 2, 128, generator=gen())
+    out = kernels.paged_decode(
+        q, pages[0], pages[1], torch.zeros(1, 1, dtype=torch.int64),
+        torch.ones(1, dtype=torch.int32), 0.1, k_scales=scales[0], v_scales=scales[1],
+    )  # fmt: skip
+    want = values.view(torch.float8_e4m3fn).float()
+    assert torch.equal(out.view(-1), want)  # -0.0 comes out +0.0: a sum that starts at 0
+
+
 def reference_attention(q, k_pages, v_pages, table, lens, scale):
     """Each row's attention in fp64 over its first `lens[i]` keys: [B, H * D]."""
     _, block, kv_heads, head_dim = k_pages.shape
