@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -30,6 +31,7 @@ from gateway.routes.openai import OpenAIController, TokenizerController
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from policies.admission import Admission
+from tenants.journal import LedgerJournal
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger, LedgerWriter
 from tenants.registry import TenantRegistry
@@ -60,7 +62,8 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
     await keys.start()
     registry = TenantRegistry(redis)
     ledger = Ledger(redis)
-    writer = LedgerWriter(ledger)
+    journal = LedgerJournal(Path(settings.data_dir) / "ledger-journal")
+    writer = LedgerWriter(ledger, journal=journal)
     writer.start()
     engines = EnginePool(settings.engine_addresses)
     metrics = GatewayMetrics()
@@ -71,7 +74,7 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
         pipeline = Pipeline(
             engines, tokenizer, Admission(redis, lease_ttl_s=settings.lease_ttl_s), writer, metrics
         )
-        preparer = Preparer(tokenizer, info, aliases=(settings.model, "default"))
+        preparer = Preparer(tokenizer, info, aliases=settings.aliases_of(info.model_id))
         app.state.gateway = GatewayState(
             settings=settings, redis=redis, registry=registry, keys=keys,
             admission=pipeline.admission, ledger=ledger, ledger_writer=writer,
@@ -85,8 +88,12 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
         await pipeline.drain()
     finally:
         left = await writer.drain(timeout=10.0)
+        writer.close()
         if left:
-            log.error("%d usage records could not be written before shutdown", left)
+            log.error(
+                "%d usage records could not be written before shutdown; they are kept in %s "
+                "and written at the next start", left, journal.root,
+            )  # fmt: skip
         if preparer is not None:
             preparer.close()
         await keys.stop()

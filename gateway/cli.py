@@ -227,6 +227,17 @@ def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
     )
 
 
+def _alias_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--alias",
+        action="append",
+        default=[],
+        metavar="ALIAS=MODEL",
+        help="another name clients may use for the served model (repeatable; default: "
+        "$STRATA_MODEL_ALIASES, comma-separated); bills and metrics use the model's own id",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -254,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--demo", action="store_true", help="create a demo tenant and print its API key once"
     )
+    _alias_option(srv)
     _engine_options(srv)
 
     gw = sub.add_parser("gateway", help="one gateway replica (store and workers run elsewhere)")
@@ -268,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--host", default=None)
     gw.add_argument("--port", type=int, default=None)
     gw.add_argument("--cache-dir", default=None)
+    gw.add_argument(
+        "--data-dir",
+        default=None,
+        help="default: $STRATA_DATA_DIR or .strata (the usage ledger's journal lives here)",
+    )
+    _alias_option(gw)
 
     add_admin_commands(sub)
 
@@ -374,6 +392,7 @@ def _serve(args: argparse.Namespace) -> int:
     gateway_settings = settings.GatewaySettings.from_env(
         model=args.model if args.model != "default" else None,
         host=args.host, port=args.port, data_dir=args.data_dir, cache_dir=args.cache_dir,
+        model_aliases=tuple(args.alias) or None,
     )  # fmt: skip
     configure_logging(settings.log_level(), json=gateway_settings.json_logs)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -388,7 +407,8 @@ def _gateway(args: argparse.Namespace) -> int:
 
     gateway_settings = settings.GatewaySettings.from_env(
         model=args.model, host=args.host, port=args.port, cache_dir=args.cache_dir,
-        redis_url=args.redis_url, engine_addresses=tuple(args.engine) or None,
+        data_dir=args.data_dir, redis_url=args.redis_url,
+        engine_addresses=tuple(args.engine) or None, model_aliases=tuple(args.alias) or None,
     )  # fmt: skip
     if gateway_settings.redis_url is None or not gateway_settings.engine_addresses:
         raise ValueError("a gateway replica needs --redis-url and at least one --engine")

@@ -25,8 +25,8 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter(
             "strata:request_success",
-            "Finished requests by status",
-            ["tenant", "status"],
+            "Finished requests by model (its canonical id) and status",
+            ["tenant", "model", "status"],
             registry=r,
         )
         self.rejections = Counter(
@@ -36,10 +36,16 @@ class GatewayMetrics:
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "strata:prompt_tokens", "Prompt tokens processed", ["tenant"], registry=r
+            "strata:prompt_tokens", "Prompt tokens processed", ["tenant", "model"], registry=r
         )
         self.generation_tokens = Counter(
-            "strata:generation_tokens", "Tokens generated", ["tenant"], registry=r
+            "strata:generation_tokens", "Tokens generated", ["tenant", "model"], registry=r
+        )
+        self.unpriced = Counter(
+            "strata:usage_unpriced_requests",
+            "Requests exported at no cost because no price applies to their adapter or model",
+            ["model"],
+            registry=r,
         )
         self.ttft = Histogram(
             "strata:time_to_first_token_seconds",
@@ -134,10 +140,10 @@ class GatewayMetrics:
         self.store_bypass.labels(tenant).inc()
 
     def finished(self, rec: UsageRecord, first_token_at: float | None, started: float) -> None:
-        t = rec.tenant_id
-        self.requests.labels(t, rec.status).inc()
-        self.prompt_tokens.labels(t).inc(rec.prompt_tokens)
-        self.generation_tokens.labels(t).inc(rec.completion_tokens)
+        t, model = rec.tenant_id, rec.model
+        self.requests.labels(t, model, rec.status).inc()
+        self.prompt_tokens.labels(t, model).inc(rec.prompt_tokens)
+        self.generation_tokens.labels(t, model).inc(rec.completion_tokens)
         self.e2e.labels(t).observe(rec.e2e_ms / 1e3)
         if first_token_at is not None:
             self.ttft.labels(t).observe(first_token_at - started)

@@ -22,11 +22,11 @@ from gateway.errors import APIError
 from gateway.metrics import GatewayMetrics
 from gateway.openai_types import ErrorType
 from gateway.prepare import Job
-from policies.admission import Admission, StoreUnavailableError
+from policies.admission import Admission, Decision, LeaseState, StoreUnavailableError
 from policies.headers import rate_limit_headers
 from tenants.keys import AuthContext
 from tenants.ledger import LedgerWriter
-from tenants.records import UsageRecord, UsageStatus
+from tenants.records import Policy, UsageRecord, UsageStatus
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +38,30 @@ _STATUS = {
 }
 
 
+# a streamed job whose response never starts (the client left as it was sent) is settled as
+# cancelled after this long, so its lease and its ledger record never hang
+START_GRACE_S = 30.0
+
+
 @dataclass
 class Ticket:
-    """An admitted job: who it bills and the headers every response for it carries."""
+    """An admitted job: who it bills, the headers every response for it carries, and its
+    lease's keeper. `begin` and `settle` happen once each, in that order (or settle alone)."""
 
     auth: AuthContext
     reserved: bool
     headers: dict[str, str]
+    begun: bool = False
+    settled: bool = False
+    keeper: asyncio.Task[None] | None = None
+    ending: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def begin(self) -> bool:
+        """Mark the job as running; False when it was settled before it could start."""
+        if self.settled:
+            return False
+        self.begun = True
+        return True
 
 
 @dataclass
@@ -117,6 +134,7 @@ class Pipeline:
         self.ledger = ledger
         self.metrics = metrics
         self._settling: set[asyncio.Task[None]] = set()
+        self._keepers: set[asyncio.Task[None]] = set()
 
     # -- admission --------------------------------------------------------------------------
 
@@ -150,9 +168,49 @@ class Pipeline:
             self.metrics.rejected(tenant.id, reason)
             kind: ErrorType = "insufficient_quota" if decision.hard else "rate_limit_error"
             raise APIError(
-                429, _DENIAL[reason], type=kind, code=f"rate_limit_{reason}", headers=headers
-            )
-        return Ticket(auth, reserved=True, headers=headers)
+                429, _denial(decision, job, policy), type=kind, code=f"rate_limit_{reason}",
+                headers=headers,
+            )  # fmt: skip
+        ticket = Ticket(auth, reserved=True, headers=headers)
+        ticket.keeper = asyncio.get_running_loop().create_task(
+            self._keep(job, ticket), name=f"lease-{job.request_id}"
+        )
+        self._keepers.add(ticket.keeper)
+        ticket.keeper.add_done_callback(self._keepers.discard)
+        return ticket
+
+    async def _keep(self, job: Job, ticket: Ticket) -> None:
+        """Renew the job's lease every third of its TTL until the job settles (retrying,
+        with a warning, while the store is out of reach); settle a job that never began."""
+        loop = asyncio.get_running_loop()
+        tenant_id, interval = ticket.auth.tenant.id, self.admission.lease_ttl_s / 3
+        start_by = loop.time() + START_GRACE_S
+        renew_at, backoff = loop.time() + interval, min(0.5, interval)
+        while True:
+            wake_at = renew_at if ticket.begun else min(renew_at, start_by)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(wake_at):
+                    await ticket.ending.wait()
+            if ticket.ending.is_set():
+                return
+            if not ticket.begun and loop.time() >= start_by:
+                log.warning("%s never started streaming; settled as cancelled", job.request_id)
+                self.settle(job, ticket, Tally(status="cancelled"))
+                return
+            if loop.time() < renew_at:
+                continue
+            try:
+                state = await self.admission.renew(tenant_id, job.request_id)
+            except StoreUnavailableError:
+                log.warning("could not renew the lease of %s; retry in %.1fs",
+                            job.request_id, backoff)  # fmt: skip
+                renew_at, backoff = loop.time() + backoff, min(backoff * 2, interval)
+                continue
+            if state is LeaseState.RESTORED:
+                log.warning("the lease of %s had expired; restored", job.request_id)
+            elif state is LeaseState.GONE:
+                log.error("the lease of %s is gone while it runs", job.request_id)
+            renew_at, backoff = loop.time() + interval, min(0.5, interval)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -206,6 +264,7 @@ class Pipeline:
         """Run every choice to the end (non-streaming)."""
         tally = Tally()
         results = [ChoiceResult(i) for i in range(job.num_choices)]
+        ticket.begin()
 
         async def drain(i: int) -> None:
             async for _ in self.run_choice(job, i, tally, results[i]):
@@ -231,13 +290,19 @@ class Pipeline:
     # -- settling ---------------------------------------------------------------------------
 
     def settle(self, job: Job, ticket: Ticket, tally: Tally) -> None:
-        """Bill and release exactly once; never raises and never blocks (safe in finally)."""
+        """Bill and release exactly once; never raises and never blocks (safe in finally).
+        A second call for the same ticket does nothing."""
+        if ticket.settled:
+            return
+        ticket.settled = True
+        ticket.ending.set()
         status = tally.status or "error"
         now = time.perf_counter()
         tenant_id = ticket.auth.tenant.id
         record = UsageRecord(
             request_id=job.request_id, tenant_id=tenant_id, key_id=ticket.auth.key.id,
-            model=job.model, adapter=None if job.lora is None else job.lora.name,
+            model=job.base_model, adapter=None if job.lora is None else job.lora.name,
+            adapter_version=None if job.lora is None else job.lora.version,
             user=job.user, endpoint=job.endpoint,
             prompt_tokens=job.num_prompt_tokens, cached_tokens=tally.cached_tokens,
             cached_host_tokens=tally.cached_host_tokens,
@@ -252,20 +317,34 @@ class Pipeline:
         self.metrics.finished(record, tally.first_token_at, job.started)
         if ticket.reserved:
             used = job.num_prompt_tokens + tally.completion_tokens
-            task = asyncio.get_running_loop().create_task(self._release(tenant_id, job, used))
+            task = asyncio.get_running_loop().create_task(self._release(ticket, job, used))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
 
-    async def _release(self, tenant_id: str, job: Job, used: int) -> None:
-        try:
-            await self.admission.release(tenant_id, job.request_id, used_tokens=used)
-        except StoreUnavailableError:
-            log.warning("could not release %s; its lease will expire", job.request_id)
+    async def _release(self, ticket: Ticket, job: Job, used: int) -> None:
+        """Release once the keeper has stopped (a renewal never lands after the release),
+        retrying while the store is out of reach: a release is idempotent, and one that
+        comes after the lease expired still credits the unused tokens."""
+        keeper = ticket.keeper
+        if keeper is not None and keeper is not asyncio.current_task():
+            await asyncio.wait([keeper])
+        tenant_id, delay = ticket.auth.tenant.id, 0.5
+        while True:
+            try:
+                await self.admission.release(tenant_id, job.request_id, used_tokens=used)
+                return
+            except StoreUnavailableError:
+                log.warning("could not release %s; retry in %.1fs", job.request_id, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)
 
     async def drain(self, timeout: float = 5.0) -> None:
-        """Wait for in-progress releases (shutdown)."""
+        """Wait for in-progress releases, then stop the keepers of jobs still running
+        (shutdown: their leases expire, and their records are written as they end)."""
         if self._settling:
             await asyncio.wait(set(self._settling), timeout=timeout)
+        for keeper in set(self._keepers):
+            keeper.cancel()
 
 
 @contextlib.asynccontextmanager
@@ -290,10 +369,31 @@ def _job_status(results: list[ChoiceResult]) -> UsageStatus:
     return "stop"
 
 
+def _denial(decision: Decision, job: Job, policy: Policy) -> str:
+    """Why a request was refused, and what it asked for against the limit when it can
+    never fit (so no retry would help)."""
+    reason = decision.reason
+    if decision.hard and reason is not None and reason.value == "tpm" and decision.tokens:
+        return (
+            f"This request needs {job.num_prompt_tokens + job.num_choices * job.max_tokens} "
+            f"tokens ({job.num_prompt_tokens} prompt + {job.num_choices} x {job.max_tokens} "
+            f"max_tokens), more than your plan's {decision.tokens.limit} tokens per minute; "
+            "it can never be admitted: lower max_tokens or shorten the prompt."
+        )
+    if decision.hard and reason is not None and reason.value == "kv_budget":
+        return (
+            f"This request may hold {job.kv_tokens} tokens of KV cache, more than your plan's "
+            f"KV-cache budget of {policy.kv_budget_tokens}; it can never be admitted: lower "
+            "max_tokens, n or the prompt."
+        )
+    return _DENIAL[reason.value if reason is not None else "rate_limit"]
+
+
 _DENIAL = {
     "rpm": "Rate limit reached for requests per minute; retry after the indicated time.",
     "tpm": "Rate limit reached for tokens per minute; retry after the indicated time.",
-    "concurrency": "Too many concurrent requests for this tenant.",
-    "kv_budget": "This tenant's KV-cache budget is in use by other requests.",
+    "concurrency": "Too many concurrent requests for this tenant; retry after the indicated time.",
+    "kv_budget": "This tenant's KV-cache budget is in use by other requests; retry after the "
+    "indicated time.",
     "rate_limit": "Rate limit reached.",
 }

@@ -46,7 +46,8 @@ class Job:
 
     request_id: str
     endpoint: Endpoint
-    model: str
+    model: str  # as responses name it: the canonical model id, or the adapter asked for
+    base_model: str  # the canonical id of the model that runs it (what the ledger bills)
     prompts: list[list[int]]  # token ids: one prompt, or several (completions)
     params: SamplingParams
     n: int  # choices per prompt
@@ -106,13 +107,19 @@ def new_request_id(endpoint: Endpoint) -> str:
 
 class Preparer:
     """Validation and tokenization for one served model. `close()` stops its tokenizer
-    threads."""
+    threads. `aliases` are other names of the served model (`default`, the name it was
+    started with, an operator's); every one resolves to `info.model_id`."""
 
     def __init__(self, tokenizer: Tokenizer, info: ModelInfo, aliases: tuple[str, ...]) -> None:
         self.tokenizer = tokenizer
         self.info = info
-        self.model_names = {info.model_id, *aliases}
+        self.aliases = {a: info.model_id for a in aliases if a != info.model_id}
+        self.model_names = {info.model_id, *self.aliases}
         self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+
+    def canonical(self, model: str) -> str:
+        """The served model's id for any of its names (callers check the name first)."""
+        return self.aliases.get(model, model)
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
@@ -363,7 +370,8 @@ class Preparer:
             and max(len(p) for p in prompts) > self.info.kv_block_size
         )
         return Job(
-            request_id=request_id, endpoint=endpoint, model=body.model, prompts=prompts,
+            request_id=request_id, endpoint=endpoint, model=self.canonical(body.model),
+            base_model=self.info.model_id, prompts=prompts,
             params=params, n=body.n, stream=body.stream, include_usage=include_usage,
             user=body.user, kv_block_size=self.info.kv_block_size, staggered=staggered,
             scheduling=Scheduling(

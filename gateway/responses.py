@@ -243,6 +243,8 @@ class Renderer:
 
     async def stream(self, pipeline: Pipeline, job: Job, ticket: Ticket) -> AsyncIterator[bytes]:
         """SSE events for a job; settles it (ledger, release) however the stream ends."""
+        if not ticket.begin():
+            return  # settled before the response could start (see Pipeline._keep)
         tally = Tally()
         reasons: list[str | None] = [None] * job.num_choices
         try:

@@ -24,6 +24,8 @@ class GatewaySettings:
     """What one gateway replica needs. Built by `from_env` at the entry point, or directly."""
 
     model: str = "default"
+    # other names of the served model, each `alias=model` (model: its id or the name above)
+    model_aliases: tuple[str, ...] = ()
     engine_addresses: tuple[str, ...] = ()
     redis_url: str | None = None  # None: the caller runs an embedded store
     admin_token: str | None = None
@@ -41,6 +43,23 @@ class GatewaySettings:
             raise ValueError("the admin token must be at least 16 characters")
         if not 1 <= self.port <= 65535:
             raise ValueError("port must be in 1..65535")
+        for spec in self.model_aliases:
+            alias, eq, target = spec.partition("=")
+            if not (eq and alias.strip() and target.strip()):
+                raise ValueError(f"a model alias is written alias=model, not {spec!r}")
+
+    def aliases_of(self, model_id: str) -> tuple[str, ...]:
+        """Every name that resolves to the served model `model_id`: `default`, the name it
+        was started with, and the operator's aliases of either. Raises ValueError for an
+        alias of a model this gateway does not serve."""
+        own = {model_id, self.model, "default"}
+        names = [self.model, "default"]
+        for spec in self.model_aliases:
+            alias, _, target = (part.strip() for part in spec.partition("="))
+            if target not in own:
+                raise ValueError(f"model alias {alias!r} names {target!r}, which is not served")
+            names.append(alias)
+        return tuple(names)
 
     @classmethod
     def from_env(cls, **overrides: object) -> GatewaySettings:
@@ -55,6 +74,9 @@ class GatewaySettings:
             "port": int(env.get("STRATA_PORT", "8000")),
             "json_logs": env.get("STRATA_LOG_FORMAT", "json") == "json",
         }
+        aliases = env.get("STRATA_MODEL_ALIASES", "")
+        if aliases:
+            values["model_aliases"] = tuple(a.strip() for a in aliases.split(",") if a.strip())
         engines = env.get("STRATA_ENGINE_URLS", "")
         if engines:
             values["engine_addresses"] = tuple(a.strip() for a in engines.split(",") if a.strip())

@@ -7,12 +7,15 @@ Per tenant T the store holds (the `{T}` hash tag keeps one tenant in one cluster
     strata:rl:{T}:leases  zset  request_id -> lease deadline (server µs)
     strata:rl:{T}:res     hash  request_id -> "<tokens charged> <kv tokens>"
     strata:rl:{T}:kv      int   sum of kv tokens of the live leases
+    strata:rl:{T}:lapsed  hash  request_id -> "<tokens charged> <kv tokens>" of expired leases
 
 Buckets refill continuously at capacity/60 per second and expire once they would be full
 again (a missing bucket is a full one). The lease keys expire with their last deadline.
 Every script reads the server clock (TIME), so replicas with skewed clocks agree, and
 first purges the tenant's expired leases, so a crashed replica's reservations stop counting
-against concurrency and the KV budget on their own.
+against concurrency and the KV budget on their own. A purged reservation is kept a day in
+`lapsed`: a request that outlived its lease (its gateway lost the store for a while) is
+restored by its next renewal and settled exactly by its release.
 """
 
 from __future__ import annotations
@@ -35,6 +38,15 @@ class StoreUnavailableError(RuntimeError):
 
 class InvalidReservationError(ValueError):
     """A reserve/release argument that can never be valid (negative counts, bad ids)."""
+
+
+class LeaseState(enum.Enum):
+    """What a renewal found: the lease live (renewed), expired and brought back (restored,
+    counting against concurrency and the KV budget again), or settled already (gone)."""
+
+    RENEWED = 1
+    RESTORED = 2
+    GONE = 0
 
 
 class DenyReason(enum.StrEnum):
@@ -84,7 +96,9 @@ local function add_kv(kv_key, delta)
   if redis.call('INCRBY', kv_key, delta) <= 0 then redis.call('DEL', kv_key) end
 end
 
-local function purge(lease_key, res_key, kv_key)
+local LAPSED_KEEP_MS = 86400000
+
+local function purge(lease_key, res_key, kv_key, lapsed)
   local expired = redis.call('ZRANGEBYSCORE', lease_key, '-inf', now_us)
   if #expired == 0 then return end
   local kv = 0
@@ -94,8 +108,10 @@ local function purge(lease_key, res_key, kv_key)
       local _, k = parse_res(r)
       kv = kv + k
       redis.call('HDEL', res_key, id)
+      redis.call('HSET', lapsed, id, r)
     end
   end
+  redis.call('PEXPIRE', lapsed, LAPSED_KEEP_MS)
   redis.call('ZREMRANGEBYSCORE', lease_key, '-inf', now_us)
   add_kv(kv_key, -kv)
 end
@@ -134,13 +150,14 @@ _RESERVE = (
     _PRELUDE
     + """
 local req_key, tok_key, lease_key, res_key, kv_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local lapsed = KEYS[6]
 local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 local max_conc, kv_budget = tonumber(ARGV[3]), tonumber(ARGV[4])
 local id, cost, kv_tokens = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
 local lease_us, busy_retry = tonumber(ARGV[8]), ARGV[9]
 local eps = 1e-9
 
-purge(lease_key, res_key, kv_key)
+purge(lease_key, res_key, kv_key, lapsed)
 local req = rpm and level(req_key, rpm)
 local tok = tpm and level(tok_key, tpm)
 
@@ -183,15 +200,22 @@ return verdict(1, '', '', 0, req, tok)
 _RELEASE = (
     _PRELUDE
     + """
-local tok_key, lease_key, res_key, kv_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local tok_key, lease_key, res_key, kv_key, lapsed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local id, used = ARGV[1], tonumber(ARGV[2])
-purge(lease_key, res_key, kv_key)
+purge(lease_key, res_key, kv_key, lapsed)
 local r = redis.call('HGET', res_key, id)
 redis.call('ZREM', lease_key, id)
-if not r then return 0 end
-redis.call('HDEL', res_key, id)
-local charged, kv = parse_res(r)
-add_kv(kv_key, -kv)
+local charged, kv
+if r then
+  redis.call('HDEL', res_key, id)
+  charged, kv = parse_res(r)
+  add_kv(kv_key, -kv)
+else
+  r = redis.call('HGET', lapsed, id)
+  if not r then return 0 end
+  redis.call('HDEL', lapsed, id)
+  charged, kv = parse_res(r)
+end
 local credit = charged - used
 local cap = tonumber(redis.call('HGET', tok_key, 'cap'))
 if credit > 0 and cap then store(tok_key, cap, math.min(cap, level(tok_key, cap) + credit)) end
@@ -202,12 +226,22 @@ return 1
 _RENEW = (
     _PRELUDE
     + """
-local lease_key, res_key, kv_key = KEYS[1], KEYS[2], KEYS[3]
-purge(lease_key, res_key, kv_key)
-if not redis.call('ZSCORE', lease_key, ARGV[1]) then return 0 end
-redis.call('ZADD', lease_key, 'XX', string.format('%.0f', now + tonumber(ARGV[2])), ARGV[1])
+local lease_key, res_key, kv_key, lapsed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local id, deadline = ARGV[1], string.format('%.0f', now + tonumber(ARGV[2]))
+purge(lease_key, res_key, kv_key, lapsed)
+local state = 1
+if not redis.call('ZSCORE', lease_key, id) then
+  local r = redis.call('HGET', lapsed, id)
+  if not r then return 0 end
+  redis.call('HDEL', lapsed, id)
+  redis.call('HSET', res_key, id, r)
+  local _, kv = parse_res(r)
+  add_kv(kv_key, kv)
+  state = 2
+end
+redis.call('ZADD', lease_key, deadline, id)
 expire_leases(lease_key, res_key, kv_key)
-return 1
+return state
 """
 )
 
@@ -289,7 +323,7 @@ def tenant_keys(tenant_id: str) -> dict[str, str]:
     if not tenant_id or "{" in tenant_id or "}" in tenant_id:
         raise InvalidReservationError("tenant_id must be non-empty and free of '{' and '}'")
     base = f"strata:rl:{{{tenant_id}}}:"
-    return {role: base + role for role in ("req", "tok", "leases", "res", "kv")}
+    return {role: base + role for role in ("req", "tok", "leases", "res", "kv", "lapsed")}
 
 
 def _num(value: int | None) -> str:
@@ -324,6 +358,7 @@ class Admission:
         if lease_ttl_s <= 0 or busy_retry_after_s <= 0:
             raise InvalidReservationError("lease_ttl_s and busy_retry_after_s must be positive")
         self.redis = redis
+        self.lease_ttl_s = lease_ttl_s
         self.lease_ttl_us = round(lease_ttl_s * 1_000_000)
         self.busy_retry_after_s = busy_retry_after_s
         self._run = _ScriptRunner(redis)
@@ -377,19 +412,21 @@ class Admission:
     async def release(self, tenant_id: str, request_id: str, *, used_tokens: int) -> None:
         """End the request's lease: free its concurrency slot and KV tokens and credit
         `charged - used_tokens` back to the token bucket (never above capacity; an overrun
-        is not charged). Idempotent: releasing an unknown or expired lease does nothing.
-        One store round trip. Raises StoreUnavailableError."""
+        is not charged). A lease that expired is settled the same way (its slot and KV were
+        freed when it expired). Idempotent: releasing an unknown or released lease does
+        nothing. One store round trip. Raises StoreUnavailableError."""
         if used_tokens < 0:
             raise InvalidReservationError("used_tokens must not be negative")
         keys = tenant_keys(tenant_id)
-        lease_keys = [keys["tok"], keys["leases"], keys["res"], keys["kv"]]
+        lease_keys = [keys["tok"], keys["leases"], keys["res"], keys["kv"], keys["lapsed"]]
         await self._run(self._release, lease_keys, [request_id, used_tokens])
 
-    async def renew(self, tenant_id: str, request_id: str) -> bool:
-        """Push the lease deadline to now + lease_ttl_s (long streams call this well within
-        the TTL). Returns False when the lease is gone (released or already expired).
+    async def renew(self, tenant_id: str, request_id: str) -> LeaseState:
+        """Push the lease deadline to now + lease_ttl_s (running requests call this well
+        within the TTL). A lease that expired before it could be renewed (the store was
+        out of reach) is restored with its reservation; a released one stays gone.
         One store round trip. Raises StoreUnavailableError."""
         keys = tenant_keys(tenant_id)
-        lease_keys = [keys["leases"], keys["res"], keys["kv"]]
+        lease_keys = [keys["leases"], keys["res"], keys["kv"], keys["lapsed"]]
         reply = await self._run(self._renew, lease_keys, [request_id, self.lease_ttl_us])
-        return int(reply) == 1
+        return LeaseState(int(reply))

@@ -4,11 +4,12 @@ request or aggregated into UTC hour/day buckets, with cost columns from a price 
 Costs are exact decimals: a price per 1M tokens (as the operator wrote it, e.g. 0.15) times a
 token count, shifted by six decimal places. Per-request costs therefore add up exactly to the
 costs of the hour/day rows they fall in. CSV and JSON write them as plain decimal numbers
-(`0.000025`, never `2.5E-5`).
+(`0.000025`, never `2.5E-5`). A row no price applies to costs 0 and says so (`priced: false`).
 """
 
 from __future__ import annotations
 
+import collections
 import csv
 import io
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -24,10 +25,10 @@ ExportFormat = Literal["csv", "ndjson", "json"]
 Granularity = Literal["request", "hour", "day"]
 
 COST_COLUMNS = ("cost_prompt", "cost_cached", "cost_completion", "cost_total")
-REQUEST_COLUMNS = (*UsageRecord.__struct_fields__, *COST_COLUMNS)
+REQUEST_COLUMNS = (*UsageRecord.__struct_fields__, *COST_COLUMNS, "priced")
 PERIOD_COLUMNS = (
     "period_start", "tenant_id", "model", "adapter",
-    "requests", "prompt_tokens", "cached_tokens", "completion_tokens", *COST_COLUMNS,
+    "requests", "prompt_tokens", "cached_tokens", "completion_tokens", *COST_COLUMNS, "priced",
 )  # fmt: skip
 
 _PERIOD_SECONDS = {"hour": 3600, "day": 86400}
@@ -53,14 +54,18 @@ def _exact(price_per_m: float) -> Decimal:
     return Decimal(repr(float(price_per_m)))
 
 
+Costs = tuple[Decimal, Decimal, Decimal, Decimal]
+
+
 class PriceBook:
-    """Prices by model or adapter name, as exact decimals. Caches conversions (its only
-    mutable state); one per export."""
+    """Prices by model or adapter name, as exact decimals. Caches conversions and counts the
+    rows no price applied to (`unpriced`, by model or adapter name); one per export."""
 
     def __init__(self, prices: Mapping[str, Price]) -> None:
         self._prices = prices
         self._ctx = Context(prec=60)
         self._cache: dict[str, tuple[Decimal, Decimal, Decimal] | None] = {}
+        self.unpriced: collections.Counter[str] = collections.Counter()
 
     def _rates(self, name: str) -> tuple[Decimal, Decimal, Decimal] | None:
         if name not in self._cache:
@@ -73,6 +78,22 @@ class PriceBook:
             )  # fmt: skip
         return self._cache[name]
 
+    def rates_for(
+        self, model: str, adapter: str | None, adapter_version: int | None = None
+    ) -> tuple[Decimal, Decimal, Decimal] | None:
+        """The first price of: the adapter's version (`name@version`), the adapter, its base
+        model. None when none of them is priced."""
+        names = []
+        if adapter:
+            if adapter_version is not None:
+                names.append(f"{adapter}@{adapter_version}")
+            names.append(adapter)
+        names.append(model)
+        for name in names:
+            if (rates := self._rates(name)) is not None:
+                return rates
+        return None
+
     def costs(
         self,
         model: str,
@@ -80,14 +101,18 @@ class PriceBook:
         prompt_tokens: int,
         cached_tokens: int,
         completion_tokens: int,
-    ) -> tuple[Decimal, Decimal, Decimal, Decimal]:
-        """(prompt, cached, completion, total) cost. The adapter's price applies if it has
-        one, else the model's; with neither, every cost is zero. Cached tokens are part of
-        the prompt: `prompt` bills prompt - cached tokens (never below zero)."""
-        rates = (self._rates(adapter) if adapter else None) or self._rates(model)
+        adapter_version: int | None = None,
+        num_requests: int = 1,
+    ) -> tuple[Costs, bool]:
+        """((prompt, cached, completion, total) cost, whether a price applied). Prices are
+        looked up as `rates_for` says; with none, every cost is zero, the `num_requests`
+        the row stands for are counted in `unpriced` and the flag is False. Cached tokens
+        are part of the prompt: `prompt` bills prompt - cached tokens (never below zero)."""
+        rates = self.rates_for(model, adapter, adapter_version)
         if rates is None:
+            self.unpriced[adapter or model] += num_requests
             zero = Decimal(0)
-            return zero, zero, zero, zero
+            return (zero, zero, zero, zero), False
         ctx = self._ctx
 
         def cost(num_tokens: int, rate_per_m: Decimal) -> Decimal:
@@ -96,7 +121,34 @@ class PriceBook:
         prompt = cost(max(prompt_tokens - cached_tokens, 0), rates[0])
         cached = cost(cached_tokens, rates[1])
         completion = cost(completion_tokens, rates[2])
-        return prompt, cached, completion, ctx.add(ctx.add(prompt, cached), completion)
+        return (prompt, cached, completion, ctx.add(ctx.add(prompt, cached), completion)), True
+
+
+class ModelNames:
+    """How records name models, made canonical on read: `aliases` maps an alias (`default`,
+    an operator's name) to the canonical model id; `adapter_bases` maps an adapter to the
+    base model it belongs to. Records written before names were canonical carry an alias,
+    or an adapter request's own name, in `model`."""
+
+    def __init__(
+        self,
+        aliases: Mapping[str, str] | None = None,
+        adapter_bases: Mapping[str, str] | None = None,
+        *,
+        default_base: str | None = None,
+    ) -> None:
+        self.aliases = dict(aliases or {})
+        self.adapter_bases = dict(adapter_bases or {})
+        self.default_base = default_base  # for adapters no longer registered
+
+    def canonical(self, rec: UsageRecord) -> UsageRecord:
+        model = self.aliases.get(rec.model, rec.model)
+        adapter = rec.adapter
+        if adapter is not None and model.partition("@")[0] == adapter:
+            model = self.adapter_bases.get(adapter) or self.default_base or model
+        if model == rec.model:
+            return rec
+        return msgspec.structs.replace(rec, model=model)
 
 
 def format_decimal(value: Decimal) -> str:
@@ -107,14 +159,22 @@ def format_decimal(value: Decimal) -> str:
 # -- rows ----------------------------------------------------------------------------------
 
 
+async def _canonical(
+    records: AsyncIterator[UsageRecord], names: ModelNames
+) -> AsyncIterator[UsageRecord]:
+    async for rec in records:
+        yield names.canonical(rec)
+
+
 async def _request_rows(
     records: AsyncIterator[UsageRecord], book: PriceBook
 ) -> AsyncIterator[Sequence[object]]:
     async for rec in records:
-        costs = book.costs(
-            rec.model, rec.adapter, rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens
-        )
-        yield (*msgspec.structs.astuple(rec), *costs)
+        costs, priced = book.costs(
+            rec.model, rec.adapter, rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens,
+            rec.adapter_version,
+        )  # fmt: skip
+        yield (*msgspec.structs.astuple(rec), *costs, priced)
 
 
 _GroupKey = tuple[str, str, str | None]  # tenant, model, adapter
@@ -128,9 +188,11 @@ def _bucket_rows(
     for key in sorted(groups, key=lambda k: (k[0], k[1], k[2] is not None, k[2] or "")):
         tenant_id, model, adapter = key
         num_requests, prompt, cached, completion = groups[key]
-        costs = book.costs(model, adapter, prompt, cached, completion)
+        costs, priced = book.costs(
+            model, adapter, prompt, cached, completion, num_requests=num_requests
+        )
         rows.append((period, tenant_id, model, adapter, num_requests, prompt, cached,
-                     completion, *costs))  # fmt: skip
+                     completion, *costs, priced))  # fmt: skip
     return rows
 
 
@@ -171,6 +233,8 @@ class _RowEncoder(Protocol):
 
 
 def _csv_cell(value: object) -> object:
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, Decimal):
         return format_decimal(value)
     if isinstance(value, str) and value.startswith(_CSV_FORMULA_START):
@@ -247,7 +311,8 @@ def export_usage(
     *,
     fmt: ExportFormat,
     granularity: Granularity,
-    prices: Mapping[str, Price],
+    prices: Mapping[str, Price] | PriceBook,
+    names: ModelNames | None = None,
     chunk_bytes: int = 64 * 1024,
 ) -> AsyncIterator[bytes]:
     """Stream `records` as an export document in chunks of about `chunk_bytes`.
@@ -256,9 +321,12 @@ def export_usage(
     `hour`/`day` rows sum requests and tokens per (UTC period, tenant, model, adapter); the
     input must be in `finished_at` order (as `Ledger.iter_records` yields it), so each period
     is written once the next begins and only one period is held in memory (ExportOrderError
-    otherwise). Costs use the adapter's price, else the model's, else zero (an unpriced
-    model is exported at no cost rather than refused). Any number of rows, zero included,
-    makes a valid document: CSV with a header row, NDJSON, or one JSON array.
+    otherwise). Records are read through `names` (aliases and adapter requests become the
+    canonical base model id). Costs use the adapter's price, else its base model's; a row
+    with neither costs zero, has `priced` false and is counted, by requests, in the
+    PriceBook's `unpriced` (pass a PriceBook to read it afterwards). Any number of rows,
+    zero included, makes a valid document: CSV with a header row, NDJSON, or one JSON
+    array.
     Raises ExportError at once for an unknown `fmt` or `granularity`.
     """
     if fmt not in get_args(ExportFormat):
@@ -267,7 +335,9 @@ def export_usage(
         raise ExportError(f"unknown granularity {granularity!r}")
     if chunk_bytes < 1:
         raise ExportError("chunk_bytes must be positive")
-    book = PriceBook(prices)
+    book = prices if isinstance(prices, PriceBook) else PriceBook(prices)
+    if names is not None:
+        records = _canonical(records, names)
     if granularity == "request":
         rows, columns = _request_rows(records, book), REQUEST_COLUMNS
     else:

@@ -10,7 +10,9 @@ A record and both index entries are written by one Lua script, so a record is ne
 indexed and the first write of a request id wins. The script touches keys in different hash
 slots: it targets a standalone Redis/Valkey (or a single-shard deployment), not Cluster.
 
-`LedgerWriter` is the gateway's fire-and-forget path in front of a `Ledger`.
+`LedgerWriter` is the gateway's fire-and-forget path in front of a `Ledger`, backed by a
+local `LedgerJournal` so that records pending when a gateway dies are written after it
+restarts.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from tenants.journal import LedgerJournal
 from tenants.records import UsageRecord
 from tenants.store import KEY_PREFIX
 
@@ -165,60 +168,99 @@ class Ledger:
 class LedgerWriter:
     """Writes usage records in the background so the request path never waits on the store.
 
-    `submit` only appends to an in-memory queue. A background task (`start`) writes queued
-    records in pipelined batches, oldest first; a record leaves the queue only once the store
-    has acknowledged it. While the store is unreachable the task retries with exponential
-    backoff and keeps every record (the queue is bounded only by memory) and logs a warning
-    with the pending count. A batch whose outcome was ambiguous is simply written again:
-    `Ledger.record` is idempotent by request id. Use from the event loop's thread only.
+    `submit` appends the record to the journal (when there is one) and to an in-memory
+    queue. A background task (`start`) writes queued records in pipelined batches, oldest
+    first, syncing the journal to disk before each batch; a record leaves the queue, and the
+    journal, only once the store has acknowledged it. While the store is unreachable the
+    task retries with exponential backoff and keeps every record, logging a warning with the
+    pending count. A batch whose outcome was ambiguous is simply written again, as are the
+    records a restart replays from the journal: `Ledger.record` is idempotent by request id.
+    Use from the event loop's thread only.
     """
 
     def __init__(
         self,
         ledger: Ledger,
         *,
+        journal: LedgerJournal | None = None,
         batch_size: int = 256,
         retry_initial_s: float = 0.05,
         retry_max_s: float = 5.0,
     ) -> None:
         assert batch_size >= 1 and 0 < retry_initial_s <= retry_max_s
         self.ledger = ledger
+        self.journal = journal
         self.batch_size = batch_size
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
         self.num_written = 0  # records that were new in the store
         self.num_duplicates = 0  # request ids that were already stored
-        self._queue: collections.deque[UsageRecord] = collections.deque()
+        self.num_replayed = 0  # records read back from the journal at start
+        self.num_journal_errors = 0  # records the journal could not keep (queued all the same)
+        # each record with its journal segment (None: not journaled)
+        self._queue: collections.deque[tuple[UsageRecord, int | None]] = collections.deque()
         self._wake = asyncio.Event()
         self._writing = asyncio.Lock()  # one batch in flight at a time (worker or drain)
         self._task: asyncio.Task[None] | None = None
+        self._opened = False
 
     @property
     def pending(self) -> int:
         """Records submitted and not yet acknowledged by the store."""
         return len(self._queue)
 
+    def open(self) -> int:
+        """Open the journal and queue the records it kept from earlier runs (idempotent);
+        returns how many. Blocks on disk reads: call before serving."""
+        if self._opened or self.journal is None:
+            return 0
+        self._opened = True
+        replayed = self.journal.open()
+        self._queue.extendleft(reversed([(rec, seg) for seg, rec in replayed]))
+        self.num_replayed += len(replayed)
+        if replayed:
+            self._wake.set()
+        return len(replayed)
+
     def submit(self, rec: UsageRecord) -> None:
-        """Queue `rec` for writing; never blocks. Raises LedgerError at once for a record that
-        could never be stored, so one bad record cannot stall the queue."""
+        """Journal and queue `rec` for writing; never blocks on the store. Raises LedgerError
+        at once for a record that could never be stored, so one bad record cannot stall the
+        queue."""
         check_record(rec)
-        self._queue.append(rec)
+        segment = None
+        if self.journal is not None and self.journal.dir is not None:
+            try:
+                segment = self.journal.append(rec)
+            except OSError as exc:
+                self.num_journal_errors += 1
+                log.error("usage ledger journal write failed (%s); %s kept in memory only",
+                          exc.strerror, rec.request_id)  # fmt: skip
+        self._queue.append((rec, segment))
         self._wake.set()
 
     def start(self) -> None:
-        """Start the background writer (idempotent); needs a running event loop."""
+        """Open the journal if needed and start the background writer (idempotent); needs a
+        running event loop."""
+        self.open()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="ledger-writer")
 
     async def drain(self, timeout: float) -> int:
         """Stop the background writer and write everything pending, retrying until `timeout`
         seconds have passed. Returns how many records are still unwritten (they stay in
-        `pending`; `start` or another `drain` carries on with them)."""
+        `pending` and in the journal; `start` or another `drain` carries on with them)."""
         await self._stop()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout):
                 await self._write_pending()
         return len(self._queue)
+
+    def close(self) -> None:
+        """Close the journal (after `drain`): what is still pending stays in it for the
+        next start."""
+        if self.journal is not None and self._opened:
+            self.journal.close()
+            self._opened = False
 
     async def _stop(self) -> None:
         task, self._task = self._task, None
@@ -238,12 +280,20 @@ class LedgerWriter:
         async with self._writing:
             await self._write_until_empty()
 
+    async def _sync_journal(self) -> None:
+        if self.journal is not None and self._opened:
+            try:
+                await asyncio.to_thread(self.journal.sync)
+            except OSError as exc:
+                log.error("usage ledger journal sync failed: %s", exc.strerror)
+
     async def _write_until_empty(self) -> None:
         delay = self.retry_initial_s
         while self._queue:
+            await self._sync_journal()
             batch = list(itertools.islice(self._queue, self.batch_size))
             try:
-                results = await self.ledger.record_many(batch)
+                results = await self.ledger.record_many([rec for rec, _ in batch])
             except (RedisError, OSError) as exc:
                 log.warning(
                     "usage ledger store unreachable (%s); %d records pending, retry in %.2fs",
@@ -254,6 +304,8 @@ class LedgerWriter:
             else:
                 for _ in batch:
                     self._queue.popleft()
+                if self.journal is not None and self._opened:
+                    self.journal.acknowledge(seg for _, seg in batch if seg is not None)
                 num_new = sum(results)
                 self.num_written += num_new
                 self.num_duplicates += len(results) - num_new

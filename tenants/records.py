@@ -5,12 +5,13 @@ base, validated on construction where a bad value could reach the engine or a bi
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal
 
 import msgspec
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
 class RecordError(ValueError):
@@ -22,7 +23,7 @@ class Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def check_name(value: str, field: str) -> str:
-    if not _NAME.match(value):
+    if not _NAME.fullmatch(value):
         raise RecordError(
             f"{field} must be 1-128 characters of letters, digits, '.', '_', ':' or '-', "
             "starting with a letter or digit"
@@ -240,7 +241,8 @@ class AdapterCreate(Base):
 
 
 class Price(Base):
-    """Price per 1M tokens for one model or adapter (currency is the operator's)."""
+    """Price per 1M tokens for a model, an adapter, or one version of an adapter
+    (`name@version`); the currency is the operator's."""
 
     model: str
     prompt_per_m: float = 0.0
@@ -248,7 +250,13 @@ class Price(Base):
     completion_per_m: float = 0.0
 
     def __post_init__(self) -> None:
-        check_name(self.model, "model")
+        name, at, version = self.model.partition("@")
+        check_name(name, "model")
+        if at and not (version.isdigit() and version.isascii() and int(version) >= 1):
+            raise RecordError("model: an adapter version is written name@N, N from 1")
+        if not all(map(math.isfinite, (self.prompt_per_m, self.cached_per_m,
+                                       self.completion_per_m))):  # fmt: skip
+            raise RecordError("prices must be finite numbers")
         if min(self.prompt_per_m, self.cached_per_m, self.completion_per_m) < 0:
             raise RecordError("prices must not be negative")
 
@@ -260,13 +268,16 @@ UsageStatus = Literal["ok", "stop", "length", "cancelled", "error"]
 
 
 class UsageRecord(Base):
-    """One request, as billed. `request_id` is the response id (chatcmpl-… / cmpl-…)."""
+    """One request, as billed. `request_id` is the response id (chatcmpl-… / cmpl-…).
+    `model` is the canonical id of the base model that served it (never an alias); an
+    adapter request also names the adapter and the version that ran."""
 
     request_id: str
     tenant_id: str
     key_id: str
     model: str
     adapter: str | None = None
+    adapter_version: int | None = None
     user: str | None = None
     endpoint: str = "chat.completions"
     prompt_tokens: int = 0

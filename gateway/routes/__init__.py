@@ -2,10 +2,60 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import time
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from gateway.errors import bad_request
+from tenants.export import ExportFormat, Granularity, ModelNames, PriceBook, export_usage
+
+if TYPE_CHECKING:
+    from gateway.state import GatewayState
+
+log = logging.getLogger(__name__)
+
+
+async def usage_export(
+    gw: GatewayState,
+    tenant_id: str | None,
+    start: float,
+    end: float,
+    *,
+    fmt: ExportFormat,
+    granularity: Granularity,
+) -> AsyncIterator[bytes]:
+    """A usage export over [start, end) (one tenant, or all for None) at today's prices,
+    with every model named by its canonical id. Requests no price applies to are logged
+    and counted once the export has been read."""
+    prices = {p.model: p for p in await gw.registry.list_prices()}
+    adapters = await gw.registry.list_adapters()
+    names = ModelNames(
+        gw.preparer.aliases,
+        {a.name: a.base_model for a in adapters},
+        default_base=gw.preparer.info.model_id,
+    )
+    book = PriceBook(prices)
+    body = export_usage(
+        gw.ledger.iter_records(tenant_id, start, end),
+        fmt=fmt, granularity=granularity, prices=book, names=names,
+    )  # fmt: skip
+    return _report_unpriced(body, book, gw)
+
+
+async def _report_unpriced(
+    body: AsyncIterator[bytes], book: PriceBook, gw: GatewayState
+) -> AsyncIterator[bytes]:
+    async for chunk in body:
+        yield chunk
+    for name, num_requests in sorted(book.unpriced.items()):
+        gw.metrics.unpriced.labels(name).inc(num_requests)
+        log.warning(
+            "usage export: %d requests of %r have no price (set one with PUT /admin/prices/)",
+            num_requests, name,
+        )  # fmt: skip
 
 
 def time_window(
@@ -26,9 +76,13 @@ def time_window(
 
 def _instant(value: str, param: str) -> float:
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(seconds):
+            raise bad_request(f"{param} must be a finite time, not {value!r}", param=param)
+        return seconds
     try:
         moment = datetime.fromisoformat(value)
     except ValueError:

@@ -4,7 +4,7 @@ Every route needs the admin token; handlers only delegate to the tenants service
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from litestar import Controller, Request, Response, delete, get, patch, post, put
 from litestar.enums import RequestEncodingType
@@ -18,9 +18,9 @@ from gateway.adapters import (
     register_upload,
 )
 from gateway.auth import gateway_state, requires_admin_token
-from gateway.routes import time_window
+from gateway.routes import time_window, usage_export
 from gateway.state import GatewayState
-from tenants.export import export_usage
+from tenants.export import ExportFormat, Granularity
 from tenants.records import (
     Adapter,
     AdapterCreate,
@@ -38,8 +38,6 @@ from tenants.records import (
 )
 
 Req = Request[Any, Any, Any]
-ExportFormat = Literal["csv", "ndjson", "json"]
-Granularity = Literal["request", "hour", "day"]
 _MEDIA = {"csv": "text/csv", "ndjson": "application/x-ndjson", "json": "application/json"}
 
 
@@ -200,13 +198,7 @@ class UsageController(Controller):
         begin, stop = time_window(start, end)
         if tenant is not None:
             await gw.registry.get_tenant(tenant)  # 404 for an unknown tenant
-        prices = {p.model: p for p in await gw.registry.list_prices()}
-        body = export_usage(
-            gw.ledger.iter_records(tenant, begin, stop),
-            fmt=format,
-            granularity=granularity,
-            prices=prices,
-        )
+        body = await usage_export(gw, tenant, begin, stop, fmt=format, granularity=granularity)
         filename = f"usage-{tenant or 'all'}.{format}"
         return Stream(
             body,

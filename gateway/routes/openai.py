@@ -23,10 +23,9 @@ from gateway.openai_types import (
     TokenizeResponse,
 )
 from gateway.prepare import Job, new_request_id
-from gateway.routes import time_window
+from gateway.routes import time_window, usage_export
 from gateway.state import GatewayState
 from gateway.tools import plan_tools
-from tenants.export import export_usage
 
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
@@ -137,12 +136,8 @@ class OpenAIController(Controller):
         unless `start` / `end` (unix seconds or ISO 8601) say otherwise."""
         gw, tenant = gateway_state(request), auth_of(request).tenant
         start_s, end_s = time_window(start, end, span_s=30 * 86400)
-        prices = {p.model: p for p in await gw.registry.list_prices()}
-        body = export_usage(
-            gw.ledger.iter_records(tenant.id, start_s, end_s),
-            fmt="json",
-            granularity=granularity,
-            prices=prices,
+        body = await usage_export(
+            gw, tenant.id, start_s, end_s, fmt="json", granularity=granularity
         )
         return Stream(body, media_type=MediaType.JSON)
 

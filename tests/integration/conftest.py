@@ -163,8 +163,11 @@ def smollm2_worker(tmp_path_factory, strata_cache_dir) -> Iterator[WorkerProcess
 
 
 def gateway_settings(store_url: str, worker: WorkerProcess, cache_dir: Path, **kw):
+    import tempfile
+
     from gateway.settings import GatewaySettings
 
+    kw.setdefault("data_dir", tempfile.mkdtemp(prefix="strata-gateway-"))
     return GatewaySettings(
         redis_url=store_url,
         engine_addresses=(worker.address,),

@@ -73,7 +73,11 @@ async def test_adapters_end_to_end(lora_gateway):
     text = tuned.json()["choices"][0]["message"]["content"]
     assert text != base.json()["choices"][0]["message"]["content"]  # the adapter is applied
     record = await ledger_record(server.settings.redis_url, tuned.json()["id"])
-    assert record.adapter == "colors"
+    model_id = base.json()["model"]  # "default" answers with the served model's own id
+    assert model_id == "SmolLM2-135M-Instruct" and tuned.json()["model"] == "colors"
+    assert (record.model, record.adapter, record.adapter_version) == (model_id, "colors", 1)
+    base_record = await ledger_record(server.settings.redis_url, base.json()["id"])
+    assert (base_record.model, base_record.adapter) == (model_id, None)
 
     denied = chat(server, outsider, "colors")
     assert denied.status_code == 403

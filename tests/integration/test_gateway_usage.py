@@ -133,6 +133,58 @@ def test_exports_round_trip_with_sums_equal_to_the_ledger(gateway, billed, fmt, 
         assert sum(int(row["requests"]) for row in rows) == 3
 
 
+async def test_a_request_sent_as_default_is_billed_at_the_served_models_price(
+    gateway, billed, store_server
+):
+    tenant, key = gateway.new_tenant()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as http:
+        r = await http.post(
+            "/v1/chat/completions",
+            json={"model": "default", "max_tokens": 4, "temperature": 0,
+                  "messages": [{"role": "user", "content": "Tell me about the sea."}]},
+            headers={"authorization": f"Bearer {key}"},
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == MODEL
+        record = await ledger_record(store_server.url, r.json()["id"])
+        assert record.model == MODEL
+        with gateway.admin() as admin:
+            rows = admin.get(
+                "/admin/usage/export", params={"tenant": tenant, "granularity": "day"}
+            ).json()
+        (row,) = rows
+        assert (row["model"], row["priced"], row["requests"]) == (MODEL, True, 1)
+        expected = (record.prompt_tokens * 0.5 + record.completion_tokens * 1.5) / 1e6
+        assert float(row["cost_total"]) == pytest.approx(expected, rel=1e-12)
+        metrics = (await http.get("/metrics")).text
+        assert (
+            f'strata:request_success_total{{model="{MODEL}",status="length",tenant="{tenant}"}}'
+            in metrics
+        )
+
+
+async def test_unpriced_usage_is_flagged_counted_and_logged(gateway, store_server, caplog):
+    from tenants.ledger import Ledger
+    from tenants.records import UsageRecord
+    from tenants.store import connect
+
+    tenant, _ = gateway.new_tenant()
+    client = connect(store_server.url)
+    try:
+        await Ledger(client).record(UsageRecord(
+            request_id=f"cmpl-old-{tenant}", tenant_id=tenant, key_id="key_x",
+            model="never-priced", prompt_tokens=10, finished_at=time.time() - 60))  # fmt: skip
+    finally:
+        await client.aclose()
+    with gateway.admin() as admin, caplog.at_level("WARNING"):
+        (row,) = admin.get("/admin/usage/export", params={"tenant": tenant}).json()
+        assert (row["priced"], row["cost_total"]) == (False, 0)
+        metrics = admin.get("/metrics").text
+    assert 'strata:usage_unpriced_requests_total{model="never-priced"}' in metrics
+    assert any("never-priced" in r.getMessage() and "no price" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+
+
 def test_export_windows_take_iso_dates(gateway, billed):
     """Operators bill by calendar: the same export by ISO 8601 dates as by unix seconds."""
     today = datetime.now(UTC).date()

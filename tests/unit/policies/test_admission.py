@@ -10,6 +10,7 @@ from policies.admission import (
     Decision,
     DenyReason,
     InvalidReservationError,
+    LeaseState,
     StoreUnavailableError,
     tenant_keys,
 )
@@ -386,18 +387,42 @@ async def test_renew_keeps_a_long_stream_admitted(redis_client):
     assert (await reserve(adm, policy, "stream")).allowed
     for _ in range(3):
         await asyncio.sleep(0.25)
-        assert await adm.renew(TENANT, "stream")
+        assert await adm.renew(TENANT, "stream") is LeaseState.RENEWED
     assert (await reserve(adm, policy, "other")).reason is DenyReason.CONCURRENCY
     await adm.release(TENANT, "stream", used_tokens=5)
-    assert not await adm.renew(TENANT, "stream")
+    assert await adm.renew(TENANT, "stream") is LeaseState.GONE
     assert (await reserve(adm, policy, "other")).allowed
 
 
-async def test_renew_after_expiry_reports_the_lease_gone(redis_client):
+async def test_renew_after_expiry_restores_the_reservation(redis_client):
     adm = Admission(redis_client, lease_ttl_s=0.1)
-    assert (await reserve(adm, Policy(), "a")).allowed
+    policy = Policy(max_concurrent=1, kv_budget_tokens=100)
+    assert (await reserve(adm, policy, "a", kv=60)).allowed
     await asyncio.sleep(0.15)
-    assert not await adm.renew(TENANT, "a")
+    assert (await reserve(adm, policy, "probe", kv=1)).allowed  # "a" expired: purged
+    await adm.release(TENANT, "probe", used_tokens=0)
+    assert await kv_in_flight(redis_client) == 0
+    assert await adm.renew(TENANT, "a") is LeaseState.RESTORED  # it is still running
+    assert await kv_in_flight(redis_client) == 60
+    assert (await reserve(adm, policy, "b", kv=1)).reason is DenyReason.CONCURRENCY
+    await adm.release(TENANT, "a", used_tokens=0)
+    assert await adm.renew(TENANT, "a") is LeaseState.GONE  # released: never restored
+    assert await snapshot(redis_client) == {}
+
+
+async def test_release_after_expiry_credits_the_unused_tokens_once(redis_client):
+    adm = Admission(redis_client, lease_ttl_s=0.1)
+    policy = Policy(tpm=1000)
+    assert (await reserve(adm, policy, "a", cost=400)).allowed
+    await asyncio.sleep(0.15)
+    assert (await reserve(adm, policy, "b", cost=100)).allowed  # purges "a"
+    await adm.release(TENANT, "b", used_tokens=100)
+    before = (await reserve(adm, policy, "probe", cost=0)).tokens
+    await adm.release(TENANT, "a", used_tokens=150)  # the gateway settles it late
+    await adm.release(TENANT, "a", used_tokens=150)  # a retried release credits nothing more
+    after = (await reserve(adm, policy, "probe2", cost=0)).tokens
+    assert before is not None and after is not None
+    assert 250 <= after.remaining - before.remaining <= 252  # refill over the gap: ~1 token
 
 
 # -- store round trips and failures --------------------------------------------------------
@@ -421,7 +446,7 @@ async def test_one_round_trip_per_call_and_eval_fallback(redis_client, monkeypat
     await adm.renew(TENANT, "a")
     sent.clear()
     assert (await reserve(adm, policy, "b")).allowed
-    assert await adm.renew(TENANT, "b")
+    assert await adm.renew(TENANT, "b") is LeaseState.RENEWED
     await adm.release(TENANT, "b", used_tokens=1)
     assert sent == ["EVALSHA", "EVALSHA", "EVALSHA"]
 

@@ -22,6 +22,8 @@ from tenants.export import (
     REQUEST_COLUMNS,
     ExportError,
     ExportOrderError,
+    ModelNames,
+    PriceBook,
     export_usage,
     media_type,
 )
@@ -187,12 +189,64 @@ async def test_price_lookup_adapter_then_model_then_zero():
         UsageRecord(request_id="adapter-unpriced", model="smollm2", adapter="lora-free", **base),
         UsageRecord(request_id="model-unpriced", model="other", **base),
     ]
-    rows = parse_rows("csv", await export_bytes(recs, "csv", "request"))
+    book = PriceBook(PRICES)
+    data = b"".join([c async for c in export_usage(
+        aiter_of(recs), fmt="csv", granularity="request", prices=book)])  # fmt: skip
+    rows = parse_rows("csv", data)
     assert [tuple(row[c] for c in COST_COLUMNS) for row in rows] == [
         ("0.8", "0.1", "1", "1.9"),
         ("0.12", "0.015", "0.3", "0.435"),
         ("0", "0", "0", "0"),
     ]
+    assert [row["priced"] for row in rows] == ["true", "true", "false"]
+    assert book.unpriced == {"other": 1}  # never silently zero: counted for the caller
+
+
+async def test_an_adapter_versions_price_comes_before_its_names():
+    prices = {**PRICES, "lora-x@2": Price(model="lora-x@2", prompt_per_m=10.0)}
+    base: dict[str, Any] = {"tenant_id": "t", "key_id": "k", "model": "smollm2",
+                            "adapter": "lora-x", "prompt_tokens": 1_000_000}  # fmt: skip
+    recs = [UsageRecord(request_id="v2", adapter_version=2, **base),
+            UsageRecord(request_id="v3", adapter_version=3, **base)]  # fmt: skip
+    data = b"".join([c async for c in export_usage(
+        aiter_of(recs), fmt="json", granularity="request", prices=prices)])  # fmt: skip
+    assert [row["cost_prompt"] for row in parse_rows("json", data)] == [10, 1]
+
+
+async def test_period_rows_count_unpriced_requests():
+    recs = [UsageRecord(request_id=f"r{i}", tenant_id="t", key_id="k", model="other",
+                        finished_at=T0 + i) for i in range(3)]  # fmt: skip
+    book = PriceBook(PRICES)
+    data = b"".join([c async for c in export_usage(
+        aiter_of(recs), fmt="json", granularity="day", prices=book)])  # fmt: skip
+    (row,) = parse_rows("json", data)
+    assert row["priced"] is False and row["requests"] == 3
+    assert book.unpriced == {"other": 3}
+
+
+async def test_records_written_under_an_alias_or_an_adapters_name_read_as_the_base_model():
+    names = ModelNames({"default": "smollm2"}, {"lora-x": "smollm2"}, default_base="smollm2")
+    base: dict[str, Any] = {"tenant_id": "t", "key_id": "k", "prompt_tokens": 1_000_000}
+    recs = [
+        UsageRecord(request_id="alias", model="default", **base),
+        UsageRecord(request_id="old-adapter", model="lora-x", adapter="lora-x", **base),
+        UsageRecord(request_id="old-version", model="lora-x@4", adapter="lora-x", **base),
+        UsageRecord(request_id="deleted", model="gone", adapter="gone", **base),
+        UsageRecord(request_id="canonical", model="smollm2", adapter="lora-x",
+                    adapter_version=4, **base),
+    ]  # fmt: skip
+    data = b"".join([c async for c in export_usage(aiter_of(recs), fmt="json",
+                     granularity="request", prices=PRICES, names=names)])  # fmt: skip
+    rows = parse_rows("json", data)
+    assert [row["model"] for row in rows] == ["smollm2"] * 5
+    assert [row["cost_prompt"] for row in rows] == [Decimal("0.15"), 1, 1, Decimal("0.15"), 1]
+    day = b"".join([c async for c in export_usage(
+        aiter_of(recs), fmt="json", granularity="day", prices=PRICES, names=names)])  # fmt: skip
+    assert {(r["model"], r["adapter"]) for r in parse_rows("json", day)} == {
+        ("smollm2", None),
+        ("smollm2", "lora-x"),
+        ("smollm2", "gone"),
+    }  # one model row, not one per name it was asked by
 
 
 # -- documents and streaming ---------------------------------------------------------------
