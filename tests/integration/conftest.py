@@ -184,3 +184,59 @@ def gateway(store_server, smollm2_worker, strata_cache_dir) -> Iterator[GatewayS
     server.start()
     yield server
     server.stop()
+
+
+class GatewayProcess:
+    """`strata gateway` as its own process (for tests that kill it), on a free port."""
+
+    def __init__(
+        self, store_url: str, worker: WorkerProcess, cache_dir: Path, data_dir: Path, *extra: str
+    ) -> None:
+        self.port = _free_port()
+        self.args = [
+            sys.executable, "-m", "gateway.cli", "gateway", "--engine", worker.address,
+            "--redis-url", store_url, "--port", str(self.port), "--cache-dir", str(cache_dir),
+            "--data-dir", str(data_dir), *extra,
+        ]  # fmt: skip
+        self.env = dict(
+            os.environ, STRATA_ADMIN_TOKEN=ADMIN_TOKEN, STRATA_LOG_LEVEL="WARNING",
+            STRATA_LOG_FORMAT="console",
+        )  # fmt: skip
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120.0) -> None:
+        self.proc = subprocess.Popen(self.args, env=self.env, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the gateway exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the gateway did not start")
+            time.sleep(0.1)
+
+    def signal(self, signum: int, timeout: float = 60.0) -> int:
+        """Send `signum` and wait for the process to end; returns its exit code."""
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url, headers={"authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30
+        )
+
+    new_tenant = GatewayServer.new_tenant
