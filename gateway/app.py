@@ -21,8 +21,9 @@ from litestar.types import Message, Scope
 from engine.model_specs import load_tokenizer_for
 from gateway.adapters import AdapterResolver
 from gateway.engines import EnginePool
-from gateway.errors import exception_handlers, invalid_field, invalid_json
+from gateway.errors import APIError, exception_handlers, invalid_field, invalid_json
 from gateway.metrics import GatewayMetrics
+from gateway.openai_types import MAX_JSON_DEPTH, too_deep
 from gateway.pipeline import Pipeline
 from gateway.prepare import Preparer
 from gateway.responses import Renderer
@@ -110,11 +111,27 @@ async def _decode_json_strictly(request: Request[Any, Any, Any]) -> None:
     if field is None or getattr(kwarg, "media_type", None) is not RequestEncodingType.JSON:
         return
     try:
-        msgspec.json.decode(await request.body(), type=field.annotation)
+        value = msgspec.json.decode(await request.body(), type=field.annotation)
     except msgspec.ValidationError as exc:
         raise invalid_field(exc) from exc
     except msgspec.DecodeError as exc:
         raise invalid_json(exc) from exc
+    except RecursionError:
+        raise too_deep_error("the request body") from None
+    for name in _FREE_FORM_FIELDS:  # JSON the gateway walks itself
+        if too_deep(msgspec.to_builtins(getattr(value, name, None))):
+            raise too_deep_error(name, param=name)
+
+
+# request fields typed as any JSON
+_FREE_FORM_FIELDS = ("response_format", "tools", "functions", "function_call")
+
+
+def too_deep_error(what: str, *, param: str | None = None) -> APIError:
+    return APIError(
+        400, f"{what} nests JSON more than {MAX_JSON_DEPTH} levels deep",
+        code="json_too_deep", param=param,
+    )  # fmt: skip
 
 
 def create_app(settings: GatewaySettings) -> Litestar:

@@ -18,6 +18,8 @@ def configure_logging(level: str = "INFO", *, json: bool = True) -> None:
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    if json:  # a traceback as one text field (the JSON renderer cannot encode the object)
+        shared.append(structlog.processors.format_exc_info)
     renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],

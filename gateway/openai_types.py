@@ -7,7 +7,7 @@ encoded with `omit_defaults` where OpenAI omits fields.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -19,6 +19,28 @@ class StreamOptions(msgspec.Struct, kw_only=True):
 class TextPart(msgspec.Struct, kw_only=True):
     type: str
     text: str = ""
+
+
+MAX_USER_CHARS = 256  # `user` is stored in every ledger record
+MAX_JSON_DEPTH = 64  # nesting of a body's free-form JSON (schemas, tool arguments)
+
+
+def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether lists and objects in `value` nest more than `limit` levels (iterative: a
+    value too deep for recursion is answered too)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, list | tuple):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -83,7 +105,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    user: str | None = None
+    user: Annotated[str, msgspec.Meta(max_length=MAX_USER_CHARS)] | None = None
     # token id (as a string) -> bias in [-100, 100], added to its logit before sampling
     logit_bias: dict[str, float] | None = None
     # extensions vLLM users expect

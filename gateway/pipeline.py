@@ -141,19 +141,55 @@ class Pipeline:
     async def admit(self, auth: AuthContext, job: Job) -> Ticket:
         """Reserve every limit at once. Raises APIError 429 (denied) or 503 (store down and
         the tenant's policy says fail_closed)."""
+        decision = await self._reserve(
+            auth, job.request_id, job.num_prompt_tokens, job.num_choices * job.max_tokens,
+            job.kv_tokens, job,
+        )  # fmt: skip
+        if decision is None:
+            return Ticket(auth, reserved=False, headers={})
+        ticket = Ticket(auth, reserved=True, headers=rate_limit_headers(decision))
+        ticket.keeper = asyncio.get_running_loop().create_task(
+            self._keep(job, ticket), name=f"lease-{job.request_id}"
+        )
+        self._keepers.add(ticket.keeper)
+        ticket.keeper.add_done_callback(self._keepers.discard)
+        return ticket
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, auth: AuthContext, request_id: str) -> AsyncIterator[dict[str, str]]:
+        """Admission for a request that generates nothing (tokenize): one request from the
+        tenant's request bucket and a concurrency slot while it runs; no tokens, no KV and
+        no ledger record. Yields the rate-limit headers; raises APIError as `admit`."""
+        decision = await self._reserve(auth, request_id, 0, 0, 0, None)
+        try:
+            yield {} if decision is None else rate_limit_headers(decision)
+        finally:
+            if decision is not None:
+                with contextlib.suppress(StoreUnavailableError):  # the lease expires
+                    await self.admission.release(auth.tenant.id, request_id, used_tokens=0)
+
+    async def _reserve(
+        self,
+        auth: AuthContext,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        kv_tokens: int,
+        job: Job | None,
+    ) -> Decision | None:
+        """The allowing decision, or None when the store is down and the tenant fails open;
+        raises APIError 429 (denied) or 503 (store down, fail_closed)."""
         tenant, policy = auth.tenant, auth.tenant.policy
-        max_total = job.num_choices * job.max_tokens
         try:
             decision = await self.admission.reserve(
-                tenant.id, policy, job.request_id,
-                prompt_tokens=job.num_prompt_tokens, max_tokens=max_total,
-                kv_tokens=job.kv_tokens,
+                tenant.id, policy, request_id, prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens, kv_tokens=kv_tokens,
             )  # fmt: skip
         except StoreUnavailableError as exc:
             if policy.on_store_unavailable == "fail_open":
                 self.metrics.store_bypassed(tenant.id)
-                log.warning("store unreachable; admitting %s (fail_open)", job.request_id)
-                return Ticket(auth, reserved=False, headers={})
+                log.warning("store unreachable; admitting %s (fail_open)", request_id)
+                return None
             self.metrics.rejected(tenant.id, "store_unavailable")
             raise APIError(
                 503,
@@ -162,22 +198,15 @@ class Pipeline:
                 code="store_unavailable",
                 headers={"retry-after": "1"},
             ) from exc
-        headers = rate_limit_headers(decision)
         if not decision.allowed:
             reason = decision.reason or "rate_limit"
             self.metrics.rejected(tenant.id, reason)
             kind: ErrorType = "insufficient_quota" if decision.hard else "rate_limit_error"
             raise APIError(
                 429, _denial(decision, job, policy), type=kind, code=f"rate_limit_{reason}",
-                headers=headers,
+                headers=rate_limit_headers(decision),
             )  # fmt: skip
-        ticket = Ticket(auth, reserved=True, headers=headers)
-        ticket.keeper = asyncio.get_running_loop().create_task(
-            self._keep(job, ticket), name=f"lease-{job.request_id}"
-        )
-        self._keepers.add(ticket.keeper)
-        ticket.keeper.add_done_callback(self._keepers.discard)
-        return ticket
+        return decision
 
     async def _keep(self, job: Job, ticket: Ticket) -> None:
         """Renew the job's lease every third of its TTL until the job settles (retrying,
@@ -369,24 +398,24 @@ def _job_status(results: list[ChoiceResult]) -> UsageStatus:
     return "stop"
 
 
-def _denial(decision: Decision, job: Job, policy: Policy) -> str:
+def _denial(decision: Decision, job: Job | None, policy: Policy) -> str:
     """Why a request was refused, and what it asked for against the limit when it can
     never fit (so no retry would help)."""
-    reason = decision.reason
-    if decision.hard and reason is not None and reason.value == "tpm" and decision.tokens:
+    reason = decision.reason.value if decision.reason is not None else "rate_limit"
+    if decision.hard and job is not None and reason == "tpm" and decision.tokens:
         return (
             f"This request needs {job.num_prompt_tokens + job.num_choices * job.max_tokens} "
             f"tokens ({job.num_prompt_tokens} prompt + {job.num_choices} x {job.max_tokens} "
             f"max_tokens), more than your plan's {decision.tokens.limit} tokens per minute; "
             "it can never be admitted: lower max_tokens or shorten the prompt."
         )
-    if decision.hard and reason is not None and reason.value == "kv_budget":
+    if decision.hard and job is not None and reason == "kv_budget":
         return (
             f"This request may hold {job.kv_tokens} tokens of KV cache, more than your plan's "
             f"KV-cache budget of {policy.kv_budget_tokens}; it can never be admitted: lower "
             "max_tokens, n or the prompt."
         )
-    return _DENIAL[reason.value if reason is not None else "rate_limit"]
+    return _DENIAL[reason]
 
 
 _DENIAL = {

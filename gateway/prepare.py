@@ -37,6 +37,7 @@ MAX_COMPLETION_LOGPROBS = 5
 # a long RAG context never stalls the event loop that every other stream shares; shorter
 # ones (under ~1 ms of work) cost less inline than the thread hop would.
 INLINE_TOKENIZE_CHARS = 2048
+INLINE_RENDER_MESSAGES = 32  # longer conversations are rendered on a worker thread too
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
@@ -170,15 +171,26 @@ class Preparer:
                         "(text only)",
                         param=f"messages[{i}].content",
                     )
-        rendered = render_messages(messages, tools)
-        try:
+
+        def render() -> list[int]:
+            rendered = render_messages(messages, tools)
             text = self.tokenizer.apply_chat_template(
                 rendered, add_generation_prompt=add_generation_prompt
             )
+            # as Tokenizer.encode_chat: templates write their own BOS
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+        try:
+            if (
+                len(messages) <= INLINE_RENDER_MESSAGES
+                and sum(len(m.text()) for m in messages) <= INLINE_TOKENIZE_CHARS
+            ):
+                return render()
+            # many or long messages: the template and the tokenizer run on a worker thread,
+            # so one conversation of 50,000 messages does not hold every other stream
+            return await asyncio.get_running_loop().run_in_executor(self._threads, render)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), param="messages") from exc
-        # as Tokenizer.encode_chat: templates write their own BOS
-        return await self.encode(text, add_special_tokens=False)
 
     async def chat(
         self,

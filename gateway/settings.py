@@ -29,6 +29,7 @@ class GatewaySettings:
     engine_addresses: tuple[str, ...] = ()
     redis_url: str | None = None  # None: the caller runs an embedded store
     admin_token: str | None = None
+    metrics_token: str | None = None  # when set, /metrics asks for it as a bearer token
     data_dir: str = ".strata"
     cache_dir: str = field(default_factory=cache_dir)
     host: str = "127.0.0.1"
@@ -69,6 +70,7 @@ class GatewaySettings:
             "model": env.get("STRATA_MODEL", "default"),
             "redis_url": env.get("STRATA_REDIS_URL") or None,
             "admin_token": env.get("STRATA_ADMIN_TOKEN") or None,
+            "metrics_token": env.get("STRATA_METRICS_TOKEN") or None,
             "data_dir": env.get("STRATA_DATA_DIR", ".strata"),
             "host": env.get("STRATA_HOST", "127.0.0.1"),
             "port": int(env.get("STRATA_PORT", "8000")),

@@ -28,6 +28,7 @@ from gateway.openai_types import (
     NamedToolChoice,
     Tool,
     ToolCall,
+    too_deep,
 )
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -190,9 +191,10 @@ def render_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> list[
 
 def _arguments(text: str) -> Any:
     try:
-        return json.loads(text)
-    except ValueError:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
         return text  # shown as the client sent it
+    return text if too_deep(value) else value
 
 
 def parse_reply(text: str, finish_reason: str | None) -> tuple[AssistantMessage, str | None]:

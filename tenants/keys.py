@@ -274,8 +274,10 @@ class KeyManager:
             raise AuthError("unknown")
         ctx = AuthContext(tenant=keyspace.decode_tenant(found[1]), key=stored.key)
         check_active(ctx, self._clock())
-        if use_cache:
-            self.cache.put(secret_hash, ctx, generation)
+        # kept even while invalidations are not heard (a resubscription clears the cache):
+        # hits are served only while they are, but a fail_open tenant's key verified now
+        # still answers if the store then goes away
+        self.cache.put(secret_hash, ctx, generation)
         return ctx
 
     def _on_invalidation(self, invalidation: Invalidation) -> None:

@@ -2,6 +2,7 @@
 key manager agree on one layout (values are msgspec JSON unless noted):
 
     strata:t:all                 ZSET   tenant id -> created_at (listing order)
+    strata:t:retired             SET    ids of deleted tenants (never given out again)
     strata:t:rec:<tenant_id>     STRING Tenant (the policy lives inside it)
     strata:t:keys:<tenant_id>    SET    ids of the tenant's API keys
     strata:k:rec:<key_id>        STRING StoredKey (the ApiKey plus the SHA-256 of its secret)
@@ -25,6 +26,7 @@ from tenants.errors import NotFoundError
 from tenants.records import ApiKey, Tenant
 
 TENANTS = "strata:t:all"
+RETIRED_TENANTS = "strata:t:retired"
 ADAPTER_NAMES = "strata:a:names"
 PRICES = "strata:p:all"
 TENANT_PREFIX = "strata:t:rec:"

@@ -149,6 +149,21 @@ class Tenant(Base):
     cache_salt: str = ""
 
 
+class TenantView(Base):
+    """A tenant as the admin API shows it: everything but its cache salt, which is secret."""
+
+    id: str
+    name: str
+    created_at: float
+    policy: Policy
+    disabled: bool = False
+
+    @classmethod
+    def of(cls, tenant: Tenant) -> TenantView:
+        return cls(id=tenant.id, name=tenant.name, created_at=tenant.created_at,
+                   policy=tenant.policy, disabled=tenant.disabled)  # fmt: skip
+
+
 class TenantCreate(Base):
     name: str
     id: str | None = None  # generated when absent

@@ -34,8 +34,10 @@ from tenants.records import (
 _adapter_decoder = msgspec.json.Decoder(Adapter)
 _price_decoder = msgspec.json.Decoder(Price)
 
-# create a tenant only if its id is free: SET NX plus the listing index, atomically
+# create a tenant only if its id is free and was never a deleted tenant's: SET NX plus the
+# listing index, atomically
 _CREATE_TENANT = """
+if redis.call('SISMEMBER', KEYS[3], ARGV[3]) == 1 then return -1 end
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX') then return 0 end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[3])
 return 1
@@ -55,7 +57,8 @@ class TenantRegistry:
 
     async def create_tenant(self, spec: TenantCreate) -> Tenant:
         """Store a new tenant with a fresh random `cache_salt`. Raises ConflictError if the id
-        is taken."""
+        is taken or belonged to a deleted tenant (a new tenant never inherits a deleted one's
+        usage, counters or adapter access)."""
         tenant = Tenant(
             id=spec.id or "t_" + secrets.token_hex(8),
             name=spec.name,
@@ -64,9 +67,13 @@ class TenantRegistry:
             cache_salt=secrets.token_hex(16),
         )
         created = await self._create_tenant(
-            keys=[keyspace.tenant(tenant.id), keyspace.TENANTS],
+            keys=[keyspace.tenant(tenant.id), keyspace.TENANTS, keyspace.RETIRED_TENANTS],
             args=[msgspec.json.encode(tenant), repr(tenant.created_at), tenant.id],
         )
+        if created == -1:
+            raise ConflictError(
+                f"tenant id {tenant.id!r} belonged to a deleted tenant; ids are never reused"
+            )
         if not created:
             raise ConflictError(f"tenant {tenant.id!r} already exists")
         return tenant
@@ -93,7 +100,8 @@ class TenantRegistry:
 
     async def delete_tenant(self, tenant_id: str) -> None:
         """Delete the tenant and all of its API keys (records and hash lookups) in one
-        transaction, and invalidate every replica's cache for it. Raises NotFoundError."""
+        transaction, retire its id, and invalidate every replica's cache for it. Its usage
+        records stay in the ledger. Raises NotFoundError."""
 
         async def write(pipe: Pipeline) -> None:
             await pipe.watch(keyspace.tenant(tenant_id))
@@ -102,10 +110,17 @@ class TenantRegistry:
             pipe.multi()
             pipe.delete(keyspace.tenant(tenant_id))
             pipe.zrem(keyspace.TENANTS, tenant_id)
+            pipe.sadd(keyspace.RETIRED_TENANTS, tenant_id)
             stage_key_purge(pipe, tenant_id, keys)
             stage_invalidation(pipe, "tenant", tenant_id)
 
         await self._redis.transaction(write)
+
+    async def rotate_cache_salt(self, tenant_id: str) -> Tenant:
+        """Give the tenant a fresh cache salt: its prefix-cache entries made under the old
+        one are never hit again (and age out). Invalidates cached authentications."""
+        salt = secrets.token_hex(16)
+        return await self._modify(tenant_id, lambda t: msgspec.structs.replace(t, cache_salt=salt))
 
     # -- policies --------------------------------------------------------------------------
 

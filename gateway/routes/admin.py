@@ -32,9 +32,9 @@ from tenants.records import (
     PolicyPatch,
     PolicyView,
     Price,
-    Tenant,
     TenantCreate,
     TenantUpdate,
+    TenantView,
 )
 
 Req = Request[Any, Any, Any]
@@ -47,26 +47,33 @@ class TenantController(Controller):
     tags = ["admin"]  # noqa: RUF012
 
     @post("/")
-    async def create(self, request: Req, data: JSONBody[TenantCreate]) -> Tenant:
-        return await gateway_state(request).registry.create_tenant(data)
+    async def create(self, request: Req, data: JSONBody[TenantCreate]) -> TenantView:
+        return TenantView.of(await gateway_state(request).registry.create_tenant(data))
 
     @get("/")
-    async def list_all(self, request: Req) -> list[Tenant]:
-        return await gateway_state(request).registry.list_tenants()
+    async def list_all(self, request: Req) -> list[TenantView]:
+        return [TenantView.of(t) for t in await gateway_state(request).registry.list_tenants()]
 
     @get("/{tenant_id:str}")
-    async def read(self, request: Req, tenant_id: FromPath[str]) -> Tenant:
-        return await gateway_state(request).registry.get_tenant(tenant_id)
+    async def read(self, request: Req, tenant_id: FromPath[str]) -> TenantView:
+        return TenantView.of(await gateway_state(request).registry.get_tenant(tenant_id))
 
     @patch("/{tenant_id:str}")
     async def update(
         self, request: Req, tenant_id: FromPath[str], data: JSONBody[TenantUpdate]
-    ) -> Tenant:
-        return await gateway_state(request).registry.update_tenant(tenant_id, data)
+    ) -> TenantView:
+        tenant = await gateway_state(request).registry.update_tenant(tenant_id, data)
+        return TenantView.of(tenant)
 
     @delete("/{tenant_id:str}")
     async def remove(self, request: Req, tenant_id: FromPath[str]) -> None:
         await gateway_state(request).registry.delete_tenant(tenant_id)
+
+    @post("/{tenant_id:str}/rotate-cache-salt", status_code=200)
+    async def rotate_cache_salt(self, request: Req, tenant_id: FromPath[str]) -> TenantView:
+        """A fresh secret salt: the tenant's cached prefixes are never hit again."""
+        tenant = await gateway_state(request).registry.rotate_cache_salt(tenant_id)
+        return TenantView.of(tenant)
 
     @get("/{tenant_id:str}/policy")
     async def get_policy(self, request: Req, tenant_id: FromPath[str]) -> PolicyView:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, Literal
 
 from litestar import Controller, MediaType, Request, Response, get, post
@@ -160,15 +161,19 @@ class TokenizerController(Controller):
     async def tokenize(
         self, request: Request[Any, Any, Any], data: JSONBody[TokenizeRequest]
     ) -> TokenizeResponse:
+        """Counted against the tenant's request rate and concurrency like any request."""
         gw = await self._check_model(request, data.model)
         if (data.prompt is None) == (data.messages is None):
             raise bad_request("give either prompt or messages", param="prompt")
-        if data.prompt is not None:
-            ids = await gw.preparer.encode(data.prompt, data.add_special_tokens)
-        else:
-            assert data.messages is not None
-            tools = plan_tools(data.tools, data.tool_choice, data.parallel_tool_calls)
-            ids = await gw.preparer.chat_ids(data.messages, data.add_generation_prompt, tools)
+        rid = f"tok-{uuid.uuid4().hex}"
+        async with gw.pipeline.admitted(auth_of(request), rid) as headers:
+            request.state.response_headers = {"x-request-id": rid, **headers}
+            if data.prompt is not None:
+                ids = await gw.preparer.encode(data.prompt, data.add_special_tokens)
+            else:
+                assert data.messages is not None
+                tools = plan_tools(data.tools, data.tool_choice, data.parallel_tool_calls)
+                ids = await gw.preparer.chat_ids(data.messages, data.add_generation_prompt, tools)
         info = gw.preparer.info
         return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)
 

@@ -1,12 +1,14 @@
-"""Operations endpoints: liveness, readiness and Prometheus metrics (no authentication)."""
+"""Operations endpoints: liveness, readiness and Prometheus metrics (a token, if set)."""
 
 from __future__ import annotations
 
+import hmac
 from typing import Any
 
 from litestar import Request, Response, get
 
-from gateway.auth import gateway_state
+from gateway.auth import bearer_token, gateway_state
+from gateway.errors import APIError
 from tenants.store import ping
 
 
@@ -29,6 +31,13 @@ async def ready(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
 
 @get("/metrics", tags=["ops"], media_type="text/plain; version=0.0.4")
 async def metrics(request: Request[Any, Any, Any]) -> bytes:
+    """Prometheus metrics; behind a bearer token when STRATA_METRICS_TOKEN is set."""
     gw = gateway_state(request)
+    expected = gw.settings.metrics_token
+    if expected is not None:
+        presented = (bearer_token(request) or "").encode()
+        if not hmac.compare_digest(presented, expected.encode()):
+            raise APIError(401, "invalid metrics token", type="authentication_error",
+                           code="invalid_metrics_token")  # fmt: skip
     gw.metrics.set_engine(await gw.engines.stats())
     return gw.metrics.render()
