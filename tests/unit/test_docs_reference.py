@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -80,3 +81,27 @@ def test_every_environment_variable_read_is_documented(gen: ModuleType) -> None:
     assert {"STRATA_REDIS_URL", "STRATA_ADMIN_TOKEN", "STRATA_HUGE_PAGES"} <= set(reads)
     for name in reads:
         assert f"| `{name}` |" in page, name
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading ids: lower case, punctuation dropped, spaces as hyphens."""
+    ids = set()
+    for line in page.read_text().splitlines():
+        if line.startswith("#"):
+            text = line.lstrip("#").strip().lower()
+            ids.add("".join(c for c in text if c.isalnum() or c in " -_").replace(" ", "-"))
+    return ids
+
+
+def test_relative_links_in_the_docs_resolve() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if "://" in target:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists() or (anchor and anchor not in _anchors(dest)):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
