@@ -464,8 +464,9 @@ def render_metrics() -> str:
         "authentication. The engine figures (requests waiting and running, KV blocks, tier "
         "traffic, speculative decoding) are the sums over the replica's engine workers, "
         "asked for at scrape time; the rest are counted by the replica itself, per tenant "
-        "where a `tenant` label says so. Counters and engine totals count since the process "
-        "started. Names follow vLLM's where the two overlap, with `strata:` for `vllm:`.",
+        "where a `tenant` label says so. Counters count since the replica started, and the "
+        "engine totals since each worker started. Names follow vLLM's where the two "
+        "overlap, with `strata:` for `vllm:`.",
         "",
         f"{len(collectors)} metrics:",
         "",
