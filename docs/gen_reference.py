@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import sys
 import tomllib
 import typing
@@ -42,8 +43,9 @@ _ENV_NOTES = {
     "API.",
     "STRATA_CACHE_DIR": "Where dequantized weights, rebuilt tokenizers and compiled CPU kernels "
     "are cached. Unset: `$XDG_CACHE_HOME/strata`, else `~/.cache/strata`.",
-    "STRATA_DATA_DIR": "The data directory of `strata serve`: the embedded store's files "
-    "(`store/`), the engine socket, the generated admin token and uploaded adapters.",
+    "STRATA_DATA_DIR": "The data directory: the ledger's journal of usage records not yet in "
+    "the store (`ledger-journal/`), uploaded adapters, and for `strata serve` the embedded "
+    "store's files (`store/`), the engine socket and the generated admin token.",
     "STRATA_ENGINE_URLS": "Comma-separated engine worker addresses (`unix:///path.sock`, "
     "`tcp://host:port`) for a `strata gateway` replica.",
     "STRATA_HOST": "The address the gateway listens on.",
@@ -55,6 +57,9 @@ _ENV_NOTES = {
     "STRATA_LOG_LEVEL": "The log level of every Strata process (`DEBUG`, `INFO`, `WARNING`, ...).",
     "STRATA_MODEL": "The model spec the gateway tokenizes for and `strata serve` starts its "
     "worker with, unless `--model` is given.",
+    "STRATA_MODEL_ALIASES": "Comma-separated `alias=model` pairs: other names clients may "
+    "use for the served model (`model` is its id or the name it was started with). Usage "
+    "records and metrics always use the model's own id.",
     "STRATA_PORT": "The port the gateway listens on.",
     "STRATA_REDIS_URL": "The operator's Redis or Valkey (`redis://`, `rediss://`, `unix://`). "
     "Set for `strata serve`, it replaces the embedded store; `strata gateway` needs it.",
@@ -148,6 +153,8 @@ def _value(action: argparse.Action) -> str:
     if action.choices is not None:
         return " \\| ".join(f"`{c}`" for c in action.choices)
     kind = getattr(action.type, "__name__", None) if action.type is not None else "str"
+    if isinstance(action.metavar, str) and action.option_strings:
+        kind = f"`{action.metavar}`"
     suffix = " (repeatable)" if isinstance(action, argparse._AppendAction) else ""
     return f"{kind or 'value'}{suffix}"
 
@@ -365,7 +372,8 @@ def render_env(parser: argparse.ArgumentParser) -> list[str]:
         for _, actions in _groups(c.parser):
             for a in actions:
                 for name in reads:
-                    if f"${name}" in (a.help or "") and a.option_strings:
+                    mentions = re.search(rf"\${name}(?![A-Z0-9_])", a.help or "")
+                    if mentions and a.option_strings:
                         options.setdefault(name, []).append(f"`{c.name} {a.option_strings[0]}`")
     out = [
         "## Environment variables",
