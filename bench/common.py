@@ -26,6 +26,21 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpu_isa() -> str | None:
+    """The widest vector ISA the kernels use here: avx512_bf16, avx512, avx2 or baseline."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(
+                (line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []
+            )
+    except OSError:
+        return None
+    for isa, flag in (("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
+        if flag in flags:
+            return isa
+    return "baseline"
+
+
 def _mem_gib() -> float:
     try:
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -41,6 +56,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "machine": {
             "hostname": socket.gethostname(),
             "cpu": _cpu_model(),
+            "isa": _cpu_isa(),
             "cores": os.cpu_count(),
             "memory_gib": _mem_gib(),
             "torch_threads": torch.get_num_threads(),

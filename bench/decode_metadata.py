@@ -1,16 +1,6 @@
-"""Host time to build a decode step's attention metadata: the block tables and the slots of
-the new tokens, which the GPU waits for between two decode steps (the step's only host work
-besides scheduling and sampling).
-
-B sequences of C tokens each (their block tables of C / 16 blocks, scattered), one new
-token each. Timed:
-- `padded_tables` (numpy, row by row) against building the same table with one tensor per
-  row, the way steps built it before; and `slot_indices`;
-- a CUDA-graph decode step's inputs (`GraphInputs`: written into a host mirror of the one
-  static buffer, sent in one copy) against the way graph steps staged them before (a tensor
-  of the step's rows and a block table sent to the device, then a copy or fill launch per
-  static buffer). On a GPU (`--device cuda`) both are the host's time to queue the work,
-  which the GPU waits for between two replays; on a CPU the copies themselves run.
+"""Host time to build a decode step's attention metadata (block tables, new tokens' slots, a
+CUDA-graph step's inputs) against the earlier way of building it. Method and figures:
+docs/benchmarks.md.
 
     python bench/decode_metadata.py                # B = 1, 64, 128, 256 at C = 2,048 and 8,192
     python bench/decode_metadata.py --quick

@@ -1,19 +1,6 @@
-"""Engine throughput against HF transformers `generate`, in one run.
-
-Same model, dtype and seeded prompts for both (default: 128 prompt tokens, 128 new tokens,
-greedy, EOS ignored so every request produces exactly `new_tokens`). Tokens/s = generated
-tokens / wall time from submission to the last token, prefill included. Each configuration
-runs `--repeats` times, alternating the two engines (and which goes first), and the median
-is reported (shared machines drift by 10-20% over minutes; alternating keeps the comparison
-fair). Strata's prefix cache is off: the repeats send the same prompts, and transformers has
-no cache to skip their prefill with.
-
-On CPU the record also holds a roofline for the workload: the rate of Strata's packed bf16
-GEMM on the model's largest projection at prefill size, the machine's memory read
-bandwidth, and from them `ceiling_tok_s`, what no engine could beat here: prefill at that
-GEMM rate, and each decode step as long as the larger of its weight FLOPs at that rate and
-its bytes (the weights plus every cached K/V byte, read once) at that bandwidth, with norms,
-attention arithmetic, sampling and scheduling free.
+"""Engine throughput against HF transformers `generate`, in one run (same model, dtype and
+seeded prompts; engines alternating; medians), with a roofline ceiling on CPU. Method and
+figures: docs/benchmarks.md.
 
     python bench/engine_throughput.py            # SmolLM2, bf16, CPU: 1/8/32/64 concurrent
     python bench/engine_throughput.py --quick    # a fast smoke run

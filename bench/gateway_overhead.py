@@ -1,28 +1,7 @@
-"""The gateway's added latency: a full request through the HTTP gateway (auth, tokenization,
-admission, ledger) vs the same request through `EngineClient` straight to the worker.
-
-Both paths hit the same engine worker with the same prompt tokens and `max_tokens=1`, at
-1, 16 and 64 concurrent clients. Everything runs on this machine: an embedded store, one
-engine worker (the default model) and one gateway replica, each in its own process. The
-clients of the main run alternate paths request by request (client i starts on path i % 2),
-so at every moment the engine serves a mix of both and its batching hits the two alike.
-
-- `overhead_ms` (the headline): per gateway request, the client's latency minus the time
-  the gateway itself waited on the engine (the `engine` entry of the response's
-  `Server-Timing`): HTTP, auth, tokenization, admission, rendering, and the time spent
-  queued in the gateway behind other requests. Stable from run to run, and an upper bound:
-  some of that queueing would, without a gateway, happen in the engine's queue instead.
-- `e2e_delta_ms`: gateway latency minus direct latency at the same percentile, in the same
-  mixed run. This is the literal added latency, but both distributions are as wide as the
-  engine's step-to-step variance (tens of ms once it is saturated), so at 16 and 64 it
-  moves by ± 10 ms between runs.
-- `rps`: each path alone, in turn, at the same concurrency: the throughput the gateway
-  costs.
-- `cpu_ms_per_request`: in those runs, the CPU time each process spent per request (engine
-  worker, gateway, store, and this load generator). Requests that one engine step finishes
-  together reach the gateway together and are handled one after another on the core the
-  engine leaves free, so at concurrency N the median request waits for about N/2 others'
-  gateway, store and client time: this is what the overhead at 16 and 64 is made of.
+"""The gateway's added latency: a request through the HTTP gateway (auth, tokenization,
+admission, ledger) against the same request sent straight to the worker by `EngineClient`,
+at 1, 16 and 64 concurrent clients, with the CPU time each process spends per request.
+Method and figures: docs/benchmarks.md.
 
     python bench/gateway_overhead.py            # full run
     python bench/gateway_overhead.py --quick    # smoke run

@@ -1,35 +1,12 @@
-"""Decode step time, tok/s and achieved memory bandwidth of the engine's decode path, by
-batch and context, with FP8 and 16-bit KV pages, against HF transformers `generate`.
-
-On a CUDA GPU the model is `synthetic:llama3-8b`: real Llama-3-8B shapes with random bf16
-weights (seeded), which is what the output says. The engine runs as configured by default
-there: Triton attention, decode steps replayed from CUDA graphs. On CPU the same script runs
-small (`synthetic:tiny`, the engine's CPU backend).
-
-Method, per KV dtype: one engine; its KV pool gets the pages of `batch` sequences of
-`context` tokens each (block tables over a shuffled range of pages; the page contents do not
-change the work), and every timed step is what the engine does for a decode step: the
-runner's forward for one token per sequence at position context - 1, the logits of every
-sequence, greedy argmax, and the read-back of the token ids (the step's one host sync).
-Step time is the median of `--steps` timed steps after warm-up.
-
-- bytes a step must read: every weight except the embedding table (only one row per
-  sequence is read), plus every layer's K and V pages and scales for every context token;
-- bandwidth fraction: those bytes / step time, over the device's measured copy bandwidth
-  (device-to-device `copy_` of 1 GiB, counted as read + write), measured in the same run;
-- weight-streaming limit: weight bytes / copy bandwidth, the floor for a batch-1 step;
-- peer: transformers' LlamaForCausalLM with the same weights (bf16, SDPA), decode tok/s
-  from `generate` at the same shapes: (time of 1 + N new tokens - time of 1) over N tokens.
+"""Decode step time, tok/s and achieved memory bandwidth of the engine's decode path, by batch
+and context, with FP8 and 16-bit KV pages, against HF transformers `generate`; on a GPU at
+`synthetic:llama3-8b`, on CPU small (`synthetic:tiny`). Method and figures:
+docs/benchmarks.md.
 
     python bench/gpu_decode.py            # on a GPU: the full grid
     python bench/gpu_decode.py --quick    # fewer shapes and steps
     python bench/gpu_decode.py --batches 1 --gemv cublas   # one-token steps by cuBLAS alone
     python bench/gpu_decode.py --batches 1,64 --contexts 2048 --profile   # where a step goes
-
-`--profile` also records, for every point, a few more steps under torch's profiler: the
-device time per step by kernel (the host's time per op on CPU), the largest first, and how
-much of the step the device was busy (the sum of its kernels' and copies' times; the gap to
-the step time is the device waiting, between kernels or on the host).
 
 The last printed line is one JSON object; the full record goes to bench/results/.
 """

@@ -1,48 +1,15 @@
-"""A step whose pages come back from host RAM, layer by layer, against the same step with
-every page resident.
-
-B documents of C tokens are prefilled once. Then B requests, each a document plus one new
-token, run one step: every document page is a prefix-cache hit, so the step computes one
-token per request over C tokens of context, like a decode step.
-
-- `resident`: the documents' pages are still on the device;
-- `prefetch`: filler requests first pushed every document page out to the host tier, so the
-  step's pages are loaded when the scheduler admits the requests, and layer l's attention
-  waits only for layer l's pages (kvstore/transfer.py: a CUDA copy stream, CuPy where
-  installed). `--kv-load sync` loads them all before the step instead, for comparison;
-  `--kv-host-reads copy` has the copy engines read the host rows instead of a kernel.
-
-Both steps run eagerly (a CUDA-graph replay would first wait for every layer's pages).
-Reported: the median step time of each and their ratio (target on an H100/H200 with
-`synthetic:llama3.2-1b` and long contexts: prefetch <= 1.15x resident). Every page of such a
-step crosses PCIe within it, so the link bounds it: B x C tokens of KV over the measured
-host-to-device bandwidth (bench/kv_tiers.py) against the resident step.
-
-`--running R` measures the same arrivals in a busy engine instead: R requests over their
-own C-token contexts keep decoding (CUDA graphs allowed) while the B questions arrive. A
-question whose pages are in host RAM waits outside the batch while they copy in
-(engine/scheduler.py), and the decode steps meanwhile wait for none of it. Reported per
-round: the step in which the questions join with their pages resident, against the longest
-step from their arrival until they join with prefetched pages (`busy.ratio`), the plain
-decode step, and the questions' time to first token both ways.
+"""A step whose pages come back from host RAM layer by layer, against the same step with every
+page resident; with `--running R`, the same arrivals beside R decoding requests. Method and
+figures: docs/benchmarks.md.
 
     python bench/kv_prefetch.py --device cuda          # llama3.2-1b, B=8, C=8192
     python bench/kv_prefetch.py --quick                # synthetic:tiny on CPU, B=2, C=256
-    python bench/kv_prefetch.py --device cuda --profile /tmp/prof
     python bench/kv_prefetch.py --device cuda --running 32     # a busy engine
+    python bench/kv_prefetch.py --device cuda --profile /tmp/prof
 
-Each timed step is also split on the host into its phases (`phases_ms`, medians): `schedule`
-(picking the requests, with their page bookkeeping and any loads issued early), `issue`
-(time spent issuing loads, early or at the step), `forward` (the runner, up to reading the
-sampled tokens, which waits for the GPU) and `finish` (the host's wait for the loads). The
-first `--warmup` rounds (default 1: new kernel shapes compile there) are left out.
-
-`--profile DIR` adds one round, left out of the figures, whose two steps are profiled:
-the host's Python calls (`<step>.pstats.txt`, by cumulative time) and torch's profiler
-(`<step>.trace.json`, a Chrome trace with the CUDA kernels and copies on CUDA;
-`<step>.ops.txt`, its table).
-
-The last printed line is one JSON object; the full record goes to bench/results/.
+`--profile DIR` adds one round, left out of the figures, whose two steps are profiled (the
+host's Python calls, and torch's profiler trace and table). The last printed line is one
+JSON object; the full record goes to bench/results/.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
-"""Copy bandwidth of each KV tier path against a raw copy of the same bytes on this machine.
-
-Pages of SmolLM2's shape (30 layers, 3 KV heads of 64, 16-token blocks, bf16 or FP8) move:
-
-- device -> host: `KVOffloader.spill` (gather the blocks' pages from every layer, store them
-  in host slots; on CUDA by kernels writing the pinned slots in place), against one `copy_`
-  of a contiguous tensor of the same size;
-- host -> device: `KVOffloader.load` (read the host slots, scatter into every layer; on
-  CUDA layer by layer on a copy stream, the slots read in place by kernels,
-  kvstore/transfer.py), against the same raw copy the other way, and on CUDA with CuPy
-  installed, CuPy's async copy of the same bytes from pinned memory against torch's
-  (`cudaMemcpyAsync`);
-- host -> disk: pages written through the disk tier (a copy into staging on the caller's
-  thread, then CRC-32 and `O_DIRECT` writes where possible on the writer threads), against
-  `O_DIRECT` writes of 4 MiB chunks of one file; the caller's share, what the scheduler's
-  thread pays per page, is reported too. One disk tier serves every repeat, as an engine's
-  does: later repeats evict the earlier ones' pages and reuse staging buffers;
-- disk -> host: pages read ahead as a waiting request's are (the disk tier's reader
-  threads, into one buffer, each page checked), against `O_DIRECT` reads of 4 MiB chunks;
-  one page at a time (a load's fallback) is reported too.
-
-On CPU machines the "device" is host memory. With `--device cuda` the device pool is on the
-GPU and the raw copies go between pinned host memory and the device.
+"""Copy bandwidth of each KV tier path (device <-> host, host <-> disk) against a raw copy of
+the same bytes on this machine. Method and figures: docs/benchmarks.md.
 
     python bench/kv_tiers.py            # 256 pages
     python bench/kv_tiers.py --quick    # 32 pages
+    python bench/kv_tiers.py --device cuda
 
 The last printed line is one JSON object; the full record goes to bench/results/.
 """

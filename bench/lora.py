@@ -1,22 +1,6 @@
 """Multi-LoRA decode throughput: 32 concurrent requests through 1, 8 or 32 distinct adapters
-(rank 16, every target module) against the base model, in one run.
-
-Each configuration runs the same seeded workload (32 requests of 64 prompt tokens and 64
-greedy new tokens) on the default model in bf16, on an engine of its own:
-
-- `base`: the engine without adapter slots (its decoder layers run as whole native kernels);
-- `base_lora_engine`: an engine with 32 slots serving the base model only;
-- `1`, `8`, `32`: an engine with 32 slots, the requests spread over that many adapters.
-
-Every adapter is resident before the clock starts, as on a server that has served it
-(loading is covered by the registry tests), and the prefix cache is off.
-
-`tok_s` is decode throughput: the tokens of the steps after every request's first token
-over the time those steps took. The engines take turns step by step (each round starts with
-a different one), so that a drift of this shared machine's speed, which reaches +-15% within
-seconds, falls on all of them alike; every engine's prefill runs before any decode step.
-Each round gives each configuration's ratio to `base` from the same seconds; the ratios
-reported are the medians over --repeats rounds, and `tok_s` the totals over all of them.
+against the base model, the engines taking turns step by step. Method and figures:
+docs/benchmarks.md.
 
     python bench/lora.py            # full run
     python bench/lora.py --quick    # 16 new tokens, one round

@@ -1,21 +1,6 @@
-"""Long-document QA: time to first token with KV tiers versus recomputing evicted documents.
-
-D documents of L tokens each (slices of `pydoc_data.topics`, the Python reference text), more
-than the device KV pool holds, are each read once; then Q questions per document arrive in
-shuffled order, one at a time. Each question is its document followed by a short question,
-so a request either finds the document's KV in some tier or prefills it again.
-
-Two engines on the same model, dtype and device pool size:
-
-- `tiers`: a host tier of about a third of the documents and a disk tier holding them all;
-- `recompute`: the device prefix cache alone (what still sits on the device is reused,
-  everything else is prefilled again).
-
-Reported: TTFT p50/p99 of the questions for both, the speedup of the p50, and where the
-document tokens came from with tiers (hit rate per tier, of the questions' prompt tokens).
-Then the questions come again while one long answer streams (`with_stream`): the gaps
-between the stream's tokens (p50, p99, max) show what each question's admission costs the
-batch already running.
+"""Long-document QA: time to first token with KV tiers against recomputing evicted documents,
+and what each question's admission costs a stream already running. Method and figures:
+docs/benchmarks.md.
 
     python bench/rag_longdoc.py            # D=8, L=2048, Q=4
     python bench/rag_longdoc.py --quick    # D=4, L=512, Q=2

@@ -1,21 +1,6 @@
-"""Prompt-lookup speculative decoding against plain decoding, in one run.
-
-Two workloads, each run by two engines built alike except for speculation, greedily or
-(`--temperature`) with seeded sampling:
-
-- `rag`: a document from Python's own reference text (`pydoc_data.topics`, about
-  `--doc-tokens` tokens) followed by a request that the answer draws from it: quote, repeat,
-  list or explain what the text says. Answers that copy their context are where drafts from
-  that context are accepted.
-- `chat`: short open questions with no document, where drafts are rarely found or accepted:
-  what speculation costs when it does not help.
-
-Every prompt is run once before timing, so both engines serve the documents' KV from their
-prefix cache and the timed runs measure what speculation changes: decoding. The engines
-then alternate, each going first in turn, and the median run counts. The record gives
-tokens/s for both engines at each concurrency, the speedup, the share of drafts accepted,
-and whether both engines produced the same tokens for every request (speculation must not
-change a single one, sampled or not).
+"""Prompt-lookup speculative decoding against plain decoding, in one run: `rag` (answers that
+quote a document) and `chat` (no document), each by two engines alike but for speculation,
+which must produce the same tokens. Method and figures: docs/benchmarks.md.
 
     python bench/speculative.py            # SmolLM2, bf16: 1, 4, 8 and 16 concurrent
     python bench/speculative.py --quick    # a fast smoke run

@@ -1,26 +1,9 @@
-"""Paged KV bookkeeping: which pool blocks each request holds, in token order, and which
-full blocks are remembered for reuse (the prefix cache).
+"""Paged KV bookkeeping: which pool blocks each request holds, in token order, and which full
+blocks the prefix cache remembers, by a hash chain salted with the cache namespace.
 
-A full block is known by a hash chain: each block's hash covers its parent's hash and its
-own tokens, and the chain's root covers the cache namespace (model, KV dtype, adapter and
-the tenant's salt). Two requests share a block only when everything before it, and the
-namespace, match. Blocks are reference counted; a cached block nobody holds stays findable
-on the free list until it is reallocated, least recently freed first.
-
-Free cached blocks are reused least recently freed first, except that a tenant over its
-share of the pool loses its cached blocks before one within its share does.
-
-With an offloader (kvstore/tiers.py), a cached block is not forgotten when it is reallocated:
-its page moves down to host RAM, and from there to disk, under the same hash. A later prompt
-whose chain continues below the device gets fresh blocks with those pages copied back in;
-pages on disk are first read ahead while the request waits (`prefetch_below`).
-Loads run asynchronously on a GPU (kvstore/transfer.py), and so do spills into host rows:
-each has a ticket, and a request waits for the newest among its own pages' loads, those of
-the pages it hits that are still arriving, and the spills still reading the blocks it was
-handed (`load_tickets`, `loads_ready`). Its blocks go back only once those are done.
-With spill-ahead on, `spill_ahead` saves between steps the pages of the blocks the next
-allocations will reuse (a watermark of free blocks), so allocating finds them saved and
-copies nothing.
+With an offloader (kvstore/tiers.py), reallocated cached blocks move their pages down a tier
+and later prompts load them back; the block manager tracks the copies' tickets. The design
+is in docs/design/kv-pages-and-tiers.md.
 """
 
 from __future__ import annotations

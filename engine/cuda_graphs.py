@@ -1,29 +1,7 @@
-"""Decode steps replayed from CUDA graphs.
-
-A decode step launches a few hundred small kernels; on a GPU their launch overhead alone can
-exceed the time the step spends reading weights. `DecodeGraphs` captures the model's forward
-for a ladder of batch sizes (1, 2, 4, 8, then every multiple of 8 up to the largest) over
-preallocated input buffers, and a decode step of n sequences replays the graph of the
-smallest captured size >= n:
-
-- inputs (token ids, positions, KV slots, block tables, sequence lengths, adapter tiles) live
-  in one device buffer (`GraphInputs`), written on the host into a pinned mirror of it and
-  sent in a copy or two: between two replays the host queues those and nothing else, where
-  a dozen small copies and fills cost a launch each while the GPU waited. Block tables are
-  mirrored incrementally: a decode step sends only the rows that gained a block. Rows past
-  n are padding: slot -1 (their K/V are not written), length 1 over block 0, token 0 at
-  position 0; their outputs are never read;
-- the block table has a fixed width (the longest context the engine allows) and every size
-  has a fixed number of split-K programs, so one graph serves any mix of context lengths;
-- with adapters (a `LoRABatch` on the Triton kernels), each step's adapter tokens grouped by
-  slot go into the batch's static buffers (`LoRABatch.static`, a view of the same buffer);
-  the LoRA kernels of a size-n graph always launch n tiles' programs, those past the step's
-  live tiles returning at once, so one graph serves any mix of adapters, or none.
-  Padding rows are base tokens: in no tile.
-
-Prefill and mixed steps, and batches above the largest size, run eagerly. On a CPU device the
-same buffers and padding are used but the forward runs eagerly (there is nothing to capture),
-which lets tests check that padding never changes a real sequence's result.
+"""Decode steps replayed from CUDA graphs: one graph per batch size of a ladder, captured over
+static padded inputs (`GraphInputs`: one device buffer written through a pinned host mirror,
+block tables sent only where they grew). On a CPU the same buffers run eagerly. The design
+is in docs/design/scheduler.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
-"""Batched sampling: every request's own parameters, applied to the whole batch at once.
-
-Order: penalties -> temperature -> top-k -> top-p -> min-p -> draw. A draw inverts each row's
-cumulative distribution at one uniform number, so a row costs one random number rather than
-one per vocabulary entry; a seeded request draws its number from its own generator, so its
-samples do not depend on its batch mates.
-
-A request with a response format (engine/structured) keeps its token when its grammar allows
-it. Otherwise a sampled row takes the first allowed token of an exponential race over its
-distribution (argmax p / E, E ~ Exp(1), drawn from the same generator), which makes the
-result a draw from the distribution restricted to allowed tokens; a greedy row takes its most
-likely allowed token, as does a sampled row whose filters left no allowed token any mass.
+"""Batched sampling: every request's own parameters (penalties, temperature, top-k, top-p,
+min-p, seed, logprobs, response format) applied to the whole batch at once, one uniform
+number per sampled row. The design is in docs/design/scheduler.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""Scheduling policies: the order waiting requests are admitted and running ones preempted.
-
-A policy is a `RequestQueue` for the waiting side plus a rank for running requests: the
-best-ranked get the step's token budget first, and the worst-ranked are preempted first.
-
-- `fcfs`: arrival order.
-- `priority`: lower `priority` first, then arrival.
-- `fair` (the worker's default): priority first, then weighted fair share between tenants.
-  Each tenant has a virtual time, the tokens the engine computed for it divided by its
-  weight; the tenant furthest behind goes first. A tenant that was idle rejoins at the
-  smallest virtual time among active tenants, so idleness banks no credit.
+"""Scheduling policies (`fcfs`, `priority`, `fair`): the order waiting requests are admitted
+in and running ones are preempted in. `fair` shares the engine between tenants by weighted
+virtual time. The design is in docs/design/scheduler.md.
 """
 
 from __future__ import annotations

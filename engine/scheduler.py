@@ -1,25 +1,8 @@
-"""Continuous batching with chunked prefill, in the vLLM v1 style.
+"""Continuous batching with chunked prefill, in the vLLM v1 style: each step, every scheduled
+request's `num_computed_tokens` catches up with `num_tokens` under a token budget.
 
-Each step hands every scheduled request some number of new tokens so that its
-`num_computed_tokens` catches up with `num_tokens`, under a per-step token budget and a cap
-on running sequences. When the KV pool runs dry, running requests are preempted
-(recompute: their blocks are freed and they re-enter the waiting queue).
-
-A waiting request whose cached prefix continues on disk is passed over, keeping its place,
-until those pages have been read ahead into memory: the running batch never waits on the
-disk. The next few waiting requests have their pages read ahead before their turn, too.
-
-Pages found in host RAM (or read ahead from disk) are copied into a request's blocks when
-it is admitted, asynchronously on a GPU (kvstore/transfer.py). Admitted while other
-requests run, it waits outside the batch (`loading`) until they have arrived, so the
-running requests' steps never wait on its copies; it joins the first step after. Admitted
-into an idle engine, it joins at once, and each layer's attention waits for that layer's
-pages only. While requests run, one step admits at most `max_loaded_blocks_per_step` such
-pages (at least one request): each costs the scheduler bookkeeping before the step starts.
-
-With speculative decoding on (engine/speculative.py), a running request in its decode phase
-may also get draft tokens: its step then computes its next token and the drafts after
-it, and `advance` credits only the drafts the model agreed with.
+Owns the running, waiting and loading queues, preemption, admission of prefix-cache hits
+below the device, and draft tokens. The design is in docs/design/scheduler.md.
 """
 
 from __future__ import annotations

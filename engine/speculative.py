@@ -1,20 +1,7 @@
-"""Speculative decoding by prompt lookup: draft tokens copied from the request's own context.
-
-A long-context RAG answer quotes its documents: names, figures, whole sentences. When the
-last few tokens of a sequence also occur earlier in it, the tokens that followed them there
-are a cheap guess at what comes next. The scheduler appends that guess (the drafts) to the
-request's next step; one forward scores every draft position at once, and the request keeps
-the drafts up to the first one the model would not have produced, plus the model's own token
-after them. A decode step on a memory-bound device costs about the same for one token per
-sequence as for a few, so each accepted draft is a step saved.
-
-Only requests whose next-token choice depends on nothing but that position's logits are
-drafted for (no penalties, bias, logprobs, min_tokens or response format). Each position is
-then sampled as plain decoding would sample it, greedy or not (engine/sampler.py: one
-uniform number per sampled position, a seeded request's drawn from its own generator, which
-`rewind_draws` puts back where plain decoding would have left it), and a draft stands when
-it is the token sampled at its position. The output is exactly what plain decoding gives,
-seeded sampling included, with fewer steps.
+"""Speculative decoding by prompt lookup: draft tokens copied from the request's own context
+(`NgramIndex`), which requests may be drafted for, how many drafts stand (`accept`), and
+whether drafting pays at the current batch size (`DraftGate`). The output is exactly plain
+decoding's. The design is in docs/design/scheduler.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""The disk tier: KV pages in one preallocated file, written and read by background threads.
+"""The disk tier: KV pages in one preallocated, unlinked file, with a CRC-32 per page.
 
-Pages live in slots rounded up to 4 KiB, opened with `O_DIRECT` where the filesystem allows
-it. The file is unlinked as soon as it is open, so it disappears with the process however
-that ends. A write copies the page into a page-aligned staging buffer (reused from earlier
-writes, since fresh memory costs page faults) and leaves the rest, its CRC-32 and the write
-itself, to a few writer threads; the caller, the scheduler, pays for one memory copy. A page
-whose write is not yet retired (state "moving") is read from its staging buffer. Every page
-carries its CRC-32, checked on read: a corrupt or truncated page is a miss, never wrong KV.
-A disk that cannot be opened, preallocated or written degrades to a warning and fewer cached
-pages.
-
-Reads ahead (`prefetch`) run on a few reader threads at once, into one page-aligned buffer
-per request, and are checked there, so a request whose pages are on disk is admitted only
-once they sit in memory: the running batch never waits on the disk. The pool's state
-(slots, checksums) changes on the caller's thread only; the threads move bytes and compute
-checksums.
+Writes and reads ahead run on a few threads; the pool's state changes on the caller's thread
+only. A page that fails its check is a miss. The design is in docs/design/kv-pages-and-tiers.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""FP8 (e4m3) KV pages: values in `float8_e4m3fn`, one float32 scale per (token, KV head).
-
-A row of `head_dim` values is stored as `round(x / s)` with `s = max|x| / 448`, so the
-largest magnitude of every row lands on e4m3's largest finite value and nothing saturates.
-An all-zero row gets `s = 1`. Dequantization is `fp8.float() * s`.
-
-Keys are rotated before they are quantized (when `head_dim` is a power of two): `k' = k H`
-with H the unnormalized Walsh-Hadamard matrix (H H^T = D I). Attention rotates the query the
-same way and divides by D, so q' . k' = q . k. Keys carry a few outlier channels whose
-products dominate every score; e4m3's 3-bit mantissa leaves them a ~3% error that no scale
-can remove. The rotation spreads each channel over all D, so the rounding errors of a score
-average out instead of adding up: on SmolLM2 it cuts the perplexity cost of FP8 keys about
-fourfold (bench/kv_fp8_quality.py). Values are not rotated; their error matters far less.
-
-The native CPU kernels (engine/kernels/csrc/fp8.h) implement the same arithmetic, in the
-same order, and store the same bytes.
+"""FP8 (e4m3) KV pages: values in `float8_e4m3fn` with one float32 scale per (token, KV head),
+keys Walsh-Hadamard-rotated before they are quantized. The reference for the native and
+Triton kernels, which store the same bytes. The design is in
+docs/design/kv-pages-and-tiers.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Long-lived host tensors in transparent huge pages.
-
-A CPU decode step sweeps every weight, the batch's KV pages and its adapters' slots. In
-4 KiB pages that is one TLB miss per page touched (a page walk, twice as long under a
-hypervisor); in 2 MiB pages the misses all but vanish. Linux backs anonymous memory with
-huge pages where it is advised to (`madvise(MADV_HUGEPAGE)`) before its first touch, so the
-engine takes its large buffers from arenas mapped and advised here, not from torch's
-allocator, which advises nothing by default.
-
-Set STRATA_HUGE_PAGES=0 to use torch's allocator instead.
+"""Long-lived host tensors in arenas advised for transparent huge pages (`host_zeros`), so a
+CPU decode step's sweep over weights, KV pages and adapter slots misses the TLB rarely.
+STRATA_HUGE_PAGES=0 uses torch's allocator instead.
 """
 
 from __future__ import annotations

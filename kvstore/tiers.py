@@ -1,15 +1,7 @@
-"""The tiers below the device pool: host RAM (pinned on CUDA machines), then files on disk.
-
-Pages move whole, as the bytes `DeviceKVPool.read_pages` returns (values, then FP8 scales),
-under their prefix-cache hash: the key is the same in every tier. Each tier keeps its own
-least-recently-used order. A page the device evicts is put into the host tier; a page the
-host tier evicts is written to disk; a page the disk tier evicts is dropped. A page read back
-to the device stays in its tier too (the tiers are inclusive), so evicting it again costs no
-copy. The disk tier, its checksums and its reads ahead are in kvstore/disk.py.
-
-Pages on disk can be read ahead (`KVOffloader.prefetch`): the engine does so for a request
-while it waits, admits it once they are in memory, and its admission copies them, with any
-host pages, into its device blocks (layer by layer on CUDA: kvstore/transfer.py).
+"""The tiers below the device pool: host RAM (pinned on CUDA), then a disk file
+(kvstore/disk.py). Pages move whole under their prefix-cache hash, each tier keeps its own
+LRU order, and the tiers are inclusive. `KVOffloader` spills, loads and reads ahead. The
+design is in docs/design/kv-pages-and-tiers.md.
 """
 
 from __future__ import annotations

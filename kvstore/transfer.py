@@ -1,53 +1,9 @@
-"""Layer-wise page loads into the device pool: copies that run while earlier layers compute.
+"""Layer-wise page loads into the device pool, and saves of device blocks into host rows.
 
-A page found below the device (host RAM or disk) comes back when the scheduler admits the
-request that hits it, before the step that reads it. Once the step's requests are picked,
-`issue` (or else the step's first wait) issues every load queued since: layer 0's K/V (and
-FP8 scales) of all of them into the pool, then layer 1's, and so on, each layer marked done
-by its own event. The copies thus run while the step's inputs are prepared, too. Attention
-waits for its own layer's event only (`DeviceKVPool.layer`), so the copy of layer l + 1
-overlaps the compute of layer l, however many requests brought pages.
-On a CUDA stream, loads queued in the middle of scheduling are issued as soon as they reach
-`_EARLY_ISSUE_PAGES`, and as many pages as went early since the step's last `issue`: a long
-document's pages start to cross PCIe while the scheduler is still hashing and admitting the
-requests after it, and a batch of them goes in loads of doubling size (an issue costs the
-host about as much for a few pages as for many: a launch per layer). A layer then waits for
-its pages of each issued load in turn. An error there is raised by the step's `issue`.
-
-Every load started gets a ticket (`start` returns it), and so does every save of device
-blocks into host rows (`save_host_rows`, a spill: on a thread or CUDA stream of its own, so
-the scheduler does not wait for it, or in the compute stream's order; a load starts after
-the saves before it).
-`done(tickets)` says whether those have all finished, without waiting. A step may need only
-some of them (`need`): a request admitted while others run can wait for its pages outside
-the batch (engine/scheduler.py), its load in flight across steps, and the steps in between
-wait for none of it (`wait_layer`, `finish`).
-
-Where the pages are read from:
-- rows of the host tier's pinned tensor (`read_host_rows`), on a CUDA stream: in place,
-  nothing gathered on the host, in one of two ways (`HostReads`):
-  - `kernel`: one Triton kernel per (layer, part) reads the rows over PCIe through the GPU's
-    mapping of pinned memory and stores them at their blocks (kvstore/triton_load.py);
-  - `copy`: the copy engines move them, with no SM busy: per (layer, part), one CuPy 2-D
-    async copy per run of consecutive host slots (a row's K and V are adjacent, rows a page
-    apart) into a device landing buffer, then one scatter into the blocks. Where the rows
-    fall in more than `_MAX_RUN_COPIES` runs, the kernel reads them instead.
-  Such a row must not change until its load is done: before the host tier reuses a slot,
-  its offloader calls `before_host_writes`, which waits for the loads if one reads it
-  (kvstore/tiers.py, `TieredKVStore.before_host_use`).
-- rows of the host tier with `thread` loads on CPU: in place as well, the worker scattering
-  each run of neighbouring slots straight from the host tensor into the blocks.
-- any other rows (pages read from disk, or no Triton): `start` gathers them into staging (a
-  few host threads) before it returns, and the copies read the staging.
-
-Modes (`CacheConfig.kv_load`):
-- `stream`, on CUDA: the copies run on a stream of their own. With CuPy (`cupy` importable
-  and usable) they are CuPy async host-to-device copies from pinned staging and CuPy events,
-  one per layer; without it, torch's. The compute stream waits on the GPU; the host never
-  does. The copy stream first waits for the compute stream, so a load into a block is
-  ordered after the work already queued on it.
-- `sync`: the rows are copied into the pool before `start` returns (the default on CPU).
-- `thread`, on CPU: the copies run on a worker thread, with a `threading.Event` per layer.
+Owns `PageLoads`: each load or save gets a ticket; a load's layers are issued in order, each
+marked done by its own event, so attention waits only for its layer (`wait_layer`), and a
+step waits only for its own requests' tickets. Copy modes: `stream` (CUDA), `sync`, `thread`.
+The design is in docs/design/kv-pages-and-tiers.md.
 """
 
 from __future__ import annotations

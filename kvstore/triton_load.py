@@ -1,18 +1,6 @@
-"""Triton kernels that move KV pages between the device pool and pinned host rows in place.
-
-A page in the host tier is one row of a pinned [slots, page bytes] tensor: per part (the
-values, then FP8 scales), every layer's K row then V row. Pinned memory is mapped into the
-GPU's address space, so a kernel can read or write host rows directly over PCIe: each program
-copies a few KiB of one row between its host slot and its device block, wherever either is.
-Nothing is staged and nothing is gathered by the CPU, and rows of a few KiB in flight reach
-the link's bandwidth.
-
-- `HostRowReader.load_layer`: layer l of n pages, host rows -> device blocks (2n rows per
-  part), in one launch for values and FP8 scales together (one per part where their words
-  differ): what a layer-wise load issues per layer (kvstore/transfer.py). The reader works
-  out each layer's views, offsets and word sizes once; a launch is then only the kernel's;
-- `save_pages`: every layer of n pages, device blocks -> host rows, one launch per part: a
-  spill of evicted blocks into their host slots.
+"""Triton kernels that move KV pages between the device pool and pinned host rows in place,
+over PCIe: `HostRowReader.load_layer` (host rows -> device blocks, one layer) and
+`save_pages` (device blocks -> host rows). The design is in docs/design/kv-pages-and-tiers.md.
 """
 
 from __future__ import annotations

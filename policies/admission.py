@@ -1,21 +1,7 @@
-"""Admission control shared by every gateway replica: one atomic Lua script per decision.
-
-Per tenant T the store holds (the `{T}` hash tag keeps one tenant in one cluster slot):
-
-    strata:rl:{T}:req     hash  tokens, ts (server µs), cap   request bucket (capacity rpm)
-    strata:rl:{T}:tok     hash  tokens, ts (server µs), cap   token bucket (capacity tpm)
-    strata:rl:{T}:leases  zset  request_id -> lease deadline (server µs)
-    strata:rl:{T}:res     hash  request_id -> "<tokens charged> <kv tokens>"
-    strata:rl:{T}:kv      int   sum of kv tokens of the live leases
-    strata:rl:{T}:lapsed  hash  request_id -> "<tokens charged> <kv tokens>" of expired leases
-
-Buckets refill continuously at capacity/60 per second and expire once they would be full
-again (a missing bucket is a full one). The lease keys expire with their last deadline.
-Every script reads the server clock (TIME), so replicas with skewed clocks agree, and
-first purges the tenant's expired leases, so a crashed replica's reservations stop counting
-against concurrency and the KV budget on their own. A purged reservation is kept a day in
-`lapsed`: a request that outlived its lease (its gateway lost the store for a while) is
-restored by its next renewal and settled exactly by its release.
+"""Admission control shared by every gateway replica: one atomic Lua script reserves a
+request's rate, token, concurrency and KV-budget allowances as a lease, renewals keep a long
+request's lease alive, and a release returns what it did not use. Key layout and semantics
+are in docs/design/admission-and-ledger.md.
 """
 
 from __future__ import annotations

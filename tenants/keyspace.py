@@ -1,20 +1,6 @@
-"""Where tenant state lives in the store. Every name is built here so the registry and the
-key manager agree on one layout (values are msgspec JSON unless noted):
-
-    strata:t:all                 ZSET   tenant id -> created_at (listing order)
-    strata:t:retired             SET    ids of deleted tenants (never given out again)
-    strata:t:rec:<tenant_id>     STRING Tenant (the policy lives inside it)
-    strata:t:keys:<tenant_id>    SET    ids of the tenant's API keys
-    strata:k:rec:<key_id>        STRING StoredKey (the ApiKey plus the SHA-256 of its secret)
-    strata:k:hash:<sha256 hex>   STRING key id (lookup by presented secret)
-    strata:a:names               SET    adapter names
-    strata:a:seq:<name>          INT    last version issued (kept on delete: versions never repeat)
-    strata:a:ver:<name>          HASH   version -> Adapter
-    strata:p:all                 HASH   model -> Price
-    strata:invalidate            pub/sub channel, see tenants.invalidation
-
-Ids may contain ':', so every id is the last segment after a fixed tag (`rec:`, `keys:`, ...)
-and no id can make one family's name collide with another's.
+"""Where tenant state lives in the store: every key name is built here, so the registry and
+the key manager agree on one layout (listed in docs/design/admission-and-ledger.md). Ids are
+always the last segment after a fixed tag, so no id can make two families' names collide.
 """
 
 from __future__ import annotations

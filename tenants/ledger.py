@@ -1,18 +1,7 @@
-"""The usage ledger: one durable, idempotent record per request id, indexed by finish time.
-
-Key layout (all under the store's `strata:` prefix):
-
-- `strata:u:rec:{request_id}`: the UsageRecord as msgpack; written once, never overwritten.
-- `strata:u:idx:{tenant_id}`: sorted set of request ids scored by `finished_at` (one tenant).
-- `strata:u:idx`: the same over every tenant, for operator-wide exports.
-
-A record and both index entries are written by one Lua script, so a record is never half
-indexed and the first write of a request id wins. The script touches keys in different hash
-slots: it targets a standalone Redis/Valkey (or a single-shard deployment), not Cluster.
-
-`LedgerWriter` is the gateway's fire-and-forget path in front of a `Ledger`, backed by a
-local `LedgerJournal` so that records pending when a gateway dies are written after it
-restarts.
+"""The usage ledger: one idempotent record per request id, indexed by finish time per tenant
+and overall (`Ledger`), and `LedgerWriter`, the gateway's fire-and-forget path in front of
+it, backed by a local `LedgerJournal`. Layout and guarantees are in
+docs/design/admission-and-ledger.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
-"""Paged attention: a portable torch path (CPU and CUDA) plus native CPU kernels.
+"""Paged attention: the portable torch path (CPU and CUDA) and the native CPU path.
 
-Per layer: the step's new K/V are scattered into their page slots, then each group of
-sequences attends over its pages. Sequences are split into a decode group (one query token
-each) and a prefill group (chunks padded to the longest chunk), so decode tokens never pay
-for padding. Grouped-query attention never repeats K/V.
-
-- torch path: one indexing op gathers a group's pages through the block table, then masked
-  attention over the gathered K/V: SDPA on CUDA (fused kernels), explicit grouped matmuls on
-  CPU (faster there than SDPA's CPU kernels for these shapes).
-- FP8 pools (kvstore/fp8.py): new K/V rows are quantized as they are written, with one scale
-  per (token, KV head), keys Hadamard-rotated first; attention rotates the queries to match
-  and reads the values back through their scales. Every token, including those of the chunk
-  being computed, attends to the stored (quantized) K/V, so a prefix-cache hit and a
-  recompute see the same keys and values.
-- native CPU path (`CpuKernels` given): the K/V write is one kernel call, and every query
-  token, decode or prefill, is one row of a single paged-attention call that reads its
-  sequence's pages in place up to its own position (causal by construction, no padding, and
-  the same arithmetic for a token whether it arrives in a prefill chunk or a decode step).
+Per layer: the step's new K/V go into their page slots (quantized for FP8 pools), then each
+sequence attends over its pages up to its own position. The design is in
+docs/design/kernels.md.
 """
 
 from __future__ import annotations

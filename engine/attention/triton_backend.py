@@ -1,12 +1,6 @@
-"""Paged attention through the Triton kernels (engine/kernels/triton_attention.py).
-
-The same interface as `PagedAttention` (`build_context` once per step, `forward` per layer),
-so the model and runner do not know which backend they drive. Per layer: one fused K/V write
-(FP8 quantization included), then one attention launch for the step's decode tokens (split
-across programs for long contexts, plus a merge) and one for its prefill chunks.
-
-On CUDA the kernels are compiled; elsewhere they run under Triton's interpreter, which is
-slow and meant for tests (the torch backend is the CPU fast path).
+"""Paged attention through the Triton kernels (engine/kernels/triton_attention.py), behind the
+same interface as `PagedAttention` (`build_context` per step, `forward` per layer), and the
+rules for loading the Triton kernels (compiled on CUDA, interpreted elsewhere).
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Strata's native CPU kernels: compiled on first use, called through ctypes.
-
-The C sources in `csrc/` are built with the system C compiler (`-O3 -march=native -fopenmp`),
-their translation units in parallel, into a cache directory keyed by the sources, compiler and
-CPU flags (`kernel_dir`), then loaded with ctypes,
-which releases the GIL during each call. OpenMP resolves to the runtime torch already loaded
-(same soname), so both share one thread pool. Without a compiler, `load_cpu_kernels` returns
-None and the engine runs on torch ops alone.
-
-Every wrapper takes torch tensors, checks what the C side assumes (dtype, device, strides)
-and documents what it mutates.
+"""Strata's native CPU kernels: the C sources in `csrc/`, compiled on first use into a cache
+keyed by sources, compiler and CPU flags, and called through ctypes (`CpuKernels`). Every
+wrapper checks what the C side assumes and says what it mutates. The design is in
+docs/design/kernels.md.
 """
 
 from __future__ import annotations

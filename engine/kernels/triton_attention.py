@@ -1,31 +1,8 @@
-"""Triton kernels for the paged KV pool: the K/V write and paged attention.
+"""Triton kernels for the paged KV pool: the K/V write (FP8 quantization included) and paged
+attention by (query tile, KV head, split), with the kernel that merges split results.
 
-Pools are laid out as in kvstore/device_pool.py: per layer, K and V pages of
-[num_blocks, block_size, num_kv_heads, head_dim] in bf16/fp16/fp32 or `float8_e4m3fn`, and
-for FP8 one float32 scale per (token, KV head), [num_blocks, block_size, num_kv_heads].
-
-- `kv_write`: one launch per layer stores the step's new K and V rows at their slots. For FP8
-  it rotates keys (Walsh-Hadamard butterflies in registers), quantizes with one scale per
-  row and stores values and scales, bit-identical to kvstore/fp8.py. Slots < 0 are skipped
-  (padding rows of a captured decode graph).
-- `paged_attention`: one program per (query tile, KV head, split). A tile is up to
-  BLOCK_M query rows: the G query heads that share the KV head, times up to BLOCK_M / G
-  consecutive tokens of one sequence, so K/V are read once per KV head and never repeated in
-  memory (GQA). Keys and values are gathered through the block table BLOCK_N tokens at a
-  time and folded in with an online softmax (base 2). FP8 values are widened to fp16 in
-  registers and their per-(token, head) scales applied to the scores' columns (K) and to
-  the softmax weights (V), one multiply per token instead of one per element.
-  Every query attends to the stored pages up to its own position (causal by construction);
-  the chunk being prefilled was written first, so prefill and decode read the same bytes.
-  A long context is split across NUM_SPLITS programs per (tile, KV head), each over a
-  contiguous range of KV tiles; a second kernel merges the partial results by their
-  log-sum-exp. Decode splits when the batch leaves SMs idle; so do prefill tiles when they
-  are few (a drafted step's tokens, a short chunk after a long prefix), while a long
-  chunk's many tiles fill the GPU unsplit.
-
-Every launcher takes torch tensors on one device. On a machine without a GPU the same kernels
-run under Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported; see
-engine/attention/triton_backend.py), which is how CI checks them against the torch backend.
+Pools are laid out as in kvstore/device_pool.py. Interpreted on machines without a GPU
+(tests). The design is in docs/design/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
-"""Triton kernels that fuse the decoder's element-wise chains into one launch each.
-
-In eager torch, RMSNorm with its residual add is about seven kernels, rotary embedding about
-ten, SiLU-and-multiply three; at decode each moves a few KB, so a step over 32 layers spends
-more time launching them than computing. Each kernel below does one chain in one pass, with
-the rounding points of the torch modules in engine/model/llama.py: arithmetic is done in
-fp32 and rounded to the compute dtype wherever torch's 16-bit op would round (an add or
-multiply of two bf16 values is exact in fp32, so this is the same result), statistics stay
-in fp32. Both paths agree to the compute dtype's precision. (Computing in fp32 also keeps
-the kernels correct under Triton's interpreter, whose 16-bit arithmetic is unreliable.)
-
-Imported only through engine.attention.triton_backend.load_triton_kernels' rules: compiled on
-CUDA, interpreted elsewhere (tests).
+"""Triton kernels that fuse the decoder's element-wise chains into one launch each: RMSNorm
+with its residual add, rotary embedding, SiLU-and-multiply; they round where the torch modules
+of engine/model/llama.py round. Imported through
+engine.attention.triton_backend.load_triton_kernels. The design is in docs/design/kernels.md.
 """
 
 from __future__ import annotations

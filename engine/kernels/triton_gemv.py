@@ -1,16 +1,6 @@
-"""A Triton matrix-vector product for one-token steps: y = x W^T (+ b) with x [1, K].
-
-A decode step of one sequence reads every projection's weights once and does almost no
-arithmetic, so its time is the time to stream the weights. Each program reads BLOCK_N
-consecutive rows of W (an nn.Linear weight, [N, K] row-major: each row is contiguous), a
-tile of BLOCK_K columns at a time, multiplies them by the matching slice of x and keeps one
-fp32 sum per row; rows are independent, so no program waits for another and the sums are
-deterministic. Products and sums are in fp32 (cuBLAS accumulates in fp32 too), rounded to
-the output dtype once.
-
-`EngineConfig.gemv` says where it replaces cuBLAS (by default: the weight shapes where it
-timed faster at start). The default tiles are the best overall of `bench/gemv_sweep.py` on
-an H100 at Llama-3-8B's shapes. Interpreted on CPU for tests.
+"""A Triton matrix-vector product for one-token steps: y = x W^T (+ b) with x [1, K], one fp32
+sum per weight row. `EngineConfig.gemv` says where it replaces cuBLAS. Interpreted on CPU
+for tests. The design is in docs/design/kernels.md.
 """
 
 from __future__ import annotations

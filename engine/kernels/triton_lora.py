@@ -1,25 +1,7 @@
-"""Triton kernels for multi-LoRA: segment-gathered shrink and expand (SGMV).
-
-A step's adapter tokens are grouped by slot on the host once (engine/lora/layers.py,
-`LoRABatch.set`): `order` lists their rows slot by slot, and each tile is up to BLOCK_T
-consecutive entries of one slot. Per projection:
-
-- shrink: h[i] = A[slot] x[order[i]], one program per tile: the tile's rows are gathered,
-  and A is read once for all of them (BLOCK_K columns at a time);
-- expand: y[order[i]] += B[slot] h[i], one program per (tile, BLOCK_N output columns).
-
-Decode steps are the same kernels with short segments (tokens of one adapter still share
-the reads of its A and B); base-model tokens are not in `order` and cost nothing. The rank
-dimension is padded to a power of two (at least 16) with masked loads.
-
-A tile of length 0 is padding: its programs return at once. Decode steps replayed from CUDA
-graphs use this for a grid fixed by the batch size T alone: `order` and the tile arrays are
-static buffers of T entries (a decode token opens at most one tile), the step's live tiles
-first and length-0 tiles after them, so a step whose tokens are all base launches T programs
-that all return.
-
-Arithmetic is fp32 with `h` rounded to the compute dtype between the two products, as the
-torch path rounds it. Imported through engine.attention.triton_backend.load_triton_kernels.
+"""Triton kernels for multi-LoRA: segment-gathered shrink and expand (SGMV) over a step's
+tokens grouped by adapter slot (`LoRABatch`, engine/lora/layers.py); tiles of length 0 are
+padding, so a CUDA graph's grid depends on the batch size only. Interpreted on CPU (tests).
+The design is in docs/design/kernels.md.
 """
 
 from __future__ import annotations

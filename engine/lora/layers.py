@@ -1,19 +1,6 @@
-"""Multi-LoRA in one batch: adapter slots on the device and the projections that use them.
-
-Each decoder projection the engine runs fused (qkv, o, gate_up, down) gets, per slot, one
-stacked A and one block-diagonal B covering its parts: for qkv, `A = [A_q; A_k; A_v]`
-(`3 * max_rank` rows) and B places `B_q`, `B_k`, `B_v` on the rows of q, k and v. Slot 0 is
-all zeros: the base model. A step gives every token the slot of its request, and
-`LoRALinear` adds `x A[slot]^T B[slot]^T` to the base projection:
-
-- few tokens (decode): each token gathers its slot's A and B, two batched matmuls (BGMV);
-- many tokens (prefill): one pair of matmuls per adapter present in the step, over its
-  tokens (SGMV); never a loop over requests;
-- with the Triton backend: segment-gathered kernels for both (engine/kernels/triton_lora.py).
-
-`LoRAManager` loads adapters into slots on demand and evicts the least recently used slot
-that no request in flight uses. Weights are read on a loader thread; the engine copies them
-into a slot between steps, so the running batch never waits for a disk.
+"""Multi-LoRA in one batch: adapter slots (slot 0 is the base model), `LoRALinear` adding each
+token's own adapter update to the fused projections, and `LoRAManager`, which loads adapters
+into slots on demand. The design is in docs/design/kernels.md.
 """
 
 from __future__ import annotations

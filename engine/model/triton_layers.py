@@ -1,15 +1,6 @@
-"""Swaps the decoder's element-wise modules for fused Triton kernels (CUDA devices).
-
-RMSNorm (with its residual add), the rotary embedding and SiLU-and-multiply each become one
-kernel launch (engine/kernels/triton_fused.py). The modules keep the weights and tables of
-the ones they replace, and the same call signatures, so the model code does not change.
-One-token steps' projections and LM head may run a Triton matrix-vector kernel instead of
-cuBLAS (engine/kernels/triton_gemv.py; other steps keep cuBLAS): everywhere, nowhere, or
-(`GemvKernel.AUTO`) for each weight shape where it ran faster when both were timed at
-start, back to back in a CUDA graph over the model's own weights, as a decode step runs
-them. Timings vary a little between starts, so two starts of one engine may pick
-differently for a shape where the two are close; either way the products agree to the
-compute dtype's rounding.
+"""Swaps the decoder's element-wise modules for fused Triton kernels on CUDA, and one-token
+products for the Triton GEMV where `GemvKernel` says so (per weight shape with `auto`, timed
+at start). The model code does not change. The design is in docs/design/kernels.md.
 """
 
 from __future__ import annotations
