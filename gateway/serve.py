@@ -21,10 +21,11 @@ from engine.client import EngineClient
 from engine.protocol import EngineDeadError
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
+from tenants.errors import AuthError
 from tenants.keys import KeyManager
 from tenants.records import KeyCreate, Policy, TenantCreate
 from tenants.registry import TenantRegistry
-from tenants.store import EmbeddedStore, connect, die_with_parent
+from tenants.store import EmbeddedStore, StoreError, connect, die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +47,34 @@ class _Server(uvicorn.Server):
             await asyncio.sleep(0.05)
 
 
+RESTART_FIRST_S = 1.0
+RESTART_MAX_S = 30.0
+HEALTHY_RUN_S = 60.0
+
+
+def restart_delay(previous_s: float | None, ran_for_s: float, healthy_after_s: float) -> float:
+    """How long to wait before restarting a child that died after `ran_for_s` seconds: the
+    delay doubles while it keeps dying young, and starts over once it ran `healthy_after_s`."""
+    if previous_s is None or ran_for_s >= healthy_after_s:
+        return RESTART_FIRST_S
+    return min(previous_s * 2, RESTART_MAX_S)
+
+
 class WorkerSupervisor:
     """`strata engine` as a child process, restarted (with backoff) whenever it dies."""
 
-    def __init__(self, args: list[str], address: str, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        address: str,
+        env: dict[str, str],
+        *,
+        healthy_after_s: float = HEALTHY_RUN_S,
+    ) -> None:
         self.args = args
         self.address = address
         self.env = env
+        self.healthy_after_s = healthy_after_s
         self.proc: asyncio.subprocess.Process | None = None
         self._watch: asyncio.Task[None] | None = None
         self._stopping = False
@@ -85,15 +107,17 @@ class WorkerSupervisor:
                 await asyncio.sleep(0.2)
 
     async def _supervise(self) -> None:
-        backoff = 1.0
+        loop = asyncio.get_running_loop()
+        delay: float | None = None
         while not self._stopping:
             assert self.proc is not None
+            started = loop.time()
             code = await self.proc.wait()
             if self._stopping:
                 return
-            log.error("engine worker exited with %s; restarting in %.0fs", code, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 30.0)
+            delay = restart_delay(delay, loop.time() - started, self.healthy_after_s)
+            log.error("engine worker exited with %s; restarting in %.0fs", code, delay)
+            await asyncio.sleep(delay)
             await self._spawn()
 
     async def stop(self) -> None:
@@ -111,6 +135,50 @@ class WorkerSupervisor:
                 await self.proc.wait()
 
 
+class StoreSupervisor:
+    """The embedded store, restarted (with backoff, from its own AOF) whenever it dies, so
+    a crash of valkey-server costs seconds of store outage, not the rest of the run."""
+
+    def __init__(self, store: EmbeddedStore, *, healthy_after_s: float = HEALTHY_RUN_S) -> None:
+        self.store = store
+        self.healthy_after_s = healthy_after_s
+        self.num_restarts = 0
+        self._watch: asyncio.Task[None] | None = None
+
+    def start(self) -> str:
+        url = self.store.start()
+        self._watch = asyncio.get_running_loop().create_task(self._supervise())
+        return url
+
+    async def _supervise(self) -> None:
+        loop = asyncio.get_running_loop()
+        delay: float | None = None
+        started = loop.time()
+        while True:
+            await asyncio.sleep(0.2)
+            proc = self.store.proc
+            if proc is None or proc.poll() is None:
+                continue
+            delay = restart_delay(delay, loop.time() - started, self.healthy_after_s)
+            log.error("the embedded store exited with %s; restarting in %.0fs",
+                      proc.returncode, delay)  # fmt: skip
+            await asyncio.sleep(delay)
+            try:
+                await asyncio.to_thread(self.store.start)
+            except StoreError as exc:
+                log.error("the embedded store did not restart: %s", exc)
+                continue
+            self.num_restarts += 1
+            started = loop.time()
+
+    async def stop(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        self.store.stop()
+
+
 def admin_token(settings: GatewaySettings) -> str:
     """The configured admin token, else one generated once and kept in the data dir."""
     if settings.admin_token:
@@ -126,11 +194,22 @@ def admin_token(settings: GatewaySettings) -> str:
     return token
 
 
-async def create_demo_tenant(redis_url: str) -> str:
-    """A 'demo' tenant with modest limits; returns its new key (shown once)."""
+async def demo_key(redis_url: str, data_dir: Path) -> tuple[str, str, bool]:
+    """The 'demo' tenant's key: (secret, key id, whether it is new). The tenant (modest
+    limits) and its key are created once; the secret is kept in `<data_dir>/demo_key` (mode
+    0600) and reused while it still authenticates, so each start does not mint another."""
+    path = data_dir / "demo_key"
     redis = connect(redis_url)
     try:
         registry, keys = TenantRegistry(redis), KeyManager(redis)
+        if path.exists():
+            try:
+                ctx = await keys.authenticate(path.read_text().strip())
+            except AuthError:
+                pass  # revoked, expired or rotated away: issue a new one below
+            else:
+                if ctx.tenant.name == "demo":
+                    return path.read_text().strip(), ctx.key.id, False
         existing = [t for t in await registry.list_tenants() if t.name == "demo"]
         tenant = (
             existing[0]
@@ -140,7 +219,12 @@ async def create_demo_tenant(redis_url: str) -> str:
             )
         )
         created = await keys.create_key(tenant.id, KeyCreate(name="demo"))
-        return created.secret
+        partial = path.with_suffix(".new")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(created.secret)
+        partial.replace(path)
+        return created.secret, created.key.id, True
     finally:
         await redis.aclose()
 
@@ -153,9 +237,9 @@ def _prepare_data_dir(settings: GatewaySettings) -> Path:
 
 async def serve(settings: GatewaySettings, engine_args: list[str], *, demo: bool) -> None:
     data_dir = _prepare_data_dir(settings)
-    store: EmbeddedStore | None = None
+    store: StoreSupervisor | None = None
     if settings.redis_url is None:
-        store = EmbeddedStore(data_dir / "store")
+        store = StoreSupervisor(EmbeddedStore(data_dir / "store"))
         settings = dataclasses.replace(settings, redis_url=store.start())
     assert settings.redis_url is not None
     settings = dataclasses.replace(settings, admin_token=admin_token(settings))
@@ -170,8 +254,14 @@ async def serve(settings: GatewaySettings, engine_args: list[str], *, demo: bool
         settings = dataclasses.replace(settings, engine_addresses=(address,))
         if demo:
             assert settings.redis_url is not None
-            secret = await create_demo_tenant(settings.redis_url)
-            print(f"demo tenant key (shown once): {secret}", flush=True)
+            secret, key_id, new = await demo_key(settings.redis_url, data_dir)
+            where = data_dir / "demo_key"
+            print(
+                f"demo tenant key ({'new, kept' if new else 'kept'} in {where}): {secret}\n"
+                f"  rotate it with: strata admin --url http://{settings.host}:{settings.port} "
+                f"--data-dir {data_dir} keys rotate {key_id}",
+                flush=True,
+            )
         config = uvicorn.Config(
             create_app(settings), host=settings.host, port=settings.port, loop="uvloop",
             http="httptools", lifespan="on", log_config=None, access_log=False,
@@ -194,4 +284,4 @@ async def serve(settings: GatewaySettings, engine_args: list[str], *, demo: bool
     finally:
         await worker.stop()
         if store is not None:
-            store.stop()
+            await store.stop()

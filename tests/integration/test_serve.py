@@ -21,7 +21,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_demo_end_to_end(tmp_path, strata_cache_dir):
+def _start_serve(tmp_path, strata_cache_dir) -> tuple[subprocess.Popen[str], str, str]:
+    """`strata serve --demo` on a free port: the process, the demo key and the API's URL."""
     port = _free_port()
     env = dict(
         os.environ,
@@ -36,19 +37,41 @@ def test_serve_demo_end_to_end(tmp_path, strata_cache_dir):
          "--kv-cache-gb", "0.25"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
+    assert proc.stdout is not None
+    key = url = None
+    deadline = time.monotonic() + 180
+    while url is None:
+        assert time.monotonic() < deadline, "serve did not come up"
+        line = proc.stdout.readline()
+        assert line, f"serve exited early with {proc.poll()}"
+        if match := re.search(r"demo tenant key \(.*kept in .*demo_key\): (\S+)", line):
+            key = match.group(1)
+        if match := re.search(r"serving .* at (http://\S+/v1)", line):
+            url = match.group(1)
+    assert key is not None
+    return proc, key, url
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The command lines of a process's children, by pid."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    out[int(entry)] = f.read().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def test_serve_demo_end_to_end(tmp_path, strata_cache_dir):
+    proc, key, url = _start_serve(tmp_path, strata_cache_dir)
     try:
-        assert proc.stdout is not None
-        key = url = None
-        deadline = time.monotonic() + 180
-        while url is None:
-            assert time.monotonic() < deadline, "serve did not come up"
-            line = proc.stdout.readline()
-            assert line, f"serve exited early with {proc.poll()}"
-            if match := re.search(r"demo tenant key \(shown once\): (\S+)", line):
-                key = match.group(1)
-            if match := re.search(r"serving .* at (http://\S+/v1)", line):
-                url = match.group(1)
-        assert key is not None
         assert key.startswith("sk-strata-")
         client = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
         question = [{"role": "user", "content": "What is the capital of France?"}]
@@ -68,10 +91,40 @@ def test_serve_demo_end_to_end(tmp_path, strata_cache_dir):
             timeout=30,
         )
         assert [t["name"] for t in tenants.json()] == ["demo"]
+        assert oct((tmp_path / "data" / "demo_key").stat().st_mode & 0o777) == "0o600"
+
+        # the embedded store dies: it is restarted from its AOF and serving carries on
+        (store_pid,) = [p for p, cmd in _children(proc.pid).items() if "valkey-server" in cmd]
+        os.kill(store_pid, signal.SIGKILL)
+        body = {"model": "default", "messages": question, "max_tokens": 2}
+        deadline = time.monotonic() + 30
+        while True:
+            r = httpx.post(f"{url}/chat/completions", json=body, timeout=60,
+                           headers={"authorization": f"Bearer {key}"})  # fmt: skip
+            if r.status_code == 200:
+                break
+            assert r.status_code == 503, r.text  # only while the store is down
+            assert time.monotonic() < deadline, "the store did not come back"
+            time.sleep(0.5)
+        (new_pid,) = [p for p, cmd in _children(proc.pid).items() if "valkey-server" in cmd]
+        assert new_pid != store_pid
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
     assert code == 0
+
+    # a second start prints the same demo key: nothing new minted
+    again, same_key, url = _start_serve(tmp_path, strata_cache_dir)
+    try:
+        assert same_key == key
+        token = (tmp_path / "data" / "admin_token").read_text().strip()
+        with httpx.Client(base_url=url.removesuffix("/v1"), timeout=30,
+                          headers={"authorization": f"Bearer {token}"}) as admin:  # fmt: skip
+            (tenant,) = admin.get("/admin/tenants/").json()
+            assert len(admin.get(f"/admin/tenants/{tenant['id']}/keys").json()) == 1
+    finally:
+        again.send_signal(signal.SIGTERM)
+        assert again.wait(timeout=60) == 0
     # every child is gone: the store's and the worker's sockets were removed
     assert not (tmp_path / "data" / "engine.sock").exists()
     assert not (tmp_path / "data" / "store" / "store.sock").exists()
