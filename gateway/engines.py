@@ -41,9 +41,19 @@ class EnginePool:
         candidates = connected or self.clients
         return min(candidates, key=lambda c: c.num_in_flight)
 
-    async def ready(self) -> bool:
-        results = await asyncio.gather(*(c.health(timeout=1.0) for c in self.clients))
-        return any(results)
+    async def ready(self, timeout: float = 1.0) -> bool:
+        """Whether some worker is reachable: its connection is open, or opens now. Reachable,
+        not idle: a ping would wait behind the step a busy worker is computing."""
+        if any(c.connected for c in self.clients):
+            return True
+        for client in self.clients:
+            try:
+                async with asyncio.timeout(timeout):
+                    await client.connect()
+            except (EngineDeadError, TimeoutError):
+                continue
+            return True
+        return False
 
     async def stats(self) -> list[EngineStats]:
         out = []

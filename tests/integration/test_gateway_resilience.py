@@ -227,3 +227,34 @@ async def test_store_down_fail_open_and_fail_closed(
         await client.aclose()
     finally:
         server.stop()
+
+
+async def test_a_busy_worker_is_ready(store_server, strata_cache_dir, tmp_path):
+    """One long prefill step (several seconds on a CPU) does not make the replica look
+    unready: a load balancer must not drop a loaded replica."""
+    from pydoc_data.topics import topics
+
+    worker = WorkerProcess(
+        tmp_path / "busy.sock",
+        ["--model", "default", "--kv-cache-gb", "0.25", "--max-num-batched-tokens", "8192"],
+        strata_cache_dir,
+    )
+    worker.start()
+    server = GatewayServer(gateway_settings(store_server.url, worker, strata_cache_dir))
+    server.start()
+    try:
+        _, key = server.new_tenant()
+        long_prompt = " ".join(topics[name] for name in sorted(topics))[:24_000]
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+            busy = asyncio.create_task(http.post(
+                "/v1/completions", headers={"authorization": f"Bearer {key}"},
+                json={"model": MODEL, "prompt": long_prompt, "max_tokens": 1}))  # fmt: skip
+            codes = []
+            while not busy.done():
+                codes.append((await http.get("/ready")).status_code)
+                await asyncio.sleep(0.2)
+            assert (await busy).status_code == 200
+        assert len(codes) >= 5 and set(codes) == {200}
+    finally:
+        server.stop()
+        worker.stop()
