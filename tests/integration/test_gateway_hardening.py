@@ -186,3 +186,37 @@ def test_metrics_can_require_a_token(store_server, smollm2_worker, strata_cache_
             assert http.get("/health").status_code == 200  # probes stay open
     finally:
         server.stop()
+
+
+async def test_keys_salts_and_prompts_stay_out_of_logs_and_errors(gateway, caplog, redis_client):
+    from tenants import keyspace
+
+    tid, key = gateway.new_tenant(tpm=50)
+    salt = keyspace.decode_tenant(await redis_client.get(keyspace.tenant(tid))).cache_salt
+    secret_prompt = "zebra umbrella 7731 lighthouse"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": secret_prompt}]}
+    unknown_key = "sk-strata-" + "A" * 43
+    cases = [
+        (key, {**chat, "max_tokens": 2}),  # served
+        (key, {**chat, "max_tokens": 500}),  # can never fit the tpm
+        (key, {**chat, "model": "no-such-model"}),
+        (key, {**chat, "temperature": "hot"}),
+        (key, {**chat, "messages": [{"role": "wizard", "content": secret_prompt}]}),
+        (unknown_key, chat),
+    ]
+    answers = []
+    with caplog.at_level("DEBUG"):
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as http:
+            for secret, body in cases:
+                answers.append(await http.post("/v1/chat/completions", json=body,
+                               headers={"authorization": f"Bearer {secret}"}))  # fmt: skip
+            answers.append(await http.post(
+                "/v1/completions", content=b'{"prompt": "' + secret_prompt.encode() + b'",',
+                headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
+            ))  # fmt: skip
+        await asyncio.sleep(0.5)  # the ledger writer and releases log after the responses
+    assert [a.status_code for a in answers] == [200, 429, 400, 400, 400, 401, 400]
+    logged = "\n".join(f"{r.getMessage()} {r.exc_text or ''}" for r in caplog.records)
+    for text in [a.text for a in answers[1:]] + [logged]:
+        for secret in (key, unknown_key, key[10:30], salt, secret_prompt, "7731 lighthouse"):
+            assert secret not in text
