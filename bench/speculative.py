@@ -39,7 +39,7 @@ import pydoc_data.topics
 
 import torch
 
-from bench.common import engine_record, generate_all, publish
+from bench.common import add_cache_dir_argument, engine_record, generate_all, publish
 from engine.attention.paged import SeqSlice
 from engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.core import EngineCore
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (median)")
     ap.add_argument("--quick", action="store_true", help="1 run, short documents")
-    ap.add_argument("--cache-dir", default=None)
+    add_cache_dir_argument(ap)
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     if args.quick:
