@@ -99,6 +99,19 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
+def parse_args(
+    ap: argparse.ArgumentParser, argv: list[str] | None, **quick: Any
+) -> argparse.Namespace:
+    """`ap`'s options from `argv`; with `--quick`, `quick`'s values are the defaults
+    instead, so options given on the command line still win (a smoke test shrinks a
+    quick run further)."""
+    args = ap.parse_args(argv)
+    if args.quick:
+        ap.set_defaults(**quick)
+        args = ap.parse_args(argv)
+    return args
+
+
 def add_cache_dir_argument(ap: argparse.ArgumentParser) -> None:
     """`--cache-dir`, where an engine keeps dequantized weights and its built kernels:
     by default the CLI's, so that a run leaves nothing in the temporary directory."""

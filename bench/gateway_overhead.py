@@ -46,7 +46,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_info, publish, scratch_dir
+from bench.common import machine_info, parse_args, publish, scratch_dir
 from engine.client import EngineClient
 from engine.model_specs import load_tokenizer_for
 from engine.protocol import SamplingParams
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--requests", type=int, default=400, help="per path and concurrency")
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="concurrency 1,16, 60 requests")
     ap.add_argument(
         "--engine-threads",
         type=int,
@@ -302,9 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
         "saturated engine; 0 = all cores)",
     )
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.concurrency, args.requests = "1,16", 60
+    args = parse_args(ap, argv, concurrency="1,16", requests=60)
     levels = [int(c) for c in args.concurrency.split(",")]
 
     with scratch_dir("strata-gateway-bench-") as tmp:  # the store's files, the socket

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import add_cache_dir_argument, machine_info, publish
+from bench.common import add_cache_dir_argument, machine_info, parse_args, publish
 from engine.config import CacheConfig, EngineConfig, KernelBackend, KVCacheDtype
 from engine.evaluate import greedy_agreement, perplexity
 from engine.llm import LLM
@@ -67,11 +67,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16", help="model compute dtype (16-bit baseline)")
     add_cache_dir_argument(ap)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="4,096 tokens, 4 prompts")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.tokens, args.prompts = 4096, 4
+    args = parse_args(ap, argv, tokens=4096, prompts=4)
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     prompts = PROMPTS[: args.prompts]

@@ -37,7 +37,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import add_cache_dir_argument, machine_info, publish, scratch_dir
+from bench.common import (
+    add_cache_dir_argument,
+    machine_info,
+    parse_args,
+    publish,
+    scratch_dir,
+)
 from engine.config import CacheConfig, EngineConfig, LoRAConfig
 from engine.core import EngineCore
 from engine.factory import create_engine
@@ -88,11 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="default")
     ap.add_argument("--seed", type=int, default=0)
     add_cache_dir_argument(ap)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="16 new tokens, 1 round")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.new_tokens, args.repeats = 16, 1
+    args = parse_args(ap, argv, new_tokens=16, repeats=1)
     counts = [1, 8, 32]
     rng = random.Random(args.seed)
     cache = CacheConfig(kv_cache_memory_bytes=1 << 28, enable_prefix_caching=False)

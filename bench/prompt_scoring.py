@@ -26,7 +26,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import add_cache_dir_argument, engine_record, hf_model_for, publish
+from bench.common import (
+    add_cache_dir_argument,
+    engine_record,
+    hf_model_for,
+    parse_args,
+    publish,
+)
 from bench.engine_throughput import make_prompts
 from engine.config import EngineConfig, SchedulerConfig
 from engine.factory import create_engine
@@ -80,9 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     add_cache_dir_argument(ap)
     ap.add_argument("--quick", action="store_true", help="8 prompts of 64 tokens, 1 run")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.prompts, args.prompt_len, args.repeats = 8, 64, 1
+    args = parse_args(ap, argv, prompts=8, prompt_len=64, repeats=1)
 
     torch.manual_seed(args.seed)
     config = EngineConfig(

@@ -36,7 +36,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import add_cache_dir_argument, machine_info, publish, scratch_dir
+from bench.common import (
+    add_cache_dir_argument,
+    machine_info,
+    parse_args,
+    publish,
+    scratch_dir,
+)
 from bench.gateway_overhead import percentile
 from engine.config import CacheConfig, EngineConfig, KVCacheDtype
 from engine.llm import LLM
@@ -156,11 +162,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "default: the temporary directory)")  # fmt: skip
     add_cache_dir_argument(ap)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="4 documents of 512 tokens, 2 questions")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.docs, args.doc_tokens, args.questions = 4, 512, 2
+    args = parse_args(ap, argv, docs=4, doc_tokens=512, questions=2)
     if args.questions > len(QUESTIONS):
         raise SystemExit(f"at most {len(QUESTIONS)} questions per document")
 
