@@ -62,7 +62,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import add_cache_dir_argument, machine_info, publish
+from bench.common import machine_info, publish
 from engine.config import CacheConfig, EngineConfig, KVCacheDtype, SchedulerConfig
 from engine.factory import create_engine
 from engine.loader.synthetic import PRESETS, SYNTHETIC_PREFIX
@@ -173,7 +173,6 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-host-reads", default="auto", choices=["auto", "kernel", "copy"])
     ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8_e4m3"])
     ap.add_argument("--seed", type=int, default=0)
-    add_cache_dir_argument(ap)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
                     help="profile one more round's steps into DIR")  # fmt: skip
@@ -202,7 +201,6 @@ def main(argv: list[str] | None = None) -> dict:
     decoder_blocks = args.running * doc_blocks + growth
     config = EngineConfig(
         model=model, dtype=args.dtype, device=args.device, seed=args.seed,
-        cache_dir=args.cache_dir,
         enforce_eager=args.running == 0,
         cache=CacheConfig(
             num_blocks=args.batch * (doc_blocks + 1) + decoder_blocks + 8,

@@ -67,13 +67,13 @@ def test_speculative_quick_run_gives_the_same_tokens(
     tmp_path, capsys, strata_cache_dir, empty_tempdir
 ):
     summary = speculative.main([
-        "--quick", "--model", "synthetic:tiny", "--device", "cpu", "--batches", "1",
-        "--doc-tokens", "64", "--max-tokens", "8",
+        "--quick", "--model", "synthetic:tiny", "--device", "cpu", "--dtype", "float32",
+        "--batches", "1", "--doc-tokens", "64", "--max-tokens", "8",
         "--cache-dir", str(strata_cache_dir), "--out-dir", str(tmp_path),
     ])  # fmt: skip
     record = published("speculative", summary, capsys.readouterr().out, tmp_path)
     assert set(summary["speedup"]) == {"rag/1", "chat/1"}
-    assert summary["identical_outputs"], "greedy speculative decoding changes no token"
+    assert summary["identical_outputs"], "greedy speculative decoding changes no token (fp32)"
     assert set(record["step_cost_by_rows"]) == {"1x5", "8x2"}
     assert not list(empty_tempdir.iterdir())
 
