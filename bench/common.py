@@ -1,14 +1,20 @@
-"""Shared benchmark plumbing: machine description, result files, the transformers peer."""
+"""Shared benchmark plumbing: machine description, scratch directories, result files, the
+transformers peer."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import datetime as dt
 import json
 import os
 import platform
+import shutil
 import socket
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +32,34 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cpu_isa() -> str | None:
-    """The widest vector ISA the kernels use here: avx512_bf16, avx512, avx2 or baseline."""
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next(
-                (line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []
-            )
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        return None
-    for isa, flag in (("avx512_bf16", "avx512_bf16"), ("avx512", "avx512f"), ("avx2", "avx2")):
-        if flag in flags:
-            return isa
-    return "baseline"
+        pass
+    return set()
+
+
+def instruction_level(flags: set[str] | None = None, arch: str | None = None) -> str:
+    """The widest vector instructions of this CPU, as the kernels use them: `avx512_bf16`
+    (bf16 dot products), `avx512`, `avx2`, `sse4` or `other` on x86 (from the flags of
+    /proc/cpuinfo unless `flags` is given); the architecture's name elsewhere."""
+    arch = (arch if arch is not None else platform.machine()).lower()
+    if arch not in ("x86_64", "amd64", "i386", "i686", "x86"):
+        return arch or "unknown"
+    flags = _cpu_flags() if flags is None else flags
+    if flags & {"avx512_bf16", "avx512bf16"}:
+        return "avx512_bf16"
+    if "avx512f" in flags:
+        return "avx512"
+    if "avx2" in flags:
+        return "avx2"
+    if flags & {"sse4_1", "sse4_2"}:
+        return "sse4"
+    return "other"
 
 
 def _mem_gib() -> float:
@@ -50,17 +71,18 @@ def _mem_gib() -> float:
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
-    """Who ran this: host, CPU, memory, accelerator, library versions, date (UTC)."""
+    """Who ran this: host, CPU and its instruction level, memory, accelerator, library
+    versions, date (UTC)."""
     info: dict[str, Any] = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {
             "hostname": socket.gethostname(),
             "cpu": _cpu_model(),
-            "isa": _cpu_isa(),
             "cores": os.cpu_count(),
             "memory_gib": _mem_gib(),
             "torch_threads": torch.get_num_threads(),
         },
+        "instruction_level": instruction_level(),
         "device": "cpu",
         "torch": torch.__version__,
     }
@@ -75,6 +97,29 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     except ImportError:
         pass
     return info
+
+
+def parse_args(
+    ap: argparse.ArgumentParser, argv: list[str] | None, **quick: Any
+) -> argparse.Namespace:
+    """`ap`'s options from `argv`; with `--quick`, `quick`'s values are the defaults
+    instead, so options given on the command line still win (a smoke test shrinks a
+    quick run further)."""
+    args = ap.parse_args(argv)
+    if args.quick:
+        ap.set_defaults(**quick)
+        args = ap.parse_args(argv)
+    return args
+
+
+def add_cache_dir_argument(ap: argparse.ArgumentParser) -> None:
+    """`--cache-dir`, where an engine keeps dequantized weights and its built kernels:
+    by default the CLI's, so that a run leaves nothing in the temporary directory."""
+    from gateway.settings import cache_dir
+
+    ap.add_argument("--cache-dir", default=cache_dir(),
+                    help="dequantized weights and built kernels (default: as the CLI's, "
+                    "$STRATA_CACHE_DIR, else ~/.cache/strata)")  # fmt: skip
 
 
 def engine_record(benchmark: str, core: Any, model_spec: str) -> dict[str, Any]:
@@ -134,11 +179,36 @@ def timed_calls(
     return times
 
 
-def publish(out_dir: str, name: str, record: dict[str, Any], summary: dict[str, Any]) -> None:
+def publish(out_dir: str, name: str, record: dict[str, Any], summary: dict[str, Any]) -> Path:
     """Write the full record to `out_dir` and print where, then `summary` as the last line
-    (one JSON object, what the issues ask a benchmark to print)."""
-    print(f"wrote {write_result(out_dir, name, record)}")
-    print(json.dumps(summary))
+    (one JSON object, what the issues ask a benchmark to print). Every benchmark ends here,
+    after its scratch directories are gone, so nothing prints after the summary."""
+    path = write_result(out_dir, name, record)
+    print(f"wrote {path}")
+    sys.stderr.flush()  # whatever went to stderr comes before the summary on a shared terminal
+    print(json.dumps(summary), flush=True)
+    return path
+
+
+@contextlib.contextmanager
+def scratch_dir(prefix: str, under: str | os.PathLike[str] | None = None) -> Iterator[Path]:
+    """A fresh directory for one run (in `under`, else the system's temporary directory),
+    removed with everything in it on exit, on an error too. Only this directory is removed:
+    `under` itself, a user's `--disk-path`, keeps whatever else it holds.
+
+    Engines and tiers given a path inside it may leave entries there (the disk tier's
+    `strata-kv/`, a store's files, sockets), so the whole tree goes. A failed removal is
+    reported on stderr rather than raised, so it cannot cost a run its figures."""
+    if under is not None:
+        Path(under).mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=under))
+    try:
+        yield path
+    finally:
+        try:
+            shutil.rmtree(path)
+        except OSError as exc:
+            print(f"warning: could not remove {path}: {exc}", file=sys.stderr)
 
 
 def hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -12,7 +12,6 @@ The last printed line is one JSON object; the full record goes to bench/results/
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_info, timed_calls, write_result
+from bench.common import machine_info, publish, timed_calls
 from engine.attention.paged import SeqSlice, padded_tables, slot_indices
 from engine.cuda_graphs import GraphInputs
 from engine.device import to_device
@@ -180,7 +179,6 @@ def main(argv: list[str] | None = None) -> dict:
         "quick": args.quick,
         "rows": rows,
     }
-    print(f"wrote {write_result(args.out_dir, 'decode_metadata', record)}")
     summary = {
         "block_table_us": {f"{r['batch']}x{r['context']}": r["padded_tables_us"] for r in rows},
         "speedup_vs_row_by_row": {f"{r['batch']}x{r['context']}": r["speedup"] for r in rows},
@@ -192,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
             for r in rows
         },
     }
-    print(json.dumps(summary))
+    publish(args.out_dir, "decode_metadata", record, summary)
     return summary
 
 

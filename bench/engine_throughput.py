@@ -22,7 +22,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import engine_record, hf_model_for, publish, timed_calls
+from bench.common import (
+    add_cache_dir_argument,
+    engine_record,
+    hf_model_for,
+    parse_args,
+    publish,
+    timed_calls,
+)
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.factory import create_engine
 from engine.kernels.cpu import load_cpu_kernels
@@ -136,10 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="batches 1,8, 32 new tokens, 1 run")
     ap.add_argument("--skip-hf", action="store_true", help="measure Strata only")
     ap.add_argument("--kv-cache-gb", type=float, default=2.0)
+    add_cache_dir_argument(ap)
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.batches, args.new_tokens, args.repeats = "1,8", 32, 1
+    args = parse_args(ap, argv, batches="1,8", new_tokens=32, repeats=1)
     batches = [int(b) for b in args.batches.split(",")]
 
     torch.manual_seed(args.seed)
@@ -148,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
+        cache_dir=args.cache_dir,
         cache=CacheConfig(
             kv_cache_memory_bytes=int(args.kv_cache_gb * (1 << 30)), enable_prefix_caching=False
         ),

@@ -18,7 +18,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_info, write_result
+from bench.common import machine_info, parse_args, publish, scratch_dir
 from engine.client import EngineClient
 from engine.model_specs import load_tokenizer_for
 from engine.protocol import SamplingParams
@@ -163,26 +162,9 @@ async def run_load(
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--concurrency", default="1,16,64")
-    ap.add_argument("--requests", type=int, default=400, help="per path and concurrency")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument(
-        "--engine-threads",
-        type=int,
-        default=1,
-        help="worker threads (default 1: leaves the gateway a core of its own, so "
-        "the figures are the gateway's cost rather than CPU stolen from a "
-        "saturated engine; 0 = all cores)",
-    )
-    ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.concurrency, args.requests = "1,16", 60
-    levels = [int(c) for c in args.concurrency.split(",")]
-
-    tmp = Path(tempfile.mkdtemp(prefix="strata-bench-"))
+def measure(tmp: Path, levels: list[int], requests: int, engine_threads: int) -> dict[str, dict]:
+    """Start a store, an engine worker and a gateway with their files in `tmp`, load them at
+    each concurrency of `levels`, and stop them (on an error too): the figures by name."""
     store = EmbeddedStore(tmp / "store")
     store.start()
     env = dict(
@@ -205,10 +187,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--max-num-seqs",
         "128",
     ]
-    if args.engine_threads:
-        engine_cmd += ["--threads", str(args.engine_threads)]
-    procs = [subprocess.Popen(engine_cmd, env=env)]
+    if engine_threads:
+        engine_cmd += ["--threads", str(engine_threads)]
+    procs: list[subprocess.Popen] = []
     try:
+        procs.append(subprocess.Popen(engine_cmd, env=env))
         _wait((tmp / "engine.sock").exists, 300, "the engine worker")
         port = _port()
         procs.append(subprocess.Popen(
@@ -237,9 +220,9 @@ def main(argv: list[str] | None = None) -> dict:
         assert store.proc is not None
         pids = {"engine": procs[0].pid, "gateway": procs[1].pid, "store": store.proc.pid}
         for conc in levels:
-            mixed = asyncio.run(run_load(engine_addr, url, key, ids, args.requests, conc))
+            mixed = asyncio.run(run_load(engine_addr, url, key, ids, requests, conc))
             alone: dict[str, float] = {}
-            n_alone = args.requests // 2
+            n_alone = requests // 2
             for name, target in (("direct", (engine_addr, None)), ("gateway", (None, url))):
                 before = {k: cpu_seconds(pid) for k, pid in pids.items()}
                 client_before, start = time.process_time(), time.perf_counter()
@@ -275,8 +258,36 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         for proc in reversed(procs):
             proc.terminate()
-            proc.wait(timeout=60)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         store.stop()
+    return {"overhead": overhead, "delta": delta, "rps": rps, "latency": latency, "cpu": cpu}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--requests", type=int, default=400, help="per path and concurrency")
+    ap.add_argument("--quick", action="store_true", help="concurrency 1,16, 60 requests")
+    ap.add_argument(
+        "--engine-threads",
+        type=int,
+        default=1,
+        help="worker threads (default 1: leaves the gateway a core of its own, so "
+        "the figures are the gateway's cost rather than CPU stolen from a "
+        "saturated engine; 0 = all cores)",
+    )
+    ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    args = parse_args(ap, argv, concurrency="1,16", requests=60)
+    levels = [int(c) for c in args.concurrency.split(",")]
+
+    with scratch_dir("strata-gateway-bench-") as tmp:  # the store's files, the socket
+        figures = measure(tmp, levels, args.requests, args.engine_threads)
+    overhead, delta, rps = figures["overhead"], figures["delta"], figures["rps"]
+    latency, cpu = figures["latency"], figures["cpu"]
 
     summary = {"overhead_ms": overhead, "e2e_delta_ms": delta, "rps": rps}
     import torch
@@ -291,8 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cpu_ms_per_request": cpu,
         **summary,
     }
-    print(f"wrote {write_result(args.out_dir, 'gateway_overhead', record)}")
-    print(json.dumps(summary))
+    publish(args.out_dir, "gateway_overhead", record, summary)
     return summary
 
 

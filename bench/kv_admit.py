@@ -18,7 +18,6 @@ line is one JSON object; the full record goes to bench/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_info, write_result
+from bench.common import machine_info, publish
 from engine.block_manager import BlockManager, chain_hashes, root_hash
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
@@ -108,8 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
         "round_ms": [round(s * 1e3, 3) for s in seconds],
         **summary,
     }
-    print(f"wrote {write_result(args.out_dir, 'kv_admit', record)}")
-    print(json.dumps(summary))
+    publish(args.out_dir, "kv_admit", record, summary)
     return summary
 
 

@@ -18,7 +18,6 @@ The last printed line is one JSON object; the full record goes to bench/results/
 from __future__ import annotations
 
 import argparse
-import json
 import pydoc_data.topics
 import sys
 import time
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_info, write_result
+from bench.common import add_cache_dir_argument, machine_info, parse_args, publish
 from engine.config import CacheConfig, EngineConfig, KernelBackend, KVCacheDtype
 from engine.evaluate import greedy_agreement, perplexity
 from engine.llm import LLM
@@ -67,11 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--window", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16", help="model compute dtype (16-bit baseline)")
-    ap.add_argument("--quick", action="store_true")
+    add_cache_dir_argument(ap)
+    ap.add_argument("--quick", action="store_true", help="4,096 tokens, 4 prompts")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.tokens, args.prompts = 4096, 4
+    args = parse_args(ap, argv, tokens=4096, prompts=4)
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     prompts = PROMPTS[: args.prompts]
@@ -80,6 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
             dtype=args.dtype,
             device="cpu",
             backend=KernelBackend.TORCH,
+            cache_dir=args.cache_dir,
             cache=CacheConfig(kv_cache_dtype=KVCacheDtype.AUTO, kv_cache_memory_bytes=1 << 28),
         )
     )
@@ -91,6 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
             EngineConfig(
                 dtype=args.dtype,
                 device="cpu",
+                cache_dir=args.cache_dir,
                 cache=CacheConfig(kv_cache_dtype=kv, kv_cache_memory_bytes=1 << 28),
             )
         )
@@ -151,8 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         "runs": {k: {n: v for n, v in r.items() if n != "tokens"} for k, r in runs.items()},
         **summary,
     }
-    print(f"wrote {write_result(args.out_dir, 'kv_fp8_quality', record)}")
-    print(json.dumps(summary))
+    publish(args.out_dir, "kv_fp8_quality", record, summary)
     return summary
 
 

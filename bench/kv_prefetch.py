@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import cProfile
 import io
-import json
 import pstats
 import statistics
 import sys
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_info, write_result
+from bench.common import machine_info, publish
 from engine.config import CacheConfig, EngineConfig, KVCacheDtype, SchedulerConfig
 from engine.factory import create_engine
 from engine.loader.synthetic import PRESETS, SYNTHETIC_PREFIX
@@ -233,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"step with resident pages {res_ms:.2f} ms; with pages prefetched from host "
           f"{pre_ms:.2f} ms ({summary['ratio']}x)")  # fmt: skip
     rounds_ms = {"resident": resident, "prefetch": prefetch}
-    publish(core, args, model, rounds_ms, summary)
+    publish_run(core, args, model, rounds_ms, summary)
     return summary
 
 
@@ -353,11 +352,11 @@ def busy(core, args, model: str, docs, g: torch.Generator) -> dict:
           f"host {b['step_ms']['prefetch']} ms ({b['ratio']}x); time to first token "
           f"{b['ttft_ms']['resident']} -> {b['ttft_ms']['prefetch']} ms")  # fmt: skip
     rounds_ms = {k: v for k, v in figures.items() if k != "waited"}
-    publish(core, args, model, rounds_ms, summary)
+    publish_run(core, args, model, rounds_ms, summary)
     return summary
 
 
-def publish(core, args, model: str, rounds: dict[str, list[float]], summary: dict) -> None:
+def publish_run(core, args, model: str, rounds: dict[str, list[float]], summary: dict) -> None:
     """Write the full record (the run, each round's seconds, `summary`) to bench/results/
     and print `summary` as the last line."""
     record = {
@@ -374,8 +373,7 @@ def publish(core, args, model: str, rounds: dict[str, list[float]], summary: dic
         "rounds_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in rounds.items()},
         **summary,
     }
-    print(f"wrote {write_result(args.out_dir, 'kv_prefetch', record)}")
-    print(json.dumps(summary))
+    publish(args.out_dir, "kv_prefetch", record, summary)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,9 @@ The last printed line is one JSON object; the full record goes to bench/results/
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_info, write_result
+from bench.common import machine_info, publish, scratch_dir
 from kvstore import transfer
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
@@ -76,7 +74,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pages", type=int, default=256)
     ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "fp8_e4m3"])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--disk-path", default=None, help="default: a temporary directory")
+    ap.add_argument("--disk-path", default=None,
+                    help="where the run's disk directory goes (removed after the run; "
+                    "default: the temporary directory)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
@@ -89,7 +89,6 @@ def main(argv: list[str] | None = None) -> dict:
     n = args.pages
     pool = DeviceKVPool(spec, 2 * n, device)
     pool.kv.view(torch.uint8).random_(0, 120)
-    directory = Path(tempfile.mkdtemp(prefix="strata-kv-bench-", dir=args.disk_path))
     page = spec.bytes_per_block
     nbytes = n * page
 
@@ -138,40 +137,41 @@ def main(argv: list[str] | None = None) -> dict:
 
     pages = pool.read_pages(blocks).cpu()
     disk_seconds = dict.fromkeys(("write", "caller", "read", "serial"), float("inf"))
-    # one store for every repeat, as an engine keeps its own: from the second repeat on, each
-    # page written evicts one of the last repeat's, and staging buffers are reused
-    store = TieredKVStore(page, host_blocks=0, disk_blocks=n, disk_dir=directory)
-    disk = store.disk
-    assert disk is not None, "the disk tier could not be created"
-    direct = disk.direct
-    for r in range(args.repeats):
-        tagged = [k + r.to_bytes(4, "little") for k in keys]
-        start = time.perf_counter()
-        for k, p in zip(tagged, pages, strict=True):
-            store.put(k, p)
-        caller = time.perf_counter() - start  # what the scheduler's thread pays
-        disk.reap(wait=True)
-        disk_seconds["write"] = min(disk_seconds["write"], time.perf_counter() - start)
-        disk_seconds["caller"] = min(disk_seconds["caller"], caller)
-        start = time.perf_counter()  # read ahead, as the scheduler does for a waiting request
-        fetch = disk.prefetch(tagged)
-        assert fetch is not None
-        while not disk.settle(fetch):
-            disk.wait_reads(1.0)
-        assert len(fetch.good) == n, "a page failed its checksum"
-        disk_seconds["read"] = min(disk_seconds["read"], time.perf_counter() - start)
-        disk.release(fetch)
-        start = time.perf_counter()  # one page at a time (a load's fallback)
-        for k in tagged:
-            assert store.get(k) is not None
-        disk_seconds["serial"] = min(disk_seconds["serial"], time.perf_counter() - start)
-    store.close()
+    # the disk tier's files and the raw copy's go with the run's directory
+    with scratch_dir("strata-kv-bench-", args.disk_path) as directory:
+        # one store for every repeat, as an engine keeps its own: from the second repeat on, each
+        # page written evicts one of the last repeat's, and staging buffers are reused
+        store = TieredKVStore(page, host_blocks=0, disk_blocks=n, disk_dir=directory)
+        disk = store.disk
+        assert disk is not None, "the disk tier could not be created"
+        direct = disk.direct
+        for r in range(args.repeats):
+            tagged = [k + r.to_bytes(4, "little") for k in keys]
+            start = time.perf_counter()
+            for k, p in zip(tagged, pages, strict=True):
+                store.put(k, p)
+            caller = time.perf_counter() - start  # what the scheduler's thread pays
+            disk.reap(wait=True)
+            disk_seconds["write"] = min(disk_seconds["write"], time.perf_counter() - start)
+            disk_seconds["caller"] = min(disk_seconds["caller"], caller)
+            start = time.perf_counter()  # read ahead, as the scheduler does for a waiting request
+            fetch = disk.prefetch(tagged)
+            assert fetch is not None
+            while not disk.settle(fetch):
+                disk.wait_reads(1.0)
+            assert len(fetch.good) == n, "a page failed its checksum"
+            disk_seconds["read"] = min(disk_seconds["read"], time.perf_counter() - start)
+            disk.release(fetch)
+            start = time.perf_counter()  # one page at a time (a load's fallback)
+            for k in tagged:
+                assert store.get(k) is not None
+            disk_seconds["serial"] = min(disk_seconds["serial"], time.perf_counter() - start)
+        store.close()
+        raw_write, raw_read = raw_disk(directory, nbytes, args.repeats)
+        seconds["raw_host_to_disk"], seconds["raw_disk_to_host"] = raw_write, raw_read
     seconds["host_to_disk"] = disk_seconds["write"]
     seconds["disk_to_host"] = disk_seconds["read"]
     seconds["disk_to_host_serial"] = disk_seconds["serial"]
-    raw_write, raw_read = raw_disk(directory, nbytes, args.repeats)
-    seconds["raw_host_to_disk"], seconds["raw_disk_to_host"] = raw_write, raw_read
-    directory.rmdir()
 
     gbps = {name: round(nbytes / s / 1e9, 2) for name, s in seconds.items()}
     paths = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host")
@@ -201,8 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
         "quick": args.quick,
         **summary,
     }
-    print(f"wrote {write_result(args.out_dir, 'kv_tiers', record)}")
-    print(json.dumps(summary))
+    publish(args.out_dir, "kv_tiers", record, summary)
     return summary
 
 

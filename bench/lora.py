@@ -11,11 +11,9 @@ The last printed line is one JSON object; the full record goes to bench/results/
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,7 +21,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_info, write_result
+from bench.common import (
+    add_cache_dir_argument,
+    machine_info,
+    parse_args,
+    publish,
+    scratch_dir,
+)
 from engine.config import CacheConfig, EngineConfig, LoRAConfig
 from engine.core import EngineCore
 from engine.factory import create_engine
@@ -73,18 +77,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default="default")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true")
+    add_cache_dir_argument(ap)
+    ap.add_argument("--quick", action="store_true", help="16 new tokens, 1 round")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.new_tokens, args.repeats = 16, 1
+    args = parse_args(ap, argv, new_tokens=16, repeats=1)
     counts = [1, 8, 32]
     rng = random.Random(args.seed)
     cache = CacheConfig(kv_cache_memory_bytes=1 << 28, enable_prefix_caching=False)
 
     def engine(lora: LoRAConfig) -> EngineCore:
         config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                              cache=cache, lora=lora)  # fmt: skip
+                              cache=cache, lora=lora, cache_dir=args.cache_dir)  # fmt: skip
         return create_engine(config, progress=False)[0]
 
     base = engine(LoRAConfig())
@@ -92,23 +95,23 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)]
                for _ in range(args.requests)]  # fmt: skip
     slots = LoRAConfig(max_loras=max(counts), max_lora_rank=args.rank)
-    root = Path(tempfile.mkdtemp(prefix="strata-lora-bench-"))
-    adapters = [
-        LoRARequest(name=f"a{i}", path=str(write_random_adapter(
-            root / f"a{i}", base.model_config, rank=args.rank, seed=i)))
-        for i in range(max(counts))
-    ]  # fmt: skip
-    runs: dict[str, tuple[EngineCore, list[LoRARequest | None]]] = {
-        "base": (base, [None] * len(prompts)),
-        "base_lora_engine": (engine(slots), [None] * len(prompts)),
-    }
-    for n in counts:
-        runs[str(n)] = (engine(slots), [adapters[i % n] for i in range(len(prompts))])
-    one_round(runs, prompts, 2, "warm", 0)  # kernels built, every adapter loaded
-    rounds: dict[str, list[tuple[int, float]]] = {name: [] for name in runs}
-    for r in range(args.repeats):
-        for name, got in one_round(runs, prompts, args.new_tokens, f"r{r}", r).items():
-            rounds[name].append(got)
+    with scratch_dir("strata-lora-bench-") as root:  # the adapters' files
+        adapters = [
+            LoRARequest(name=f"a{i}", path=str(write_random_adapter(
+                root / f"a{i}", base.model_config, rank=args.rank, seed=i)))
+            for i in range(max(counts))
+        ]  # fmt: skip
+        runs: dict[str, tuple[EngineCore, list[LoRARequest | None]]] = {
+            "base": (base, [None] * len(prompts)),
+            "base_lora_engine": (engine(slots), [None] * len(prompts)),
+        }
+        for n in counts:
+            runs[str(n)] = (engine(slots), [adapters[i % n] for i in range(len(prompts))])
+        one_round(runs, prompts, 2, "warm", 0)  # kernels built, every adapter loaded
+        rounds: dict[str, list[tuple[int, float]]] = {name: [] for name in runs}
+        for r in range(args.repeats):
+            for name, got in one_round(runs, prompts, args.new_tokens, f"r{r}", r).items():
+                rounds[name].append(got)
     tok_s = {name: round(sum(t for t, _ in got) / sum(s for _, s in got), 1)
              for name, got in rounds.items()}  # fmt: skip
     per_round = {
@@ -140,8 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ratio_rounds": per_round,
         "rounds": rounds_out,
     }
-    print(f"wrote {write_result(args.out_dir, 'lora', record)}")
-    print(json.dumps(summary))
+    publish(args.out_dir, "lora", record, summary)
     return summary
 
 

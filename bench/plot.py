@@ -27,8 +27,9 @@ AVX512 = "AVX512-BF16 CPU, 2 cores"
 AVX2 = "AVX2-only CPU, 2 cores"
 H100 = "NVIDIA H100 80GB HBM3"
 H100_HOST = "H100 machine's host CPU, 16 cores"
-# Runs on the AVX2-only machine from before result files recorded the CPU's vector ISA
-# (bench/common.py, `machine.isa`); the other 2-core EPYC runs of that time had AVX512-BF16.
+# Runs on the AVX2-only machine from before result files recorded the CPU's instruction level
+# (bench/common.py, `instruction_level`); the other 2-core EPYC runs of that time had
+# AVX512-BF16.
 _AVX2_RUNS = frozenset(
     {
         "cpu_attention-cpu-20261126T182529Z",
@@ -53,7 +54,7 @@ def machine_kind(stem: str, data: dict[str, Any]) -> str:
     if not device.startswith("cpu"):
         return device
     machine = data.get("machine", {})
-    isa = machine.get("isa")
+    isa = data.get("instruction_level")
     if isa is not None:
         cores = machine.get("cores")
         return _ISA_KINDS.get(isa, f"{isa} CPU") + ("" if cores == 2 else f" ({cores} cores)")

@@ -26,7 +26,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import engine_record, hf_model_for, publish
+from bench.common import (
+    add_cache_dir_argument,
+    engine_record,
+    hf_model_for,
+    parse_args,
+    publish,
+)
 from bench.engine_throughput import make_prompts
 from engine.config import EngineConfig, SchedulerConfig
 from engine.factory import create_engine
@@ -77,11 +83,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-batch", type=int, default=8, help="prompts per transformers forward")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each (median)")
     ap.add_argument("--seed", type=int, default=0)
+    add_cache_dir_argument(ap)
     ap.add_argument("--quick", action="store_true", help="8 prompts of 64 tokens, 1 run")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.prompts, args.prompt_len, args.repeats = 8, 64, 1
+    args = parse_args(ap, argv, prompts=8, prompt_len=64, repeats=1)
 
     torch.manual_seed(args.seed)
     config = EngineConfig(
@@ -89,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
+        cache_dir=args.cache_dir,
         scheduler=SchedulerConfig(max_num_batched_tokens=2048),
     )
     core, _ = create_engine(config, progress=False)

@@ -11,11 +11,9 @@ The last printed line is one JSON object; the full record goes to bench/results/
 from __future__ import annotations
 
 import argparse
-import json
 import pydoc_data.topics
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,12 +21,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_info, write_result
+from bench.common import (
+    add_cache_dir_argument,
+    machine_info,
+    parse_args,
+    publish,
+    scratch_dir,
+)
 from bench.gateway_overhead import percentile
 from engine.config import CacheConfig, EngineConfig, KVCacheDtype
 from engine.llm import LLM
 from engine.protocol import SamplingParams
-from gateway.settings import cache_dir
 from kvstore.disk import disk_slot_nbytes
 
 QUESTIONS = [
@@ -111,6 +114,25 @@ def with_stream(
     }
 
 
+def measure(
+    config: EngineConfig,
+    docs: list[list[int]],
+    order: list[tuple[int, int]],
+    questions: list[list[int]],
+) -> dict:
+    """One engine's figures (`run`, then `with_stream`); its tiers are closed on return,
+    on an error too."""
+    llm = LLM(config)
+    try:
+        result = run(llm, docs, order, questions)
+        result["with_stream"] = with_stream(llm, docs, order, questions)
+        result["disk_blocks_used"] = llm.core.stats().num_kv_disk_blocks_used
+    finally:
+        if llm.core.tiers is not None:
+            llm.core.tiers.close()
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", type=int, default=8)
@@ -120,16 +142,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--host-docs", type=float, default=3.0, help="documents the host tier holds")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=[d.value for d in KVCacheDtype])
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--disk-path", default=None, help="default: a temporary directory")
-    ap.add_argument("--cache-dir", default=None,
-                    help="dequantized weights: default as the CLI's ($STRATA_CACHE_DIR, else "
-                    "~/.cache/strata)")  # fmt: skip
+    ap.add_argument("--disk-path", default=None,
+                    help="where the disk tier's run directory goes (removed after the run; "
+                    "default: the temporary directory)")  # fmt: skip
+    add_cache_dir_argument(ap)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="4 documents of 512 tokens, 2 questions")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.docs, args.doc_tokens, args.questions = 4, 512, 2
+    args = parse_args(ap, argv, docs=4, doc_tokens=512, questions=2)
     if args.questions > len(QUESTIONS):
         raise SystemExit(f"at most {len(QUESTIONS)} questions per document")
 
@@ -138,37 +158,32 @@ def main(argv: list[str] | None = None) -> dict:
     rng.shuffle(order)
     kv = KVCacheDtype(args.kv_cache_dtype)
     block = 16
-    disk_dir = Path(args.disk_path or tempfile.mkdtemp(prefix="strata-rag-"))
     small = CacheConfig(block_size=block, kv_cache_dtype=kv, num_blocks=2)
-    models = args.cache_dir or cache_dir()  # starts read the weights cached there
+    models = args.cache_dir  # starts read the weights cached there
     probe = LLM(EngineConfig(dtype=args.dtype, device="cpu", cache=small, cache_dir=models))
     page_nbytes = probe.core.pool.spec.bytes_per_block
     questions = [probe.tokenizer.encode(q, add_special_tokens=False) for q in QUESTIONS]
     docs = documents(probe, args.docs, args.doc_tokens)
     del probe
     doc_blocks = -(-(args.doc_tokens + 32) // block)
+    host_bytes = int(args.host_docs * doc_blocks) * page_nbytes
+    disk_bytes = 2 * args.docs * doc_blocks * disk_slot_nbytes(page_nbytes)
     results = {}
-    for name in ("tiers", "recompute"):
-        tiered = name == "tiers"
-        cache = CacheConfig(
-            block_size=block,
-            kv_cache_dtype=kv,
-            num_blocks=int(args.device_docs * doc_blocks),
-            host_memory_bytes=int(args.host_docs * doc_blocks) * page_nbytes if tiered else 0,
-            disk_bytes=2 * args.docs * doc_blocks * disk_slot_nbytes(page_nbytes) if tiered else 0,
-            disk_path=str(disk_dir),
-        )
-        llm = LLM(EngineConfig(dtype=args.dtype, device="cpu", cache=cache, cache_dir=models))
-        results[name] = run(llm, docs, order, questions)
-        results[name]["with_stream"] = with_stream(llm, docs, order, questions)
-        stats = llm.core.stats()
-        results[name]["disk_blocks_used"] = stats.num_kv_disk_blocks_used
-        print(f"{name:>9}: {results[name]}", flush=True)
-        if llm.core.tiers is not None:
-            llm.core.tiers.close()
-        del llm
-    if args.disk_path is None:
-        disk_dir.rmdir()  # the tier's file was unlinked when it was opened
+    # the disk tier's directory (`strata-kv/`) and anything else the engines leave go with it
+    with scratch_dir("strata-rag-", args.disk_path) as disk_dir:
+        for name in ("tiers", "recompute"):
+            tiered = name == "tiers"
+            cache = CacheConfig(
+                block_size=block,
+                kv_cache_dtype=kv,
+                num_blocks=int(args.device_docs * doc_blocks),
+                host_memory_bytes=host_bytes if tiered else 0,
+                disk_bytes=disk_bytes if tiered else 0,
+                disk_path=str(disk_dir),
+            )
+            config = EngineConfig(dtype=args.dtype, device="cpu", cache=cache, cache_dir=models)
+            results[name] = measure(config, docs, order, questions)
+            print(f"{name:>9}: {results[name]}", flush=True)
 
     tiers, recompute = results["tiers"], results["recompute"]
     summary = {
@@ -195,8 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
         "recompute_hit_rate": recompute["hit_rate"],
         **summary,
     }
-    print(f"wrote {write_result(args.out_dir, 'rag_longdoc', record)}")
-    print(json.dumps(summary))
+    publish(args.out_dir, "rag_longdoc", record, summary)
     return summary
 
 

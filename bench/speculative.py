@@ -24,7 +24,13 @@ import pydoc_data.topics
 
 import torch
 
-from bench.common import engine_record, generate_all, publish
+from bench.common import (
+    add_cache_dir_argument,
+    engine_record,
+    generate_all,
+    parse_args,
+    publish,
+)
 from engine.attention.paged import SeqSlice
 from engine.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from engine.core import EngineCore
@@ -113,11 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (median)")
     ap.add_argument("--quick", action="store_true", help="1 run, short documents")
-    ap.add_argument("--cache-dir", default=None)
+    add_cache_dir_argument(ap)
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.repeats, args.doc_tokens, args.max_tokens = 1, 256, 48
+    args = parse_args(ap, argv, repeats=1, doc_tokens=256, max_tokens=48)
     batches = [int(b) for b in (args.batches or ("1,4" if args.quick else "1,4,8,16")).split(",")]
     base = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir,

@@ -1,10 +1,13 @@
-"""Fixtures that start real engine worker processes."""
+"""Fixtures that start real engine worker processes, and an empty temporary directory for
+runs that must leave nothing behind."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -13,6 +16,24 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+
+@pytest.fixture
+def empty_tempdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fresh directory as the system's temporary directory (`tempfile`'s, and `TMPDIR`
+    for child processes), to see what a run leaves there; removed afterwards. Its path is
+    short: Unix sockets made under it must fit in 108 bytes.
+
+    torch._dynamo makes torch's own compile cache (`torchinductor_<user>/`) in the temporary
+    directory when it is first imported (transformers imports it), so it is imported before
+    the switch: what a run leaves is then its own, whichever test runs first."""
+    import torch._dynamo  # noqa: F401
+
+    path = Path(tempfile.mkdtemp(prefix="strata-t-"))
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    monkeypatch.setenv("TMPDIR", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 class WorkerProcess:

@@ -1,6 +1,7 @@
 """bench/kv_tiers.py and bench/rag_longdoc.py run end to end on CPU (small shapes): every
 path moves its bytes, and the long-document workload is served from every tier, with and
-without a stream running alongside."""
+without a stream running alongside. Neither leaves a file behind, in the temporary directory
+or in a disk path it is given."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ from bench import kv_tiers, rag_longdoc
 
 
 def test_kv_tiers_quick_run_times_every_path(tmp_path, capsys):
-    summary = kv_tiers.main(["--quick", "--disk-path", str(tmp_path), "--out-dir", str(tmp_path)])
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    (disk / "keep").write_text("the user's")
+    summary = kv_tiers.main(["--quick", "--disk-path", str(disk), "--out-dir", str(tmp_path)])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
+    assert [p.name for p in disk.iterdir()] == ["keep"], "only the run's own files are gone"
     paths = {"device_to_host", "host_to_device", "host_to_disk", "disk_to_host"}
     assert set(summary["gb_per_s"]) == paths and min(summary["gb_per_s"].values()) > 0
     assert summary["disk_to_host_serial_gb_per_s"] > 0
@@ -20,13 +25,16 @@ def test_kv_tiers_quick_run_times_every_path(tmp_path, capsys):
     assert json.loads(written.read_text())["gb_per_s"] == summary["gb_per_s"]
 
 
-def test_rag_longdoc_small_run_hits_every_tier(tmp_path, capsys, strata_cache_dir):
-    shape = ["--docs", "4", "--doc-tokens", "128", "--questions", "2", "--device-docs", "1.5",
-             "--host-docs", "1"]  # fmt: skip
-    summary = rag_longdoc.main([*shape, "--disk-path", str(tmp_path / "disk"),
-                                "--cache-dir", str(strata_cache_dir),
+def test_rag_longdoc_small_run_hits_every_tier_and_leaves_nothing(
+    tmp_path, capsys, strata_cache_dir, empty_tempdir
+):
+    shape = ["--quick", "--docs", "4", "--doc-tokens", "128", "--questions", "2",
+             "--device-docs", "1.5", "--host-docs", "1"]  # fmt: skip
+    # no --disk-path: the disk tier's directory goes in the temporary directory
+    summary = rag_longdoc.main([*shape, "--cache-dir", str(strata_cache_dir),
                                 "--out-dir", str(tmp_path)])  # fmt: skip
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
+    assert not list(empty_tempdir.iterdir()), "the disk tier's directory is gone"
     assert min(summary["hit_rate"].values()) > 0, "the device, host and disk tiers all served"
     for name in ("tiers", "recompute"):
         run = summary["with_stream"][name]

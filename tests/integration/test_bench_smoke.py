@@ -1,0 +1,123 @@
+"""Every benchmark without a test of its own runs end to end in its smallest form: it prints
+its summary as the last line, writes a result that names the machine, and leaves nothing in
+the temporary directory. (Figures are not checked against any bound: a shared CI machine's
+speed is no property of the code.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench import (
+    engine_throughput,
+    gateway_overhead,
+    kv_fp8_quality,
+    lora,
+    prompt_scoring,
+    speculative,
+)
+from bench.common import instruction_level
+
+
+def published(name: str, summary: dict, out: str, out_dir: Path) -> dict[str, Any]:
+    """The record the run wrote, after checking that its summary was the last line printed
+    and that the record says where and when it ran."""
+    assert json.loads(out.strip().splitlines()[-1]) == summary
+    (written,) = out_dir.glob(f"{name}-cpu-*.json")
+    record = json.loads(written.read_text())
+    assert record["benchmark"] == name
+    assert record["machine"]["cpu"] and record["machine"]["cores"] > 0
+    assert record["instruction_level"] == instruction_level()
+    assert record["device"].startswith("cpu") and record["date"]
+    return record
+
+
+def test_engine_throughput_quick_run_measures_both_engines(
+    tmp_path, capsys, strata_cache_dir, empty_tempdir
+):
+    summary = engine_throughput.main([
+        "--quick", "--model", "synthetic:tiny", "--device", "cpu", "--batches", "1,2",
+        "--prompt-len", "16", "--new-tokens", "8", "--kv-cache-gb", "0.01",
+        "--cache-dir", str(strata_cache_dir), "--out-dir", str(tmp_path),
+    ])  # fmt: skip
+    record = published("engine_throughput", summary, capsys.readouterr().out, tmp_path)
+    assert set(summary["strata_tok_s"]) == set(summary["hf_tok_s"]) == {"1", "2"}
+    assert min(summary["strata_tok_s"].values()) > 0 and min(summary["hf_tok_s"].values()) > 0
+    assert record["synthetic_weights"] and record["new_tokens"] == 8
+    assert not list(empty_tempdir.iterdir())
+
+
+def test_prompt_scoring_quick_run_scores_like_transformers(
+    tmp_path, capsys, strata_cache_dir, empty_tempdir
+):
+    summary = prompt_scoring.main([
+        "--quick", "--model", "synthetic:tiny", "--device", "cpu", "--dtype", "float32",
+        "--prompts", "2", "--prompt-len", "16",
+        "--cache-dir", str(strata_cache_dir), "--out-dir", str(tmp_path),
+    ])  # fmt: skip
+    record = published("prompt_scoring", summary, capsys.readouterr().out, tmp_path)
+    assert summary["strata_tok_s"] > 0 and summary["hf_tok_s"] > 0
+    assert summary["max_abs_logprob_diff"] < 1e-3  # fp32: the same scores
+    assert record["prompts"] == 2 and record["repeats"] == 1
+    assert not list(empty_tempdir.iterdir())
+
+
+def test_speculative_quick_run_gives_the_same_tokens(
+    tmp_path, capsys, strata_cache_dir, empty_tempdir
+):
+    summary = speculative.main([
+        "--quick", "--model", "synthetic:tiny", "--device", "cpu", "--dtype", "float32",
+        "--batches", "1", "--doc-tokens", "64", "--max-tokens", "8",
+        "--cache-dir", str(strata_cache_dir), "--out-dir", str(tmp_path),
+    ])  # fmt: skip
+    record = published("speculative", summary, capsys.readouterr().out, tmp_path)
+    assert set(summary["speedup"]) == {"rag/1", "chat/1"}
+    assert summary["identical_outputs"], "greedy speculative decoding changes no token (fp32)"
+    assert set(record["step_cost_by_rows"]) == {"1x5", "8x2"}
+    assert not list(empty_tempdir.iterdir())
+
+
+def test_lora_quick_run_serves_every_adapter_count_and_removes_the_adapters(
+    tmp_path, capsys, strata_cache_dir, empty_tempdir
+):
+    summary = lora.main([
+        "--quick", "--model", "synthetic:tiny", "--requests", "4", "--prompt-tokens", "8",
+        "--new-tokens", "4", "--rank", "4",
+        "--cache-dir", str(strata_cache_dir), "--out-dir", str(tmp_path),
+    ])  # fmt: skip
+    record = published("lora", summary, capsys.readouterr().out, tmp_path)
+    names = {"base", "base_lora_engine", "1", "8", "32"}
+    assert set(summary["tok_s"]) == names and min(summary["tok_s"].values()) > 0
+    assert set(summary["ratio_vs_base"]) == names - {"base"}
+    assert record["new_tokens"] == 4 and record["repeats"] == 1
+    assert not list(empty_tempdir.iterdir()), "the adapters' directory is gone"
+
+
+def test_kv_fp8_quality_quick_run_scores_both_page_formats(
+    tmp_path, capsys, strata_cache_dir, empty_tempdir
+):
+    summary = kv_fp8_quality.main([
+        "--quick", "--tokens", "64", "--prompts", "1", "--max-tokens", "4", "--window", "64",
+        "--chunk", "32", "--cache-dir", str(strata_cache_dir), "--out-dir", str(tmp_path),
+    ])  # fmt: skip
+    record = published("kv_fp8_quality", summary, capsys.readouterr().out, tmp_path)
+    assert summary["perplexity"]["16bit"] > 1 and summary["perplexity"]["fp8"] > 1
+    assert summary["kv_bytes_ratio"] < 1  # FP8 pages are smaller, scales included
+    assert record["runs"]["fp8_e4m3"]["scored_tokens"] == 64
+    assert not list(empty_tempdir.iterdir())
+
+
+def test_gateway_overhead_quick_run_removes_the_store_and_socket(
+    tmp_path, capsys, strata_cache_dir, empty_tempdir, monkeypatch
+):
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(strata_cache_dir))  # the worker's weights
+    summary = gateway_overhead.main(
+        ["--quick", "--concurrency", "1", "--requests", "4", "--out-dir", str(tmp_path)]
+    )
+    record = published("gateway_overhead", summary, capsys.readouterr().out, tmp_path)
+    assert set(summary["overhead_ms"]) == set(summary["rps"]) == {"1"}
+    assert summary["overhead_ms"]["1"]["p50"] > 0
+    assert summary["rps"]["1"]["direct"] > 0 and summary["rps"]["1"]["gateway"] > 0
+    assert record["requests_per_level"] == 4
+    assert not list(empty_tempdir.iterdir()), "the store's files and the socket are gone"
