@@ -28,11 +28,11 @@ def test_every_plot_finds_its_results_and_draws_the_committed_images(tmp_path: P
         assert data == (second / name).read_bytes(), name
 
 
-def test_machine_kind_comes_from_the_recorded_isa_before_the_file_name() -> None:
+def test_machine_kind_comes_from_the_recorded_instruction_level_before_the_file_name() -> None:
     epyc = {"device": "cpu (AMD EPYC)", "machine": {"cpu": "AMD EPYC", "cores": 2}}
     assert plot.machine_kind("lora-cpu-20261123T044842Z", epyc) == plot.AVX512
     assert plot.machine_kind("cpu_attention-cpu-20261126T182544Z", epyc) == plot.AVX2
-    recorded = {**epyc, "machine": {**epyc["machine"], "isa": "avx2"}}
+    recorded = {**epyc, "instruction_level": "avx2"}
     assert plot.machine_kind("lora-cpu-20270101T000000Z", recorded) == plot.AVX2
     xeon = {"device": "cpu (Intel(R) Xeon(R))", "machine": {"cpu": "Intel(R) Xeon(R)"}}
     assert plot.machine_kind("kv_admit-cpu-20261126T164856Z", xeon) == plot.H100_HOST
