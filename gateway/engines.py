@@ -1,5 +1,6 @@
-"""The gateway's view of its engine workers: one multiplexed EngineClient per worker, the
-least busy connected one chosen per request, and what they serve."""
+"""The gateway's view of its engine workers: one multiplexed EngineClient per worker (each
+proving the fleet secret and requiring the worker's proof), the least busy connected one
+chosen per request, and what they serve."""
 
 from __future__ import annotations
 
@@ -8,16 +9,19 @@ import contextlib
 import logging
 
 from engine.client import EngineClient
+from engine.handshake import ClientAuth, FleetSecretError
 from engine.protocol import EngineDeadError, EngineStats, ModelInfo
 
 log = logging.getLogger(__name__)
 
 
 class EnginePool:
-    def __init__(self, addresses: list[str] | tuple[str, ...]) -> None:
+    def __init__(
+        self, addresses: list[str] | tuple[str, ...], auth: ClientAuth | None = None
+    ) -> None:
         if not addresses:
             raise ValueError("the gateway needs at least one engine worker address")
-        self.clients = [EngineClient(a, connect_timeout=2.0) for a in addresses]
+        self.clients = [EngineClient(a, connect_timeout=2.0, auth=auth) for a in addresses]
         self.info: ModelInfo | None = None
 
     async def connect(self, timeout: float = 60.0) -> ModelInfo:
@@ -31,7 +35,8 @@ class EnginePool:
                 except EngineDeadError:
                     continue
             if asyncio.get_running_loop().time() > deadline:
-                raise EngineDeadError("no engine worker became reachable")
+                errors = "; ".join(str(c.last_error) for c in self.clients if c.last_error)
+                raise EngineDeadError(f"no engine worker became reachable: {errors}")
             await asyncio.sleep(0.2)
 
     def pick(self) -> EngineClient:
@@ -54,6 +59,15 @@ class EnginePool:
                 continue
             return True
         return False
+
+    def errors(self) -> list[str]:
+        """Why workers are out of reach, one line each, without their addresses (for /ready):
+        a fleet secret error by name, anything else as 'unreachable'."""
+        return [
+            c.last_error.reason if isinstance(c.last_error, FleetSecretError) else "unreachable"
+            for c in self.clients
+            if c.last_error is not None
+        ]
 
     async def stats(self) -> list[EngineStats]:
         out = []
