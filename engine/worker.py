@@ -272,10 +272,17 @@ class Worker:
 
 
 def _bind_private_socket(path: str) -> socket.socket:
-    """A Unix socket at `path`, mode 0600 from the moment it exists; its directory is created
-    0700 where missing, and a stale socket left by a dead worker is replaced."""
+    """A Unix socket at `path`, mode 0600 from the moment it exists; the directories above it
+    that are missing are created 0700, and a stale socket left by a dead worker is replaced."""
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    missing = []
+    parent = directory
+    while not os.path.exists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    for created in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(created, 0o700)
     mode = os.stat(directory).st_mode
     if mode & 0o022 and not mode & stat.S_ISVTX:
         log.warning("%s is writable by other users: they can replace the socket", directory)
