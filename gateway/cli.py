@@ -404,6 +404,15 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def _serve_worker_argv(args: argparse.Namespace, data_dir: str) -> list[str]:
+    """`serve`'s worker options: those given, and adapters from where the gateway keeps its
+    uploads unless --adapter-dir says otherwise."""
+    argv = _engine_argv(args)
+    if args.adapter_dir is None:
+        argv += ["--adapter-dir", os.path.join(data_dir, "adapters")]
+    return argv
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio  # noqa: PLC0415
 
@@ -417,9 +426,7 @@ def _serve(args: argparse.Namespace) -> int:
         model_aliases=tuple(args.alias) or None,
     )  # fmt: skip
     configure_logging(settings.log_level(), json=gateway_settings.json_logs)
-    engine_argv = _engine_argv(args)
-    if args.adapter_dir is None:  # where the gateway keeps uploaded adapters
-        engine_argv += ["--adapter-dir", os.path.join(gateway_settings.data_dir, "adapters")]
+    engine_argv = _serve_worker_argv(args, gateway_settings.data_dir)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(serve(gateway_settings, engine_argv, demo=args.demo))
     return 0
