@@ -112,7 +112,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         "--adapter-dir",
         default=None,
         help="the only directory adapters are loaded from, symlinks and '..' resolved "
-        "(default for workers: $STRATA_DATA_DIR/adapters, where uploads are kept)",
+        "(default for workers: adapters/ in the data directory, where uploads are kept)",
     )
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument(
@@ -306,8 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument(
         "--listen",
         default="unix://.strata/engine.sock",
-        help="unix:///path/to.sock (mode 0600) or tcp://host:port, which needs the fleet "
-        "secret in $STRATA_WORKER_SECRET (loopback too)",
+        help="unix:///path/to.sock (mode 0600), or tcp://host:port, which needs the fleet "
+        "secret STRATA_WORKER_SECRET (loopback too) and takes TLS with --tls-cert",
     )
     eng.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TCP inside TLS")
     eng.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")

@@ -21,7 +21,7 @@ from engine.client import EngineClient
 from engine.handshake import ClientAuth
 from engine.protocol import EngineDeadError
 from gateway.app import create_app
-from gateway.settings import WORKER_SECRET_ENV, GatewaySettings
+from gateway.settings import GatewaySettings
 from tenants.errors import AuthError
 from tenants.keys import KeyManager
 from tenants.records import KeyCreate, Policy, TenantCreate
@@ -248,11 +248,11 @@ async def serve(settings: GatewaySettings, engine_args: list[str], *, demo: bool
     assert settings.redis_url is not None
     settings = dataclasses.replace(settings, admin_token=admin_token(settings))
     address = f"unix://{(data_dir / 'engine.sock').resolve()}"
-    # the worker's socket is private to this user; a fleet secret (one made up for this run
-    # when none is set) keeps it so where the data directory is shared
+    # besides the socket's mode, the worker asks for the fleet secret: the configured one,
+    # else one made up for this run; it goes to the worker in its environment
     worker_secret = settings.worker_secret or secrets.token_urlsafe(32)
     settings = dataclasses.replace(settings, worker_secret=worker_secret)
-    env = {**os.environ, "STRATA_CACHE_DIR": settings.cache_dir, WORKER_SECRET_ENV: worker_secret}
+    env = dict(os.environ, STRATA_CACHE_DIR=settings.cache_dir, STRATA_WORKER_SECRET=worker_secret)
     # the worker shares the cores with the gateway and the store: its OpenMP threads should
     # not spin long between kernels (measured: ~15% less engine CPU per request, same latency)
     env.setdefault("GOMP_SPINCOUNT", "10000")

@@ -25,12 +25,9 @@ def data_dir() -> str:
     return os.environ.get("STRATA_DATA_DIR", ".strata")
 
 
-WORKER_SECRET_ENV = "STRATA_WORKER_SECRET"
-
-
 def worker_secret() -> str | None:
     """The fleet secret workers and gateways prove to each other: $STRATA_WORKER_SECRET."""
-    return os.environ.get(WORKER_SECRET_ENV) or None
+    return os.environ.get("STRATA_WORKER_SECRET") or None
 
 
 @dataclass(frozen=True)
