@@ -221,6 +221,7 @@ class GatewayProcess:
             os.environ, STRATA_ADMIN_TOKEN=ADMIN_TOKEN, STRATA_LOG_LEVEL="WARNING",
             STRATA_LOG_FORMAT="console",
         )  # fmt: skip
+        self.env.pop("STRATA_WORKER_SECRET", None)  # its workers ask for none
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
