@@ -48,17 +48,11 @@ class EnginePool:
 
     async def ready(self, timeout: float = 1.0) -> bool:
         """Whether some worker is reachable: its connection is open, or opens now. Reachable,
-        not idle: a ping would wait behind the step a busy worker is computing."""
-        if any(c.connected for c in self.clients):
-            return True
-        for client in self.clients:
-            try:
-                async with asyncio.timeout(timeout):
-                    await client.connect()
-            except (EngineDeadError, TimeoutError):
-                continue
-            return True
-        return False
+        not idle: a ping would wait behind the step a busy worker is computing. The workers
+        not connected are tried together, so a restarted one is picked up and one that
+        fails the fleet secret shows in `errors()`."""
+        await asyncio.gather(*(_try_connect(c, timeout) for c in self.clients if not c.connected))
+        return any(c.connected for c in self.clients)
 
     def errors(self) -> list[str]:
         """Why workers are out of reach, one line each, without their addresses (for /ready):
@@ -81,3 +75,9 @@ class EnginePool:
     async def close(self) -> None:
         for client in self.clients:
             await client.close()
+
+
+async def _try_connect(client: EngineClient, timeout: float) -> None:
+    with contextlib.suppress(EngineDeadError, TimeoutError):
+        async with asyncio.timeout(timeout):
+            await client.connect()
