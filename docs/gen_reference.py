@@ -47,7 +47,7 @@ _ENV_NOTES = {
     "the store (`ledger-journal/`), uploaded adapters, and for `strata serve` the embedded "
     "store's files (`store/`), the engine socket and the generated admin token.",
     "STRATA_ENGINE_URLS": "Comma-separated engine worker addresses (`unix:///path.sock`, "
-    "`tcp://host:port`) for a `strata gateway` replica.",
+    "`tcp://host:port`, `tls://host:port`) for a `strata gateway` replica.",
     "STRATA_HOST": "The address the gateway listens on.",
     "STRATA_HUGE_PAGES": "`0` keeps the engine's long-lived host buffers (packed weights, KV "
     "pages, adapter slots) in torch's allocator instead of arenas advised for transparent "
@@ -71,6 +71,12 @@ _ENV_NOTES = {
     "TRITON_INTERPRET": "Read on import of `engine`: unset on a machine with no GPU driver, "
     "it is set to `1`, so Triton kernels run under Triton's interpreter (tests, "
     "`--backend triton` on CPU).",
+    "STRATA_WORKER_SECRET": "The fleet secret (at least 32 characters) that engine workers "
+    "and gateways prove to each other at every connection, before any frame. A TCP listener "
+    "refuses to start without it; a worker on a Unix socket asks for it when it is set. "
+    "Unset: `strata serve` makes one up for its own worker. Never logged.",
+    "STRATA_WORKER_TLS_CA": "The CA file the gateway checks `tls://` workers' certificates "
+    "against. Unset: the system's CAs.",
     "XDG_CACHE_HOME": "The base of the default cache directory when `STRATA_CACHE_DIR` is unset.",
 }
 

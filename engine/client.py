@@ -3,6 +3,8 @@
 Many requests are multiplexed over one connection. A background reader routes each frame to
 the request (or call) waiting for it. When the connection drops, every in-flight request
 fails with EngineDeadError; the next call reconnects, so a restarted worker is picked up.
+Each connection first passes the fleet-secret handshake (engine/handshake.py) both ways: no
+frame goes to a worker that has not proved the secret.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import AsyncGenerator
 
 import msgspec
 
+from engine.handshake import ClientAuth, FleetSecretError, client_tls_context, prove_to_worker
 from engine.protocol import (
     EngineDeadError,
     EngineStats,
@@ -48,11 +51,17 @@ _Item = RequestOutput | BaseException
 
 
 class EngineClient:
-    def __init__(self, address: str, *, connect_timeout: float = 5.0) -> None:
-        parse_address(address)  # fail fast on a malformed address
+    def __init__(
+        self, address: str, *, connect_timeout: float = 5.0, auth: ClientAuth | None = None
+    ) -> None:
+        kind, _, _ = parse_address(address)  # fail fast on a malformed address
         self.address = address
         self.connect_timeout = connect_timeout
+        self.auth = auth or ClientAuth()
+        self._tls = client_tls_context(self.auth.tls_ca) if kind == "tls" else None
         self.info: ModelInfo | None = None
+        # why the latest connection attempt failed (None once one succeeds)
+        self.last_error: EngineDeadError | None = None
         self._codec = Codec(ToClient)
         self._reader_task: asyncio.Task[None] | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -75,24 +84,41 @@ class EngineClient:
         async with self._connect_lock:
             if self.connected and self.info is not None:
                 return self.info
-            kind, host, port = parse_address(self.address)
             try:
-                async with asyncio.timeout(self.connect_timeout):
-                    if kind == "unix":
-                        reader, writer = await asyncio.open_unix_connection(host)
-                    else:
-                        reader, writer = await asyncio.open_connection(host, port)
-                    body = await read_frame(reader)
-            except (OSError, TimeoutError, FrameError) as exc:
-                raise EngineDeadError(f"cannot reach engine at {self.address}: {exc}") from exc
-            hello = self._codec.decode(body) if body is not None else None
-            if not isinstance(hello, Hello):
-                writer.close()
-                raise EngineDeadError(f"engine at {self.address} did not greet")
-            self.info = hello.info
+                reader, writer, info = await self._open()
+            except EngineDeadError as exc:
+                if isinstance(exc, FleetSecretError) and str(exc) != str(self.last_error):
+                    log.error("%s", exc)
+                self.last_error = exc
+                raise
+            self.last_error = None
+            self.info = info
             self._writer = writer
             self._reader_task = asyncio.create_task(self._read_loop(reader))
-            return self.info
+            return info
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, ModelInfo]:
+        """A connection that passed the handshake, and the model its Hello announced."""
+        kind, host, port = parse_address(self.address)
+        writer: asyncio.StreamWriter | None = None
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                if kind == "unix":
+                    reader, writer = await asyncio.open_unix_connection(host)
+                else:
+                    reader, writer = await asyncio.open_connection(host, port, ssl=self._tls)
+                await prove_to_worker(reader, writer, self.auth, self.address)
+                body = await read_frame(reader)
+            hello = self._codec.decode(body) if body is not None else None
+            if not isinstance(hello, Hello):
+                raise EngineDeadError(f"engine at {self.address} did not greet")
+        except BaseException as exc:
+            if writer is not None:
+                writer.close()
+            if isinstance(exc, OSError | TimeoutError | FrameError):
+                raise EngineDeadError(f"cannot reach engine at {self.address}: {exc}") from exc
+            raise
+        return reader, writer, hello.info
 
     async def close(self) -> None:
         self._flush()

@@ -354,10 +354,12 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class LoRAConfig:
     """Adapter slots: how many adapters the device holds at once (0 disables LoRA) and the
-    largest rank a slot takes."""
+    largest rank a slot takes; `adapter_dir`, where set, is the only directory adapters load
+    from (a worker always sets it; None, in-process use, trusts the caller's paths)."""
 
     max_loras: int = 0
     max_lora_rank: int = 16
+    adapter_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_loras < 0:

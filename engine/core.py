@@ -188,7 +188,7 @@ class EngineCore:
         if lora is not None:
             if self.lora is None:
                 raise InvalidRequestError("this engine serves no adapters (max_loras is 0)")
-            self.lora.check(lora)
+            lora = self.lora.check(lora)
             slot = self.lora.ready_slot(lora)
         request = Request(
             request_id, prompt_token_ids, params, priority=sched.priority, tenant=sched.tenant,

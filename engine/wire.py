@@ -122,15 +122,17 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
 
 
 def parse_address(address: str) -> tuple[str, str, int]:
-    """`unix:///path` -> ("unix", path, 0); `tcp://host:port` -> ("tcp", host, port)."""
+    """`unix:///path` -> ("unix", path, 0); `tcp://host:port` -> ("tcp", host, port);
+    `tls://host:port` -> ("tls", host, port), TCP inside TLS."""
     if address.startswith("unix://"):
         path = address.removeprefix("unix://")
         if not path:
             raise ValueError("unix address needs a path: unix:///run/strata/engine.sock")
         return "unix", path, 0
-    if address.startswith("tcp://"):
-        host, sep, port = address.removeprefix("tcp://").rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"tcp address needs host:port, got {address!r}")
-        return "tcp", host.strip("[]") or "127.0.0.1", int(port)
-    raise ValueError(f"address must start with unix:// or tcp://, got {address!r}")
+    for kind in ("tcp", "tls"):
+        if address.startswith(f"{kind}://"):
+            host, sep, port = address.removeprefix(f"{kind}://").rpartition(":")
+            if not sep or not port.isdigit():
+                raise ValueError(f"{kind} address needs host:port, got {address!r}")
+            return kind, host.strip("[]") or "127.0.0.1", int(port)
+    raise ValueError(f"address must start with unix://, tcp:// or tls://, got {address!r}")

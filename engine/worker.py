@@ -4,6 +4,8 @@ Two threads. The asyncio thread owns the sockets: it decodes frames into command
 writes outputs back. The engine thread owns the EngineCore: it drains commands between
 steps, runs steps while there is work, and blocks when idle. Requests are namespaced by
 connection, so a client that disconnects has its requests aborted and its blocks freed.
+A connection counts only once it has passed the fleet-secret handshake (engine/handshake.py),
+within a bounded time and before any frame of it is read.
 """
 
 from __future__ import annotations
@@ -14,13 +16,18 @@ import logging
 import os
 import queue
 import signal
+import socket
+import ssl
+import stat
 import threading
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
+from engine.config import ConfigError
 from engine.core import EngineCore
+from engine.handshake import HandshakeRefusedError, accept_client, check_secret, server_tls_context
 from engine.protocol import InvalidRequestError, RequestOutput
 from engine.wire import (
     Abort,
@@ -51,6 +58,50 @@ class _Command:
 _STOP = _Command(-1, None)
 
 
+@dataclass(frozen=True)
+class ListenConfig:
+    """Where a worker listens and whom it lets in.
+
+    A Unix socket is created with mode 0600 (its directory, where the worker creates it,
+    0700): file permissions are the protection, and the fleet secret is asked for too when
+    one is set. A TCP listener always needs the secret, loopback included (every local user
+    and container sharing the host's network reaches a loopback port). With a certificate
+    and key, TCP runs inside TLS. A client has `handshake_timeout_s` to prove the secret.
+    """
+
+    address: str = "unix://.strata/engine.sock"
+    secret: str | None = field(default=None, repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    handshake_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        try:
+            kind, _, _ = parse_address(self.address)
+            if self.secret is not None:
+                check_secret(self.secret)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key are given together")
+        if kind == "unix" and self.tls_cert is not None:
+            raise ConfigError("TLS is for TCP listeners; a Unix socket is protected by its mode")
+        if kind == "tls" and self.tls_cert is None:
+            raise ConfigError(f"{self.address} needs --tls-cert and --tls-key")
+        if kind != "unix" and self.secret is None:
+            raise ConfigError(
+                f"refusing to listen on {self.address} without the fleet secret: anyone who "
+                "reaches a TCP port could run requests as any tenant. Set "
+                "STRATA_WORKER_SECRET (the same on the gateways), or listen on a unix:// socket"
+            )
+        if self.handshake_timeout_s <= 0:
+            raise ConfigError("handshake_timeout_s must be positive")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+
 class Worker:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
@@ -61,25 +112,37 @@ class Worker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
+        self._listen = ListenConfig()
         self._stopped = asyncio.Event()
 
     # -- asyncio side -------------------------------------------------------------------
 
-    async def serve(self, address: str, ready: asyncio.Event | None = None) -> None:
+    async def serve(self, listen: ListenConfig, ready: asyncio.Event | None = None) -> None:
         """Serve until SIGTERM/SIGINT or `stop()`; raises if the engine thread died."""
         self._loop = asyncio.get_running_loop()
+        self._listen = listen
+        address = listen.address
         kind, host, port = parse_address(address)
         if kind == "unix":
-            _prepare_socket_path(host)
-            server = await asyncio.start_unix_server(self._handle, path=host)
+            server = await asyncio.start_unix_server(self._handle, sock=_bind_private_socket(host))
         else:
-            server = await asyncio.start_server(self._handle, host=host, port=port)
+            tls: ssl.SSLContext | None = None
+            if listen.tls_cert is not None and listen.tls_key is not None:
+                tls = server_tls_context(listen.tls_cert, listen.tls_key)
+            server = await asyncio.start_server(
+                self._handle, host=host, port=port, ssl=tls,
+                ssl_handshake_timeout=listen.handshake_timeout_s if tls else None,
+            )  # fmt: skip
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
         self._thread.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 self._loop.add_signal_handler(sig, self.stop)
-        log.info("engine worker serving %s on %s", self.core.model_id, address)
+        log.info(
+            "engine worker serving %s on %s (%s%s)", self.core.model_id, address,
+            "fleet secret required" if listen.secret else "no fleet secret",
+            ", TLS" if listen.tls else "",
+        )  # fmt: skip
         if ready is not None:
             ready.set()
         async with server:
@@ -98,6 +161,14 @@ class Worker:
         self._stopped.set()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(self._listen.handshake_timeout_s):
+                await accept_client(reader, writer, self._listen.secret)
+        except (HandshakeRefusedError, TimeoutError, OSError) as exc:
+            reason = str(exc) or "no proof of the fleet secret in time"
+            log.warning("refused a connection from %s: %s", _peer(writer), reason)
+            writer.close()
+            return
         conn_id = self._next_conn
         self._next_conn += 1
         self._writers[conn_id] = writer
@@ -200,15 +271,43 @@ class Worker:
                 self._post(cmd.conn_id, Pong(msg.call_id, healthy=True))
 
 
-def _prepare_socket_path(path: str) -> None:
-    """Create the socket's directory and remove a stale socket left by a dead worker."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+def _bind_private_socket(path: str) -> socket.socket:
+    """A Unix socket at `path`, mode 0600 from the moment it exists; the directories above it
+    that are missing are created 0700, and a stale socket left by a dead worker is replaced."""
+    directory = os.path.dirname(os.path.abspath(path))
+    missing = []
+    parent = directory
+    while not os.path.exists(parent):
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    for created in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(created, 0o700)
+    mode = os.stat(directory).st_mode
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        log.warning("%s is writable by other users: they can replace the socket", directory)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    umask = os.umask(0o177)
+    try:
+        sock.bind(path)
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(umask)
+    os.chmod(path, 0o600)
+    return sock
 
 
-def run_worker(core: EngineCore, address: str) -> None:
-    """Serve `core` on `address` until a signal arrives (the `strata engine` command)."""
+def _peer(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "the Unix socket"
+
+
+def run_worker(core: EngineCore, listen: ListenConfig) -> None:
+    """Serve `core` as `listen` says until a signal arrives (the `strata engine` command)."""
     try:
         import uvloop  # noqa: PLC0415
 
@@ -216,4 +315,4 @@ def run_worker(core: EngineCore, address: str) -> None:
     except ImportError:
         runner = asyncio.Runner()
     with runner:
-        runner.run(Worker(core).serve(address))
+        runner.run(Worker(core).serve(listen))

@@ -66,7 +66,7 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
     journal = LedgerJournal(Path(settings.data_dir) / "ledger-journal")
     writer = LedgerWriter(ledger, journal=journal)
     writer.start()
-    engines = EnginePool(settings.engine_addresses)
+    engines = EnginePool(settings.engine_addresses, settings.worker_auth)
     metrics = GatewayMetrics()
     preparer: Preparer | None = None
     try:

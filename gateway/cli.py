@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -107,6 +108,12 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         help="LoRA adapter slots served at once, from one batch (0: no adapters)",
     )
     g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (1-64)")
+    g.add_argument(
+        "--adapter-dir",
+        default=None,
+        help="the only directory adapters are loaded from, symlinks and '..' resolved "
+        "(default for workers: adapters/ in the data directory, where uploads are kept)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument(
         "--max-num-batched-tokens",
@@ -185,7 +192,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
+def _engine_config(
+    args: argparse.Namespace, seed: int = 0, adapter_dir: str | None = None
+) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -209,7 +218,11 @@ def _engine_config(args: argparse.Namespace, seed: int = 0) -> EngineConfig:
             kv_load=args.kv_load,
             kv_host_reads=args.kv_host_reads,
         ),
-        lora=LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank),
+        lora=LoRAConfig(
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            adapter_dir=args.adapter_dir or adapter_dir,
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -293,8 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument(
         "--listen",
         default="unix://.strata/engine.sock",
-        help="unix:///path/to.sock or tcp://host:port",
+        help="unix:///path/to.sock (mode 0600), or tcp://host:port, which needs the fleet "
+        "secret STRATA_WORKER_SECRET (loopback too) and takes TLS with --tls-cert",
     )
+    eng.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TCP inside TLS")
+    eng.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     eng.add_argument("--seed", type=int, default=0, help="engine random seed")
     _engine_options(eng)
     return parser
@@ -333,10 +349,15 @@ def _read_schema(value: str | None) -> str | None:
 
 def _engine(args: argparse.Namespace) -> int:
     from engine.factory import create_engine  # noqa: PLC0415
-    from engine.worker import run_worker  # noqa: PLC0415
+    from engine.worker import ListenConfig, run_worker  # noqa: PLC0415
 
-    core, _ = create_engine(_engine_config(args, seed=args.seed), progress=True)
-    run_worker(core, args.listen)
+    listen = ListenConfig(  # checked before the model loads
+        address=args.listen, secret=settings.worker_secret(),
+        tls_cert=args.tls_cert, tls_key=args.tls_key,
+    )  # fmt: skip
+    adapter_dir = os.path.join(settings.data_dir(), "adapters")
+    core, _ = create_engine(_engine_config(args, args.seed, adapter_dir), progress=True)
+    run_worker(core, listen)
     return 0
 
 
@@ -354,6 +375,7 @@ _ENGINE_FLAGS = (
     "kv_host_reads",
     "max_loras",
     "max_lora_rank",
+    "adapter_dir",
     "max_num_seqs",
     "max_num_batched_tokens",
     "max_model_len",
@@ -382,6 +404,15 @@ def _engine_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def _serve_worker_argv(args: argparse.Namespace, data_dir: str) -> list[str]:
+    """`serve`'s worker options: those given, and adapters from where the gateway keeps its
+    uploads unless --adapter-dir says otherwise."""
+    argv = _engine_argv(args)
+    if args.adapter_dir is None:
+        argv += ["--adapter-dir", os.path.join(data_dir, "adapters")]
+    return argv
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio  # noqa: PLC0415
 
@@ -395,8 +426,9 @@ def _serve(args: argparse.Namespace) -> int:
         model_aliases=tuple(args.alias) or None,
     )  # fmt: skip
     configure_logging(settings.log_level(), json=gateway_settings.json_logs)
+    engine_argv = _serve_worker_argv(args, gateway_settings.data_dir)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve(gateway_settings, _engine_argv(args), demo=args.demo))
+        runner.run(serve(gateway_settings, engine_argv, demo=args.demo))
     return 0
 
 

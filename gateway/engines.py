@@ -1,5 +1,6 @@
-"""The gateway's view of its engine workers: one multiplexed EngineClient per worker, the
-least busy connected one chosen per request, and what they serve."""
+"""The gateway's view of its engine workers: one multiplexed EngineClient per worker (each
+proving the fleet secret and requiring the worker's proof), the least busy connected one
+chosen per request, and what they serve."""
 
 from __future__ import annotations
 
@@ -8,16 +9,19 @@ import contextlib
 import logging
 
 from engine.client import EngineClient
+from engine.handshake import ClientAuth, FleetSecretError
 from engine.protocol import EngineDeadError, EngineStats, ModelInfo
 
 log = logging.getLogger(__name__)
 
 
 class EnginePool:
-    def __init__(self, addresses: list[str] | tuple[str, ...]) -> None:
+    def __init__(
+        self, addresses: list[str] | tuple[str, ...], auth: ClientAuth | None = None
+    ) -> None:
         if not addresses:
             raise ValueError("the gateway needs at least one engine worker address")
-        self.clients = [EngineClient(a, connect_timeout=2.0) for a in addresses]
+        self.clients = [EngineClient(a, connect_timeout=2.0, auth=auth) for a in addresses]
         self.info: ModelInfo | None = None
 
     async def connect(self, timeout: float = 60.0) -> ModelInfo:
@@ -31,7 +35,8 @@ class EnginePool:
                 except EngineDeadError:
                     continue
             if asyncio.get_running_loop().time() > deadline:
-                raise EngineDeadError("no engine worker became reachable")
+                errors = "; ".join(str(c.last_error) for c in self.clients if c.last_error)
+                raise EngineDeadError(f"no engine worker became reachable: {errors}")
             await asyncio.sleep(0.2)
 
     def pick(self) -> EngineClient:
@@ -43,17 +48,20 @@ class EnginePool:
 
     async def ready(self, timeout: float = 1.0) -> bool:
         """Whether some worker is reachable: its connection is open, or opens now. Reachable,
-        not idle: a ping would wait behind the step a busy worker is computing."""
-        if any(c.connected for c in self.clients):
-            return True
-        for client in self.clients:
-            try:
-                async with asyncio.timeout(timeout):
-                    await client.connect()
-            except (EngineDeadError, TimeoutError):
-                continue
-            return True
-        return False
+        not idle: a ping would wait behind the step a busy worker is computing. The workers
+        not connected are tried together, so a restarted one is picked up and one that
+        fails the fleet secret shows in `errors()`."""
+        await asyncio.gather(*(_try_connect(c, timeout) for c in self.clients if not c.connected))
+        return any(c.connected for c in self.clients)
+
+    def errors(self) -> list[str]:
+        """Why workers are out of reach, one line each, without their addresses (for /ready):
+        a fleet secret error by name, anything else as 'unreachable'."""
+        return [
+            c.last_error.reason if isinstance(c.last_error, FleetSecretError) else "unreachable"
+            for c in self.clients
+            if c.last_error is not None
+        ]
 
     async def stats(self) -> list[EngineStats]:
         out = []
@@ -67,3 +75,9 @@ class EnginePool:
     async def close(self) -> None:
         for client in self.clients:
             await client.close()
+
+
+async def _try_connect(client: EngineClient, timeout: float) -> None:
+    with contextlib.suppress(EngineDeadError, TimeoutError):
+        async with asyncio.timeout(timeout):
+            await client.connect()

@@ -18,6 +18,7 @@ from pathlib import Path
 import uvicorn
 
 from engine.client import EngineClient
+from engine.handshake import ClientAuth
 from engine.protocol import EngineDeadError
 from gateway.app import create_app
 from gateway.settings import GatewaySettings
@@ -61,19 +62,22 @@ def restart_delay(previous_s: float | None, ran_for_s: float, healthy_after_s: f
 
 
 class WorkerSupervisor:
-    """`strata engine` as a child process, restarted (with backoff) whenever it dies."""
+    """`strata engine` as a child process, restarted (with backoff) whenever it dies. Its
+    environment, never its command line, carries the fleet secret."""
 
     def __init__(
         self,
         args: list[str],
         address: str,
         env: dict[str, str],
+        auth: ClientAuth,
         *,
         healthy_after_s: float = HEALTHY_RUN_S,
     ) -> None:
         self.args = args
         self.address = address
         self.env = env
+        self.auth = auth
         self.healthy_after_s = healthy_after_s
         self.proc: asyncio.subprocess.Process | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -91,7 +95,7 @@ class WorkerSupervisor:
         )
 
     async def wait_ready(self, timeout: float) -> None:
-        client = EngineClient(self.address, connect_timeout=1.0)
+        client = EngineClient(self.address, connect_timeout=1.0, auth=self.auth)
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             assert self.proc is not None
@@ -231,7 +235,7 @@ async def demo_key(redis_url: str, data_dir: Path) -> tuple[str, str, bool]:
 
 def _prepare_data_dir(settings: GatewaySettings) -> Path:
     data_dir = Path(settings.data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     return data_dir
 
 
@@ -244,11 +248,17 @@ async def serve(settings: GatewaySettings, engine_args: list[str], *, demo: bool
     assert settings.redis_url is not None
     settings = dataclasses.replace(settings, admin_token=admin_token(settings))
     address = f"unix://{(data_dir / 'engine.sock').resolve()}"
-    env = dict(os.environ, STRATA_CACHE_DIR=settings.cache_dir)
+    # besides the socket's mode, the worker asks for the fleet secret: the configured one,
+    # else one made up for this run; it goes to the worker in its environment
+    worker_secret = settings.worker_secret or secrets.token_urlsafe(32)
+    settings = dataclasses.replace(settings, worker_secret=worker_secret)
+    env = dict(os.environ, STRATA_CACHE_DIR=settings.cache_dir, STRATA_WORKER_SECRET=worker_secret)
     # the worker shares the cores with the gateway and the store: its OpenMP threads should
     # not spin long between kernels (measured: ~15% less engine CPU per request, same latency)
     env.setdefault("GOMP_SPINCOUNT", "10000")
-    worker = WorkerSupervisor(["--model", settings.model, *engine_args], address, env)
+    worker = WorkerSupervisor(
+        ["--model", settings.model, *engine_args], address, env, settings.worker_auth
+    )
     try:
         await worker.start()
         settings = dataclasses.replace(settings, engine_addresses=(address,))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from engine.handshake import ClientAuth, check_secret
+
 
 def cache_dir() -> str:
     """Where dequantized weights are cached: $STRATA_CACHE_DIR, else ~/.cache/strata."""
@@ -19,6 +21,15 @@ def log_level() -> str:
     return os.environ.get("STRATA_LOG_LEVEL", "INFO").upper()
 
 
+def data_dir() -> str:
+    return os.environ.get("STRATA_DATA_DIR", ".strata")
+
+
+def worker_secret() -> str | None:
+    """The fleet secret workers and gateways prove to each other: $STRATA_WORKER_SECRET."""
+    return os.environ.get("STRATA_WORKER_SECRET") or None
+
+
 @dataclass(frozen=True)
 class GatewaySettings:
     """What one gateway replica needs. Built by `from_env` at the entry point, or directly."""
@@ -31,6 +42,9 @@ class GatewaySettings:
     admin_token: str | None = None
     metrics_token: str | None = None  # when set, /metrics asks for it as a bearer token
     data_dir: str = ".strata"
+    # the fleet secret the engine workers ask for (never logged, never in a repr)
+    worker_secret: str | None = field(default=None, repr=False)
+    worker_tls_ca: str | None = None  # CA file for tls:// workers (None: the system's CAs)
     cache_dir: str = field(default_factory=cache_dir)
     host: str = "127.0.0.1"
     port: int = 8000
@@ -48,6 +62,8 @@ class GatewaySettings:
             alias, eq, target = spec.partition("=")
             if not (eq and alias.strip() and target.strip()):
                 raise ValueError(f"a model alias is written alias=model, not {spec!r}")
+        if self.worker_secret is not None:
+            check_secret(self.worker_secret)
 
     def aliases_of(self, model_id: str) -> tuple[str, ...]:
         """Every name that resolves to the served model `model_id`: `default`, the name it
@@ -62,6 +78,11 @@ class GatewaySettings:
             names.append(alias)
         return tuple(names)
 
+    @property
+    def worker_auth(self) -> ClientAuth:
+        """What this gateway proves to its engine workers and trusts them with."""
+        return ClientAuth(secret=self.worker_secret, tls_ca=self.worker_tls_ca)
+
     @classmethod
     def from_env(cls, **overrides: object) -> GatewaySettings:
         """Environment first (STRATA_*), then explicit overrides (CLI flags) win."""
@@ -71,7 +92,9 @@ class GatewaySettings:
             "redis_url": env.get("STRATA_REDIS_URL") or None,
             "admin_token": env.get("STRATA_ADMIN_TOKEN") or None,
             "metrics_token": env.get("STRATA_METRICS_TOKEN") or None,
-            "data_dir": env.get("STRATA_DATA_DIR", ".strata"),
+            "data_dir": data_dir(),
+            "worker_secret": worker_secret(),
+            "worker_tls_ca": env.get("STRATA_WORKER_TLS_CA") or None,
             "host": env.get("STRATA_HOST", "127.0.0.1"),
             "port": int(env.get("STRATA_PORT", "8000")),
             "json_logs": env.get("STRATA_LOG_FORMAT", "json") == "json",

@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from engine.config import ModelConfig
+from engine.protocol import InvalidRequestError
 
 MAX_RANK = 64
 CONFIG_FILE = "adapter_config.json"
@@ -36,6 +37,24 @@ _TENSOR = re.compile(
 
 class AdapterError(ValueError):
     """An adapter that cannot be served with this base model (one line: what and where)."""
+
+
+class AdapterPathError(InvalidRequestError):
+    """An adapter whose directory lies outside the adapter directory. The message names the
+    adapter, never a path: it reaches the tenant who asked for it."""
+
+    code = "adapter_path_not_allowed"
+
+
+def resolve_under(path: str, root: str, name: str) -> str:
+    """`path` with symlinks and `..` resolved, if it lies under `root` (resolved the same
+    way); raises AdapterPathError otherwise."""
+    resolved = Path(path).resolve()
+    if not resolved.is_relative_to(Path(root).resolve()):
+        raise AdapterPathError(
+            f"the adapter '{name}' lies outside this worker's adapter directory", param="model"
+        )
+    return str(resolved)
 
 
 @dataclass(frozen=True)

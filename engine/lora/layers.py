@@ -11,13 +11,20 @@ from concurrent import futures
 from contextlib import contextmanager
 from types import ModuleType
 
+import msgspec
 import torch
 from torch import nn
 
 from engine.config import LoRAConfig, ModelConfig
 from engine.device import to_device
 from engine.kernels.cpu import LayerLoRA, pair_rows
-from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter, read_adapter_settings
+from engine.lora.adapter import (
+    AdapterError,
+    LoRAAdapter,
+    load_adapter,
+    read_adapter_settings,
+    resolve_under,
+)
 from engine.model.llama import DecoderLayer, LlamaForCausalLM
 from engine.model.native_cpu import NativeDecoderLayer
 from engine.protocol import InvalidRequestError, LoRARequest
@@ -86,9 +93,14 @@ class LoRAManager:
         self.loader = futures.ThreadPoolExecutor(1, thread_name_prefix="strata-lora")
         self._loading: dict[str, futures.Future[LoRAAdapter]] = {}
 
-    def check(self, lora: LoRARequest) -> None:
+    def check(self, lora: LoRARequest) -> LoRARequest:
         """The quick checks of an adapter, from its config (no weights read): raises
-        InvalidRequestError for one this engine could never load."""
+        InvalidRequestError for one this engine could never load (AdapterPathError for one
+        outside the adapter directory). Returns `lora` with its path resolved: the one to
+        load from."""
+        if self.config.adapter_dir is not None:
+            path = resolve_under(lora.path, self.config.adapter_dir, lora.name)
+            lora = msgspec.structs.replace(lora, path=path)
         try:
             rank, _, _ = read_adapter_settings(lora.path, lora.name)
         except AdapterError as exc:
@@ -98,6 +110,7 @@ class LoRAManager:
                 f"{lora.name}: rank {rank} exceeds this engine's max_lora_rank "
                 f"{self.config.max_lora_rank}"
             )
+        return lora
 
     def ready_slot(self, lora: LoRARequest) -> int | None:
         """The slot already holding `lora` (now the most recently used), or None."""

@@ -25,7 +25,10 @@ async def ready(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     store_ok = await ping(gw.redis)
     engine_ok = await gw.engines.ready()
     ok = store_ok and engine_ok
-    body = {"status": "ready" if ok else "not ready", "store": store_ok, "engine": engine_ok}
+    body = {
+        "status": "ready" if ok else "not ready", "store": store_ok, "engine": engine_ok,
+        "engine_errors": gw.engines.errors(),
+    }  # fmt: skip
     return Response(body, status_code=200 if ok else 503)
 
 

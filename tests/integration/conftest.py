@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,31 +38,49 @@ def empty_tempdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 class WorkerProcess:
-    """`strata engine` in a subprocess, listening on a Unix socket."""
+    """`strata engine` in a subprocess, listening on a Unix socket (or on `address`, a TCP
+    one), with `env` added to its environment (the fleet secret, say)."""
 
-    def __init__(self, sock: Path, args: list[str], cache_dir: Path) -> None:
+    def __init__(
+        self,
+        sock: Path,
+        args: list[str],
+        cache_dir: Path,
+        *,
+        address: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.sock = sock
-        self.address = f"unix://{sock}"
+        self.address = address or f"unix://{sock}"
         self.args = args
         self.cache_dir = cache_dir
+        self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 120.0) -> None:
         if self.sock.exists():
             self.sock.unlink()
         env = dict(os.environ, STRATA_CACHE_DIR=str(self.cache_dir), STRATA_LOG_LEVEL="WARNING")
+        env.pop("STRATA_WORKER_SECRET", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "engine", "--listen", self.address, *self.args],
-            env=env,
+            env={**env, **self.env},
             stdout=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + timeout
-        while not self.sock.exists():
+        while not self._listening():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker exited with {self.proc.returncode}")
             if time.monotonic() > deadline:
                 raise TimeoutError("worker did not come up")
             time.sleep(0.05)
+
+    def _listening(self) -> bool:
+        if self.address.startswith("unix://"):
+            return self.sock.exists()
+        host, _, port = self.address.split("://")[1].rpartition(":")
+        with socket.socket() as probe:
+            return probe.connect_ex((host, int(port))) == 0
 
     def kill(self) -> None:
         assert self.proc is not None
@@ -223,6 +242,7 @@ class GatewayProcess:
             os.environ, STRATA_ADMIN_TOKEN=ADMIN_TOKEN, STRATA_LOG_LEVEL="WARNING",
             STRATA_LOG_FORMAT="console",
         )  # fmt: skip
+        self.env.pop("STRATA_WORKER_SECRET", None)  # its workers ask for none
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import time
 import pytest
 
 from engine.client import EngineClient
+from engine.handshake import ClientAuth
 from engine.protocol import SamplingParams
 
 
@@ -136,7 +138,13 @@ def free_port() -> int:
 
 def test_engine_worker_over_tcp(strata_cache_dir):
     address = f"tcp://127.0.0.1:{free_port()}"
-    env = dict(os.environ, STRATA_CACHE_DIR=str(strata_cache_dir), STRATA_LOG_LEVEL="WARNING")
+    secret = secrets.token_urlsafe(32)  # a TCP listener needs the fleet secret
+    env = dict(
+        os.environ,
+        STRATA_CACHE_DIR=str(strata_cache_dir),
+        STRATA_LOG_LEVEL="WARNING",
+        STRATA_WORKER_SECRET=secret,
+    )
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -153,7 +161,7 @@ def test_engine_worker_over_tcp(strata_cache_dir):
         env=env,
     )
     try:
-        client = EngineClient(address, connect_timeout=1.0)
+        client = EngineClient(address, connect_timeout=1.0, auth=ClientAuth(secret=secret))
 
         async def run() -> list[int]:
             deadline = time.monotonic() + 60

@@ -26,7 +26,16 @@ def lora_gateway(store_server, strata_cache_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-gw")
     worker = WorkerProcess(
         root / "engine.sock",
-        ["--model", "default", "--kv-cache-gb", "0.25", "--max-loras", "2"],
+        [
+            "--model",
+            "default",
+            "--kv-cache-gb",
+            "0.25",
+            "--max-loras",
+            "2",
+            "--adapter-dir",
+            str(root),
+        ],
         strata_cache_dir,
     )
     worker.start()

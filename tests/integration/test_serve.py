@@ -1,18 +1,26 @@
 """`strata serve --demo` as an operator runs it: embedded store, engine worker and gateway
-from one command, a demo key printed once, and a clean shutdown of every child on SIGTERM."""
+from one command, a demo key printed once, a fleet secret made up for its own worker, and a
+clean shutdown of every child on SIGTERM."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
+import pytest
+
+from engine.client import EngineClient
+from engine.handshake import ClientAuth, SecretRefusedError
 
 
 def _free_port() -> int:
@@ -32,6 +40,7 @@ def _start_serve(tmp_path, strata_cache_dir) -> tuple[subprocess.Popen[str], str
     )
     env.pop("STRATA_ADMIN_TOKEN", None)
     env.pop("STRATA_REDIS_URL", None)
+    env.pop("STRATA_WORKER_SECRET", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--demo", "--port", str(port),
          "--kv-cache-gb", "0.25"],
@@ -69,6 +78,19 @@ def _children(pid: int) -> dict[int, str]:
     return out
 
 
+def environ_of(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().partition("=")[::2] for e in entries if e)
+
+
+async def check_the_worker_asks_for(secret: str, sock: Path) -> None:
+    with pytest.raises(SecretRefusedError):
+        await EngineClient(f"unix://{sock}").connect()
+    client = EngineClient(f"unix://{sock}", auth=ClientAuth(secret=secret))
+    assert (await client.connect()).model_id
+    await client.close()
+
+
 def test_serve_demo_end_to_end(tmp_path, strata_cache_dir):
     proc, key, url = _start_serve(tmp_path, strata_cache_dir)
     try:
@@ -92,6 +114,18 @@ def test_serve_demo_end_to_end(tmp_path, strata_cache_dir):
         )
         assert [t["name"] for t in tenants.json()] == ["demo"]
         assert oct((tmp_path / "data" / "demo_key").stat().st_mode & 0o777) == "0o600"
+
+        # the worker got a made-up fleet secret through its environment, never its command
+        # line, and asks every client for it; its socket and the data directory are private
+        (worker,) = [p for p, cmd in _children(proc.pid).items() if " engine " in cmd]
+        secret = environ_of(worker)["STRATA_WORKER_SECRET"]
+        assert len(secret) >= 32
+        for pid in (proc.pid, *_children(proc.pid)):
+            assert secret.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        sock = tmp_path / "data" / "engine.sock"
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+        assert stat.S_IMODE((tmp_path / "data").stat().st_mode) == 0o700
+        asyncio.run(check_the_worker_asks_for(secret, sock))
 
         # the embedded store dies: it is restarted from its AOF and serving carries on
         (store_pid,) = [p for p, cmd in _children(proc.pid).items() if "valkey-server" in cmd]

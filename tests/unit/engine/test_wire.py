@@ -88,6 +88,7 @@ def test_unknown_sampling_field_is_rejected():
         ("unix:///tmp/e.sock", ("unix", "/tmp/e.sock", 0)),
         ("tcp://127.0.0.1:9000", ("tcp", "127.0.0.1", 9000)),
         ("tcp://[::1]:9000", ("tcp", "::1", 9000)),
+        ("tls://worker-3.internal:7000", ("tls", "worker-3.internal", 7000)),
     ],
 )
 def test_parse_address(address, expected):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.config import GemvKernel, KernelBackend, KVCacheDtype
-from gateway.cli import _engine_argv, _engine_config, build_parser
+from gateway.cli import _engine_argv, _engine_config, _serve_worker_argv, build_parser
 
 
 def test_kv_cache_dtype_option_reaches_the_config():
@@ -27,6 +27,20 @@ def test_kv_tier_options_reach_the_config():
     assert default.kv_host_reads == "auto"
     copies = build_parser().parse_args(["engine", "--kv-host-reads", "copy"])
     assert _engine_config(copies).cache.kv_host_reads == "copy"
+
+
+def test_workers_load_adapters_only_from_the_adapter_directory():
+    parser = build_parser()
+    assert _serve_worker_argv(parser.parse_args(["serve"]), "/srv/strata") == [
+        "--adapter-dir",
+        "/srv/strata/adapters",
+    ]
+    given = _serve_worker_argv(parser.parse_args(["serve", "--adapter-dir", "/a"]), "/srv")
+    assert given == ["--adapter-dir", "/a"]
+    config = _engine_config(parser.parse_args(["engine", *given]), adapter_dir="/default")
+    assert config.lora.adapter_dir == "/a"
+    config = _engine_config(parser.parse_args(["engine"]), adapter_dir="/default")
+    assert config.lora.adapter_dir == "/default"
 
 
 def test_serve_passes_engine_options_to_its_worker():
