@@ -42,23 +42,14 @@ from engine.model.fp8_weights import dequantize_weight, quantize_weight
 _L2_MARGIN = 256 << 20  # bytes of weight copies per shape and format: past any L2 cache
 
 
-def gemv_configs(spec: str) -> list[dict[str, int]]:
-    """'4x2048x4,...' (weight rows, columns, warps) -> the FP8 GEMV's launch options."""
-    keys = ("block_n", "block_k", "num_warps")
-    return [dict(zip(keys, map(int, c.split("x")), strict=True)) for c in spec.split(",")]
+def gemv_configs(spec: str, ops: Any) -> list[Any]:
+    """'4x2048x4,...' (weight rows, columns, warps) -> GemvTiles."""
+    return [ops.GemvTiles(*map(int, c.split("x"))) for c in spec.split(",")]
 
 
 def gemm_configs(spec: str, ops: Any) -> list[Any]:
     """'64x64x128x4x4,...' (rows, weight rows, columns, warps, stages) -> GemmTiles."""
     return [ops.GemmTiles(*map(int, c.split("x"))) for c in spec.split(",")]
-
-
-def _name(tiles: Any) -> str:
-    if isinstance(tiles, dict):
-        return "n{block_n}/k{block_k}/w{num_warps}".format(**tiles)
-    return (
-        f"m{tiles.block_m}/n{tiles.block_n}/k{tiles.block_k}/w{tiles.num_warps}/s{tiles.num_stages}"
-    )
 
 
 def bench_shape(
@@ -107,14 +98,12 @@ def bench_shape(
               f"({point['fp8_of_copy']:.0%}), {point['fp8_vs_16bit']}x", flush=True)  # fmt: skip
     x1 = torch.randn(1, k, generator=gen, device=device).to(torch.bfloat16)
     row["gemv_tiles"] = {
-        _name(cfg): timed(lambda cfg=cfg: ops.fp8_gemv(
-            x1, *fp8[next(turn) % copies], block_n=cfg["block_n"], block_k=cfg["block_k"],
-            launch={"num_warps": cfg["num_warps"]}))
-        for cfg in gemv_configs(args.gemv_configs)
-    }  # fmt: skip
+        t.name: timed(lambda t=t: ops.fp8_gemv(x1, *fp8[next(turn) % copies], tiles=t))
+        for t in gemv_configs(args.gemv_configs, ops)
+    }
     x64 = torch.randn(64, k, generator=gen, device=device).to(torch.bfloat16)
     row["gemm_tiles_64_rows"] = {
-        _name(t): timed(lambda t=t: ops.fp8_gemm(x64, *fp8[next(turn) % copies], tiles=t))
+        t.name: timed(lambda t=t: ops.fp8_gemm(x64, *fp8[next(turn) % copies], tiles=t))
         for t in gemm_configs(args.gemm_configs, ops)
     }
     for sweep in ("gemv_tiles", "gemm_tiles_64_rows"):

@@ -115,12 +115,23 @@ def one_token_kernels(core: EngineCore) -> dict[str, str]:
     """Which kernel the engine gave each projection's (and the LM head's) one-token product:
     "cublas" (torch's matmul), "triton" (the GEMV), "triton-fp8" (FP8 weights) or "native"
     (the CPU kernels)."""
+    return {name: _kernel_of(m) for name, m in _product_modules(core).items()}
+
+
+def fp8_gemv_tiles(core: EngineCore) -> dict[str, str]:
+    """The GEMV tiles the engine chose for each FP8 product (none with 16-bit weights)."""
+    modules = _product_modules(core)
+    return {name: m.gemv_tiles.name for name, m in modules.items() if isinstance(m, Fp8Linear)}
+
+
+def _product_modules(core: EngineCore) -> dict[str, torch.nn.Module]:
+    """The first layer's projections and the LM head, by name."""
     model = core.runner.model
     layer = model.layers[0]
     layer = getattr(layer, "inner", layer)  # a native decoder layer wraps the modules
     modules = {name: getattr(layer, name) for name in PROJECTIONS}
     modules["lm_head"] = model.lm_head
-    return {name: _kernel_of(m) for name, m in modules.items()}
+    return modules
 
 
 def _kernel_of(module: torch.nn.Module) -> str:
@@ -375,6 +386,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "kv_pool_blocks": core.pool.num_blocks,
                 "weight_bytes_read": weight_bytes(core),
                 "one_token_products": one_token_kernels(core),
+                "fp8_gemv_tiles": fp8_gemv_tiles(core),
             }
             products = config_used[label]["one_token_products"]
             print(f"{label}: one-token products by {products}", flush=True)

@@ -17,9 +17,10 @@ per output row (engine/model/fp8_weights.py quantizes them). Two kernels, by M:
 
 Both multiply the fp32 sum by the row's scale (sum of x w8 s = s times sum of x w8), add
 the bias and round to x's dtype once. A launch depends only on shapes (no host sync, no
-allocation but the output), so CUDA graphs capture it. Tiles are starting points for
-H100/H200 (bench/fp8_linear.py sweeps them). Interpreted on CPU for tests, with the dot in
-fp32.
+allocation but the output), so CUDA graphs capture it. The matmul's tiles, by M, are
+starting points for H100/H200; the GEMV's are chosen per weight shape at engine start
+among `GEMV_CANDIDATES` (engine/model/fp8_weights.py); bench/fp8_linear.py sweeps both.
+Interpreted on CPU for tests, with the dot in fp32.
 """
 
 from __future__ import annotations
@@ -112,9 +113,32 @@ def _fp8_gemm_kernel(
 _INTERPRETED = isinstance(_fp8_gemv_kernel, InterpretedFunction)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 GEMV_MAX_ROWS = 4  # rows of x up to which the GEMV kernel runs; the matmul above
-# weight rows per GEMV program: 4 (as triton_gemv's best) where compiled; interpreted, a
-# program costs its Python overhead whatever its size, so fewer, larger ones
-_GEMV_BLOCK_N = 64 if _INTERPRETED else 4
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """One launch configuration of the GEMV kernel."""
+
+    block_n: int  # weight rows per program
+    block_k: int  # columns per step for one row of x (shared by more rows: at least 128)
+    num_warps: int = 4
+
+    @property
+    def name(self) -> str:
+        return f"n{self.block_n}/k{self.block_k}/w{self.num_warps}"
+
+
+# Where compiled: 4 rows of 2,048 columns, the bytes per step of triton_gemv's best tile on
+# an H100 (4 rows of 1,024 bf16 columns). Interpreted, a program costs its Python overhead
+# whatever its size, so fewer, larger ones.
+DEFAULT_GEMV_TILES = GemvTiles(64 if _INTERPRETED else 4, 2048)
+# what the engine times at start, per weight shape (engine/model/fp8_weights.py)
+GEMV_CANDIDATES = (
+    DEFAULT_GEMV_TILES,
+    GemvTiles(8, 1024),
+    GemvTiles(4, 4096),
+    GemvTiles(8, 2048, num_warps=8),
+)
 
 
 @dataclass(frozen=True)
@@ -127,6 +151,11 @@ class GemmTiles:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8
+
+    @property
+    def name(self) -> str:
+        return (f"m{self.block_m}/n{self.block_n}/k{self.block_k}/w{self.num_warps}"
+                f"/s{self.num_stages}")  # fmt: skip
 
 
 def gemm_tiles(num_rows: int) -> GemmTiles:
@@ -154,24 +183,21 @@ def fp8_gemv(
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    block_n: int = _GEMV_BLOCK_N,
-    block_k: int = 2048,
-    launch: dict[str, int] | None = None,
+    tiles: GemvTiles = DEFAULT_GEMV_TILES,
 ) -> torch.Tensor:
     """x [M, K] (M <= a few) @ (weight [N, K] e4m3 * scale [N, 1])^T (+ bias [N]) -> [M, N]
-    in x's dtype. `block_k` is the tile's width for one row of x, shared by M rows beyond
-    (at least 128 columns); `launch`: Triton's launch options (num_warps), for sweeps."""
+    in x's dtype, by the GEMV kernel."""
     x = _check(x, weight, scale)
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     block_m = triton.next_power_of_2(m)
-    tile_k = min(max(128, block_k // block_m), triton.next_power_of_2(k))
-    _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
+    block_k = min(max(128, tiles.block_k // block_m), triton.next_power_of_2(k))
+    _fp8_gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, weight, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % tile_k == 0,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=tile_k, **(launch or {}),
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
     )  # fmt: skip
     return out
 
@@ -207,9 +233,15 @@ def fp8_gemm(
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    gemv_tiles: GemvTiles = DEFAULT_GEMV_TILES,
 ) -> torch.Tensor:
-    """x [M, K] -> [M, N]: the GEMV kernel up to `GEMV_MAX_ROWS` rows, the matmul above."""
+    """x [M, K] -> [M, N]: the GEMV kernel (with `gemv_tiles`) up to `GEMV_MAX_ROWS` rows,
+    the matmul above."""
     if x.shape[0] <= GEMV_MAX_ROWS:
-        return fp8_gemv(x, weight, scale, bias)
+        return fp8_gemv(x, weight, scale, bias, tiles=gemv_tiles)
     return fp8_gemm(x, weight, scale, bias)

@@ -8,7 +8,8 @@ row's largest magnitude lands on e4m3's largest finite value, an all-zero row ge
 the product is x W8^T times s, s applied to the fp32 sums. Every step uses them: one-token
 and few-token steps through the FP8 GEMV, prefill chunks and larger batches through the
 tiled matmul, so the 16-bit weights are not kept (each is released once quantized; CUDA's
-cached blocks are returned at the end).
+cached blocks are returned at the end). On CUDA, `choose_gemv_tiles` then times the GEMV's
+candidate tiles on each weight shape, as `GemvKernel.AUTO` times the 16-bit GEMV.
 
 Which products: qkv_proj, o_proj, gate_up_proj and down_proj of every layer, and the LM
 head unless it is tied to the embedding table (7% of Llama-3-8B's weight bytes read per
@@ -22,16 +23,21 @@ any projection and adds each token's update, in the compute dtype, to the FP8 pr
 
 from __future__ import annotations
 
+import logging
+from functools import partial
 from types import ModuleType
 
 import torch
 from torch import nn
 
+from engine.cuda_graphs import graph_ms_per_call
 from engine.model.llama import LlamaForCausalLM
 from engine.model.triton_layers import PROJECTIONS
 from kvstore.fp8 import FP8_DTYPE, quantize_fp8
 
 _CHUNK_BYTES = 256 << 20  # fp32 temporaries of one quantization pass at most
+
+log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
@@ -72,10 +78,13 @@ class Fp8Linear(nn.Module):
         self.bias = linear.bias
         self.ops = ops
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.gemv_tiles = ops.DEFAULT_GEMV_TILES  # see choose_gemv_tiles
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] in x's dtype."""
-        out: torch.Tensor = self.ops.fp8_linear(x, self.weight, self.weight_scale, self.bias)
+        out: torch.Tensor = self.ops.fp8_linear(
+            x, self.weight, self.weight_scale, self.bias, gemv_tiles=self.gemv_tiles
+        )
         return out
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -102,3 +111,36 @@ def apply_fp8_weights(model: LlamaForCausalLM, ops: ModuleType) -> list[str]:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the 16-bit weights' blocks, back to the device
     return swapped
+
+
+@torch.inference_mode()
+def choose_gemv_tiles(model: LlamaForCausalLM, ops: ModuleType) -> dict[str, str]:
+    """Per FP8 projection (and LM head), the GEMV tiles of `ops.GEMV_CANDIDATES` whose
+    one-token products of these weights (up to 16 of them, the first layers') ran fastest
+    back to back in a CUDA graph, as a decode step runs them; sets each module's
+    `gemv_tiles` (CUDA only). Returns the tiles' names by group. Timings vary a little
+    between starts, so two starts may pick differently where candidates are close; the
+    products then round their fp32 sums in another order."""
+    groups = {name: [getattr(layer, name) for layer in model.layers] for name in PROJECTIONS}
+    groups["lm_head"] = [model.lm_head]
+    dtype = model.embed_tokens.weight.dtype
+    chosen = {}
+    for name, modules in groups.items():
+        if not all(isinstance(m, Fp8Linear) for m in modules):
+            continue
+        first = [(m.weight, m.weight_scale, m.bias) for m in modules[:16]]
+        weights = [first[i % len(first)] for i in range(max(8, len(first)))]
+        x = torch.randn(1, modules[0].in_features, dtype=dtype, device=first[0][0].device)
+        times = {
+            tiles: graph_ms_per_call(
+                [partial(ops.fp8_gemv, x, w, s, b, tiles=tiles) for w, s, b in weights]
+            )
+            for tiles in ops.GEMV_CANDIDATES
+        }
+        best = min(times, key=lambda tiles: times[tiles])
+        for m in modules:
+            m.gemv_tiles = best
+        chosen[name] = best.name
+        log.info("one-token FP8 %s: %s", name,
+                 ", ".join(f"{t.name} {ms * 1e3:.1f} us" for t, ms in times.items()))  # fmt: skip
+    return chosen

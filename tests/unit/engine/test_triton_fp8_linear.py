@@ -56,6 +56,13 @@ def test_fp8_kernels_match_the_dequantized_product(ops, kernel, rows, dtype, n, 
     _assert_within_bound(got, want, k)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_every_gemv_tiling_the_engine_may_choose_gives_the_product(ops, rows):
+    x, values, scales, b, want = _case(rows, 40, 1000, True, torch.float32)
+    for tiles in ops.GEMV_CANDIDATES:
+        _assert_within_bound(ops.fp8_gemv(x, values, scales, b, tiles=tiles), want, 1000)
+
+
 @pytest.mark.parametrize("kernel", ["fp8_gemv", "fp8_gemm"])
 def test_fp8_kernels_read_strided_rows_and_tiles_over_every_column(ops, kernel):
     """x a view with a row stride past its width (a slice of a wider activation); K a
