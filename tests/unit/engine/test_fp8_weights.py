@@ -115,3 +115,33 @@ def test_fp8_weights_are_a_config_error_off_the_triton_kernels():
     EngineConfig(device="cpu", backend=KernelBackend.TRITON, weights=WeightFormat.FP8)
     for weights in (WeightFormat.AUTO, WeightFormat.SIXTEEN_BIT):
         assert EngineConfig(device="cpu", weights=weights).weights is weights
+
+
+@INTERPRETED
+def test_each_fp8_product_takes_the_gemv_tiles_that_timed_fastest(monkeypatch):
+    """`choose_gemv_tiles` with a stand-in for the CUDA-graph timer (which runs a call, as
+    the real one runs them all, and gives each tiling a time of its own per shape): every
+    module of a group gets that group's fastest tiling."""
+    ops = load_triton_kernels(torch.device("cpu"), "triton_fp8_linear")
+    model = _model(tied=False)
+    apply_fp8_weights(model, ops)
+    fastest = {64: ops.GEMV_CANDIDATES[1], 128: ops.GEMV_CANDIDATES[2]}  # by in_features
+    timed = []
+
+    def fake_timer(calls):
+        assert calls[0]().shape[0] == 1  # one-token products
+        tiles, (x, *_) = calls[0].keywords["tiles"], calls[0].args
+        timed.append((x.shape[1], tiles, len(calls)))
+        return 1.0 if tiles == fastest[x.shape[1]] else 2.0
+
+    monkeypatch.setattr(fp8_weights, "graph_ms_per_call", fake_timer)
+    chosen = fp8_weights.choose_gemv_tiles(model, ops)
+    assert set(chosen) == {*PROJECTIONS, "lm_head"}
+    for name in PROJECTIONS:
+        for layer in model.layers:
+            module = getattr(layer, name)
+            assert module.gemv_tiles == fastest[module.in_features]
+            assert chosen[name] == module.gemv_tiles.name
+    assert model.lm_head.gemv_tiles == fastest[64]
+    # every candidate timed per group, over at least 8 products (the 2 layers' weights again)
+    assert len(timed) == 5 * len(ops.GEMV_CANDIDATES) and {n for _, _, n in timed} == {8}
