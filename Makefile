@@ -14,7 +14,7 @@ PORT ?= 8000
 
 .PHONY: install install-dev serve test lint format bench bench-gpu gpu-setup bench-gpu-tests \
 	bench-gpu-decode bench-gpu-engine bench-gpu-kv bench-gpu-quick bench-gpu-model-tests \
-	gpu-wheels gpu-model clean
+	bench-gpu-fp8w gpu-wheels gpu-model clean
 
 $(BIN)/python:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -148,6 +148,29 @@ bench-gpu-quick: gpu-setup
 		--contexts 2048 --repeats 100
 	-timeout 30 env $(GPU_RUN) bench/kv_admit.py
 	-$(GPU_PACK)
+
+# FP8 weights (--weights fp8) on a lent GPU, in one command under six minutes, Triton's
+# compilation included (each part's time limit, plus gpu-setup): their GPU tests, then the
+# other GPU tests that need no model file; gpu_decode on synthetic:llama3-8b (FP8 pages)
+# with 16-bit and FP8 weights in one process, batch 1 and 64 over 512 and 2,048 tokens,
+# whose record has FP8's step time over 16-bit's per point; then the FP8 products against
+# 16-bit ones per shape and row count, and their tiles (bench/fp8_linear.py). Each part
+# runs even after one fails; with OUT set, the result files written so far are packed into
+# $(OUT)/bench-gpu-fp8w.tgz after every part.
+FP8W_STAMP := /tmp/strata-bench-gpu-fp8w.stamp
+FP8W_PACK = test -z "$(OUT)" || (find bench/results -newer $(FP8W_STAMP) -type f \
+	| tar czf $(OUT)/.pack.tgz -T - && mv $(OUT)/.pack.tgz $(OUT)/bench-gpu-fp8w.tgz)
+bench-gpu-fp8w: gpu-setup
+	touch $(FP8W_STAMP)
+	-timeout 80 env $(GPU_RUN) -m pytest -q -p no:cacheprovider -m "not model" \
+		tests/gpu/test_fp8_weights_cuda.py
+	-timeout 70 env $(GPU_RUN) -m pytest -q -p no:cacheprovider -m "not model" tests/gpu \
+		--ignore=tests/gpu/test_fp8_weights_cuda.py
+	-timeout 140 env $(GPU_RUN) bench/gpu_decode.py --batches 1,64 --contexts 512,2048 \
+		--weights 16bit,fp8 --kv fp8 --skip-hf
+	-$(FP8W_PACK)
+	-timeout 45 env $(GPU_RUN) bench/fp8_linear.py
+	-$(FP8W_PACK)
 
 bench-gpu-model-tests: gpu-setup
 	-$(GPU_RUN) -m pytest -q -p no:cacheprovider -m model tests/gpu

@@ -7,6 +7,15 @@ docs/benchmarks.md.
     python bench/gpu_decode.py --quick    # fewer shapes and steps
     python bench/gpu_decode.py --batches 1 --gemv cublas   # one-token steps by cuBLAS alone
     python bench/gpu_decode.py --batches 1,64 --contexts 2048 --profile   # where a step goes
+    python bench/gpu_decode.py --weights 16bit,fp8 --kv fp8 --skip-hf   # FP8 weights' steps
+
+`--weights` takes a list of weight formats (`EngineConfig.weights`), each run as one more
+engine per KV dtype in the same process, so on the same device: 16-bit weights' points keep
+their KV dtype's name (`fp8`, `bf16`), the others are named `<weights>w-<kv>` (`fp8w-fp8`).
+With both 16bit and fp8, `fp8_weights_step_ratio` is each point's FP8-weight step time over
+the 16-bit one's, by KV dtype and shape. On CPU, FP8 weights run under Triton's interpreter
+(`--backend triton`, the only place they run there): a check that the path works, not a
+figure.
 
 The last printed line is one JSON object; the full record goes to bench/results/.
 """
@@ -19,6 +28,7 @@ import statistics
 import sys
 import time
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +42,16 @@ from engine.config import (
     CacheConfig,
     EngineConfig,
     GemvKernel,
+    KernelBackend,
     KVCacheDtype,
     SchedulerConfig,
+    WeightFormat,
     resolve_device,
 )
 from engine.core import EngineCore
 from engine.factory import create_engine
+from engine.model.fp8_weights import Fp8Linear
+from engine.model.native_cpu import NativeLinear
 from engine.model.triton_layers import PROJECTIONS, TritonLinear
 
 _GIB = 1 << 30
@@ -66,6 +80,8 @@ def _sync(device: torch.device) -> None:
 def weight_bytes(core: EngineCore) -> int:
     model = core.runner.model
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    # FP8 weights' row scales
+    total += sum(b.nbytes for name, b in model.named_buffers() if name.endswith("weight_scale"))
     if not model.config.tie_word_embeddings:  # the table is only indexed, never streamed
         emb = model.embed_tokens.weight
         total -= emb.numel() * emb.element_size()
@@ -73,23 +89,49 @@ def weight_bytes(core: EngineCore) -> int:
 
 
 def one_token_kernels(core: EngineCore) -> dict[str, str]:
-    """Which kernel the engine gave each projection's (and the LM head's) one-token product."""
+    """Which kernel the engine gave each projection's (and the LM head's) one-token product:
+    "cublas" (torch's matmul), "triton" (the GEMV), "triton-fp8" (FP8 weights) or "native"
+    (the CPU kernels)."""
+    return {name: _kernel_of(m) for name, m in _product_modules(core).items()}
+
+
+def fp8_gemv_tiles(core: EngineCore) -> dict[str, str]:
+    """The GEMV tiles the engine chose for each FP8 product (none with 16-bit weights)."""
+    modules = _product_modules(core)
+    return {name: m.gemv_tiles.name for name, m in modules.items() if isinstance(m, Fp8Linear)}
+
+
+def _product_modules(core: EngineCore) -> dict[str, torch.nn.Module]:
+    """The first layer's projections and the LM head, by name."""
     model = core.runner.model
-    modules = {name: getattr(model.layers[0], name) for name in PROJECTIONS}
+    layer = model.layers[0]
+    layer = getattr(layer, "inner", layer)  # a native decoder layer wraps the modules
+    modules = {name: getattr(layer, name) for name in PROJECTIONS}
     modules["lm_head"] = model.lm_head
-    return {
-        name: "triton" if isinstance(m, TritonLinear) else "cublas" for name, m in modules.items()
-    }
+    return modules
 
 
-def build_engine(args: argparse.Namespace, kv: str, device: torch.device) -> EngineCore:
+def _kernel_of(module: torch.nn.Module) -> str:
+    if isinstance(module, Fp8Linear):
+        return "triton-fp8"
+    if isinstance(module, TritonLinear):
+        return "triton"
+    return "native" if isinstance(module, NativeLinear) else "cublas"
+
+
+def build_engine(
+    args: argparse.Namespace, kv: str, device: torch.device, weights: str = "16bit"
+) -> EngineCore:
     """An engine whose KV pool takes what the GPU has left after the weights."""
     max_len = max(args.contexts) + 1
+    fp8_on_cpu = weights == "fp8" and device.type != "cuda"
     config = EngineConfig(
         model=args.model,
         dtype=args.dtype,
         device=str(device),
         seed=args.seed,
+        weights=WeightFormat(weights),
+        backend=KernelBackend.TRITON if fp8_on_cpu else KernelBackend.AUTO,
         cache=CacheConfig(
             kv_cache_dtype=KV_DTYPES[kv],
             kv_cache_memory_bytes=int(args.kv_gb * _GIB),
@@ -195,6 +237,72 @@ def hf_decode_tok_s(hf, batch: int, context: int, steps: int, device: torch.devi
     return batch * steps / max(full - first, 1e-9)
 
 
+@dataclass
+class Figures:
+    """The measured points: per engine label, per shape (`b<batch>/c<context>`)."""
+
+    tok_s: dict[str, dict[str, float]] = field(default_factory=dict)
+    step_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    hbm_fraction: dict[str, dict[str, float]] = field(default_factory=dict)
+    batch1_vs_limit: dict[str, float] = field(default_factory=dict)  # "<label>/c<context>"
+    profiles: dict[str, Any] = field(default_factory=dict)  # "<label>/b<batch>/c<context>"
+    skipped: list[str] = field(default_factory=list)
+
+
+def engine_label(weights: str, kv: str) -> str:
+    """16-bit weights' points are named by their KV dtype alone (as before `--weights`)."""
+    return kv if weights == "16bit" else f"{weights}w-{kv}"
+
+
+def measure_engine(
+    core: EngineCore,
+    label: str,
+    args: argparse.Namespace,
+    bandwidth: float,
+    figures: Figures,
+) -> None:
+    """Every (batch, context) point of one engine, into `figures` (mutated)."""
+    wbytes = weight_bytes(core)
+    spec = core.pool.spec
+    for context in args.contexts:
+        for batch in args.batches:
+            key = f"{label}/b{batch}/c{context}"
+            shape = f"b{batch}/c{context}"
+            if batch * -(-context // spec.block_size) > core.pool.num_blocks:
+                figures.skipped.append(f"{key}: KV exceeds the pool")
+                continue
+            seconds = decode_point(core, batch, context, args.steps, args.seed)
+            need = wbytes + batch * context * spec.bytes_per_token
+            fraction = need / seconds / bandwidth
+            figures.tok_s.setdefault(label, {})[shape] = round(batch / seconds, 1)
+            figures.step_ms.setdefault(label, {})[shape] = round(seconds * 1e3, 3)
+            figures.hbm_fraction.setdefault(label, {})[shape] = round(fraction, 3)
+            if batch == 1:
+                limit = wbytes / bandwidth
+                figures.batch1_vs_limit[f"{label}/c{context}"] = round(seconds / limit, 2)
+            print(
+                f"{key:>18}: step {seconds * 1e3:8.2f} ms  {batch / seconds:9.1f} tok/s  "
+                f"{need / seconds / 1e9:7.1f} GB/s ({fraction:.0%} of copy)",
+                flush=True,
+            )
+            if args.profile:
+                figures.profiles[key] = kernel_profile(core, batch, context, 5, args.seed)
+                print(_profile_lines(key, figures.profiles[key]), flush=True)
+
+
+def fp8_weights_ratio(
+    step_ms: dict[str, dict[str, float]], kv_names: list[str]
+) -> dict[str, float]:
+    """`<kv>/<shape>` -> FP8 weights' step time over 16-bit weights', where both ran."""
+    ratios = {}
+    for kv in kv_names:
+        sixteen, fp8 = step_ms.get(kv, {}), step_ms.get(engine_label("fp8", kv), {})
+        for shape, ms in sixteen.items():
+            if shape in fp8:
+                ratios[f"{kv}/{shape}"] = round(fp8[shape] / ms, 3)
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="auto")
@@ -203,6 +311,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--batches", default=None, help="default: 1,16,64,128 (CPU: 1,4)")
     ap.add_argument("--contexts", default=None, help="default: 512,2048,8192 (CPU: 64,256)")
     ap.add_argument("--kv", default="fp8,bf16")
+    ap.add_argument(
+        "--weights",
+        default="16bit",
+        help="weight formats to run, each with every --kv: 16bit, fp8, auto (comma list)",
+    )
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 32, CPU 4)")
     ap.add_argument("--kv-gb", type=float, default=None, help="KV pool (default: what fits)")
     ap.add_argument("--skip-hf", action="store_true")
@@ -227,60 +340,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.contexts = [int(c) for c in (args.contexts or grid[1]).split(",")]
     args.steps = args.steps or (8 if args.quick else 32 if gpu else 4)
     kv_names = args.kv.split(",")
+    weight_names = args.weights.split(",")
 
     bandwidth = copy_bandwidth(device, _GIB if gpu else 256 << 20)
     print(f"device {machine_info(device)['device']}: copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     if args.model.startswith("synthetic:"):
         print(f"model {args.model}: random weights (seeded {args.seed}), real shapes")
-    tok_s: dict[str, dict[str, float]] = {}
-    step_ms: dict[str, dict[str, float]] = {}
-    hbm_fraction: dict[str, dict[str, float]] = {}
-    skipped: list[str] = []
-    batch1_vs_limit: dict[str, float] = {}
+    figures = Figures()
     config_used: dict[str, Any] = {}
-    profiles: dict[str, Any] = {}
-    for kv in kv_names:
-        if args.kv_gb is None:
-            args.kv_gb = _kv_budget_gib(args, device)
-        core = build_engine(args, kv, device)
-        wbytes = weight_bytes(core)
-        spec = core.pool.spec
-        config_used[kv] = {
-            "attention": type(core.runner.attn).__name__,
-            "decode_graphs": core.runner.graphs is not None,
-            "kv_bytes_per_token": spec.bytes_per_token,
-            "kv_pool_blocks": core.pool.num_blocks,
-            "weight_bytes_read": wbytes,
-            "one_token_products": one_token_kernels(core),
-        }
-        print(f"{kv}: one-token products by {config_used[kv]['one_token_products']}", flush=True)
-        for context in args.contexts:
-            for batch in args.batches:
-                key = f"{kv}/b{batch}/c{context}"
-                if batch * -(-context // spec.block_size) > core.pool.num_blocks:
-                    skipped.append(f"{key}: KV exceeds the pool")
-                    continue
-                seconds = decode_point(core, batch, context, args.steps, args.seed)
-                need = wbytes + batch * context * spec.bytes_per_token
-                fraction = need / seconds / bandwidth
-                tok_s.setdefault(kv, {})[f"b{batch}/c{context}"] = round(batch / seconds, 1)
-                step_ms.setdefault(kv, {})[f"b{batch}/c{context}"] = round(seconds * 1e3, 3)
-                hbm_fraction.setdefault(kv, {})[f"b{batch}/c{context}"] = round(fraction, 3)
-                if batch == 1:
-                    limit = wbytes / bandwidth
-                    batch1_vs_limit[f"{kv}/c{context}"] = round(seconds / limit, 2)
-                print(
-                    f"{key:>18}: step {seconds * 1e3:8.2f} ms  {batch / seconds:9.1f} tok/s  "
-                    f"{need / seconds / 1e9:7.1f} GB/s ({fraction:.0%} of copy)",
-                    flush=True,
-                )
-                if args.profile:
-                    profiles[key] = kernel_profile(core, batch, context, 5, args.seed)
-                    print(_profile_lines(key, profiles[key]), flush=True)
-        del core
-        gc.collect()
-        if gpu:
-            torch.cuda.empty_cache()
+    for weights in weight_names:
+        for kv in kv_names:
+            label = engine_label(weights, kv)
+            if args.kv_gb is None:
+                args.kv_gb = _kv_budget_gib(args, device)
+            core = build_engine(args, kv, device, weights)
+            spec = core.pool.spec
+            config_used[label] = {
+                "weights": weights,
+                "attention": type(core.runner.attn).__name__,
+                "decode_graphs": core.runner.graphs is not None,
+                "kv_bytes_per_token": spec.bytes_per_token,
+                "kv_pool_blocks": core.pool.num_blocks,
+                "weight_bytes_read": weight_bytes(core),
+                "one_token_products": one_token_kernels(core),
+                "fp8_gemv_tiles": fp8_gemv_tiles(core),
+            }
+            products = config_used[label]["one_token_products"]
+            print(f"{label}: one-token products by {products}", flush=True)
+            measure_engine(core, label, args, bandwidth, figures)
+            del core
+            gc.collect()
+            if gpu:
+                torch.cuda.empty_cache()
+    tok_s, step_ms = figures.tok_s, figures.step_ms
+    fp8_ratio = fp8_weights_ratio(step_ms, kv_names)
+    for point, ratio in fp8_ratio.items():
+        print(f"{point:>18}: FP8 weights' step {ratio:.3f}x the 16-bit weights'")
 
     hf_tok_s: dict[str, float] = {}
     ratio_vs_hf: dict[str, float] = {}
@@ -295,13 +390,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 try:
                     peer = hf_decode_tok_s(hf, batch, context, args.steps, device)
                 except torch.OutOfMemoryError:
-                    skipped.append(f"hf/{shape}: out of memory")
+                    figures.skipped.append(f"hf/{shape}: out of memory")
                     gc.collect()
                     if gpu:
                         torch.cuda.empty_cache()
                     continue
                 hf_tok_s[shape] = round(peer, 1)
-                best = max((tok_s[kv].get(shape, 0.0) for kv in tok_s), default=0.0)
+                best = max((tok_s[kv].get(shape, 0.0) for kv in kv_names if kv in tok_s),
+                           default=0.0)  # fmt: skip
                 ratio_vs_hf[shape] = round(best / peer, 2)
                 print(
                     f"transformers {shape:>12}: {peer:9.1f} tok/s  (Strata {ratio_vs_hf[shape]}x)"
@@ -309,10 +405,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     summary = {
         "device": machine_info(device)["device"],
         "tok_s": tok_s,
-        "hbm_fraction": hbm_fraction,
+        "hbm_fraction": figures.hbm_fraction,
         "hf_tok_s": hf_tok_s,
         "ratio_vs_hf": ratio_vs_hf,
     }
+    if fp8_ratio:
+        summary["fp8_weights_step_ratio"] = fp8_ratio
     record = {
         **machine_info(device),
         "benchmark": "gpu_decode",
@@ -321,12 +419,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "dtype": args.dtype,
         "steps": args.steps,
         "gemv": args.gemv,
+        "weight_formats": weight_names,
         "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "step_ms": step_ms,
-        "batch1_step_vs_weight_streaming_limit": batch1_vs_limit,
+        "batch1_step_vs_weight_streaming_limit": figures.batch1_vs_limit,
         "engine": config_used,
-        "profiles": profiles,
-        "skipped": skipped,
+        "profiles": figures.profiles,
+        "skipped": figures.skipped,
         **summary,
     }
     publish(args.out_dir, "gpu_decode", record, summary)

@@ -57,6 +57,19 @@ class GemvKernel(enum.Enum):
     TRITON = "triton"
 
 
+class WeightFormat(enum.Enum):
+    """How the projections' weights are held. `auto`: as the checkpoint holds them (today
+    every loader gives the compute dtype). `16bit`: in the compute dtype (`dtype`). `fp8`:
+    the decoder's projections, and an LM head not tied to the embedding table, in
+    float8_e4m3fn with a float32 scale per output row (engine/model/fp8_weights.py), their
+    products by the Triton kernels (engine/kernels/triton_fp8_linear.py): CUDA devices only,
+    or a CPU under `KernelBackend.TRITON` (interpreted, for tests)."""
+
+    AUTO = "auto"
+    SIXTEEN_BIT = "16bit"
+    FP8 = "fp8"
+
+
 class KVCacheDtype(enum.Enum):
     """Storage of KV pages. `auto`: the model's compute dtype. `fp8_e4m3`: float8_e4m3fn
     values with a float32 scale per (token, KV head), about half the bytes of 16-bit pages."""
@@ -384,6 +397,8 @@ class EngineConfig:
     cuda_graph_max_batch: int = 256
     # one-token steps' projections: cuBLAS, Triton's GEMV, or per shape the faster (CUDA)
     gemv: GemvKernel = GemvKernel.AUTO
+    # projections' weights: as the checkpoint holds them, 16-bit, or FP8 (CUDA)
+    weights: WeightFormat = WeightFormat.AUTO
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -394,8 +409,18 @@ class EngineConfig:
             raise ConfigError("num_threads must be positive")
         if self.cuda_graph_max_batch < 1:
             raise ConfigError("cuda_graph_max_batch must be positive")
-        resolve_device(self.device)
+        device = resolve_device(self.device)
         parse_dtype(self.dtype)
+        if self.weights is WeightFormat.FP8:
+            triton = self.backend is KernelBackend.TRITON or (
+                self.backend is KernelBackend.AUTO and device.type == "cuda"
+            )
+            if not triton:
+                raise ConfigError(
+                    "fp8 weights need the Triton kernels: a CUDA device, or backend triton "
+                    f"(interpreted on a CPU, for tests); here device {device.type}, "
+                    f"backend {self.backend.value}"
+                )
 
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)

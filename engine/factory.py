@@ -7,7 +7,7 @@ import logging
 import torch
 
 from engine.attention.triton_backend import TritonUnavailableError, load_triton_kernels
-from engine.config import ConfigError, EngineConfig, KernelBackend
+from engine.config import ConfigError, EngineConfig, KernelBackend, WeightFormat
 from engine.core import EngineCore
 from engine.kernels.cpu import CpuKernels, load_cpu_kernels
 from engine.loader import (
@@ -15,6 +15,7 @@ from engine.loader import (
     build_model,
     load_checkpoint,
 )
+from engine.model.fp8_weights import apply_fp8_weights, choose_gemv_tiles
 from engine.model.native_cpu import apply_native_cpu
 from engine.model.triton_layers import apply_triton_layers
 from engine.model_specs import tokenizer_from_source
@@ -37,6 +38,7 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
     """
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
+    triton = use_triton(config)
     checkpoint = load_checkpoint(
         config.model, config.cache_dir, progress=progress, seed=config.seed
     )
@@ -45,7 +47,11 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
     kernels = native_kernels(config, model.embed_tokens.weight.dtype)
     if kernels is not None:
         apply_native_cpu(model, kernels)
-    triton = use_triton(config)
+    if config.weights is WeightFormat.FP8:  # before the one-token products are chosen
+        ops = load_triton_kernels(config.torch_device(), "triton_fp8_linear")
+        log.info("FP8 weights for %s", ", ".join(apply_fp8_weights(model, ops)))
+        if config.torch_device().type == "cuda":
+            log.info("one-token FP8 products by tiles: %s", choose_gemv_tiles(model, ops))
     if triton and config.torch_device().type == "cuda":  # interpreted, they only cost time
         gemv = apply_triton_layers(model, gemv=config.gemv)
         log.info("one-token products by kernel: %s", gemv)
@@ -64,7 +70,8 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
 def use_triton(config: EngineConfig) -> bool:
     """Whether attention runs on the Triton kernels (see KernelBackend)."""
     device = config.torch_device()
-    if config.backend is KernelBackend.TRITON:
+    # FP8 weights run on no other kernels (EngineConfig allows them only where these can run)
+    if config.backend is KernelBackend.TRITON or config.weights is WeightFormat.FP8:
         _check_triton(device)
         return True
     if config.backend is not KernelBackend.AUTO or device.type != "cuda":

@@ -21,6 +21,7 @@ from engine.config import (
     SchedulerConfig,
     SchedulingPolicy,
     SpeculativeConfig,
+    WeightFormat,
 )
 from gateway import settings
 from gateway.admin_cli import add_admin_commands, run_admin, run_usage
@@ -39,6 +40,14 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--dtype", default="auto", help="auto (bf16), bfloat16, float16 or float32")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    g.add_argument(
+        "--weights",
+        default="auto",
+        choices=[w.value for w in WeightFormat],
+        help="the projections' weights: auto (as the model file holds them), 16bit (the "
+        "--dtype), or fp8 (e4m3 with a scale per output channel, quantized at load, about "
+        "half the bytes of 16-bit ones; CUDA only)",
+    )
     g.add_argument(
         "--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV pool, in GiB"
     )
@@ -205,6 +214,7 @@ def _engine_config(
         backend=KernelBackend(args.backend),
         enforce_eager=args.enforce_eager,
         gemv=GemvKernel(args.gemv),
+        weights=WeightFormat(args.weights),
         cache=CacheConfig(
             block_size=args.block_size,
             kv_cache_memory_bytes=max(1, int(args.kv_cache_gb * _GIB)),
@@ -364,6 +374,7 @@ def _engine(args: argparse.Namespace) -> int:
 _ENGINE_FLAGS = (
     "dtype",
     "device",
+    "weights",
     "kv_cache_gb",
     "num_kv_blocks",
     "block_size",

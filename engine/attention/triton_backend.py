@@ -27,8 +27,8 @@ class TritonUnavailableError(RuntimeError):
 
 
 def load_triton_kernels(device: torch.device, name: str = "triton_attention") -> ModuleType:
-    """A kernel module of engine/kernels (`triton_attention`, `triton_fused`, `triton_gemv`):
-    compiled on CUDA, under the interpreter elsewhere.
+    """A kernel module of engine/kernels (`triton_attention`, `triton_fused`, `triton_gemv`,
+    `triton_fp8_linear`, ...): compiled on CUDA, under the interpreter elsewhere.
 
     Triton picks its mode once, when first imported (engine/__init__.py picks the
     interpreter on machines with no GPU driver); a process in the wrong mode raises.

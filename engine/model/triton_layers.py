@@ -110,15 +110,20 @@ def apply_triton_layers(
 ) -> dict[str, str]:
     """Replace every RMSNorm, the rotary embedding and every activation in place, and the
     one-token product of each projection and the LM head as `gemv` says (`TritonLinear`).
-    Returns, per projection name and "lm_head", the product's kernel: "cublas" or "triton"."""
+    Returns, per projection name and "lm_head", the product's kernel: "cublas" or "triton",
+    or "fp8" for products already swapped for FP8 ones (engine/model/fp8_weights.py), which
+    are left as they are."""
     device = model.embed_tokens.weight.device
     groups = {name: [getattr(layer, name) for layer in model.layers] for name in PROJECTIONS}
     groups["lm_head"] = [model.lm_head]
     choice = dict.fromkeys(groups, "cublas")
+    for name, linears in list(groups.items()):
+        if not all(isinstance(linear, nn.Linear) for linear in linears):
+            choice[name] = "fp8"
+            del groups[name]
     if gemv is not GemvKernel.CUBLAS:
         gemv_ops = load_triton_kernels(device, "triton_gemv")
         for name, linears in groups.items():
-            assert all(isinstance(linear, nn.Linear) for linear in linears)
             if gemv is GemvKernel.TRITON or _triton_is_faster(linears, gemv_ops, name):
                 choice[name] = "triton"
                 wrapped = [TritonLinear(linear, gemv_ops) for linear in linears]

@@ -76,6 +76,7 @@ def test_sampled_generation_is_reproducible_with_a_seed(strata_cache_dir):
         (["--model", "/nonexistent/model.gguf"], "not found"),
         (["--model", "synthetic:nope"], "synthetic"),
         (["--dtype", "float8"], "dtype"),
+        (["--weights", "fp8", "--device", "cpu"], "fp8 weights need the Triton kernels"),
         (["--max-tokens", "0"], "max_tokens"),
         (["--json-schema", '{"type": "string", "format": "hostname"}'], "'hostname' is not"),
         (["--json-schema", "@/nonexistent/schema.json"], "cannot read"),

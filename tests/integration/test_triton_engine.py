@@ -1,11 +1,13 @@
 """The engine on the Triton backend, whose kernels run under Triton's interpreter on CPU (so
 workloads stay small): the same greedy tokens as the torch backend with 32-bit and FP8
 pages, through chunked prefill, mixed steps, decode steps over the padded graph buffers,
-prefix-cache hits and adapters (synthetic:tiny), and the real SmolLM2 answer."""
+prefix-cache hits and adapters (synthetic:tiny), and the real SmolLM2 answer; FP8 weights
+give the tokens of their dequantized weights on the torch backend."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.attention.triton_backend import TritonPagedAttention
 from engine.config import (
@@ -16,10 +18,13 @@ from engine.config import (
     LoRAConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    WeightFormat,
 )
 from engine.llm import LLM
 from engine.loader import PRESETS
 from engine.lora.synthetic import write_random_adapter
+from engine.model.fp8_weights import Fp8Linear
+from engine.model.triton_layers import PROJECTIONS
 from engine.protocol import LoRARequest, SamplingParams
 from tests.triton_marks import INTERPRETED
 
@@ -105,3 +110,63 @@ def test_triton_backend_checks_drafts_like_plain_decoding():
     assert [c.token_ids for c in triton_llm.generate(prompts, params)] == want
     stats = triton_llm.core.stats()
     assert stats.num_draft_tokens > stats.num_accepted_draft_tokens > 0
+
+
+def _dequantized_twin(fp8_llm: LLM, **options) -> LLM:
+    """A torch-backend engine of the same model whose projections hold the FP8 engine's
+    weights dequantized (float32: exactly the values its kernels multiply by)."""
+    twin = tiny_engine(KernelBackend.TORCH, **options)
+    for fp8_layer, layer in zip(fp8_llm.core.runner.model.layers, twin.core.runner.model.layers,
+                                strict=True):  # fmt: skip
+        for name in PROJECTIONS:
+            module = getattr(fp8_layer, name)
+            module = getattr(module, "base", module)  # under an adapter's wrapper
+            assert isinstance(module, Fp8Linear)
+            target = getattr(layer, name)
+            getattr(target, "base", target).weight.copy_(module.dequantized(torch.float32))
+    return twin
+
+
+def test_fp8_weights_generate_the_tokens_of_their_dequantized_weights():
+    """Chunked prefill (the FP8 matmul), mixed steps and decode steps over the graph
+    buffers (the FP8 GEMV): the greedy tokens of torch running the dequantized weights, and
+    their logprobs to fp32 rounding, where the 32-bit weights' logprobs differ by more."""
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((5, 44, 23))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
+    fp8 = tiny_engine(KernelBackend.TRITON, weights=WeightFormat.FP8)
+    assert fp8.core.runner.graphs is not None
+    runs = {
+        "fp8": fp8.generate(prompts, params),
+        "dequantized": _dequantized_twin(fp8).generate(prompts, params),
+        "32-bit": tiny_engine(KernelBackend.TORCH).generate(prompts, params),
+    }
+    tokens = {name: [c.token_ids for c in run] for name, run in runs.items()}
+    assert tokens["fp8"] == tokens["dequantized"]
+    assert len({tuple(t) for t in tokens["fp8"]}) == 3
+    logprobs = {name: torch.tensor([[lp.top_logprobs for lp in c.logprobs] for c in run])
+                for name, run in runs.items()}  # fmt: skip
+    torch.testing.assert_close(logprobs["fp8"], logprobs["dequantized"], atol=1e-4, rtol=0)
+    assert (logprobs["fp8"] - logprobs["32-bit"]).abs().max() > 1e-3
+
+
+def test_fp8_weights_serve_adapters_and_drafts_like_their_dequantized_weights(tmp_path):
+    """Base and adapter requests in one batch, drafted steps among them: the adapters'
+    updates add to the FP8 products as to 16-bit ones, and drafts change no token."""
+    tiny = PRESETS["tiny"]
+    adapters = [
+        LoRARequest(name=f"a{i}", path=str(write_random_adapter(
+            tmp_path / f"a{i}", tiny, rank=8, scale=0.2, seed=i)))
+        for i in range(2)
+    ]  # fmt: skip
+    prompts = [[3, 14, 15, 92, 65] * 5, [27, 18, 28] * 6 + [1, 2], [3, 14, 15, 92, 65] * 5]
+    loras = [None, adapters[0], adapters[1]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    lora = LoRAConfig(max_loras=2, max_lora_rank=8)
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, adaptive=False)
+    fp8 = tiny_engine(KernelBackend.TRITON, weights=WeightFormat.FP8, lora=lora, speculative=spec)
+    got = [c.token_ids for c in fp8.generate(prompts, params, lora=loras)]
+    want = [c.token_ids for c in _dequantized_twin(fp8, lora=lora).generate(
+        prompts, params, lora=loras)]  # fmt: skip
+    assert got == want
+    assert want[2] != want[0], "the adapter changes the tokens"
+    assert fp8.core.stats().num_accepted_draft_tokens > 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from engine.config import GemvKernel, KernelBackend, KVCacheDtype
+import pytest
+
+from engine.config import ConfigError, GemvKernel, KernelBackend, KVCacheDtype, WeightFormat
 from gateway.cli import _engine_argv, _engine_config, _serve_worker_argv, build_parser
 
 
@@ -90,3 +92,26 @@ def test_speculative_options_reach_the_config_and_the_worker():
     assert spec.max_step_drafts == 4 and not spec.adaptive
     argv = _engine_argv(parser.parse_args(["serve", *flags]))
     assert _engine_config(parser.parse_args(["engine", *argv])).speculative == spec
+
+
+@pytest.mark.parametrize("command", [["engine"], ["generate", "hi"], ["serve"]])
+def test_weights_option_reaches_every_command(command):
+    """Parsed by `engine` and `generate`, passed on by `serve` to its worker; fp8 runs on
+    the Triton kernels (interpreted here: a CPU machine)."""
+    parser = build_parser()
+    assert _engine_config(parser.parse_args(command)).weights is WeightFormat.AUTO
+    fp8 = ["--weights", "fp8", "--backend", "triton"]
+    config = _engine_config(parser.parse_args([*command, *fp8]))
+    assert config.weights is WeightFormat.FP8
+    sixteen = _engine_config(parser.parse_args([*command, "--weights", "16bit"]))
+    assert sixteen.weights is WeightFormat.SIXTEEN_BIT
+    if command == ["serve"]:
+        argv = _engine_argv(parser.parse_args(["serve", *fp8]))
+        assert argv == ["--weights", "fp8", "--backend", "triton"]
+        assert _engine_config(parser.parse_args(["engine", *argv])) == config
+
+
+def test_fp8_weights_on_a_cpu_are_refused_before_any_model_loads():
+    args = build_parser().parse_args(["engine", "--weights", "fp8", "--device", "cpu"])
+    with pytest.raises(ConfigError, match="fp8 weights need the Triton kernels"):
+        _engine_config(args)

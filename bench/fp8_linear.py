@@ -1,0 +1,180 @@
+"""FP8-weight products (engine/kernels/triton_fp8_linear.py) against 16-bit ones at a model's
+projection shapes, by rows (tokens) per product, and a sweep of the FP8 kernels' tiles.
+
+Per shape (the four projections and the LM head of `synthetic:llama3-8b`), random weights,
+enough copies of each to stay out of the L2 cache, each product timed as a decode step runs
+it: 16 back to back in a CUDA graph, each on the next copy (bench/gemv_sweep.py's method).
+For each row count:
+- 16-bit: cuBLAS (`F.linear`) and, at one row, the Triton GEMV (its default tiles);
+- FP8: `fp8_linear`, as the engine calls it (the default tiles for that row count),
+each as a fraction of the copy bandwidth (weight bytes over time; a read-only stream can
+pass it a little), and FP8's time over the faster 16-bit one's. Then the FP8 GEMV's tiles
+at one row (`--gemv-configs`) and the matmul's at 64 rows (`--gemm-configs`). Summary:
+over a step's products (each projection once per layer, the LM head once), FP8's time over
+16-bit's by row count, and the tiles with the least total.
+
+    python bench/fp8_linear.py          # on a GPU
+    python bench/fp8_linear.py --quick  # small shapes, one tile each (CPU: interpreter)
+
+The last printed line is one JSON object; the full record goes to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import machine_info, publish
+from bench.gemv_sweep import median_ms, shapes
+from bench.gpu_decode import copy_bandwidth
+from engine.attention.triton_backend import load_triton_kernels
+from engine.config import resolve_device
+from engine.model.fp8_weights import dequantize_weight, quantize_weight
+
+_L2_MARGIN = 256 << 20  # bytes of weight copies per shape and format: past any L2 cache
+
+
+def gemv_configs(spec: str, ops: Any) -> list[Any]:
+    """'4x2048x4,...' (weight rows, columns, warps) -> GemvTiles."""
+    return [ops.GemvTiles(*map(int, c.split("x"))) for c in spec.split(",")]
+
+
+def gemm_configs(spec: str, ops: Any) -> list[Any]:
+    """'64x64x128x4x4,...' (rows, weight rows, columns, warps, stages) -> GemmTiles."""
+    return [ops.GemmTiles(*map(int, c.split("x"))) for c in spec.split(",")]
+
+
+def bench_shape(
+    ops: Any, gemv_ops: Any, n: int, k: int, args: argparse.Namespace, bandwidth: float
+) -> dict[str, Any]:
+    """One weight shape: every row count's 16-bit and FP8 times, then the tile sweeps."""
+    device, gen = args.device, torch.Generator(args.device).manual_seed(n + k)
+    gpu = device.type == "cuda"
+    w0 = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(torch.bfloat16)
+    values, scales = quantize_weight(w0)
+    copies = max(1, min(16, -(-_L2_MARGIN // (n * k)))) if gpu else 1
+    fp8 = [(values.clone(), scales.clone()) for _ in range(copies)]
+    copies16 = max(1, min(16, -(-_L2_MARGIN // (2 * n * k)))) if gpu else 1
+    sixteen = [w0.clone() for _ in range(copies16)]
+    dense = dequantize_weight(values, scales, torch.float32)
+    del w0
+    turn = itertools.count()
+
+    def of_copy(ms: float, nbytes: int) -> float:
+        return round(nbytes / (ms * 1e-3) / bandwidth, 3)
+
+    def timed(fn: Any) -> float:
+        return round(median_ms(fn, device, args.repeats), 4)
+
+    row: dict[str, Any] = {"n": n, "k": k, "rows": {}}
+    for rows in args.rows:
+        x = torch.randn(rows, k, generator=gen, device=device).to(torch.bfloat16)
+        got = ops.fp8_linear(x, values, scales).float()
+        want = x.float() @ dense.T
+        error = float((got - want).norm() / want.norm())
+        assert error < 1e-2, (n, k, rows, error)
+        point = {"cublas_ms": timed(lambda x=x: F.linear(x, sixteen[next(turn) % copies16]))}
+        if rows == 1:
+            point["triton_gemv_ms"] = timed(
+                lambda x=x: gemv_ops.gemv(x, sixteen[next(turn) % copies16])
+            )
+        point["fp8_ms"] = timed(lambda x=x: ops.fp8_linear(x, *fp8[next(turn) % copies]))
+        best16 = min(point["cublas_ms"], point.get("triton_gemv_ms", float("inf")))
+        point["fp8_vs_16bit"] = round(point["fp8_ms"] / best16, 3)
+        point["fp8_of_copy"] = of_copy(point["fp8_ms"], n * k)
+        point["16bit_of_copy"] = of_copy(best16, 2 * n * k)
+        point["rel_error"] = round(error, 5)
+        row["rows"][rows] = point
+        print(f"  [{n} x {k}] {rows:>4} rows: 16-bit {best16 * 1e3:8.1f} us "
+              f"({point['16bit_of_copy']:.0%}), FP8 {point['fp8_ms'] * 1e3:8.1f} us "
+              f"({point['fp8_of_copy']:.0%}), {point['fp8_vs_16bit']}x", flush=True)  # fmt: skip
+    x1 = torch.randn(1, k, generator=gen, device=device).to(torch.bfloat16)
+    row["gemv_tiles"] = {
+        t.name: timed(lambda t=t: ops.fp8_gemv(x1, *fp8[next(turn) % copies], tiles=t))
+        for t in gemv_configs(args.gemv_configs, ops)
+    }
+    x64 = torch.randn(64, k, generator=gen, device=device).to(torch.bfloat16)
+    row["gemm_tiles_64_rows"] = {
+        t.name: timed(lambda t=t: ops.fp8_gemm(x64, *fp8[next(turn) % copies], tiles=t))
+        for t in gemm_configs(args.gemm_configs, ops)
+    }
+    for sweep in ("gemv_tiles", "gemm_tiles_64_rows"):
+        best = min(row[sweep], key=row[sweep].get)
+        print(f"  [{n} x {k}] {sweep}: best {best} {row[sweep][best] * 1e3:.1f} us", flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--model", default="llama3-8b", help="a synthetic preset's shapes")
+    ap.add_argument("--rows", default="1,4,16,64,512")
+    # the engine's candidates (GEMV_CANDIDATES) and two more; the matmul's 64-row default
+    # (gemm_tiles) and three more
+    ap.add_argument("--gemv-configs", default="4x2048x4,8x1024x4,4x4096x4,8x2048x8,4x1024x4,"
+                    "16x1024x8")  # fmt: skip
+    ap.add_argument("--gemm-configs", default="64x64x128x4x4,64x32x128x4x4,64x128x64x4x4,"
+                    "32x64x128x4x4")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=20, help="timed graph replays per point")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    args.device = resolve_device(args.device)
+    gpu = args.device.type == "cuda"
+    if args.quick or not gpu:
+        args.model, args.rows = "tiny", "1,5"
+        args.gemv_configs, args.gemm_configs = "8x128x4", "16x32x64x4x2"
+        args.repeats = args.repeats if gpu else 1
+    args.rows = [int(r) for r in args.rows.split(",")]
+    ops = load_triton_kernels(args.device, "triton_fp8_linear")
+    gemv_ops = load_triton_kernels(args.device, "triton_gemv")
+    bandwidth = copy_bandwidth(args.device, 1 << 30 if gpu else 64 << 20)
+    print(f"device {machine_info(args.device)['device']}: copy bandwidth "
+          f"{bandwidth / 1e9:.0f} GB/s")  # fmt: skip
+
+    results: dict[str, Any] = {}
+    for name, (n, k, per_step) in shapes(args.model).items():
+        print(f"{name}:", flush=True)
+        results[name] = bench_shape(ops, gemv_ops, n, k, args, bandwidth)
+        results[name]["per_step"] = per_step
+    step_ratio = {}
+    for rows in args.rows:
+        fp8 = sum(r["per_step"] * r["rows"][rows]["fp8_ms"] for r in results.values())
+        best16 = sum(
+            r["per_step"] * r["rows"][rows]["fp8_ms"] / r["rows"][rows]["fp8_vs_16bit"]
+            for r in results.values()
+        )
+        step_ratio[f"{rows} rows"] = round(fp8 / best16, 3)
+    best_tiles = {}
+    for sweep in ("gemv_tiles", "gemm_tiles_64_rows"):
+        names = next(iter(results.values()))[sweep]
+        totals = {t: sum(r["per_step"] * r[sweep][t] for r in results.values()) for t in names}
+        best_tiles[sweep] = min(totals, key=lambda t: totals[t])
+    summary = {
+        "device": machine_info(args.device)["device"],
+        "model": f"synthetic:{args.model}",
+        "fp8_vs_16bit_step_products": step_ratio,
+        "best_tiles": best_tiles,
+    }
+    record = {
+        **machine_info(args.device),
+        "benchmark": "fp8_linear",
+        "weights": "random (seeded), the model's shapes; FP8 e4m3 with a scale per row",
+        "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
+        "shapes": results,
+        **summary,
+    }
+    publish(args.out_dir, "fp8_linear", record, summary)
+    return record
+
+
+if __name__ == "__main__":
+    main()

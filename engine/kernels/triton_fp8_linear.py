@@ -1,0 +1,247 @@
+"""Triton products with FP8 weights: y = (x W8^T) * s (+ b) for x [M, K] in the compute
+dtype, W8 float8_e4m3fn [N, K] (an nn.Linear weight's layout) and s float32 [N], one scale
+per output row (engine/model/fp8_weights.py quantizes them). Two kernels, by M:
+
+- up to `GEMV_MAX_ROWS` rows (one-token and few-token steps): a matrix-vector product laid
+  out like engine/kernels/triton_gemv.py. Each program reads BLOCK_N consecutive weight rows,
+  BLOCK_K columns at a time, widens them to fp32 in registers and multiplies them by every
+  row of x, so the weights are streamed once whatever M; one fp32 sum per (row of x, weight
+  row), no split, so sums are deterministic. Such a step's time is the time to stream the
+  weights: half the bytes of 16-bit ones.
+- more rows (prefill chunks, larger decode batches): a tiled matmul. A program computes a
+  BLOCK_N x BLOCK_M tile of y^T over K: the weight tile is the left operand of `tl.dot`,
+  widened in registers to the activations' dtype (every e4m3 value is exact in bf16 and
+  fp16), x^T the right one, fp32 accumulation. Weights on the left fill the tensor cores'
+  wide side when M is a decode batch. Programs walk GROUP_M row tiles of x per weight tile,
+  so a weight tile read from memory serves them from L2.
+
+Both multiply the fp32 sum by the row's scale (sum of x w8 s = s times sum of x w8), add
+the bias and round to x's dtype once. A launch depends only on shapes (no host sync, no
+allocation but the output), so CUDA graphs capture it. The matmul's tiles, by M, are
+starting points for H100/H200; the GEMV's are chosen per weight shape at engine start
+among `GEMV_CANDIDATES` (engine/model/fp8_weights.py); bench/fp8_linear.py sweeps both.
+Interpreted on CPU for tests, with the dot in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows: columns of y
+    row_ok = rows < N
+    toks = tl.arange(0, BLOCK_M)  # rows of x
+    tok_ok = toks < M
+    cols = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    x_base = x_ptr + toks[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        kk = k + cols
+        if EVEN_K:
+            w = tl.load(w_base + kk[None, :], mask=row_ok[:, None], other=0.0)
+            x = tl.load(x_base + kk[None, :], mask=tok_ok[:, None], other=0.0)
+        else:
+            k_ok = kk < K
+            w = tl.load(w_base + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_base + kk[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
+        w = w.to(tl.float32)  # w: [BLOCK_N, BLOCK_K]
+        x = x.to(tl.float32)  # x: [BLOCK_M, BLOCK_K]
+        if BLOCK_M == 1:
+            acc += tl.sum(w * x, axis=1)[None, :]
+        else:
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    acc = acc * tl.load(s_ptr + rows, mask=row_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + toks[:, None] * stride_om + rows[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tok_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # program -> (row tile of x, weight tile): GROUP_M row tiles in a row share a weight tile
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // per_group) * GROUP_M
+    group_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows: columns of y
+    row_ok = rows < N
+    toks = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of x
+    tok_ok = toks < M
+    cols = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + cols[:, None]  # [BLOCK_K, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # y^T
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=tok_ok[None, :], other=0.0)
+        else:
+            k_ok = (k + cols) < K
+            w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=k_ok[:, None] & tok_ok[None, :], other=0.0)
+        acc = tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    acc = acc * tl.load(s_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + toks.to(tl.int64)[None, :] * stride_om + rows[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & tok_ok[None, :])
+
+
+_INTERPRETED = isinstance(_fp8_gemv_kernel, InterpretedFunction)
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+GEMV_MAX_ROWS = 4  # rows of x up to which the GEMV kernel runs; the matmul above
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """One launch configuration of the GEMV kernel."""
+
+    block_n: int  # weight rows per program
+    block_k: int  # columns per step for one row of x (shared by more rows: at least 128)
+    num_warps: int = 4
+
+    @property
+    def name(self) -> str:
+        return f"n{self.block_n}/k{self.block_k}/w{self.num_warps}"
+
+
+# Where compiled: 4 rows of 2,048 columns, the bytes per step of triton_gemv's best tile on
+# an H100 (4 rows of 1,024 bf16 columns). Interpreted, a program costs its Python overhead
+# whatever its size, so fewer, larger ones.
+DEFAULT_GEMV_TILES = GemvTiles(64 if _INTERPRETED else 4, 2048)
+# what the engine times at start, per weight shape (engine/model/fp8_weights.py)
+GEMV_CANDIDATES = (
+    DEFAULT_GEMV_TILES,
+    GemvTiles(8, 1024),
+    GemvTiles(4, 4096),
+    GemvTiles(8, 2048, num_warps=8),
+)
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """One launch configuration of the matmul kernel."""
+
+    block_m: int  # rows of x (tokens) per program, >= 16 (tl.dot)
+    block_n: int  # weight rows per program, >= 16
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+
+    @property
+    def name(self) -> str:
+        return (f"m{self.block_m}/n{self.block_n}/k{self.block_k}/w{self.num_warps}"
+                f"/s{self.num_stages}")  # fmt: skip
+
+
+def gemm_tiles(num_rows: int) -> GemmTiles:
+    """The matmul's tiles for x of `num_rows` rows: decode batches stream the weights in
+    narrow tiles (many programs for N = 4,096); prefill chunks take square ones."""
+    if num_rows <= 16:
+        return GemmTiles(16, 64, 128, num_warps=4, num_stages=4)
+    if num_rows <= 64:
+        return GemmTiles(triton.next_power_of_2(num_rows), 64, 128, num_warps=4, num_stages=4)
+    if num_rows <= 128:
+        return GemmTiles(64, 128, 64, num_warps=4, num_stages=4)
+    return GemmTiles(128, 128, 64, num_warps=8, num_stages=3)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    assert x.dim() == 2 and weight.dim() == 2 and weight.dtype == torch.float8_e4m3fn
+    assert x.shape[1] == weight.shape[1] and weight.stride(1) == 1
+    assert scale.dtype == torch.float32 and scale.shape == weight.shape[:1]
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    tiles: GemvTiles = DEFAULT_GEMV_TILES,
+) -> torch.Tensor:
+    """x [M, K] (M <= a few) @ (weight [N, K] e4m3 * scale [N, 1])^T (+ bias [N]) -> [M, N]
+    in x's dtype, by the GEMV kernel."""
+    x = _check(x, weight, scale)
+    (m, k), n = x.shape, weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_m = triton.next_power_of_2(m)
+    block_k = min(max(128, tiles.block_k // block_m), triton.next_power_of_2(k))
+    _fp8_gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
+        x, weight, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0),
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def fp8_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    tiles: GemmTiles | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] e4m3 * scale [N, 1])^T (+ bias [N]) -> [M, N] in x's dtype,
+    by the tiled matmul (`tiles`: default `gemm_tiles(M)`)."""
+    x = _check(x, weight, scale)
+    (m, k), n = x.shape, weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    t = tiles or gemm_tiles(m)
+    wide = _INTERPRETED or x.dtype == torch.float32  # fp32 operands: exact e4m3, ieee sums
+    block_k = min(t.block_k, max(16, triton.next_power_of_2(k)))
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    _fp8_gemm_kernel[grid](
+        x, weight, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0),
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, GROUP_M=t.group_m,
+        DOT_DTYPE=tl.float32 if wide else _TL_DTYPES[x.dtype],
+        DOT_PRECISION="ieee" if wide else "tf32", num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )  # fmt: skip
+    return out
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    gemv_tiles: GemvTiles = DEFAULT_GEMV_TILES,
+) -> torch.Tensor:
+    """x [M, K] -> [M, N]: the GEMV kernel (with `gemv_tiles`) up to `GEMV_MAX_ROWS` rows,
+    the matmul above."""
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return fp8_gemv(x, weight, scale, bias, tiles=gemv_tiles)
+    return fp8_gemm(x, weight, scale, bias)

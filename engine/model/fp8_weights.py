@@ -1,0 +1,146 @@
+"""FP8 weights (`WeightFormat.FP8`): the decoder's projections in float8_e4m3fn with a float32
+scale per output row, their products on the Triton kernels of
+engine/kernels/triton_fp8_linear.py. Applied from outside the model, as
+engine/model/triton_layers.py is: the model code does not change.
+
+A weight row w becomes round(w / s) with s = max|w| / 448 (kvstore/fp8.py's rounding: the
+row's largest magnitude lands on e4m3's largest finite value, an all-zero row gets s = 1);
+the product is x W8^T times s, s applied to the fp32 sums. Every step uses them: one-token
+and few-token steps through the FP8 GEMV, prefill chunks and larger batches through the
+tiled matmul, so the 16-bit weights are not kept (each is released once quantized; CUDA's
+cached blocks are returned at the end). On CUDA, `choose_gemv_tiles` then times the GEMV's
+candidate tiles on each weight shape, as `GemvKernel.AUTO` times the 16-bit GEMV.
+
+Which products: qkv_proj, o_proj, gate_up_proj and down_proj of every layer, and the LM
+head unless it is tied to the embedding table (7% of Llama-3-8B's weight bytes read per
+step, 1 GB of 16). A tied LM head stays 16-bit: its rows are also the embeddings looked
+up every step, so an FP8 copy would add bytes instead of saving them. The embedding table
+and the norms stay 16-bit.
+
+Adapters compose as with 16-bit weights: engine/lora/layers.py wraps an `Fp8Linear` like
+any projection and adds each token's update, in the compute dtype, to the FP8 product.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.cuda_graphs import graph_ms_per_call
+from engine.model.llama import LlamaForCausalLM
+from engine.model.triton_layers import PROJECTIONS
+from kvstore.fp8 import FP8_DTYPE, quantize_fp8
+
+_CHUNK_BYTES = 256 << 20  # fp32 temporaries of one quantization pass at most
+
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (values [N, K] float8_e4m3fn, scales [N] float32), on its device,
+    a band of rows at a time (at most `_CHUNK_BYTES` of fp32 temporaries)."""
+    n, k = weight.shape
+    values = torch.empty(n, k, dtype=FP8_DTYPE, device=weight.device)
+    scales = torch.empty(n, dtype=torch.float32, device=weight.device)
+    rows = max(1, _CHUNK_BYTES // (4 * k))
+    for start in range(0, n, rows):
+        band = slice(start, start + rows)
+        values[band], scales[band] = quantize_fp8(weight[band])
+    return values, scales
+
+
+def dequantize_weight(
+    values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight the FP8 products multiply by: values * scales per row, in `dtype` (exact
+    in float32; a reference for tests)."""
+    return (values.float() * scales[:, None]).to(dtype)
+
+
+class Fp8Linear(nn.Module):
+    """An nn.Linear whose weight is held in FP8 with a scale per output row; every input
+    goes to the FP8 kernels (`ops`: engine/kernels/triton_fp8_linear.py)."""
+
+    weight_scale: torch.Tensor  # [out] float32
+
+    def __init__(self, linear: nn.Linear, ops: ModuleType) -> None:
+        """Quantizes `linear.weight`; shares its bias. `linear` is left unchanged (the caller
+        drops it, which releases the 16-bit weight)."""
+        super().__init__()
+        values, scales = quantize_weight(linear.weight)
+        self.weight = nn.Parameter(values, requires_grad=False)  # [out, in] e4m3
+        self.register_buffer("weight_scale", scales)
+        self.bias = linear.bias
+        self.ops = ops
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.gemv_tiles = ops.DEFAULT_GEMV_TILES  # see choose_gemv_tiles
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in] -> [T, out] in x's dtype."""
+        out: torch.Tensor = self.ops.fp8_linear(
+            x, self.weight, self.weight_scale, self.bias, gemv_tiles=self.gemv_tiles
+        )
+        return out
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_weight(self.weight, self.weight_scale, dtype)
+
+
+def apply_fp8_weights(model: LlamaForCausalLM, ops: ModuleType) -> list[str]:
+    """Replace every projection of every layer, and the LM head unless it is tied to the
+    embeddings, with an `Fp8Linear` (in place, one at a time: the 16-bit weights are
+    released as they go). Returns the names of the groups now in FP8 (of PROJECTIONS and
+    "lm_head")."""
+    for layer in model.layers:
+        for name in PROJECTIONS:
+            linear = getattr(layer, name)
+            assert isinstance(linear, nn.Linear), f"{name} is already swapped: {linear}"
+            setattr(layer, name, Fp8Linear(linear, ops))
+            del linear
+    swapped = list(PROJECTIONS)
+    if not model.config.tie_word_embeddings:
+        assert isinstance(model.lm_head, nn.Linear)
+        model.lm_head = Fp8Linear(model.lm_head, ops)
+        swapped.append("lm_head")
+    device = model.embed_tokens.weight.device
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the 16-bit weights' blocks, back to the device
+    return swapped
+
+
+@torch.inference_mode()
+def choose_gemv_tiles(model: LlamaForCausalLM, ops: ModuleType) -> dict[str, str]:
+    """Per FP8 projection (and LM head), the GEMV tiles of `ops.GEMV_CANDIDATES` whose
+    one-token products of these weights (up to 16 of them, the first layers') ran fastest
+    back to back in a CUDA graph, as a decode step runs them; sets each module's
+    `gemv_tiles` (CUDA only). Returns the tiles' names by group. Timings vary a little
+    between starts, so two starts may pick differently where candidates are close; the
+    products then round their fp32 sums in another order."""
+    groups = {name: [getattr(layer, name) for layer in model.layers] for name in PROJECTIONS}
+    groups["lm_head"] = [model.lm_head]
+    dtype = model.embed_tokens.weight.dtype
+    chosen = {}
+    for name, modules in groups.items():
+        if not all(isinstance(m, Fp8Linear) for m in modules):
+            continue
+        first = [(m.weight, m.weight_scale, m.bias) for m in modules[:16]]
+        weights = [first[i % len(first)] for i in range(max(8, len(first)))]
+        x = torch.randn(1, modules[0].in_features, dtype=dtype, device=first[0][0].device)
+        times = {
+            tiles: graph_ms_per_call(
+                [partial(ops.fp8_gemv, x, w, s, b, tiles=tiles) for w, s, b in weights]
+            )
+            for tiles in ops.GEMV_CANDIDATES
+        }
+        best = min(times, key=lambda tiles: times[tiles])
+        for m in modules:
+            m.gemv_tiles = best
+        chosen[name] = best.name
+        log.info("one-token FP8 %s: %s", name,
+                 ", ".join(f"{t.name} {ms * 1e3:.1f} us" for t, ms in times.items()))  # fmt: skip
+    return chosen

@@ -1,0 +1,172 @@
+"""FP8 weights on a GPU: the compiled kernels at Llama-3-8B's shapes against the product of
+the dequantized weights, the memory the 16-bit weights leave, and an FP8 engine's decode
+steps replayed from CUDA graphs (adapters included) against the same steps run eagerly.
+
+Bound for the kernels: bf16 outputs of fp32 sums over weights that are exactly e4m3 values
+times a float32 scale, so within one rounding to bf16 (2^-8 relative) plus fp32 sums in
+another order (1e-3 absolute, for outputs of order 1) of the fp32 reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.attention.paged import SeqSlice
+from engine.attention.triton_backend import load_triton_kernels
+from engine.config import (
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    WeightFormat,
+)
+from engine.cuda_graphs import batch_ladder
+from engine.llm import LLM
+from engine.lora.layers import LoRALinear
+from engine.lora.synthetic import write_random_adapter
+from engine.model.fp8_weights import (
+    Fp8Linear,
+    apply_fp8_weights,
+    dequantize_weight,
+    quantize_weight,
+)
+from engine.model.llama import LlamaForCausalLM
+from engine.model.triton_layers import PROJECTIONS
+from engine.protocol import LoRARequest, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+# Llama-3-8B: qkv, o, gate_up, down, LM head (N, K)
+SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096))
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return load_triton_kernels(CUDA, "triton_fp8_linear")
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_fp8_kernels_match_the_dequantized_product_at_llama3_8b_shapes(ops, n, k):
+    gen = torch.Generator(CUDA).manual_seed(n + k)
+    w = (torch.randn(n, k, generator=gen, device=CUDA) / k**0.5).to(torch.bfloat16)
+    values, scales = quantize_weight(w)
+    del w
+    bias = torch.randn(n, generator=gen, device=CUDA).to(torch.bfloat16)
+    dense = dequantize_weight(values, scales, torch.float32)
+    for rows in (1, 3, 4, 5, 17, 64, 300):
+        x = torch.randn(rows, k, generator=gen, device=CUDA).to(torch.bfloat16)
+        b = bias if rows in (3, 64) else None
+        want = x.float() @ dense.T + (0 if b is None else b.float())
+        got = ops.fp8_linear(x, values, scales, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        torch.testing.assert_close(got.float(), want, atol=1e-3, rtol=2**-8)
+        if rows == 1:  # every tiling the engine may choose at start
+            for tiles in ops.GEMV_CANDIDATES:
+                got = ops.fp8_gemv(x, values, scales, tiles=tiles).float()
+                torch.testing.assert_close(got, want, atol=1e-3, rtol=2**-8)
+
+
+def test_fp8_weights_leave_half_the_bytes_of_the_16bit_ones(ops):
+    """A 4-layer Llama-3-8B stack: the projections and the LM head, once quantized, hold
+    half their bytes (plus a scale per row), and the 16-bit ones are freed."""
+    cfg = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_layers=4, num_heads=32, num_kv_heads=8, head_dim=128,
+                      max_position_embeddings=8192)  # fmt: skip
+    with torch.device(CUDA):
+        model = LlamaForCausalLM(cfg).to(CUDA, torch.bfloat16)
+    model.requires_grad_(False)
+    linears = [getattr(layer, name) for layer in model.layers for name in PROJECTIONS]
+    weight_bytes = sum(m.weight.numel() * 2 for m in [*linears, model.lm_head])
+    rows = sum(m.weight.shape[0] for m in [*linears, model.lm_head])
+    del linears
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(CUDA)
+    assert apply_fp8_weights(model, ops) == [*PROJECTIONS, "lm_head"]
+    torch.cuda.synchronize()
+    freed = before - torch.cuda.memory_allocated(CUDA)
+    expected = weight_bytes // 2 - 4 * rows  # 2 bytes a weight become 1; a scale per row
+    assert abs(freed - expected) < 1e-3 * expected
+
+
+@pytest.fixture(scope="module")
+def fp8_llm(tmp_path_factory):
+    """synthetic:llama3.2-1b with FP8 weights, decode graphs up to batch 8, two adapter
+    slots, and one adapter loaded (its slot is the engine's `adapter_slot`)."""
+    cfg = EngineConfig(
+        model="synthetic:llama3.2-1b", device="cuda", weights=WeightFormat.FP8,
+        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024), cuda_graph_max_batch=8,
+        cache=CacheConfig(kv_cache_memory_bytes=1 << 30),
+        lora=LoRAConfig(max_loras=2, max_lora_rank=8),
+    )  # fmt: skip
+    llm = LLM(cfg)
+    path = write_random_adapter(
+        tmp_path_factory.mktemp("adapter"), llm.core.model_config, rank=8, scale=0.05
+    )
+    adapter = LoRARequest(name="a0", path=str(path))
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), lora=adapter)
+    slot = llm.core.lora.ready_slot(adapter) if llm.core.lora else None
+    assert slot is not None
+    return llm, adapter, slot
+
+
+def test_an_fp8_engine_runs_fp8_products_under_adapters_in_captured_graphs(fp8_llm, ops):
+    llm, _, _ = fp8_llm
+    model = llm.core.runner.model
+    for name in PROJECTIONS:
+        module = getattr(model.layers[0], name)
+        assert isinstance(module, LoRALinear) and isinstance(module.base, Fp8Linear)
+    assert isinstance(model.lm_head, nn.Linear)  # llama3.2-1b ties it to the embeddings
+    # one GEMV tiling per weight shape, timed at start among the candidates
+    for name in PROJECTIONS:
+        tiles = {getattr(layer, name).base.gemv_tiles for layer in model.layers}
+        assert len(tiles) == 1 and tiles <= set(ops.GEMV_CANDIDATES)
+    graphs = llm.core.runner.graphs
+    assert graphs is not None and sorted(graphs.graphs) == batch_ladder(8)
+
+
+def test_fp8_graph_replay_follows_eager_decode(fp8_llm):
+    """One decode step of 4 sequences (2 through the adapter), replayed from the size-4
+    graph and run eagerly over the same pages: the same FP8 products (the GEMV at 4 rows)
+    and adapter kernels, attention split otherwise, so equal within bf16 rounding (1% of
+    the hidden states' norm)."""
+    llm, _, slot = fp8_llm
+    runner = llm.core.runner
+    gen = torch.Generator().manual_seed(0)
+    contexts = [37, 200, 515, 1000]
+    blocks = torch.randperm(llm.core.pool.num_blocks, generator=gen).tolist()
+    slices, start = [], 0
+    for c in contexts:
+        need = -(-c // llm.core.pool.spec.block_size)
+        slices.append(SeqSlice(1, c - 1, blocks[start : start + need]))
+        start += need
+    ids = torch.randint(0, llm.core.vocab_size, (4,), generator=gen).tolist()
+    positions = [c - 1 for c in contexts]
+    slots = [0, slot, 0, slot]
+    graphs = runner.graphs
+    with torch.inference_mode():
+        replayed = runner.forward(ids, positions, slices, slots).float().clone()
+        runner.graphs = None
+        try:
+            eager = runner.forward(ids, positions, slices, slots).float()
+        finally:
+            runner.graphs = graphs
+        base = runner.forward(ids, positions, slices, [0] * 4).float()
+    assert ((replayed - eager).norm() / eager.norm()).item() < 1e-2
+    assert (eager[1] - base[1]).abs().max() > 0.1, "the adapter changes its rows"
+
+
+def test_fp8_engine_generates_the_same_greedy_tokens_twice(fp8_llm):
+    """Prefill, then decode steps from the graphs, base and adapter requests in one batch.
+    Prompts shorter than a KV block: the second run hits no prefix cache, so it runs the
+    very steps of the first, whose kernels have no atomics: the same tokens."""
+    llm, adapter, _ = fp8_llm
+    prompts = [[(11 * i + 7 * j) % 5000 + 1 for j in range(5 + 3 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    loras = [None, adapter, None, adapter]
+    first = [c.token_ids for c in llm.generate(prompts, params, lora=loras)]
+    assert all(len(t) == 16 for t in first)
+    assert [c.token_ids for c in llm.generate(prompts, params, lora=loras)] == first

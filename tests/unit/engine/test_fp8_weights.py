@@ -1,0 +1,147 @@
+"""FP8 weights: the quantizer's round trip, the model transform (which products, what it
+releases) and where the option is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.attention.triton_backend import load_triton_kernels
+from engine.config import ConfigError, EngineConfig, KernelBackend, WeightFormat
+from engine.loader import PRESETS, build_model
+from engine.loader.synthetic import synthetic_checkpoint
+from engine.model import fp8_weights
+from engine.model.fp8_weights import (
+    Fp8Linear,
+    apply_fp8_weights,
+    dequantize_weight,
+    quantize_weight,
+)
+from engine.model.triton_layers import PROJECTIONS
+from tests.triton_marks import INTERPRETED
+
+
+def _weight(seed: int, n: int = 48, k: int = 40) -> torch.Tensor:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    w[1] *= 1e-3  # rows of very different magnitudes get scales of their own
+    w[2] = 0.0
+    return w.to(torch.bfloat16)
+
+
+def test_quantized_rows_keep_their_largest_magnitude_and_e4m3_precision():
+    w = _weight(0)
+    values, scales = quantize_weight(w)
+    assert values.dtype == torch.float8_e4m3fn and values.shape == w.shape
+    assert scales.dtype == torch.float32 and scales.shape == (48,)
+    back = dequantize_weight(values, scales, torch.float32)
+    wf = w.float()
+    amax = wf.abs().amax(dim=1)
+    # each row's largest magnitude is e4m3's largest finite value times the scale
+    nonzero = amax > 0
+    torch.testing.assert_close(back.abs().amax(dim=1)[nonzero], amax[nonzero], rtol=1e-6, atol=0)
+    assert scales[2] == 1.0 and not back[2].any()  # an all-zero row
+    # 3 mantissa bits: within half a step (2^-4 relative) of each value, above e4m3's
+    # subnormals (values under 2^-6 of the scale round to a grid of 2^-9 of it)
+    normal = wf.abs() >= scales[:, None] * 2**-6
+    error = (back - wf).abs()
+    assert (error[normal] <= wf.abs()[normal] * 2**-4).all()
+    assert (error[~normal] <= (scales[:, None] * 2**-10).expand_as(wf)[~normal]).all()
+
+
+def test_quantizing_a_dequantized_weight_gives_the_same_bytes():
+    values, scales = quantize_weight(_weight(1))
+    again, again_scales = quantize_weight(dequantize_weight(values, scales, torch.float32))
+    assert torch.equal(again.view(torch.uint8), values.view(torch.uint8))
+    torch.testing.assert_close(again_scales, scales, rtol=0, atol=0)
+
+
+def test_quantizing_by_bands_of_rows_matches_one_pass(monkeypatch):
+    w = _weight(2, n=50)
+    whole = quantize_weight(w)
+    monkeypatch.setattr(fp8_weights, "_CHUNK_BYTES", 7 * 4 * 40)  # bands of 7 rows
+    banded = quantize_weight(w)
+    assert torch.equal(banded[0].view(torch.uint8), whole[0].view(torch.uint8))
+    assert torch.equal(banded[1], whole[1])
+
+
+def _model(tied: bool):
+    config = dataclasses.replace(PRESETS["tiny"], tie_word_embeddings=tied)
+    checkpoint = dataclasses.replace(synthetic_checkpoint("synthetic:tiny", 0), config=config)
+    return build_model(checkpoint, torch.float32, torch.device("cpu"))
+
+
+@INTERPRETED
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_projection_and_an_untied_lm_head_become_fp8(tied):
+    """The products answer as the dequantized weights do; a tied LM head (the embedding
+    table) stays 16-bit; the replaced 16-bit weights are released."""
+    ops = load_triton_kernels(torch.device("cpu"), "triton_fp8_linear")
+    model = _model(tied)
+    old = {name: getattr(model.layers[1], name).weight for name in PROJECTIONS}
+    old["lm_head"] = model.lm_head.weight
+    released = {name: weakref.ref(w) for name, w in old.items()}
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    swapped = apply_fp8_weights(model, ops)
+    assert swapped == [*PROJECTIONS] + ([] if tied else ["lm_head"])
+    for name in PROJECTIONS:
+        for layer in model.layers:
+            assert isinstance(getattr(layer, name), Fp8Linear)
+    module = model.layers[1].qkv_proj
+    with torch.inference_mode():
+        want = F.linear(x, module.dequantized(torch.float32))
+        torch.testing.assert_close(module(x), want, atol=1e-5, rtol=1e-5)
+    assert isinstance(model.lm_head, nn.Linear) == tied
+    if tied:
+        assert model.lm_head.weight is model.embed_tokens.weight
+    del old
+    gc.collect()
+    dead = {name for name, ref in released.items() if ref() is None}
+    assert dead == set(swapped)
+
+
+def test_fp8_weights_are_a_config_error_off_the_triton_kernels():
+    with pytest.raises(ConfigError, match="fp8 weights need the Triton kernels"):
+        EngineConfig(device="cpu", weights=WeightFormat.FP8)
+    for backend in (KernelBackend.TORCH, KernelBackend.NATIVE):
+        with pytest.raises(ConfigError, match="fp8 weights"):
+            EngineConfig(device="cpu", backend=backend, weights=WeightFormat.FP8)
+    # on a CPU only the interpreted Triton kernels run them (tests)
+    EngineConfig(device="cpu", backend=KernelBackend.TRITON, weights=WeightFormat.FP8)
+    for weights in (WeightFormat.AUTO, WeightFormat.SIXTEEN_BIT):
+        assert EngineConfig(device="cpu", weights=weights).weights is weights
+
+
+@INTERPRETED
+def test_each_fp8_product_takes_the_gemv_tiles_that_timed_fastest(monkeypatch):
+    """`choose_gemv_tiles` with a stand-in for the CUDA-graph timer (which runs a call, as
+    the real one runs them all, and gives each tiling a time of its own per shape): every
+    module of a group gets that group's fastest tiling."""
+    ops = load_triton_kernels(torch.device("cpu"), "triton_fp8_linear")
+    model = _model(tied=False)
+    apply_fp8_weights(model, ops)
+    fastest = {64: ops.GEMV_CANDIDATES[1], 128: ops.GEMV_CANDIDATES[2]}  # by in_features
+    timed = []
+
+    def fake_timer(calls):
+        assert calls[0]().shape[0] == 1  # one-token products
+        tiles, (x, *_) = calls[0].keywords["tiles"], calls[0].args
+        timed.append((x.shape[1], tiles, len(calls)))
+        return 1.0 if tiles == fastest[x.shape[1]] else 2.0
+
+    monkeypatch.setattr(fp8_weights, "graph_ms_per_call", fake_timer)
+    chosen = fp8_weights.choose_gemv_tiles(model, ops)
+    assert set(chosen) == {*PROJECTIONS, "lm_head"}
+    for name in PROJECTIONS:
+        for layer in model.layers:
+            module = getattr(layer, name)
+            assert module.gemv_tiles == fastest[module.in_features]
+            assert chosen[name] == module.gemv_tiles.name
+    assert model.lm_head.gemv_tiles == fastest[64]
+    # every candidate timed per group, over at least 8 products (the 2 layers' weights again)
+    assert len(timed) == 5 * len(ops.GEMV_CANDIDATES) and {n for _, _, n in timed} == {8}
