@@ -276,7 +276,7 @@ def measure_engine(
             fraction = need / seconds / bandwidth
             figures.tok_s.setdefault(label, {})[shape] = round(batch / seconds, 1)
             figures.step_ms.setdefault(label, {})[shape] = round(seconds * 1e3, 3)
-            figures.hbm_fraction.setdefault(label, {})[shape] = round(fraction, 3)
+            figures.hbm_fraction.setdefault(label, {})[shape] = float(f"{fraction:.3g}")
             if batch == 1:
                 limit = wbytes / bandwidth
                 figures.batch1_vs_limit[f"{label}/c{context}"] = round(seconds / limit, 2)

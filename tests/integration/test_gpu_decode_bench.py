@@ -34,7 +34,8 @@ def test_quick_run_reports_every_shape(tmp_path, capsys):
     for prof in record["profiles"].values():
         times = [k["us_per_step"] for k in prof["kernels"]]
         assert times == sorted(times, reverse=True) and times[0] > 0
-        assert any("mm" in k["name"] for k in prof["kernels"]), "the projections' matmuls"
+        if set(products.values()) == {"cublas"}:  # torch runs the projections
+            assert any("mm" in k["name"] for k in prof["kernels"]), "the projections' matmuls"
     (written,) = tmp_path.glob("gpu_decode-cpu-*.json")
     assert json.loads(written.read_text())["tok_s"] == summary["tok_s"]
 
