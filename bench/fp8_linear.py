@@ -1,17 +1,18 @@
 """FP8-weight products (engine/kernels/triton_fp8_linear.py) against 16-bit ones at a model's
-projection shapes, by rows (tokens) per product, and a sweep of the FP8 kernels' tiles.
+projection shapes, by rows (tokens) per product, over the FP8 kernels' candidate tiles.
 
 Per shape (the four projections and the LM head of `synthetic:llama3-8b`), random weights,
 enough copies of each to stay out of the L2 cache, each product timed as a decode step runs
 it: 16 back to back in a CUDA graph, each on the next copy (bench/gemv_sweep.py's method).
 For each row count:
 - 16-bit: cuBLAS (`F.linear`) and, at one row, the Triton GEMV (its default tiles);
-- FP8: `fp8_linear`, as the engine calls it (the default tiles for that row count),
+- FP8: every candidate the engine times at start for that row count (the GEMV's at one row,
+  the row bucket's matmul tiles), each checked against the dequantized product; the fastest
+  is what the engine would run;
 each as a fraction of the copy bandwidth (weight bytes over time; a read-only stream can
-pass it a little), and FP8's time over the faster 16-bit one's. Then the FP8 GEMV's tiles
-at one row (`--gemv-configs`) and the matmul's at 64 rows (`--gemm-configs`). Summary:
-over a step's products (each projection once per layer, the LM head once), FP8's time over
-16-bit's by row count, and the tiles with the least total.
+pass it a little), and FP8's time over the faster 16-bit one's. Summary: over a step's
+products (each projection once per layer, the LM head once), FP8's time over 16-bit's by
+row count, and the fastest tiles per shape and row count.
 
     python bench/fp8_linear.py          # on a GPU
     python bench/fp8_linear.py --quick  # small shapes, one tile each (CPU: interpreter)
@@ -42,20 +43,20 @@ from engine.model.fp8_weights import dequantize_weight, quantize_weight
 _L2_MARGIN = 256 << 20  # bytes of weight copies per shape and format: past any L2 cache
 
 
-def gemv_configs(spec: str, ops: Any) -> list[Any]:
-    """'4x2048x4,...' (weight rows, columns, warps) -> GemvTiles."""
-    return [ops.GemvTiles(*map(int, c.split("x"))) for c in spec.split(",")]
-
-
-def gemm_configs(spec: str, ops: Any) -> list[Any]:
-    """'64x64x128x4x4,...' (rows, weight rows, columns, warps, stages) -> GemmTiles."""
-    return [ops.GemmTiles(*map(int, c.split("x"))) for c in spec.split(",")]
+def candidates(ops: Any, rows: int, first_only: bool = False) -> list[tuple[str, Any]]:
+    """What the engine times at start for products of `rows` rows (engine/model/
+    fp8_weights.py): the GEMV's tiles at one row, and the matmul's of the row bucket (with
+    `first_only`, the first of each)."""
+    bucket = next(b for b in ops.ROW_BUCKETS if b is None or rows <= b)
+    gemv = [("fp8_gemv", t) for t in ops.GEMV_CANDIDATES] if rows == 1 else []
+    gemm = [("fp8_gemm", t) for t in ops.GEMM_CANDIDATES[bucket]]
+    return gemv[:1] + gemm[:1] if first_only else gemv + gemm
 
 
 def bench_shape(
     ops: Any, gemv_ops: Any, n: int, k: int, args: argparse.Namespace, bandwidth: float
 ) -> dict[str, Any]:
-    """One weight shape: every row count's 16-bit and FP8 times, then the tile sweeps."""
+    """One weight shape: every row count's 16-bit time and the FP8 kernels' candidates."""
     device, gen = args.device, torch.Generator(args.device).manual_seed(n + k)
     gpu = device.type == "cuda"
     w0 = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(torch.bfloat16)
@@ -77,38 +78,38 @@ def bench_shape(
     row: dict[str, Any] = {"n": n, "k": k, "rows": {}}
     for rows in args.rows:
         x = torch.randn(rows, k, generator=gen, device=device).to(torch.bfloat16)
-        got = ops.fp8_linear(x, values, scales).float()
         want = x.float() @ dense.T
-        error = float((got - want).norm() / want.norm())
-        assert error < 1e-2, (n, k, rows, error)
-        point = {"cublas_ms": timed(lambda x=x: F.linear(x, sixteen[next(turn) % copies16]))}
+        point: dict[str, Any] = {
+            "cublas_ms": timed(lambda x=x: F.linear(x, sixteen[next(turn) % copies16]))
+        }
         if rows == 1:
             point["triton_gemv_ms"] = timed(
                 lambda x=x: gemv_ops.gemv(x, sixteen[next(turn) % copies16])
             )
-        point["fp8_ms"] = timed(lambda x=x: ops.fp8_linear(x, *fp8[next(turn) % copies]))
+        tiles_ms = {}
+        for kernel, tiles in candidates(ops, rows, first_only=not gpu):
+            fn = getattr(ops, kernel)
+            try:
+                got = fn(x, values, scales, tiles=tiles).float()
+            except Exception as exc:  # does not compile for this device: as the engine skips it
+                print(f"  [{n} x {k}] {rows} rows: {tiles.name} does not run here: {exc}")
+                continue
+            error = float((got - want).norm() / want.norm())
+            assert error < 1e-2, (n, k, rows, tiles, error)
+            tiles_ms[f"{kernel.removeprefix('fp8_')} {tiles.name}"] = timed(
+                lambda fn=fn, x=x, tiles=tiles: fn(x, *fp8[next(turn) % copies], tiles=tiles)
+            )
+        best = min(tiles_ms, key=lambda t: tiles_ms[t])
+        point |= {"fp8_ms": tiles_ms[best], "fp8_tiles": best, "candidates_ms": tiles_ms}
         best16 = min(point["cublas_ms"], point.get("triton_gemv_ms", float("inf")))
         point["fp8_vs_16bit"] = round(point["fp8_ms"] / best16, 3)
         point["fp8_of_copy"] = of_copy(point["fp8_ms"], n * k)
         point["16bit_of_copy"] = of_copy(best16, 2 * n * k)
-        point["rel_error"] = round(error, 5)
         row["rows"][rows] = point
         print(f"  [{n} x {k}] {rows:>4} rows: 16-bit {best16 * 1e3:8.1f} us "
               f"({point['16bit_of_copy']:.0%}), FP8 {point['fp8_ms'] * 1e3:8.1f} us "
-              f"({point['fp8_of_copy']:.0%}), {point['fp8_vs_16bit']}x", flush=True)  # fmt: skip
-    x1 = torch.randn(1, k, generator=gen, device=device).to(torch.bfloat16)
-    row["gemv_tiles"] = {
-        t.name: timed(lambda t=t: ops.fp8_gemv(x1, *fp8[next(turn) % copies], tiles=t))
-        for t in gemv_configs(args.gemv_configs, ops)
-    }
-    x64 = torch.randn(64, k, generator=gen, device=device).to(torch.bfloat16)
-    row["gemm_tiles_64_rows"] = {
-        t.name: timed(lambda t=t: ops.fp8_gemm(x64, *fp8[next(turn) % copies], tiles=t))
-        for t in gemm_configs(args.gemm_configs, ops)
-    }
-    for sweep in ("gemv_tiles", "gemm_tiles_64_rows"):
-        best = min(row[sweep], key=row[sweep].get)
-        print(f"  [{n} x {k}] {sweep}: best {best} {row[sweep][best] * 1e3:.1f} us", flush=True)
+              f"({point['fp8_of_copy']:.0%}, {best}), {point['fp8_vs_16bit']}x",
+              flush=True)  # fmt: skip
     return row
 
 
@@ -117,12 +118,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--model", default="llama3-8b", help="a synthetic preset's shapes")
     ap.add_argument("--rows", default="1,4,16,64,512")
-    # the engine's candidates (GEMV_CANDIDATES) and two more; the matmul's 64-row default
-    # (gemm_tiles) and three more
-    ap.add_argument("--gemv-configs", default="4x2048x4,8x1024x4,4x4096x4,8x2048x8,4x1024x4,"
-                    "16x1024x8")  # fmt: skip
-    ap.add_argument("--gemm-configs", default="64x64x128x4x4,64x32x128x4x4,64x128x64x4x4,"
-                    "32x64x128x4x4")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=20, help="timed graph replays per point")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
@@ -131,7 +126,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gpu = args.device.type == "cuda"
     if args.quick or not gpu:
         args.model, args.rows = "tiny", "1,5"
-        args.gemv_configs, args.gemm_configs = "8x128x4", "16x32x64x4x2"
         args.repeats = args.repeats if gpu else 1
     args.rows = [int(r) for r in args.rows.split(",")]
     ops = load_triton_kernels(args.device, "triton_fp8_linear")
@@ -153,11 +147,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for r in results.values()
         )
         step_ratio[f"{rows} rows"] = round(fp8 / best16, 3)
-    best_tiles = {}
-    for sweep in ("gemv_tiles", "gemm_tiles_64_rows"):
-        names = next(iter(results.values()))[sweep]
-        totals = {t: sum(r["per_step"] * r[sweep][t] for r in results.values()) for t in names}
-        best_tiles[sweep] = min(totals, key=lambda t: totals[t])
+    best_tiles = {
+        f"{rows} rows": {name: r["rows"][rows]["fp8_tiles"] for name, r in results.items()}
+        for rows in args.rows
+    }
     summary = {
         "device": machine_info(args.device)["device"],
         "model": f"synthetic:{args.model}",

@@ -95,10 +95,10 @@ def one_token_kernels(core: EngineCore) -> dict[str, str]:
     return {name: _kernel_of(m) for name, m in _product_modules(core).items()}
 
 
-def fp8_gemv_tiles(core: EngineCore) -> dict[str, str]:
+def fp8_plans(core: EngineCore) -> dict[str, str]:
     """The GEMV tiles the engine chose for each FP8 product (none with 16-bit weights)."""
     modules = _product_modules(core)
-    return {name: m.gemv_tiles.name for name, m in modules.items() if isinstance(m, Fp8Linear)}
+    return {name: m.plan.name for name, m in modules.items() if isinstance(m, Fp8Linear)}
 
 
 def _product_modules(core: EngineCore) -> dict[str, torch.nn.Module]:
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "kv_pool_blocks": core.pool.num_blocks,
                 "weight_bytes_read": weight_bytes(core),
                 "one_token_products": one_token_kernels(core),
-                "fp8_gemv_tiles": fp8_gemv_tiles(core),
+                "fp8_plans": fp8_plans(core),
             }
             products = config_used[label]["one_token_products"]
             print(f"{label}: one-token products by {products}", flush=True)

@@ -15,7 +15,7 @@ from engine.loader import (
     build_model,
     load_checkpoint,
 )
-from engine.model.fp8_weights import apply_fp8_weights, choose_gemv_tiles
+from engine.model.fp8_weights import apply_fp8_weights, choose_plans
 from engine.model.native_cpu import apply_native_cpu
 from engine.model.triton_layers import apply_triton_layers
 from engine.model_specs import tokenizer_from_source
@@ -51,7 +51,7 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
         ops = load_triton_kernels(config.torch_device(), "triton_fp8_linear")
         log.info("FP8 weights for %s", ", ".join(apply_fp8_weights(model, ops)))
         if config.torch_device().type == "cuda":
-            log.info("one-token FP8 products by tiles: %s", choose_gemv_tiles(model, ops))
+            log.info("FP8 products by kernel and tiles: %s", choose_plans(model, ops))
     if triton and config.torch_device().type == "cuda":  # interpreted, they only cost time
         gemv = apply_triton_layers(model, gemv=config.gemv)
         log.info("one-token products by kernel: %s", gemv)

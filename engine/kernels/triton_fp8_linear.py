@@ -2,13 +2,13 @@
 dtype, W8 float8_e4m3fn [N, K] (an nn.Linear weight's layout) and s float32 [N], one scale
 per output row (engine/model/fp8_weights.py quantizes them). Two kernels, by M:
 
-- up to `GEMV_MAX_ROWS` rows (one-token and few-token steps): a matrix-vector product laid
+- one-row products (a decode step of one sequence): a matrix-vector product laid
   out like engine/kernels/triton_gemv.py. Each program reads BLOCK_N consecutive weight rows,
   BLOCK_K columns at a time, widens them to fp32 in registers and multiplies them by every
   row of x, so the weights are streamed once whatever M; one fp32 sum per (row of x, weight
   row), no split, so sums are deterministic. Such a step's time is the time to stream the
   weights: half the bytes of 16-bit ones.
-- more rows (prefill chunks, larger decode batches): a tiled matmul. A program computes a
+- more rows (decode batches, drafted steps, prefill chunks): a tiled matmul. A program computes a
   BLOCK_N x BLOCK_M tile of y^T over K: the weight tile is the left operand of `tl.dot`,
   widened in registers to the activations' dtype (every e4m3 value is exact in bf16 and
   fp16), x^T the right one, fp32 accumulation. Weights on the left fill the tensor cores'
@@ -17,10 +17,11 @@ per output row (engine/model/fp8_weights.py quantizes them). Two kernels, by M:
 
 Both multiply the fp32 sum by the row's scale (sum of x w8 s = s times sum of x w8), add
 the bias and round to x's dtype once. A launch depends only on shapes (no host sync, no
-allocation but the output), so CUDA graphs capture it. The matmul's tiles, by M, are
-starting points for H100/H200; the GEMV's are chosen per weight shape at engine start
-among `GEMV_CANDIDATES` (engine/model/fp8_weights.py); bench/fp8_linear.py sweeps both.
-Interpreted on CPU for tests, with the dot in fp32.
+allocation but the output), so CUDA graphs capture it. Which kernel and tiles run a product
+of M rows is an `Fp8Plan`; on CUDA the engine times `GEMV_CANDIDATES` and each row
+bucket's `GEMM_CANDIDATES` on every weight shape at start and keeps the fastest
+(engine/model/fp8_weights.py); bench/fp8_linear.py sweeps them. Interpreted on CPU for
+tests, with the dot in fp32.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def _fp8_gemm_kernel(
 
 _INTERPRETED = isinstance(_fp8_gemv_kernel, InterpretedFunction)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-GEMV_MAX_ROWS = 4  # rows of x up to which the GEMV kernel runs; the matmul above
+GEMV_MAX_ROWS = 1  # rows of x up to which the GEMV kernel runs by default; the matmul above
 
 
 @dataclass(frozen=True)
@@ -132,12 +133,16 @@ class GemvTiles:
 # an H100 (4 rows of 1,024 bf16 columns). Interpreted, a program costs its Python overhead
 # whatever its size, so fewer, larger ones.
 DEFAULT_GEMV_TILES = GemvTiles(64 if _INTERPRETED else 4, 2048)
-# what the engine times at start, per weight shape (engine/model/fp8_weights.py)
+# what the engine times at start for one-row products, per weight shape
 GEMV_CANDIDATES = (
     DEFAULT_GEMV_TILES,
     GemvTiles(8, 1024),
     GemvTiles(4, 4096),
     GemvTiles(8, 2048, num_warps=8),
+    GemvTiles(16, 1024),
+    GemvTiles(16, 2048, num_warps=8),
+    GemvTiles(2, 4096),
+    GemvTiles(8, 4096, num_warps=8),
 )
 
 
@@ -158,16 +163,64 @@ class GemmTiles:
                 f"/s{self.num_stages}")  # fmt: skip
 
 
+# Row buckets of the matmul: a product of M rows takes the tiles chosen for the first bucket
+# of at least M rows (None: any number). Few rows stream the weights in narrow tiles, many
+# programs over N; prefill chunks take square ones.
+ROW_BUCKETS: tuple[int | None, ...] = (16, 64, 256, None)
+GEMM_CANDIDATES: dict[int | None, tuple[GemmTiles, ...]] = {
+    16: (
+        GemmTiles(16, 16, 256, 4, 4), GemmTiles(16, 32, 256, 4, 4), GemmTiles(16, 16, 512, 4, 3),
+        GemmTiles(16, 64, 128, 4, 4), GemmTiles(16, 32, 128, 4, 5),
+    ),
+    64: (
+        GemmTiles(64, 16, 256, 4, 4), GemmTiles(64, 32, 256, 4, 3), GemmTiles(64, 32, 128, 4, 4),
+        GemmTiles(64, 64, 128, 4, 4), GemmTiles(32, 32, 256, 4, 4),
+    ),
+    256: (
+        GemmTiles(64, 64, 128, 4, 4), GemmTiles(128, 64, 64, 4, 4), GemmTiles(64, 128, 64, 4, 4),
+        GemmTiles(128, 128, 64, 8, 3),
+    ),
+    None: (
+        GemmTiles(128, 128, 64, 8, 3), GemmTiles(128, 256, 64, 8, 3),
+        GemmTiles(64, 128, 64, 4, 4), GemmTiles(128, 128, 128, 8, 3),
+    ),
+}  # fmt: skip
+
+
 def gemm_tiles(num_rows: int) -> GemmTiles:
-    """The matmul's tiles for x of `num_rows` rows: decode batches stream the weights in
-    narrow tiles (many programs for N = 4,096); prefill chunks take square ones."""
-    if num_rows <= 16:
-        return GemmTiles(16, 64, 128, num_warps=4, num_stages=4)
-    if num_rows <= 64:
-        return GemmTiles(triton.next_power_of_2(num_rows), 64, 128, num_warps=4, num_stages=4)
-    if num_rows <= 128:
-        return GemmTiles(64, 128, 64, num_warps=4, num_stages=4)
-    return GemmTiles(128, 128, 64, num_warps=8, num_stages=3)
+    """The matmul's default tiles for x of `num_rows` rows: each bucket's first candidate
+    (interpreted: one small tile whatever the rows)."""
+    if _INTERPRETED:
+        return GemmTiles(16, 32, 64, 4, 2)
+    for bucket in ROW_BUCKETS:
+        if bucket is None or num_rows <= bucket:
+            return GEMM_CANDIDATES[bucket][0]
+    raise AssertionError("ROW_BUCKETS ends with None")
+
+
+@dataclass(frozen=True)
+class Fp8Plan:
+    """The kernel and tiles for each size of product of one weight shape: the GEMV (with
+    `gemv`) up to `gemv_max_rows` rows, the matmul above, with the tiles of the first bucket
+    of `gemm` that holds the rows."""
+
+    gemv: GemvTiles = DEFAULT_GEMV_TILES
+    gemv_max_rows: int = GEMV_MAX_ROWS
+    gemm: tuple[tuple[int | None, GemmTiles], ...] = ()
+
+    def gemm_tiles(self, num_rows: int) -> GemmTiles:
+        for bucket, tiles in self.gemm:
+            if bucket is None or num_rows <= bucket:
+                return tiles
+        return gemm_tiles(num_rows)
+
+    @property
+    def name(self) -> str:
+        rows = "".join(f", <={b or 'any'}: {t.name}" for b, t in self.gemm)
+        return f"1-{self.gemv_max_rows}: gemv {self.gemv.name}{rows}"
+
+
+DEFAULT_PLAN = Fp8Plan()
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -238,10 +291,11 @@ def fp8_linear(
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    gemv_tiles: GemvTiles = DEFAULT_GEMV_TILES,
+    plan: Fp8Plan = DEFAULT_PLAN,
 ) -> torch.Tensor:
-    """x [M, K] -> [M, N]: the GEMV kernel (with `gemv_tiles`) up to `GEMV_MAX_ROWS` rows,
-    the matmul above."""
-    if x.shape[0] <= GEMV_MAX_ROWS:
-        return fp8_gemv(x, weight, scale, bias, tiles=gemv_tiles)
-    return fp8_gemm(x, weight, scale, bias)
+    """x [M, K] -> [M, N]: as `plan` says for M rows (the GEMV kernel up to its row count,
+    the matmul with the bucket's tiles above)."""
+    m = x.shape[0]
+    if m <= plan.gemv_max_rows:
+        return fp8_gemv(x, weight, scale, bias, tiles=plan.gemv)
+    return fp8_gemm(x, weight, scale, bias, tiles=plan.gemm_tiles(m))

@@ -8,8 +8,8 @@ row's largest magnitude lands on e4m3's largest finite value, an all-zero row ge
 the product is x W8^T times s, s applied to the fp32 sums. Every step uses them: one-token
 and few-token steps through the FP8 GEMV, prefill chunks and larger batches through the
 tiled matmul, so the 16-bit weights are not kept (each is released once quantized; CUDA's
-cached blocks are returned at the end). On CUDA, `choose_gemv_tiles` then times the GEMV's
-candidate tiles on each weight shape, as `GemvKernel.AUTO` times the 16-bit GEMV.
+cached blocks are returned at the end). On CUDA, `choose_plans` then times the kernels'
+candidate tiles on each weight shape, by rows, as `GemvKernel.AUTO` times the 16-bit GEMV.
 
 Which products: qkv_proj, o_proj, gate_up_proj and down_proj of every layer, and the LM
 head unless it is tied to the embedding table (7% of Llama-3-8B's weight bytes read per
@@ -78,12 +78,12 @@ class Fp8Linear(nn.Module):
         self.bias = linear.bias
         self.ops = ops
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.gemv_tiles = ops.DEFAULT_GEMV_TILES  # see choose_gemv_tiles
+        self.plan = ops.DEFAULT_PLAN  # see choose_plans
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] in x's dtype."""
         out: torch.Tensor = self.ops.fp8_linear(
-            x, self.weight, self.weight_scale, self.bias, gemv_tiles=self.gemv_tiles
+            x, self.weight, self.weight_scale, self.bias, plan=self.plan
         )
         return out
 
@@ -114,13 +114,15 @@ def apply_fp8_weights(model: LlamaForCausalLM, ops: ModuleType) -> list[str]:
 
 
 @torch.inference_mode()
-def choose_gemv_tiles(model: LlamaForCausalLM, ops: ModuleType) -> dict[str, str]:
-    """Per FP8 projection (and LM head), the GEMV tiles of `ops.GEMV_CANDIDATES` whose
-    one-token products of these weights (up to 16 of them, the first layers') ran fastest
-    back to back in a CUDA graph, as a decode step runs them; sets each module's
-    `gemv_tiles` (CUDA only). Returns the tiles' names by group. Timings vary a little
-    between starts, so two starts may pick differently where candidates are close; the
-    products then round their fp32 sums in another order."""
+def choose_plans(model: LlamaForCausalLM, ops: ModuleType) -> dict[str, str]:
+    """Per FP8 projection (and LM head), the kernel and tiles that ran its products fastest,
+    timed on these weights (up to 16 of them, the first layers') back to back in a CUDA
+    graph, as a decode step runs them: at one row, every GEMV candidate and the smallest
+    bucket's matmul candidates; at each row bucket's size (512 for the last), that bucket's
+    matmul candidates. Sets each module's `plan` (CUDA only); a candidate that fails to
+    compile on this device is skipped. Returns the plans' names by group. Timings vary a
+    little between starts, so two starts may pick differently where candidates are close;
+    the products then round their fp32 sums in another order."""
     groups = {name: [getattr(layer, name) for layer in model.layers] for name in PROJECTIONS}
     groups["lm_head"] = [model.lm_head]
     dtype = model.embed_tokens.weight.dtype
@@ -130,17 +132,43 @@ def choose_gemv_tiles(model: LlamaForCausalLM, ops: ModuleType) -> dict[str, str
             continue
         first = [(m.weight, m.weight_scale, m.bias) for m in modules[:16]]
         weights = [first[i % len(first)] for i in range(max(8, len(first)))]
-        x = torch.randn(1, modules[0].in_features, dtype=dtype, device=first[0][0].device)
-        times = {
-            tiles: graph_ms_per_call(
-                [partial(ops.fp8_gemv, x, w, s, b, tiles=tiles) for w, s, b in weights]
-            )
-            for tiles in ops.GEMV_CANDIDATES
-        }
-        best = min(times, key=lambda tiles: times[tiles])
+        time = partial(_fastest, ops, name, weights, modules[0].in_features, dtype)
+        gemv, gemv_ms = time(1, "fp8_gemv", ops.GEMV_CANDIDATES)
+        _, narrow_ms = time(1, "fp8_gemm", ops.GEMM_CANDIDATES[ops.ROW_BUCKETS[0]])
+        gemm = tuple(
+            (bucket, time(bucket or 512, "fp8_gemm", ops.GEMM_CANDIDATES[bucket])[0])
+            for bucket in ops.ROW_BUCKETS
+        )
+        plan = ops.Fp8Plan(gemv=gemv, gemv_max_rows=1 if gemv_ms <= narrow_ms else 0, gemm=gemm)
         for m in modules:
-            m.gemv_tiles = best
-        chosen[name] = best.name
-        log.info("one-token FP8 %s: %s", name,
-                 ", ".join(f"{t.name} {ms * 1e3:.1f} us" for t, ms in times.items()))  # fmt: skip
+            m.plan = plan
+        chosen[name] = plan.name
     return chosen
+
+
+def _fastest(
+    ops: ModuleType,
+    name: str,
+    weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    in_features: int,
+    dtype: torch.dtype,
+    rows: int,
+    kernel: str,
+    candidates: tuple[object, ...],
+) -> tuple[object, float]:
+    """The candidate tiles under which `kernel` ran products of `rows` rows by `weights`
+    fastest, and its ms per product."""
+    x = torch.randn(rows, in_features, dtype=dtype, device=weights[0][0].device)
+    fn = getattr(ops, kernel)
+    times = {}
+    for tiles in candidates:
+        try:
+            times[tiles] = graph_ms_per_call(
+                [partial(fn, x, w, s, b, tiles=tiles) for w, s, b in weights]
+            )
+        except Exception as exc:  # too much shared memory on this device, say
+            log.info("FP8 %s: %s does not run here (%s)", name, tiles, exc)
+    report = ", ".join(f"{getattr(t, 'name', t)} {ms * 1e3:.1f} us" for t, ms in times.items())
+    log.info("FP8 %s at %d rows: %s", name, rows, report)
+    best = min(times, key=lambda t: times[t])
+    return best, times[best]

@@ -58,8 +58,8 @@ def test_fp8_weights_run_beside_16bit_ones_and_report_their_step_ratio(tmp_path,
     # synthetic:tiny ties its LM head to the embeddings: it stays 16-bit
     assert products == {**dict.fromkeys(PROJECTIONS, "triton-fp8"), "lm_head": "cublas"}
     # the interpreter's tiles: no timing at start off CUDA
-    assert engines["fp8w-fp8"]["fp8_gemv_tiles"] == dict.fromkeys(PROJECTIONS, "n64/k2048/w4")
-    assert engines["fp8"]["fp8_gemv_tiles"] == {}
+    assert engines["fp8w-fp8"]["fp8_plans"] == dict.fromkeys(PROJECTIONS, "1-1: gemv n64/k2048/w4")
+    assert engines["fp8"]["fp8_plans"] == {}
     # a byte per projection weight and 4 per output row; 16-bit embeddings (the LM head)
     # and norms
     c = PRESETS["tiny"]

@@ -118,30 +118,61 @@ def test_fp8_weights_are_a_config_error_off_the_triton_kernels():
 
 
 @INTERPRETED
-def test_each_fp8_product_takes_the_gemv_tiles_that_timed_fastest(monkeypatch):
-    """`choose_gemv_tiles` with a stand-in for the CUDA-graph timer (which runs a call, as
-    the real one runs them all, and gives each tiling a time of its own per shape): every
-    module of a group gets that group's fastest tiling."""
+def test_each_fp8_product_takes_the_plan_that_timed_fastest(monkeypatch):
+    """`choose_plans` with a stand-in for the CUDA-graph timer (which runs a call, as the
+    real one runs them all, and gives each tiling a time of its own per shape and rows):
+    every module of a group gets that group's fastest GEMV and the fastest matmul tiles of
+    each row bucket; a candidate that fails is skipped."""
     ops = load_triton_kernels(torch.device("cpu"), "triton_fp8_linear")
     model = _model(tied=False)
     apply_fp8_weights(model, ops)
-    fastest = {64: ops.GEMV_CANDIDATES[1], 128: ops.GEMV_CANDIDATES[2]}  # by in_features
+    fastest_gemv = {64: ops.GEMV_CANDIDATES[1], 128: ops.GEMV_CANDIDATES[2]}  # by in_features
+    broken = ops.GEMM_CANDIDATES[64][0]
     timed = []
 
     def fake_timer(calls):
-        assert calls[0]().shape[0] == 1  # one-token products
         tiles, (x, *_) = calls[0].keywords["tiles"], calls[0].args
-        timed.append((x.shape[1], tiles, len(calls)))
-        return 1.0 if tiles == fastest[x.shape[1]] else 2.0
+        rows, width = x.shape
+        timed.append((rows, tiles, len(calls)))
+        if tiles == broken:
+            raise RuntimeError("out of shared memory")
+        if isinstance(tiles, ops.GemvTiles):
+            return 1.0 if tiles == fastest_gemv[width] else 2.0
+        # the matmul: its last candidate is fastest in every bucket, and slower than the
+        # GEMV at one row
+        return 1.5 if tiles == ops.GEMM_CANDIDATES[_bucket(ops, rows)][-1] else 3.0
 
     monkeypatch.setattr(fp8_weights, "graph_ms_per_call", fake_timer)
-    chosen = fp8_weights.choose_gemv_tiles(model, ops)
+    chosen = fp8_weights.choose_plans(model, ops)
     assert set(chosen) == {*PROJECTIONS, "lm_head"}
     for name in PROJECTIONS:
         for layer in model.layers:
-            module = getattr(layer, name)
-            assert module.gemv_tiles == fastest[module.in_features]
-            assert chosen[name] == module.gemv_tiles.name
-    assert model.lm_head.gemv_tiles == fastest[64]
-    # every candidate timed per group, over at least 8 products (the 2 layers' weights again)
-    assert len(timed) == 5 * len(ops.GEMV_CANDIDATES) and {n for _, _, n in timed} == {8}
+            plan = getattr(layer, name).plan
+            assert plan.gemv == fastest_gemv[getattr(layer, name).in_features]
+            assert plan.gemv_max_rows == 1
+            assert plan.gemm == tuple((b, ops.GEMM_CANDIDATES[b][-1]) for b in ops.ROW_BUCKETS)
+            assert chosen[name] == plan.name
+    assert model.lm_head.plan.gemv == fastest_gemv[64]
+    # per group: the GEMV's candidates and the first bucket's at one row, then each bucket's
+    # at its size (512 for the last), each over at least 8 products
+    per_group = (
+        len(ops.GEMV_CANDIDATES)
+        + len(ops.GEMM_CANDIDATES[ops.ROW_BUCKETS[0]])
+        + sum(len(ops.GEMM_CANDIDATES[b]) for b in ops.ROW_BUCKETS)
+    )
+    assert len(timed) == 5 * per_group and {n for _, _, n in timed} == {8}
+    assert {r for r, _, _ in timed} == {1, *(b or 512 for b in ops.ROW_BUCKETS)}
+
+
+def _bucket(ops, rows: int):
+    return next(b for b in ops.ROW_BUCKETS if b is None or rows <= b)
+
+
+@INTERPRETED
+def test_a_plan_sends_each_size_of_product_to_its_kernel_and_tiles():
+    ops = load_triton_kernels(torch.device("cpu"), "triton_fp8_linear")
+    small, large = ops.GEMM_CANDIDATES[16][1], ops.GEMM_CANDIDATES[None][1]
+    plan = ops.Fp8Plan(gemv_max_rows=1, gemm=((16, small), (None, large)))
+    assert plan.gemm_tiles(2) == small and plan.gemm_tiles(16) == small
+    assert plan.gemm_tiles(17) == large and plan.gemm_tiles(4096) == large
+    assert "<=16: " + small.name in plan.name

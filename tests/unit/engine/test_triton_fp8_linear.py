@@ -87,8 +87,12 @@ def test_fp8_linear_sends_few_rows_to_the_gemv_and_more_to_the_matmul(ops, monke
 
         monkeypatch.setattr(ops, name, counted)
     x, values, scales, _, _ = _case(8, 24, 48, False, torch.float32)
-    for rows in (1, ops.GEMV_MAX_ROWS, ops.GEMV_MAX_ROWS + 1):
+    for rows in (1, 2, 5):
         ops.fp8_linear(x[:rows], values, scales)
+    assert calls == [("fp8_gemv", 1), ("fp8_gemm", 2), ("fp8_gemm", 5)]
+    calls.clear()
+    for rows in (1, 4, 5):  # a plan that takes the GEMV up to 4 rows
+        ops.fp8_linear(x[:rows], values, scales, plan=ops.Fp8Plan(gemv_max_rows=4))
     assert calls == [("fp8_gemv", 1), ("fp8_gemv", 4), ("fp8_gemm", 5)]
 
 
