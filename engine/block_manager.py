@@ -8,10 +8,8 @@ is in docs/design/kv-pages-and-tiers.md.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
-from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -21,22 +19,6 @@ from kvstore.tiers import KVOffloader, Tier
 log = logging.getLogger(__name__)
 
 _SHARE_SCAN = 64  # free blocks looked at for one over its tenant's share
-
-
-def root_hash(namespace: str) -> bytes:
-    """The chain's root for one cache namespace."""
-    return hashlib.blake2b(namespace.encode(), digest_size=16).digest()
-
-
-def chain_hashes(parent: bytes, token_ids: list[int], block_size: int, start: int) -> list[bytes]:
-    """Hashes of the full blocks of `token_ids` from block index `start` on, continuing the
-    chain from `parent` (the hash of block `start - 1`, or the root)."""
-    out: list[bytes] = []
-    for b in range(start, len(token_ids) // block_size):
-        block = array("q", token_ids[b * block_size : (b + 1) * block_size]).tobytes()
-        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
-        out.append(parent)
-    return out
 
 
 class BlockManager:
