@@ -182,7 +182,7 @@ ENGINE_FIGURES = (
     _engine_figure("strata:kv_blocks_used", "gauge", "KV-cache blocks in use, by tier",
                    lambda s: _tiers(s.num_kv_blocks_used, s.num_kv_host_blocks_used,
                                     s.num_kv_disk_blocks_used, present=s), by_tier=True),
-    _engine_figure("strata:kv_blocks_total", "gauge", "KV-cache blocks in the pools, by tier",
+    _engine_figure("strata:kv_blocks_capacity", "gauge", "KV-cache blocks in the pools, by tier",
                    lambda s: _tiers(s.num_kv_blocks_total, s.num_kv_host_blocks_total,
                                     s.num_kv_disk_blocks_total, present=s), by_tier=True),
     _engine_figure("strata:kv_cache_hit_blocks", "counter",

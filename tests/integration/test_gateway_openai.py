@@ -302,7 +302,7 @@ def test_schema_and_ops_endpoints(gateway):
         assert "/v1/chat/completions" in schema.json()["paths"]
         metrics = http.get("/metrics").text
         assert "strata:request_success_total" in metrics
-        assert "strata:kv_blocks_total" in metrics
+        assert "strata:kv_blocks_capacity" in metrics
         per_token = next(
             float(line.split()[1])
             for line in metrics.splitlines()

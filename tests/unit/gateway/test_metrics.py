@@ -58,11 +58,11 @@ def test_each_workers_figures_carry_its_address() -> None:
     assert v[f'strata:spec_decode_num_accepted_tokens_total{{worker="{A}"}}'] == 31
     assert v[f'strata:kv_cache_bytes_per_token{{worker="{A}"}}'] == 18_432
     # blocks by tier: the tiers a worker has (A a host pool, B none)
-    assert v[f'strata:kv_blocks_total{{tier="device",worker="{A}"}}'] == 100
+    assert v[f'strata:kv_blocks_capacity{{tier="device",worker="{A}"}}'] == 100
     assert v[f'strata:kv_blocks_used{{tier="host",worker="{A}"}}'] == 7
-    assert v[f'strata:kv_blocks_total{{tier="host",worker="{A}"}}'] == 50
-    assert f'strata:kv_blocks_total{{tier="host",worker="{B}"}}' not in v
-    assert f'strata:kv_blocks_total{{tier="disk",worker="{A}"}}' not in v
+    assert v[f'strata:kv_blocks_capacity{{tier="host",worker="{A}"}}'] == 50
+    assert f'strata:kv_blocks_capacity{{tier="host",worker="{B}"}}' not in v
+    assert f'strata:kv_blocks_capacity{{tier="disk",worker="{A}"}}' not in v
 
 
 def test_totals_since_start_are_counters_and_no_created_series() -> None:
