@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from kvstore.disk import DiskPrefetch
 from kvstore.tiers import KVOffloader, Tier
@@ -74,6 +74,10 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def cached_hashes(self) -> Collection[bytes]:
+        """The hashes of the cached blocks (a live view: read it on the owning thread)."""
+        return self._cached.keys()
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
