@@ -30,6 +30,7 @@ import msgspec
 import redis.asyncio as aioredis
 
 from engine.block_hash import block_key
+from engine.protocol import ModelInfo
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ DRAINED = "strata:w:drain"
 EVENTS = b"strata:w:events"
 KV_EVENTS = b"strata:kv:events"
 HEARTBEAT_S = 1.0
-RECORD_TTL_MS = 3000
+RECORD_TTL_MS = 2500  # a worker that stops beating leaves gateways' view within 3 s
 TIERS = ("device", "host", "disk")
 SNAPSHOT_TTL_S = 600  # a dead worker's snapshot goes with it
 _MAX_PENDING = 1000
@@ -133,10 +134,12 @@ def unseal(blob: bytes, secret: str) -> WorkerRecord | None:
         return None
 
 
-def shape_digest(fields: Mapping[str, object]) -> str:
-    """A short digest of a model's shapes (vocabulary, widths, layers, heads)."""
-    text = ",".join(f"{k}={fields[k]}" for k in sorted(fields))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+def model_shape(info: ModelInfo) -> str:
+    """A short digest of a model's shapes (vocabulary, widths, layers, heads): workers that
+    announce one model id must agree on it."""
+    fields = (info.vocab_size, info.hidden_size, info.intermediate_size, info.num_layers,
+              info.num_heads, info.num_kv_heads, info.head_dim)  # fmt: skip
+    return hashlib.sha256(repr(fields).encode()).hexdigest()[:16]
 
 
 class KVEvent(msgspec.Struct, frozen=True, kw_only=True):

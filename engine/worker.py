@@ -19,10 +19,12 @@ import signal
 import socket
 import ssl
 import stat
+import tempfile
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
@@ -35,15 +37,17 @@ from engine.fleet import (
     Registration,
     WorkerRecord,
     connect_store,
-    shape_digest,
+    model_shape,
 )
 from engine.handshake import HandshakeRefusedError, accept_client, check_secret, server_tls_context
 from engine.protocol import InvalidRequestError, RequestOutput
+from engine.tokenizer import Tokenizer
 from engine.wire import (
     Abort,
     Codec,
     FrameError,
     GetStats,
+    GetTokenizer,
     Hello,
     Outputs,
     Ping,
@@ -51,6 +55,7 @@ from engine.wire import (
     Rejected,
     StatsReply,
     Submit,
+    TokenizerReply,
     ToWorker,
     parse_address,
     read_frame,
@@ -113,8 +118,9 @@ class ListenConfig:
 
 
 class Worker:
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, tokenizer_files: dict[str, bytes] | None = None) -> None:
         self.core = core
+        self.tokenizer_files = tokenizer_files or {}  # what GetTokenizer answers
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._writers: dict[int, asyncio.StreamWriter] = {}
         self._codec = Codec(ToWorker)
@@ -200,14 +206,9 @@ class Worker:
         """This worker's record for the fleet, with the engine thread's latest figures."""
         assert self._fleet is not None
         info, (load, adapters) = self.core.model_info(), self._load
-        shape = shape_digest({
-            "vocab": info.vocab_size, "hidden": info.hidden_size,
-            "intermediate": info.intermediate_size, "layers": info.num_layers,
-            "heads": info.num_heads, "kv_heads": info.num_kv_heads, "head_dim": info.head_dim,
-        })  # fmt: skip
         return WorkerRecord(
             worker_id=self._fleet.worker_id, address=self._fleet.advertise,
-            model_id=info.model_id, shape=shape, max_model_len=info.max_model_len,
+            model_id=info.model_id, shape=model_shape(info), max_model_len=info.max_model_len,
             kv_block_size=info.kv_block_size, cache_namespace=info.cache_namespace,
             role=self._fleet.role, adapters=adapters,
             max_num_seqs=self.core.config.scheduler.max_num_seqs, started_at=self._started_at,
@@ -238,7 +239,11 @@ class Worker:
                 body = await read_frame(reader)
                 if body is None:
                     break
-                self._commands.put(_Command(conn_id, self._codec.decode(body)))
+                msg = self._codec.decode(body)
+                if isinstance(msg, GetTokenizer):  # answered here: the engine is not needed
+                    self._send(conn_id, TokenizerReply(msg.call_id, self.tokenizer_files))
+                    continue
+                self._commands.put(_Command(conn_id, msg))
         except (FrameError, ConnectionError) as exc:
             log.warning("dropping connection %d: %s", conn_id, exc)
         finally:
@@ -382,9 +387,21 @@ def _peer(writer: asyncio.StreamWriter) -> str:
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "the Unix socket"
 
 
-def run_worker(core: EngineCore, listen: ListenConfig, fleet: FleetConfig | None = None) -> None:
+def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
+    """`tokenizer` as the files `Tokenizer.save` writes (for gateways: GetTokenizer)."""
+    with tempfile.TemporaryDirectory(prefix="strata-tokenizer-") as directory:
+        tokenizer.save(directory)
+        return {name: (Path(directory) / name).read_bytes() for name in os.listdir(directory)}
+
+
+def run_worker(
+    core: EngineCore,
+    listen: ListenConfig,
+    fleet: FleetConfig | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> None:
     """Serve `core` as `listen` says until a signal arrives (the `strata engine` command),
-    registered in `fleet` when given."""
+    registered in `fleet` when given, handing `tokenizer` to gateways that ask for it."""
     try:
         import uvloop  # noqa: PLC0415
 
@@ -392,4 +409,5 @@ def run_worker(core: EngineCore, listen: ListenConfig, fleet: FleetConfig | None
     except ImportError:
         runner = asyncio.Runner()
     with runner:
-        runner.run(Worker(core).serve(listen, fleet=fleet))
+        files = tokenizer_files(tokenizer) if tokenizer is not None else None
+        runner.run(Worker(core, files).serve(listen, fleet=fleet))

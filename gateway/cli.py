@@ -394,8 +394,8 @@ def _engine(args: argparse.Namespace) -> int:
     )  # fmt: skip
     fleet = _fleet_config(args, listen)
     adapter_dir = os.path.join(settings.data_dir(), "adapters")
-    core, _ = create_engine(_engine_config(args, args.seed, adapter_dir), progress=True)
-    run_worker(core, listen, fleet)
+    core, tokenizer = create_engine(_engine_config(args, args.seed, adapter_dir), progress=True)
+    run_worker(core, listen, fleet, tokenizer)
     return 0
 
 
