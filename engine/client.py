@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 import msgspec
 
@@ -62,6 +62,9 @@ class EngineClient:
         self.auth = auth or ClientAuth()
         self._tls = client_tls_context(self.auth.tls_ca) if kind == "tls" else None
         self.info: ModelInfo | None = None
+        # called (on the event loop) when an open connection ends, unless `close` ended it
+        self.on_disconnect: Callable[[str], None] | None = None
+        self._closing = False
         # why the latest connection attempt failed (None once one succeeds)
         self.last_error: EngineDeadError | None = None
         self._codec = Codec(ToClient)
@@ -123,6 +126,7 @@ class EngineClient:
         return reader, writer, hello.info
 
     async def close(self) -> None:
+        self._closing = True
         self._flush()
         if self._writer is not None:
             self._writer.close()
@@ -237,6 +241,8 @@ class EngineClient:
                 self._writer.close()
             self._writer = None
             self._fail_all(EngineDeadError(reason))
+            if self.on_disconnect is not None and not self._closing:
+                self.on_disconnect(reason)
 
     def _route(self, msg: msgspec.Struct) -> None:
         if isinstance(msg, Outputs):

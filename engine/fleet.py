@@ -39,7 +39,9 @@ DRAINED = "strata:w:drain"
 EVENTS = b"strata:w:events"
 KV_EVENTS = b"strata:kv:events"
 HEARTBEAT_S = 1.0
-RECORD_TTL_MS = 2500  # a worker that stops beating leaves gateways' view within 3 s
+# a worker that stops beating (a hang, a partition) leaves gateways' view after this; one
+# that dies leaves at once, when its connection to each gateway ends
+RECORD_TTL_MS = 10_000
 TIERS = ("device", "host", "disk")
 SNAPSHOT_TTL_S = 600  # a dead worker's snapshot goes with it
 _MAX_PENDING = 1000
@@ -261,6 +263,9 @@ class Registration:
                 failures += 1
                 if failures == 1:
                     log.warning("cannot reach the fleet store (%s); retrying", exc)
+                next_beat = now + HEARTBEAT_S
+            except Exception:  # a bug must not end the heartbeat: the worker would vanish
+                log.exception("fleet heartbeat failed; retrying")
                 next_beat = now + HEARTBEAT_S
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, next_beat - time.monotonic())):

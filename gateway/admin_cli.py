@@ -44,6 +44,13 @@ def add_admin_commands(sub: Any) -> None:
     rotate.add_argument("key_id")
     rotate.add_argument("--grace", type=float, default=0.0, help="seconds the old key lives")
 
+    workers = groups.add_parser("workers").add_subparsers(dest="action", required=True)
+    workers.add_parser("list", help="every worker this gateway routes to")
+    for verb, text in (("drain", "take no new requests (running ones finish)"),
+                       ("undrain", "take requests again")):  # fmt: skip
+        verb_parser = workers.add_parser(verb, help=text)
+        verb_parser.add_argument("worker_id")
+
     usage = sub.add_parser("usage", help="usage queries and billing exports")
     usage_cmd = usage.add_subparsers(dest="usage_command", required=True)
     export = usage_cmd.add_parser("export")
@@ -114,6 +121,10 @@ def _dispatch_admin(client: httpx.Client, args: argparse.Namespace) -> Any:
         if action == "show":
             return _call(client, "GET", f"/admin/tenants/{args.tenant_id}")
         return _call(client, "DELETE", f"/admin/tenants/{args.tenant_id}")
+    if group == "workers":
+        if action == "list":
+            return _call(client, "GET", "/admin/workers/")
+        return _call(client, "POST", f"/admin/workers/{action}", json={"worker_id": args.worker_id})
     if action == "create":
         body: dict[str, Any] = {"name": args.name}
         if args.expires_in is not None:

@@ -139,6 +139,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             admin.AdapterController,
             admin.PriceController,
             admin.UsageController,
+            admin.WorkerController,
             ops.health,
             ops.ready,
             ops.metrics,

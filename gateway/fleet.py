@@ -3,10 +3,11 @@ the model they serve, from static addresses (`--engine`) and from the store's re
 (engine/fleet.py), with the KV blocks each reports; and which worker serves a request.
 
 A registry worker joins the view once its sealed record verifies with the fleet secret and
-its connection proves the secret too; it leaves when its record expires (it stopped
-beating), on its `leave` event, or when its model's shape disagrees with the workers already
-serving that model id. The view is refreshed every `REFRESH_S` and on every join event; with
-the store out of reach the gateway keeps routing on the last view (`registry_ok` says so).
+its connection proves the secret too; it leaves when its connection ends (it died), when
+its record expires (it stopped beating), on its `leave` event, or when its model's shape
+disagrees with the workers already serving that model id. The view is refreshed every
+`REFRESH_S` and on every join event; with the store out of reach the gateway keeps routing
+on the last view (`registry_ok` says so).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -120,6 +122,7 @@ class Fleet:
         aliases: Mapping[str, str] | None = None,
     ) -> None:
         self.auth = auth
+        self.store = redis  # drains are kept there, for every gateway to see
         self.default_model = default_model  # an id, or the spec the default's workers run
         self.aliases = dict(aliases or {})  # alias -> a model id, or "default"
         self._first_model: str | None = None
@@ -148,11 +151,10 @@ class Fleet:
     async def start(self, timeout: float = 60.0) -> None:
         """Connect the static workers and start watching the registry; return once some
         model has a worker (EngineDeadError after `timeout` seconds)."""
+        if self.store is not None:
+            self._tasks.append(asyncio.create_task(self._watch_registry(), name="fleet-registry"))
         if self.redis is not None:
-            self._tasks = [
-                asyncio.create_task(self._watch_registry(), name="fleet-registry"),
-                asyncio.create_task(self._listen(), name="fleet-events"),
-            ]
+            self._tasks.append(asyncio.create_task(self._listen(), name="fleet-events"))
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             for handle in [h for h in self.workers.values() if h.static]:
@@ -197,13 +199,14 @@ class Fleet:
             tokenizer = await self._tokenizer(handle.client, info)
             if info.model_id not in self.groups:
                 self._first_model = self._first_model or info.model_id
-                aliases = self.aliases_of(info.model_id)
                 self.groups[info.model_id] = ModelGroup(
-                    info.model_id, info, tokenizer, shape, Preparer(tokenizer, info, aliases)
+                    info.model_id, info, tokenizer, shape, Preparer(tokenizer, info)
                 )
             group = self.groups[info.model_id]
         group.workers[handle.worker_id] = handle
         self.index.add_worker(handle.worker_id)
+        if not handle.static:  # a registry worker whose connection ends leaves the view
+            handle.client.on_disconnect = partial(self._on_disconnect, handle)
         if not handle.static:
             await self._load_snapshot(handle.worker_id)
         log.info("worker %s (%s) serves %s", handle.worker_id, handle.address, info.model_id)
@@ -212,6 +215,11 @@ class Fleet:
         """The model's tokenizer, as its worker hands it over, kept under the cache dir."""
         files = await client.tokenizer_files()
         return await asyncio.to_thread(_tokenizer_from_files, self.cache_dir, files)
+
+    def _on_disconnect(self, handle: WorkerHandle, reason: str) -> None:
+        if self.workers.get(handle.worker_id) is handle:
+            self._leave(handle.worker_id, reason)
+            self._refused.pop(handle.worker_id, None)  # back with its next heartbeat
 
     def _leave(self, worker_id: str, reason: str) -> None:
         handle = self.workers.get(worker_id)
@@ -244,8 +252,14 @@ class Fleet:
 
     async def refresh(self) -> None:
         """Read the registry once: add workers whose sealed record verifies, drop those
-        whose record expired, update records and drain flags."""
-        assert self.redis is not None and self.auth.secret is not None
+        whose record expired, update records and drain flags (without the fleet secret,
+        only the drain flags of the --engine workers)."""
+        assert self.store is not None
+        if self.redis is None or self.auth.secret is None:
+            drained = {d.decode() for d in cast(set[bytes], await self.store.smembers(DRAINED))}
+            for static in self.workers.values():
+                static.drained = static.worker_id in drained
+            return
         now_ms = int(time.time() * 1000)
         members = cast(list[bytes], await self.redis.zrangebyscore(WORKERS, now_ms, "+inf"))
         ids = [m.decode() for m in members]
@@ -263,7 +277,8 @@ class Fleet:
             live[worker_id] = record
         for worker_id in [w for w, h in self.workers.items() if not h.static]:
             if worker_id not in live:
-                self._leave(worker_id, "its heartbeat stopped")
+                why = "its heartbeat stopped" if worker_id not in ids else "its record is invalid"
+                self._leave(worker_id, why)
         for worker_id, record in live.items():
             handle = self.workers.get(worker_id)
             if handle is not None and handle.address != record.address:
@@ -403,6 +418,21 @@ class Fleet:
         return by_id[chosen.worker_id]
 
     # -- operations -----------------------------------------------------------------------
+
+    async def set_drained(self, worker_id: str, drained: bool) -> WorkerHandle:
+        """Drain a worker (it takes no new requests; its running ones finish) or undrain it,
+        on every gateway: the flag is kept in the store. KeyError for a worker not in view."""
+        handle = self.workers[worker_id]
+        if self.store is not None:
+            async with self.store.pipeline(transaction=True) as pipe:
+                if drained:
+                    pipe.sadd(DRAINED, worker_id)
+                else:
+                    pipe.srem(DRAINED, worker_id)
+                pipe.publish(EVENTS, f"{'drain' if drained else 'undrain'} {worker_id}")
+                await pipe.execute()
+        handle.drained = drained
+        return handle
 
     async def ready(self, timeout: float = 1.0) -> bool:
         """Whether some worker is reachable (busy or not); the workers not connected are

@@ -25,7 +25,7 @@ from engine.tokenizer import ChatTemplateError, Tokenizer
 from gateway.errors import APIError, bad_request
 from gateway.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.tools import ToolPlan, plan_tools, render_messages
-from tenants.records import Policy, Tenant
+from tenants.records import Tenant
 
 Endpoint = Literal["chat.completions", "completions"]
 MAX_N = 16
@@ -107,20 +107,13 @@ def new_request_id(endpoint: Endpoint) -> str:
 
 
 class Preparer:
-    """Validation and tokenization for one served model. `close()` stops its tokenizer
-    threads. `aliases` are other names of the served model (`default`, the name it was
-    started with, an operator's); every one resolves to `info.model_id`."""
+    """Validation and tokenization for one served model (the fleet has resolved, and
+    checked the plan for, the name a request gave). `close()` stops its tokenizer threads."""
 
-    def __init__(self, tokenizer: Tokenizer, info: ModelInfo, aliases: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Tokenizer, info: ModelInfo) -> None:
         self.tokenizer = tokenizer
         self.info = info
-        self.aliases = {a: info.model_id for a in aliases if a != info.model_id}
-        self.model_names = {info.model_id, *self.aliases}
         self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
-
-    def canonical(self, model: str) -> str:
-        """The served model's id for any of its names (callers check the name first)."""
-        return self.aliases.get(model, model)
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
@@ -133,23 +126,6 @@ class Preparer:
         return await loop.run_in_executor(
             self._threads, self.tokenizer.encode, text, add_special_tokens
         )
-
-    def check_model(self, model: str, policy: Policy) -> None:
-        """The base model may serve `model` for this policy (adapters are resolved, and
-        their access checked, before a request gets here)."""
-        if model not in self.model_names:
-            raise APIError(
-                400, f"The model '{model}' does not exist or you do not have access to it.",
-                code="model_not_found", param="model",
-            )  # fmt: skip
-        if not (policy.allows_model(model) or policy.allows_model(self.info.model_id)):
-            raise APIError(
-                403,
-                f"your plan does not include the model '{model}'",
-                type="permission_error",
-                code="model_not_allowed",
-                param="model",
-            )
 
     async def chat_ids(
         self,
@@ -199,8 +175,6 @@ class Preparer:
         request_id: str,
         lora: LoRARequest | None = None,
     ) -> Job:
-        if lora is None:
-            self.check_model(body.model, tenant.policy)
         _refuse_unsupported(body)
         tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         json_schema = _json_schema(body.response_format)
@@ -224,9 +198,8 @@ class Preparer:
         max_tokens = body.max_completion_tokens or body.max_tokens
         job = self._job(
             body, tenant, request_id, "chat.completions", [prompt_ids], max_tokens, logprobs,
-            json_schema=json_schema,
+            json_schema=json_schema, lora=lora,
         )  # fmt: skip
-        job.lora = lora
         job.tools = tools
         return job
 
@@ -237,8 +210,6 @@ class Preparer:
         request_id: str,
         lora: LoRARequest | None = None,
     ) -> Job:
-        if lora is None:
-            self.check_model(body.model, tenant.policy)
         _refuse_unsupported(body)
         prompts, texts = await self._prompts(body.prompt, body.echo)
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
@@ -252,10 +223,9 @@ class Preparer:
             scoring = body.logprobs or 0
         job = self._job(
             body, tenant, request_id, "completions", prompts, body.max_tokens, body.logprobs,
-            prompt_logprobs=scoring, json_schema=_json_schema(body.response_format),
+            prompt_logprobs=scoring, json_schema=_json_schema(body.response_format), lora=lora,
         )  # fmt: skip
         job.echo_texts = texts
-        job.lora = lora
         return job
 
     async def _prompts(
@@ -302,9 +272,10 @@ class Preparer:
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         json_schema: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> Job:
         """`json_schema`: what the output must be (from response_format, or the reply format
-        of callable tools)."""
+        of callable tools); `lora`: the adapter it runs through."""
         policy = tenant.policy
         if not all(prompts):
             raise bad_request("the prompt is empty", param="prompt")
@@ -382,7 +353,8 @@ class Preparer:
             and max(len(p) for p in prompts) > self.info.kv_block_size
         )
         return Job(
-            request_id=request_id, endpoint=endpoint, model=self.canonical(body.model),
+            request_id=request_id, endpoint=endpoint,
+            model=self.info.model_id if lora is None else body.model, lora=lora,
             base_model=self.info.model_id, prompts=prompts,
             params=params, n=body.n, stream=body.stream, include_usage=include_usage,
             user=body.user, kv_block_size=self.info.kv_block_size, staggered=staggered,

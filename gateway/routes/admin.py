@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
+import msgspec
 from litestar import Controller, Request, Response, delete, get, patch, post, put
 from litestar.enums import RequestEncodingType
 from litestar.params import Body, FromPath, FromQuery, JSONBody
@@ -18,8 +19,10 @@ from gateway.adapters import (
     register_upload,
 )
 from gateway.auth import gateway_state, requires_admin_token
+from gateway.fleet import WorkerHandle
 from gateway.routes import time_window, usage_export
 from gateway.state import GatewayState
+from tenants.errors import NotFoundError
 from tenants.export import ExportFormat, Granularity
 from tenants.records import (
     Adapter,
@@ -211,3 +214,63 @@ class UsageController(Controller):
             media_type=_MEDIA[format],
             headers={"content-disposition": f'attachment; filename="{filename}"'},
         )
+
+
+class WorkerView(msgspec.Struct, kw_only=True):
+    """A worker as the admin API shows it."""
+
+    worker_id: str
+    address: str
+    model: str | None
+    static: bool  # given by --engine rather than registered
+    drained: bool
+    connected: bool
+    num_running: int | None = None  # from its latest heartbeat (registered workers)
+    num_waiting: int | None = None
+    kv_blocks_used: int | None = None
+    kv_blocks_total: int | None = None
+    heartbeat_at: float | None = None
+
+
+class WorkerRef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    worker_id: str
+
+
+def _worker_view(handle: WorkerHandle) -> WorkerView:
+    rec = handle.record
+    return WorkerView(
+        worker_id=handle.worker_id, address=handle.address, model=handle.model_id,
+        static=handle.static, drained=handle.drained, connected=handle.client.connected,
+        num_running=rec.num_running if rec else None,
+        num_waiting=rec.num_waiting if rec else None,
+        kv_blocks_used=rec.num_kv_blocks_used if rec else None,
+        kv_blocks_total=rec.num_kv_blocks_total if rec else None,
+        heartbeat_at=rec.heartbeat_at if rec else None,
+    )  # fmt: skip
+
+
+class WorkerController(Controller):
+    path = "/admin/workers"
+    guards = [requires_admin_token]  # noqa: RUF012
+    tags = ["admin"]  # noqa: RUF012
+
+    @get("/")
+    async def list_all(self, request: Req) -> list[WorkerView]:
+        fleet = gateway_state(request).fleet
+        return [_worker_view(h) for _, h in sorted(fleet.workers.items())]
+
+    @post("/drain", status_code=200)
+    async def drain(self, request: Req, data: JSONBody[WorkerRef]) -> WorkerView:
+        """The worker takes no new requests, on every gateway; its running ones finish."""
+        return _worker_view(await _set_drained(request, data.worker_id, True))
+
+    @post("/undrain", status_code=200)
+    async def undrain(self, request: Req, data: JSONBody[WorkerRef]) -> WorkerView:
+        return _worker_view(await _set_drained(request, data.worker_id, False))
+
+
+async def _set_drained(request: Req, worker_id: str, drained: bool) -> WorkerHandle:
+    try:
+        return await gateway_state(request).fleet.set_drained(worker_id, drained)
+    except KeyError:
+        raise NotFoundError("worker", worker_id) from None

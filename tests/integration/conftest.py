@@ -211,7 +211,7 @@ def gateway_settings(store_url: str, worker: WorkerProcess, cache_dir: Path, **k
     kw.setdefault("data_dir", tempfile.mkdtemp(prefix="strata-gateway-"))
     return GatewaySettings(
         redis_url=store_url,
-        engine_addresses=(worker.address,),
+        engine_addresses=() if worker is None else (worker.address,),
         admin_token=ADMIN_TOKEN,
         cache_dir=str(cache_dir),
         json_logs=False,
