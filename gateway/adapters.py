@@ -14,7 +14,7 @@ import aiofiles
 import msgspec
 from litestar.datastructures import UploadFile
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.protocol import LoRARequest, ModelInfo
 from gateway.errors import APIError, bad_request
 from tenants.errors import NotFoundError

@@ -15,7 +15,7 @@ import msgspec
 import torch
 from torch import nn
 
-from engine.config import LoRAConfig, ModelConfig
+from engine.config import LoRAConfig
 from engine.device import to_device
 from engine.kernels.cpu import LayerLoRA, pair_rows
 from engine.lora.adapter import (
@@ -27,6 +27,7 @@ from engine.lora.adapter import (
 )
 from engine.model.llama import DecoderLayer, LlamaForCausalLM
 from engine.model.native_cpu import NativeDecoderLayer
+from engine.model_config import ModelConfig
 from engine.protocol import InvalidRequestError, LoRARequest
 from kvstore.hostmem import HostArena
 

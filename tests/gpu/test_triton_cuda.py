@@ -20,7 +20,6 @@ from engine.config import (
     KernelBackend,
     KVCacheDtype,
     LoRAConfig,
-    ModelConfig,
 )
 from engine.cuda_graphs import batch_ladder
 from engine.evaluate import greedy_agreement
@@ -36,6 +35,7 @@ from engine.model.triton_layers import (
     TritonSiluMul,
     apply_triton_layers,
 )
+from engine.model_config import ModelConfig
 from engine.protocol import LoRARequest, SamplingParams
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
