@@ -8,7 +8,6 @@ import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import aiofiles
 import msgspec
@@ -20,9 +19,6 @@ from gateway.errors import APIError, bad_request
 from tenants.errors import NotFoundError
 from tenants.records import Adapter, AdapterCreate, Tenant
 from tenants.registry import TenantRegistry, tenant_may_use
-
-if TYPE_CHECKING:
-    from gateway.state import GatewayState
 
 
 class AdapterResolver:
@@ -100,7 +96,9 @@ class AdapterUpload:
     allowed_tenants: str | None = None
 
 
-async def register_upload(upload: AdapterUpload, gw: GatewayState, root: Path) -> Adapter:
+async def register_upload(
+    upload: AdapterUpload, registry: TenantRegistry, info: ModelInfo, root: Path
+) -> Adapter:
     """Write the uploaded files to a fresh directory under `root`, check them like a path
     registration (400 and nothing kept when the engine could not serve them), register."""
     try:
@@ -118,7 +116,7 @@ async def register_upload(upload: AdapterUpload, gw: GatewayState, root: Path) -
             async with aiofiles.open(directory / filename, "wb") as out:
                 while chunk := await part.read(_CHUNK):
                     await out.write(chunk)
-        await check_adapter(str(directory), spec.name, gw.preparer.info)
+        await check_adapter(str(directory), spec.name, info)
     except BaseException:
         await asyncio.to_thread(shutil.rmtree, directory, True)
         raise
@@ -126,4 +124,4 @@ async def register_upload(upload: AdapterUpload, gw: GatewayState, root: Path) -
         await upload.adapter_config.close()
         await upload.adapter_model.close()
     created = msgspec.structs.replace(spec, path=str(directory.resolve()))
-    return await gw.registry.register_adapter(created, gw.preparer.info.model_id)
+    return await registry.register_adapter(created, info.model_id)

@@ -154,7 +154,8 @@ class AdapterController(Controller):
         """Register an adapter from its two PEFT files, sent as multipart form data; they are
         kept under the gateway's data dir, which the engine workers must be able to read."""
         gw = gateway_state(request)
-        return await register_upload(data, gw, Path(gw.settings.data_dir) / "adapters")
+        root = Path(gw.settings.data_dir) / "adapters"
+        return await register_upload(data, gw.registry, gw.preparer.info, root)
 
     @get("/")
     async def list_all(self, request: Req) -> list[Adapter]:

@@ -24,7 +24,8 @@ from engine.config import (
 from engine.cuda_graphs import batch_ladder
 from engine.evaluate import greedy_agreement
 from engine.llm import LLM
-from engine.lora.layers import LoRABatch, LoRALinear
+from engine.lora.batch import LoRABatch
+from engine.lora.layers import LoRALinear
 from engine.lora.synthetic import write_random_adapter
 from engine.model.llama import LlamaForCausalLM, RMSNorm, RotaryEmbedding, SiluAndMul
 from engine.model.triton_layers import (
