@@ -90,6 +90,12 @@ def not_an_option(default: Any, reason: str) -> Any:
     return dataclasses.field(default=default, metadata={_KEY: NotAnOption(reason)})
 
 
+def declaration(f: dataclasses.Field[Any]) -> Option | NotAnOption | None:
+    """What a config field declares: its option, why it has none, or (None) nothing."""
+    declared = f.metadata.get(_KEY)
+    return declared if isinstance(declared, Option | NotAnOption) else None
+
+
 @dataclass(frozen=True)
 class FieldOption:
     """One leaf field's option, resolved: where the field is (`cache.block_size`), its kind
@@ -155,7 +161,7 @@ def options_of(root: type) -> tuple[FieldOption, ...]:
     nor why it has none, or whose type no option can set."""
     out = []
     for path, f, hint in leaf_fields(root):
-        declared = f.metadata.get(_KEY)
+        declared = declaration(f)
         if isinstance(declared, NotAnOption):
             continue
         where = f"{root.__name__}.{path}"

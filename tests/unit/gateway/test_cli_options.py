@@ -19,11 +19,11 @@ from engine.config import (
     WeightFormat,
 )
 from engine.options import (
-    NotAnOption,
     Option,
     add_options,
     argv_from_args,
     config_from_args,
+    declaration,
     leaf_fields,
     not_an_option,
     option,
@@ -99,8 +99,8 @@ def test_every_config_field_is_an_option_or_says_why_not():
     leaves = list(leaf_fields(EngineConfig))
     assert len(leaves) > 30
     for path, f, _ in leaves:
-        declared = f.metadata.get("strata.option")
-        assert isinstance(declared, Option | NotAnOption), path
+        declared = declaration(f)
+        assert declared is not None, path
         assert declared.help if isinstance(declared, Option) else declared.reason, path
     assert {o.option.flag for o in options_of(EngineConfig)} == set(NON_DEFAULT)
 
