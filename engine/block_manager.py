@@ -8,12 +8,10 @@ is in docs/design/kv-pages-and-tiers.md.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
-from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from kvstore.disk import DiskPrefetch
 from kvstore.tiers import KVOffloader, Tier
@@ -21,22 +19,6 @@ from kvstore.tiers import KVOffloader, Tier
 log = logging.getLogger(__name__)
 
 _SHARE_SCAN = 64  # free blocks looked at for one over its tenant's share
-
-
-def root_hash(namespace: str) -> bytes:
-    """The chain's root for one cache namespace."""
-    return hashlib.blake2b(namespace.encode(), digest_size=16).digest()
-
-
-def chain_hashes(parent: bytes, token_ids: list[int], block_size: int, start: int) -> list[bytes]:
-    """Hashes of the full blocks of `token_ids` from block index `start` on, continuing the
-    chain from `parent` (the hash of block `start - 1`, or the root)."""
-    out: list[bytes] = []
-    for b in range(start, len(token_ids) // block_size):
-        block = array("q", token_ids[b * block_size : (b + 1) * block_size]).tobytes()
-        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
-        out.append(parent)
-    return out
 
 
 class BlockManager:
@@ -92,6 +74,10 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def cached_hashes(self) -> Collection[bytes]:
+        """The hashes of the cached blocks (a live view: read it on the owning thread)."""
+        return self._cached.keys()
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

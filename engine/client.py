@@ -33,6 +33,7 @@ from engine.wire import (
     Codec,
     FrameError,
     GetStats,
+    GetTokenizer,
     Hello,
     Outputs,
     Ping,
@@ -41,6 +42,7 @@ from engine.wire import (
     StatsReply,
     Submit,
     ToClient,
+    TokenizerReply,
     parse_address,
     read_frame,
 )
@@ -177,6 +179,13 @@ class EngineClient:
         assert isinstance(reply, StatsReply)
         return reply.stats
 
+    async def tokenizer_files(self, timeout: float = 30.0) -> dict[str, bytes]:
+        """The worker's tokenizer, as the files `Tokenizer.save` writes."""
+        async with asyncio.timeout(timeout):
+            reply = await self._call(GetTokenizer(next(self._call_ids)))
+        assert isinstance(reply, TokenizerReply)
+        return reply.files
+
     async def health(self, timeout: float = 5.0) -> bool:
         """True when the worker answers a ping within `timeout` seconds."""
         try:
@@ -203,7 +212,7 @@ class EngineClient:
             assert self._writer is not None
             self._writer.writelines(frames)
 
-    async def _call(self, msg: GetStats | Ping) -> msgspec.Struct:
+    async def _call(self, msg: GetStats | Ping | GetTokenizer) -> msgspec.Struct:
         await self.connect()
         fut: asyncio.Future[msgspec.Struct] = asyncio.get_running_loop().create_future()
         self._calls[msg.call_id] = fut
@@ -239,7 +248,7 @@ class EngineClient:
             stream = self._streams.get(msg.request_id)
             if stream is not None:
                 stream.put_nowait(InvalidRequestError(msg.message, param=msg.param))
-        elif isinstance(msg, StatsReply | Pong):
+        elif isinstance(msg, StatsReply | Pong | TokenizerReply):
             fut = self._calls.get(msg.call_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)

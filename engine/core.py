@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import torch
@@ -438,7 +438,29 @@ class EngineCore:
             max_loras=self.config.lora.max_loras,
             max_lora_rank=self.config.lora.max_lora_rank,
             prefix_caching=self.config.cache.enable_prefix_caching,
+            cache_namespace=self.scheduler.cache_namespace,
         )
+
+    def cached_block_hashes(self) -> dict[str, Collection[bytes]]:
+        """The prefix-cache block hashes held in each tier (device, host, disk), for the
+        fleet's KV index (engine/fleet.py). Views of live maps: read them on this thread."""
+        out: dict[str, Collection[bytes]] = {Tier.DEVICE.value: self.block_manager.cached_hashes()}
+        if self.tiers is not None:
+            if self.tiers.host is not None:
+                out[Tier.HOST.value] = self.tiers.host.slots.keys()
+            if self.tiers.disk is not None:
+                out[Tier.DISK.value] = self.tiers.disk.slots.keys()
+        return out
+
+    def load(self) -> dict[str, int]:
+        """A few cheap figures of how busy the engine is, for the fleet's heartbeat."""
+        bm = self.block_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting + len(self._parked),
+            "num_kv_blocks_used": bm.num_used_blocks,
+            "num_kv_blocks_total": bm.num_blocks,
+        }
 
     def check_integrity(self) -> None:
         """Assert the block manager's invariants and that only live requests own blocks."""

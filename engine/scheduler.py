@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager, chain_hashes, root_hash
+from engine.block_hash import chain_hashes, namespace, root_hash
+from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig, SpeculativeConfig
 from engine.protocol import FinishReason
 from engine.request import Request, RequestStatus
@@ -267,8 +268,8 @@ class Scheduler:
         """The hash chain of the request's full blocks, extended to its current tokens."""
         hashes = request.block_hashes
         if len(hashes) < request.num_tokens // self.block_manager.block_size:
-            namespace = f"{self.cache_namespace}|{request.cache_salt}|{request.lora_key}"
-            parent = hashes[-1] if hashes else root_hash(namespace)
+            space = namespace(self.cache_namespace, request.cache_salt, request.lora_key)
+            parent = hashes[-1] if hashes else root_hash(space)
             hashes += chain_hashes(
                 parent, request.all_token_ids, self.block_manager.block_size, len(hashes)
             )

@@ -48,6 +48,10 @@ class Ping(msgspec.Struct, tag="ping"):
     call_id: int
 
 
+class GetTokenizer(msgspec.Struct, tag="get_tokenizer"):
+    call_id: int
+
+
 # -- worker -> client ----------------------------------------------------------------------
 
 
@@ -77,8 +81,16 @@ class Pong(msgspec.Struct, tag="pong"):
     detail: str = ""
 
 
-ToWorker = Submit | Abort | GetStats | Ping
-ToClient = Hello | Outputs | Rejected | StatsReply | Pong
+class TokenizerReply(msgspec.Struct, tag="tokenizer_reply"):
+    """The worker's tokenizer and chat template as the files `Tokenizer.save` writes, so a
+    gateway tokenizes exactly as the model expects without a copy of the model."""
+
+    call_id: int
+    files: dict[str, bytes]
+
+
+ToWorker = Submit | Abort | GetStats | Ping | GetTokenizer
+ToClient = Hello | Outputs | Rejected | StatsReply | Pong | TokenizerReply
 
 
 class FrameError(Exception):

@@ -19,21 +19,35 @@ import signal
 import socket
 import ssl
 import stat
+import tempfile
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
 from engine.config import ConfigError
 from engine.core import EngineCore
+from engine.fleet import (
+    FleetConfig,
+    KVEvent,
+    KVTracker,
+    Registration,
+    WorkerRecord,
+    connect_store,
+    model_shape,
+)
 from engine.handshake import HandshakeRefusedError, accept_client, check_secret, server_tls_context
 from engine.protocol import InvalidRequestError, RequestOutput
+from engine.tokenizer import Tokenizer
 from engine.wire import (
     Abort,
     Codec,
     FrameError,
     GetStats,
+    GetTokenizer,
     Hello,
     Outputs,
     Ping,
@@ -41,6 +55,7 @@ from engine.wire import (
     Rejected,
     StatsReply,
     Submit,
+    TokenizerReply,
     ToWorker,
     parse_address,
     read_frame,
@@ -103,8 +118,9 @@ class ListenConfig:
 
 
 class Worker:
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, tokenizer_files: dict[str, bytes] | None = None) -> None:
         self.core = core
+        self.tokenizer_files = tokenizer_files or {}  # what GetTokenizer answers
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._writers: dict[int, asyncio.StreamWriter] = {}
         self._codec = Codec(ToWorker)
@@ -114,13 +130,27 @@ class Worker:
         self._failed: BaseException | None = None
         self._listen = ListenConfig()
         self._stopped = asyncio.Event()
+        self._fleet: FleetConfig | None = None
+        self._registration: Registration | None = None
+        self._tracker: KVTracker | None = None
+        # the engine thread's latest figures and loaded adapters, for the fleet
+        self._load: tuple[dict[str, int], list[str]] = ({}, [])
+        self._started_at = 0.0
 
     # -- asyncio side -------------------------------------------------------------------
 
-    async def serve(self, listen: ListenConfig, ready: asyncio.Event | None = None) -> None:
-        """Serve until SIGTERM/SIGINT or `stop()`; raises if the engine thread died."""
+    async def serve(
+        self,
+        listen: ListenConfig,
+        ready: asyncio.Event | None = None,
+        fleet: FleetConfig | None = None,
+    ) -> None:
+        """Serve until SIGTERM/SIGINT or `stop()`; raises if the engine thread died. With
+        `fleet`, the worker also registers in the fleet's store and reports its KV blocks."""
         self._loop = asyncio.get_running_loop()
         self._listen = listen
+        self._fleet = fleet
+        self._started_at = time.time()
         address = listen.address
         kind, host, port = parse_address(address)
         if kind == "unix":
@@ -143,10 +173,22 @@ class Worker:
             "fleet secret required" if listen.secret else "no fleet secret",
             ", TLS" if listen.tls else "",
         )  # fmt: skip
+        store = None
+        if fleet is not None:
+            store = connect_store(fleet.redis_url)
+            self._tracker = KVTracker(fleet.worker_id)
+            self._load = (self.core.load(), [])
+            self._registration = Registration(store, fleet.secret, self._record)
+            self._registration.start()
+            log.info("registering as %s (%s) in the fleet", fleet.worker_id, fleet.advertise)
         if ready is not None:
             ready.set()
         async with server:
             await self._stopped.wait()
+        if self._registration is not None:
+            await self._registration.stop()
+        if store is not None:
+            await store.aclose()
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join, 10)
         for writer in list(self._writers.values()):
@@ -159,6 +201,25 @@ class Worker:
 
     def stop(self) -> None:
         self._stopped.set()
+
+    def _record(self) -> WorkerRecord:
+        """This worker's record for the fleet, with the engine thread's latest figures."""
+        assert self._fleet is not None
+        info, (load, adapters) = self.core.model_info(), self._load
+        return WorkerRecord(
+            worker_id=self._fleet.worker_id, address=self._fleet.advertise,
+            model_id=info.model_id, shape=model_shape(info), max_model_len=info.max_model_len,
+            kv_block_size=info.kv_block_size, cache_namespace=info.cache_namespace,
+            role=self._fleet.role, adapters=adapters,
+            max_num_seqs=self.core.config.scheduler.max_num_seqs, started_at=self._started_at,
+            num_running=load.get("num_running", 0), num_waiting=load.get("num_waiting", 0),
+            num_kv_blocks_used=load.get("num_kv_blocks_used", 0),
+            num_kv_blocks_total=load.get("num_kv_blocks_total", 0),
+        )  # fmt: skip
+
+    def _post_events(self, events: list[KVEvent]) -> None:
+        if self._registration is not None:
+            self._registration.post(events)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -178,7 +239,11 @@ class Worker:
                 body = await read_frame(reader)
                 if body is None:
                     break
-                self._commands.put(_Command(conn_id, self._codec.decode(body)))
+                msg = self._codec.decode(body)
+                if isinstance(msg, GetTokenizer):  # answered here: the engine is not needed
+                    self._send(conn_id, TokenizerReply(msg.call_id, self.tokenizer_files))
+                    continue
+                self._commands.put(_Command(conn_id, msg))
         except (FrameError, ConnectionError) as exc:
             log.warning("dropping connection %d: %s", conn_id, exc)
         finally:
@@ -208,24 +273,40 @@ class Worker:
 
     def _engine_loop(self) -> None:
         assert self._loop is not None
+        poll_s = None if self._fleet is None else self._fleet.kv_poll_s
+        next_poll = 0.0
         try:
             while True:
                 idle = not self.core.has_unfinished()
-                if not self._drain(block=idle):
+                if not self._drain(block=idle, timeout=poll_s):
                     return
                 outputs = self.core.step()
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                if poll_s is not None and time.monotonic() >= next_poll:
+                    self._report()
+                    next_poll = time.monotonic() + poll_s
         except BaseException as exc:
             log.exception("engine thread died")
             self._failed = exc
             self._loop.call_soon_threadsafe(self.stop)
 
-    def _drain(self, block: bool) -> bool:
-        """Apply queued commands; returns False when asked to stop."""
+    def _report(self) -> None:
+        """The fleet's view of this engine: load figures, adapters and KV block events
+        (on the engine thread, which owns the maps they are read from)."""
+        assert self._tracker is not None and self._loop is not None
+        lora = self.core.lora
+        self._load = (self.core.load(), lora.loaded if lora is not None else [])
+        events = self._tracker.poll(self.core.cached_block_hashes())
+        if events:
+            self._loop.call_soon_threadsafe(self._post_events, events)
+
+    def _drain(self, block: bool, timeout: float | None = None) -> bool:
+        """Apply queued commands (waiting up to `timeout` for the first when `block`);
+        returns False when asked to stop."""
         while True:
             try:
-                cmd = self._commands.get(block=block, timeout=None)
+                cmd = self._commands.get(block=block, timeout=timeout)
             except queue.Empty:
                 return True
             block = False
@@ -306,8 +387,21 @@ def _peer(writer: asyncio.StreamWriter) -> str:
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "the Unix socket"
 
 
-def run_worker(core: EngineCore, listen: ListenConfig) -> None:
-    """Serve `core` as `listen` says until a signal arrives (the `strata engine` command)."""
+def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
+    """`tokenizer` as the files `Tokenizer.save` writes (for gateways: GetTokenizer)."""
+    with tempfile.TemporaryDirectory(prefix="strata-tokenizer-") as directory:
+        tokenizer.save(directory)
+        return {name: (Path(directory) / name).read_bytes() for name in os.listdir(directory)}
+
+
+def run_worker(
+    core: EngineCore,
+    listen: ListenConfig,
+    fleet: FleetConfig | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> None:
+    """Serve `core` as `listen` says until a signal arrives (the `strata engine` command),
+    registered in `fleet` when given, handing `tokenizer` to gateways that ask for it."""
     try:
         import uvloop  # noqa: PLC0415
 
@@ -315,4 +409,5 @@ def run_worker(core: EngineCore, listen: ListenConfig) -> None:
     except ImportError:
         runner = asyncio.Runner()
     with runner:
-        runner.run(Worker(core).serve(listen))
+        files = tokenizer_files(tokenizer) if tokenizer is not None else None
+        runner.run(Worker(core, files).serve(listen, fleet=fleet))

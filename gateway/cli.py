@@ -5,15 +5,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import ConfigError, EngineConfig, ModelLoadError
 from engine.options import add_options, argv_from_args, config_from_args
 from gateway import settings
 from gateway.admin_cli import add_admin_commands, run_admin, run_usage
 from gateway.logs import configure_logging
+
+if TYPE_CHECKING:
+    from engine.fleet import FleetConfig
+    from engine.worker import ListenConfig
 
 
 def _engine_options(p: argparse.ArgumentParser) -> None:
@@ -101,6 +107,27 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TCP inside TLS")
     eng.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     eng.add_argument("--seed", type=int, default=EngineConfig.seed, help="engine random seed")
+    fleet = eng.add_argument_group("fleet")
+    fleet.add_argument(
+        "--registry-url",
+        default=None,
+        help="the store to register in, so gateways find this worker and its cached KV "
+        "(default: $STRATA_REDIS_URL; none: gateways reach it by --engine only); needs the "
+        "fleet secret STRATA_WORKER_SECRET",
+    )
+    fleet.add_argument(
+        "--advertise",
+        default=None,
+        help="the address gateways reach this worker at (default: --listen, with the host "
+        "name for 0.0.0.0)",
+    )
+    fleet.add_argument(
+        "--worker-id",
+        default=None,
+        help="this worker's id in the fleet (default: host name and port or socket name; a "
+        "restarted worker keeps it)",
+    )
+    fleet.add_argument("--role", default="both", choices=["both"], help="what it serves")
     _engine_options(eng)
     return parser
 
@@ -144,10 +171,35 @@ def _engine(args: argparse.Namespace) -> int:
         address=args.listen, secret=settings.worker_secret(),
         tls_cert=args.tls_cert, tls_key=args.tls_key,
     )  # fmt: skip
+    fleet = _fleet_config(args, listen)
     adapter_dir = os.path.join(settings.data_dir(), "adapters")
-    core, _ = create_engine(_engine_config(args, args.seed, adapter_dir), progress=True)
-    run_worker(core, listen)
+    core, tokenizer = create_engine(_engine_config(args, args.seed, adapter_dir), progress=True)
+    run_worker(core, listen, fleet, tokenizer)
     return 0
+
+
+def _fleet_config(args: argparse.Namespace, listen: ListenConfig) -> FleetConfig | None:
+    """Where and as what the worker registers, or None when it does not (no store)."""
+    from engine.fleet import FleetConfig  # noqa: PLC0415
+    from engine.wire import parse_address  # noqa: PLC0415
+
+    url = args.registry_url or settings.redis_url()
+    if url is None:
+        return None
+    if listen.secret is None:
+        raise ValueError(
+            "a worker registers in a fleet only with the fleet secret: set STRATA_WORKER_SECRET"
+        )
+    kind, host, port = parse_address(listen.address)
+    advertise = args.advertise
+    if advertise is None:
+        public = host in ("0.0.0.0", "::", "")
+        advertise = f"{kind}://{socket.gethostname()}:{port}" if public else listen.address
+    default_id = f"{socket.gethostname()}-{port if kind != 'unix' else os.path.basename(host)}"
+    return FleetConfig(
+        redis_url=url, secret=listen.secret, advertise=advertise,
+        worker_id=args.worker_id or default_id, role=args.role,
+    )  # fmt: skip
 
 
 def _serve_worker_argv(args: argparse.Namespace, model: str, data_dir: str) -> list[str]:

@@ -63,13 +63,15 @@ class EnginePool:
             if c.last_error is not None
         ]
 
-    async def stats(self) -> list[EngineStats]:
-        out = []
+    async def stats(self) -> dict[str, EngineStats]:
+        """The connected workers' figures, by address (those that do not answer within a
+        second are left out)."""
+        out = {}
         for client in self.clients:
             if client.connected:
                 with contextlib.suppress(EngineDeadError, TimeoutError):
                     async with asyncio.timeout(1.0):
-                        out.append(await client.stats())
+                        out[client.address] = await client.stats()
         return out
 
     async def close(self) -> None:

@@ -1,16 +1,24 @@
 """Prometheus metrics with per-tenant labels, on a registry owned by the app (no globals).
 
-Names follow vLLM's where they overlap, prefixed `strata:` instead of `vllm:`.
+The replica counts requests, tokens and latencies itself. The engine workers' figures and the
+tenants' names are collected at scrape time from what the scrape handler last handed over
+(`set_engine`, `set_tenant_names`): workers' totals since their start are counters, one
+series per worker, so a worker that restarts or drops out reads as a counter reset, never as
+a burst. `render` leaves out prometheus_client's `_created` series. Names follow vLLM's where
+they overlap, prefixed `strata:` instead of `vllm:`.
 """
 
 from __future__ import annotations
 
-import functools
+import math
 import time
 from collections import Counter as Tally
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Literal
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from engine.protocol import EngineStats
 from tenants.records import UsageRecord
@@ -20,6 +28,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class GatewayMetrics:
+    """Every metric of one gateway replica, on its own registry."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -74,64 +84,10 @@ class GatewayMetrics:
             ["tenant"],
             registry=r,
         )
-        gauge = functools.partial(Gauge, registry=r)  # engine figures, set from their stats
-        self.waiting = gauge("strata:num_requests_waiting", "Requests queued in the engines")
-        self.running = gauge(
-            "strata:num_requests_running",
-            "Requests holding KV blocks in the engines (running, or loading their pages)",
-        )
-        self.loading = gauge(
-            "strata:num_requests_loading_kv",
-            "Running requests waiting outside the batch for their pages from host RAM or disk",
-        )
-        self.preemptions = gauge(
-            "strata:num_preemptions", "Requests preempted for KV space since start"
-        )
-        self.kv_used = gauge("strata:kv_blocks_used", "KV-cache blocks in use")
-        self.kv_total = gauge("strata:kv_blocks_total", "KV-cache blocks in the pools")
-        self.kv_blocks = gauge(
-            "strata:kv_blocks",
-            "KV-cache blocks per tenant and tier (device, host, disk): held or cached",
-            ["tenant", "tier"],
-        )
-        self.kv_hits = gauge(
-            "strata:kv_cache_hit_blocks",
-            "Prefix-cache hits since start, in blocks, by the tier each block came from",
-            ["tier"],
-        )
-        self.kv_spilled = gauge(
-            "strata:kv_spilled_blocks",
-            "Cached KV pages moved down since start, by the tier they went to (host, disk)",
-            ["tier"],
-        )
-        self.kv_dropped = gauge(
-            "strata:kv_dropped_blocks",
-            "Cached KV pages dropped since start because no tier below could keep them",
-        )
-        self.kv_write_errors = gauge(
-            "strata:kv_disk_write_errors",
-            "KV page writes to disk that failed since start (those pages were dropped)",
-        )
-        self.kv_read_ahead = gauge(
-            "strata:kv_disk_read_ahead_bytes",
-            "Bytes of KV pages read from disk for waiting requests, held in memory",
-        )
-        self.kv_checksum_failures = gauge(
-            "strata:kv_disk_checksum_failures",
-            "KV pages on disk that failed their checksum since start (served as misses)",
-        )
-        self.draft_tokens = gauge(
-            "strata:spec_decode_draft_tokens",
-            "Draft tokens proposed by speculative decoding since start",
-        )
-        self.accepted_draft_tokens = gauge(
-            "strata:spec_decode_accepted_tokens",
-            "Draft tokens the model agreed with (each one a decode step saved) since start",
-        )
-        self.kv_bytes_per_token = gauge(
-            "strata:kv_cache_bytes_per_token",
-            "KV-cache bytes per token (K and V, every layer, FP8 scales included)",
-        )
+        self.engine = _EngineCollector()
+        self.tenant_info = _TenantInfoCollector()
+        r.register(self.engine)
+        r.register(self.tenant_info)
 
     def rejected(self, tenant: str, reason: str) -> None:
         self.rejections.labels(tenant, reason).inc()
@@ -151,40 +107,183 @@ class GatewayMetrics:
                 decode = time.perf_counter() - first_token_at
                 self.itl.labels(t).observe(decode / (rec.completion_tokens - 1))
 
-    def set_engine(self, stats: Sequence[EngineStats]) -> None:
-        """The engine workers' figures, summed over workers."""
-        kv_blocks: Tally[tuple[str, str]] = Tally()
-        hits: Tally[str] = Tally()
-        spilled: Tally[str] = Tally()
-        for s in stats:
-            for tenant, tiers in s.kv_blocks_by_tenant.items():
-                kv_blocks.update({(tenant, tier): n for tier, n in tiers.items()})
-            hits.update(s.num_cache_hit_blocks)
-            spilled.update(s.num_kv_spilled_blocks)
-        self.kv_blocks.clear()  # tenants whose blocks are all gone drop out
-        for (tenant, tier), n in kv_blocks.items():
-            self.kv_blocks.labels(tenant, tier).set(n)
-        for tier, n in hits.items():
-            self.kv_hits.labels(tier).set(n)
-        for tier, n in spilled.items():
-            self.kv_spilled.labels(tier).set(n)
-        total = {
-            self.waiting: sum(s.num_waiting for s in stats),
-            self.running: sum(s.num_running for s in stats),
-            self.loading: sum(s.num_loading for s in stats),
-            self.preemptions: sum(s.num_preemptions for s in stats),
-            self.kv_used: sum(s.num_kv_blocks_used for s in stats),
-            self.kv_total: sum(s.num_kv_blocks_total for s in stats),
-            self.kv_dropped: sum(s.num_kv_dropped_blocks for s in stats),
-            self.kv_write_errors: sum(s.num_kv_disk_write_errors for s in stats),
-            self.kv_read_ahead: sum(s.kv_disk_read_ahead_bytes for s in stats),
-            self.kv_checksum_failures: sum(s.num_kv_disk_checksum_failures for s in stats),
-            self.draft_tokens: sum(s.num_draft_tokens for s in stats),
-            self.accepted_draft_tokens: sum(s.num_accepted_draft_tokens for s in stats),
-        }
-        for gauge, n in total.items():
-            gauge.set(n)
-        self.kv_bytes_per_token.set(max((s.kv_bytes_per_token for s in stats), default=0))
+    def set_engine(self, stats: Mapping[str, EngineStats]) -> None:
+        """The engine workers' latest figures, by worker address (workers that did not answer
+        are left out: their series go stale)."""
+        self.engine.stats = dict(stats)
+
+    def tenant_names_due(self, now: float) -> bool:
+        """Whether the tenants' names are older than TENANT_NAMES_TTL_S (monotonic clock)."""
+        return now - self.tenant_info.refreshed_at >= TENANT_NAMES_TTL_S
+
+    def set_tenant_names(self, names: Mapping[str, str], now: float) -> None:
+        """Tenant id -> name, for `strata:tenant_info` until the next refresh."""
+        self.tenant_info.names = dict(names)
+        self.tenant_info.refreshed_at = now
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+# How long a replica serves the tenants' names it last read before reading them again: one
+# read of every tenant record at most this often, however often it is scraped.
+TENANT_NAMES_TTL_S = 30.0
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """A metric yielded by a collector of this module, as the metrics reference lists it."""
+
+    name: str  # a counter's without `_total`
+    kind: Literal["counter", "gauge"]
+    doc: str
+    labels: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class _EngineFigure:
+    spec: MetricSpec
+    # one worker's value, or its values by tier when the metric has a `tier` label
+    read: Callable[[EngineStats], float | Mapping[str, int]]
+
+
+def _tiers(device: int, host: int, disk: int, *, present: EngineStats) -> dict[str, int]:
+    """Values by tier, for the tiers the worker has (a host or disk pool of size 0 is none)."""
+    have = {"device": True, "host": present.num_kv_host_blocks_total > 0,
+            "disk": present.num_kv_disk_blocks_total > 0}  # fmt: skip
+    values = {"device": device, "host": host, "disk": disk}
+    return {tier: n for tier, n in values.items() if have[tier]}
+
+
+def _engine_figure(
+    name: str,
+    kind: Literal["counter", "gauge"],
+    doc: str,
+    read: Callable[[EngineStats], float | Mapping[str, int]],
+    *,
+    by_tier: bool = False,
+) -> _EngineFigure:
+    labels = ("worker", "tier") if by_tier else ("worker",)
+    return _EngineFigure(MetricSpec(name, kind, doc, labels), read)
+
+
+ENGINE_FIGURES = (
+    _engine_figure("strata:num_requests_waiting", "gauge", "Requests queued in the worker",
+                   lambda s: s.num_waiting),
+    _engine_figure("strata:num_requests_running", "gauge",
+                   "Requests holding KV blocks in the worker (running, or loading their pages)",
+                   lambda s: s.num_running),
+    _engine_figure("strata:num_requests_loading_kv", "gauge",
+                   "Running requests waiting outside the batch for their pages from host RAM "
+                   "or disk", lambda s: s.num_loading),
+    _engine_figure("strata:num_preemptions", "counter",
+                   "Requests preempted for KV space since the worker started",
+                   lambda s: s.num_preemptions),
+    _engine_figure("strata:kv_blocks_used", "gauge", "KV-cache blocks in use, by tier",
+                   lambda s: _tiers(s.num_kv_blocks_used, s.num_kv_host_blocks_used,
+                                    s.num_kv_disk_blocks_used, present=s), by_tier=True),
+    _engine_figure("strata:kv_blocks_capacity", "gauge", "KV-cache blocks in the pools, by tier",
+                   lambda s: _tiers(s.num_kv_blocks_total, s.num_kv_host_blocks_total,
+                                    s.num_kv_disk_blocks_total, present=s), by_tier=True),
+    _engine_figure("strata:kv_cache_hit_blocks", "counter",
+                   "Prefix-cache hits, in blocks, by the tier each block came from",
+                   lambda s: s.num_cache_hit_blocks, by_tier=True),
+    _engine_figure("strata:kv_spilled_blocks", "counter",
+                   "Cached KV pages moved down, by the tier they went to (host, disk)",
+                   lambda s: s.num_kv_spilled_blocks, by_tier=True),
+    _engine_figure("strata:kv_dropped_blocks", "counter",
+                   "Cached KV pages dropped because no tier below could keep them",
+                   lambda s: s.num_kv_dropped_blocks),
+    _engine_figure("strata:kv_disk_write_errors", "counter",
+                   "KV page writes to disk that failed (those pages were dropped)",
+                   lambda s: s.num_kv_disk_write_errors),
+    _engine_figure("strata:kv_disk_checksum_failures", "counter",
+                   "KV pages on disk that failed their checksum (served as misses)",
+                   lambda s: s.num_kv_disk_checksum_failures),
+    _engine_figure("strata:kv_disk_read_ahead_bytes", "gauge",
+                   "Bytes of KV pages read from disk for waiting requests, held in memory",
+                   lambda s: s.kv_disk_read_ahead_bytes),
+    _engine_figure("strata:spec_decode_num_draft_tokens", "counter",
+                   "Draft tokens proposed by speculative decoding",
+                   lambda s: s.num_draft_tokens),
+    _engine_figure("strata:spec_decode_num_accepted_tokens", "counter",
+                   "Draft tokens the model agreed with (each one a decode step saved)",
+                   lambda s: s.num_accepted_draft_tokens),
+    _engine_figure("strata:kv_cache_bytes_per_token", "gauge",
+                   "KV-cache bytes per token (K and V, every layer, FP8 scales included)",
+                   lambda s: s.kv_bytes_per_token),
+)  # fmt: skip
+
+# per tenant, summed over workers: tenants x tiers x workers would be too many series
+KV_BLOCKS_BY_TENANT = MetricSpec(
+    "strata:kv_blocks", "gauge",
+    "KV-cache blocks per tenant and tier (device, host, disk), held or cached, summed over "
+    "the replica's workers", ("tenant", "tier"),
+)  # fmt: skip
+
+TENANT_INFO = MetricSpec(
+    "strata:tenant_info", "gauge",
+    "1 for every tenant, naming it: join on `tenant` to show names", ("tenant", "name"),
+)  # fmt: skip
+
+COLLECTED_METRICS = (*(f.spec for f in ENGINE_FIGURES), KV_BLOCKS_BY_TENANT, TENANT_INFO)
+
+
+def _family(spec: MetricSpec) -> CounterMetricFamily | GaugeMetricFamily:
+    kind = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+    return kind(spec.name, spec.doc, labels=spec.labels)
+
+
+class _EngineCollector:
+    """The workers' figures as of the last `GatewayMetrics.set_engine`."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, EngineStats] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        for figure in ENGINE_FIGURES:
+            family = _family(figure.spec)
+            for worker, stats in sorted(self.stats.items()):
+                value = figure.read(stats)
+                if isinstance(value, Mapping):
+                    for tier, n in sorted(value.items()):
+                        family.add_metric([worker, tier], n)
+                else:
+                    family.add_metric([worker], value)
+            yield family
+        by_tenant: Tally[tuple[str, str]] = Tally()
+        for stats in self.stats.values():
+            for tenant, tiers in stats.kv_blocks_by_tenant.items():
+                by_tenant.update({(tenant, tier): n for tier, n in tiers.items()})
+        family = _family(KV_BLOCKS_BY_TENANT)
+        for (tenant, tier), n in sorted(by_tenant.items()):
+            family.add_metric([tenant, tier], n)
+        yield family
+
+
+class _TenantInfoCollector:
+    """`strata:tenant_info{tenant, name} 1` for the names of the last refresh."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, str] = {}
+        self.refreshed_at = -math.inf
+
+    def collect(self) -> Iterator[Metric]:
+        family = _family(TENANT_INFO)
+        for tenant_id, name in sorted(self.names.items()):
+            family.add_metric([tenant_id, name], 1)
+        yield family
+
+
+class _WithoutCreated:
+    """A registry's metrics without the `_created` samples prometheus_client adds to counters
+    and histograms (a timestamp series per child that no dashboard reads)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            created = family.name + "_created"
+            family.samples = [s for s in family.samples if s.name != created]
+            yield family

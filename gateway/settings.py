@@ -30,6 +30,11 @@ def worker_secret() -> str | None:
     return os.environ.get("STRATA_WORKER_SECRET") or None
 
 
+def redis_url() -> str | None:
+    """The shared store: $STRATA_REDIS_URL (a worker registers in it when set)."""
+    return os.environ.get("STRATA_REDIS_URL") or None
+
+
 @dataclass(frozen=True)
 class GatewaySettings:
     """What one gateway replica needs. Built by `from_env` at the entry point, or directly."""
@@ -89,7 +94,7 @@ class GatewaySettings:
         env = os.environ
         values: dict[str, object] = {
             "model": env.get("STRATA_MODEL", "default"),
-            "redis_url": env.get("STRATA_REDIS_URL") or None,
+            "redis_url": redis_url(),
             "admin_token": env.get("STRATA_ADMIN_TOKEN") or None,
             "metrics_token": env.get("STRATA_METRICS_TOKEN") or None,
             "data_dir": data_dir(),

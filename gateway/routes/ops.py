@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-from typing import Any
+import logging
+import time
+from typing import TYPE_CHECKING, Any
 
+import redis.asyncio as aioredis
 from litestar import Request, Response, get
 
 from gateway.auth import bearer_token, gateway_state
 from gateway.errors import APIError
 from tenants.store import ping
+
+if TYPE_CHECKING:
+    from gateway.state import GatewayState
+
+log = logging.getLogger(__name__)
 
 
 @get("/health", tags=["ops"])
@@ -43,4 +52,20 @@ async def metrics(request: Request[Any, Any, Any]) -> bytes:
             raise APIError(401, "invalid metrics token", type="authentication_error",
                            code="invalid_metrics_token")  # fmt: skip
     gw.metrics.set_engine(await gw.engines.stats())
+    await _refresh_tenant_names(gw)
     return gw.metrics.render()
+
+
+async def _refresh_tenant_names(gw: GatewayState) -> None:
+    """Read the tenants' names for `strata:tenant_info` when the last read is old; a store
+    that does not answer keeps the names read before (the scrape still succeeds)."""
+    now = time.monotonic()
+    if not gw.metrics.tenant_names_due(now):
+        return
+    try:
+        async with asyncio.timeout(2.0):
+            tenants = await gw.registry.list_tenants()
+    except (aioredis.RedisError, OSError, TimeoutError) as exc:
+        log.warning("metrics: cannot read the tenants' names: %s", exc)
+        return
+    gw.metrics.set_tenant_names({t.id: t.name for t in tenants}, now)

@@ -62,6 +62,7 @@ class WorkerProcess:
             self.sock.unlink()
         env = dict(os.environ, STRATA_CACHE_DIR=str(self.cache_dir), STRATA_LOG_LEVEL="WARNING")
         env.pop("STRATA_WORKER_SECRET", None)
+        env.pop("STRATA_REDIS_URL", None)  # a worker registers in a fleet only when asked
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "engine", "--listen", self.address, *self.args],
             env={**env, **self.env},

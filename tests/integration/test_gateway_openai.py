@@ -302,11 +302,11 @@ def test_schema_and_ops_endpoints(gateway):
         assert "/v1/chat/completions" in schema.json()["paths"]
         metrics = http.get("/metrics").text
         assert "strata:request_success_total" in metrics
-        assert "strata:kv_blocks_total" in metrics
+        assert "strata:kv_blocks_capacity" in metrics
         per_token = next(
             float(line.split()[1])
             for line in metrics.splitlines()
-            if line.startswith("strata:kv_cache_bytes_per_token ")
+            if line.startswith("strata:kv_cache_bytes_per_token{")
         )
         assert per_token > 0 and per_token % 2 == 0  # K and V of every layer
     with httpx.Client(
@@ -353,7 +353,11 @@ def test_a_quoting_answer_is_decoded_with_accepted_drafts(client, gateway):
     def counts() -> tuple[float, float]:
         lines = httpx.get(f"{gateway.url}/metrics").text.splitlines()
         value = {line.split()[0]: float(line.split()[1]) for line in lines if line[:1] != "#"}
-        return value["strata:spec_decode_draft_tokens"], value["strata:spec_decode_accepted_tokens"]
+        of_worker = f'{{worker="{gateway.settings.engine_addresses[0]}"}}'
+        return (
+            value[f"strata:spec_decode_num_draft_tokens_total{of_worker}"],
+            value[f"strata:spec_decode_num_accepted_tokens_total{of_worker}"],
+        )
 
     drafts_before, accepted_before = counts()
     document = topics["assert"][:1500]

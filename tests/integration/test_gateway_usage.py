@@ -345,15 +345,16 @@ async def test_cached_tokens_are_broken_down_by_tier(store_server, strata_cache_
             for line in metrics.splitlines()
             if line[:1] != "#"
         }
+        of_worker = f'worker="{worker.address}"'
         for tier in ("host", "disk"):  # pages went down to each tier and were hit there
-            assert value[f'strata:kv_spilled_blocks{{tier="{tier}"}}'] > 0
-            assert value[f'strata:kv_cache_hit_blocks{{tier="{tier}"}}'] > 0
-        assert value['strata:kv_cache_hit_blocks{tier="device"}'] >= 0
-        assert value["strata:num_requests_loading_kv"] == 0  # every load is over
-        assert value["strata:kv_disk_write_errors"] == 0
+            assert value[f'strata:kv_spilled_blocks_total{{tier="{tier}",{of_worker}}}'] > 0
+            assert value[f'strata:kv_cache_hit_blocks_total{{tier="{tier}",{of_worker}}}'] > 0
+        assert value[f'strata:kv_cache_hit_blocks_total{{tier="device",{of_worker}}}'] >= 0
+        assert value[f"strata:num_requests_loading_kv{{{of_worker}}}"] == 0  # loads are over
+        assert value[f"strata:kv_disk_write_errors_total{{{of_worker}}}"] == 0
         # the disk pages were read ahead, and their buffers went with the loads
-        assert value["strata:kv_disk_read_ahead_bytes"] == 0
-        assert value["strata:kv_disk_checksum_failures"] == 0
+        assert value[f"strata:kv_disk_read_ahead_bytes{{{of_worker}}}"] == 0
+        assert value[f"strata:kv_disk_checksum_failures_total{{{of_worker}}}"] == 0
     finally:
         server.stop()
         worker.stop()

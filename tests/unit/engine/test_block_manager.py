@@ -1,6 +1,7 @@
 import pytest
 
-from engine.block_manager import BlockManager, chain_hashes, root_hash
+from engine.block_hash import chain_hashes, root_hash
+from engine.block_manager import BlockManager
 
 
 def test_allocates_on_demand_and_frees_everything():

@@ -1,11 +1,16 @@
-"""The engine figures in /metrics: summed over workers, by tenant and tier."""
+"""/metrics: the engine figures by worker (totals as counters), per-tenant KV blocks summed
+over workers, tenants' names, and no `_created` series."""
 
 from __future__ import annotations
 
 import msgspec
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.protocol import EngineStats
 from gateway.metrics import GatewayMetrics
+from tenants.records import UsageRecord
+
+A, B = "tcp://worker-0:7000", "tcp://worker-1:7000"
 
 
 def _stats(**fields: object) -> EngineStats:
@@ -23,42 +28,96 @@ def _values(metrics: GatewayMetrics) -> dict[str, float]:
     return {line.split()[0]: float(line.split()[1]) for line in lines if line[:1] != "#"}
 
 
-def test_two_workers_figures_add_up_by_tier_and_tenant() -> None:
+def _types(metrics: GatewayMetrics) -> dict[str, str]:
+    families = text_string_to_metric_families(metrics.render().decode())
+    return {f.name: f.type for f in families}
+
+
+def test_each_workers_figures_carry_its_address() -> None:
     metrics = GatewayMetrics()
     a = _stats(
         num_running=3, num_loading=1, num_preemptions=2, kv_bytes_per_token=18_432,
         num_cache_hit_blocks={"device": 5, "host": 4, "disk": 0},
         num_kv_spilled_blocks={"host": 10, "disk": 3}, num_kv_dropped_blocks=1,
-        kv_blocks_by_tenant={"t1": {"device": 2, "host": 7}},
+        num_kv_host_blocks_total=50, num_kv_host_blocks_used=7,
+        num_draft_tokens=40, num_accepted_draft_tokens=31,
     )  # fmt: skip
-    b = _stats(
-        num_running=1, num_kv_disk_write_errors=2, kv_bytes_per_token=9_216,
-        num_cache_hit_blocks={"device": 1, "host": 0, "disk": 6},
-        num_kv_spilled_blocks={"host": 4, "disk": 0},
-        kv_blocks_by_tenant={"t1": {"device": 1}, "t2": {"disk": 4}},
-    )  # fmt: skip
-    metrics.set_engine([a, b])
+    b = _stats(num_running=1, num_kv_disk_write_errors=2, num_kv_disk_checksum_failures=3)
+    metrics.set_engine({A: a, B: b})
     v = _values(metrics)
-    assert v["strata:num_requests_running"] == 4
-    assert v["strata:num_requests_loading_kv"] == 1
-    assert v["strata:num_preemptions"] == 2
-    assert v['strata:kv_cache_hit_blocks{tier="device"}'] == 6
-    assert v['strata:kv_cache_hit_blocks{tier="host"}'] == 4
-    assert v['strata:kv_cache_hit_blocks{tier="disk"}'] == 6
-    assert v['strata:kv_spilled_blocks{tier="host"}'] == 14
-    assert v['strata:kv_spilled_blocks{tier="disk"}'] == 3
-    assert v["strata:kv_dropped_blocks"] == 1
-    assert v["strata:kv_disk_write_errors"] == 2
+    assert v[f'strata:num_requests_running{{worker="{A}"}}'] == 3
+    assert v[f'strata:num_requests_running{{worker="{B}"}}'] == 1
+    assert v[f'strata:num_requests_loading_kv{{worker="{A}"}}'] == 1
+    assert v[f'strata:num_preemptions_total{{worker="{A}"}}'] == 2
+    assert v[f'strata:kv_cache_hit_blocks_total{{tier="host",worker="{A}"}}'] == 4
+    assert v[f'strata:kv_spilled_blocks_total{{tier="disk",worker="{A}"}}'] == 3
+    assert v[f'strata:kv_dropped_blocks_total{{worker="{A}"}}'] == 1
+    assert v[f'strata:kv_disk_write_errors_total{{worker="{B}"}}'] == 2
+    assert v[f'strata:kv_disk_checksum_failures_total{{worker="{B}"}}'] == 3
+    assert v[f'strata:spec_decode_num_draft_tokens_total{{worker="{A}"}}'] == 40
+    assert v[f'strata:spec_decode_num_accepted_tokens_total{{worker="{A}"}}'] == 31
+    assert v[f'strata:kv_cache_bytes_per_token{{worker="{A}"}}'] == 18_432
+    # blocks by tier: the tiers a worker has (A a host pool, B none)
+    assert v[f'strata:kv_blocks_capacity{{tier="device",worker="{A}"}}'] == 100
+    assert v[f'strata:kv_blocks_used{{tier="host",worker="{A}"}}'] == 7
+    assert v[f'strata:kv_blocks_capacity{{tier="host",worker="{A}"}}'] == 50
+    assert f'strata:kv_blocks_capacity{{tier="host",worker="{B}"}}' not in v
+    assert f'strata:kv_blocks_capacity{{tier="disk",worker="{A}"}}' not in v
+
+
+def test_totals_since_start_are_counters_and_no_created_series() -> None:
+    metrics = GatewayMetrics()
+    metrics.set_engine({A: _stats(num_preemptions=1)})
+    record = UsageRecord(
+        request_id="r1", tenant_id="t1", key_id="k1", model="m", prompt_tokens=3,
+        completion_tokens=2, status="stop", e2e_ms=5.0,
+    )  # fmt: skip
+    metrics.finished(record, first_token_at=None, started=0.0)
+    metrics.rejected("t1", "rpm")
+    types = _types(metrics)
+    for name in ("strata:num_preemptions", "strata:kv_cache_hit_blocks",
+                 "strata:kv_disk_write_errors", "strata:spec_decode_num_draft_tokens",
+                 "strata:request_success", "strata:request_rejected"):  # fmt: skip
+        assert types[name] == "counter", name
+    assert types["strata:num_requests_running"] == "gauge"
+    assert types["strata:e2e_request_latency_seconds"] == "histogram"
+    text = metrics.render().decode()
+    assert "strata:request_success_total{" in text
+    assert "strata:e2e_request_latency_seconds_count{" in text
+    assert "_created" not in text
+
+
+def test_per_tenant_blocks_add_up_over_workers_and_drop_out_when_gone() -> None:
+    metrics = GatewayMetrics()
+    a = _stats(kv_blocks_by_tenant={"t1": {"device": 2, "host": 7}})
+    b = _stats(kv_blocks_by_tenant={"t1": {"device": 1}, "t2": {"disk": 4}})
+    metrics.set_engine({A: a, B: b})
+    v = _values(metrics)
     assert v['strata:kv_blocks{tenant="t1",tier="device"}'] == 3
     assert v['strata:kv_blocks{tenant="t1",tier="host"}'] == 7
     assert v['strata:kv_blocks{tenant="t2",tier="disk"}'] == 4
-    assert v["strata:kv_cache_bytes_per_token"] == 18_432
-
-
-def test_a_tenant_whose_blocks_are_gone_drops_out() -> None:
-    metrics = GatewayMetrics()
-    metrics.set_engine([_stats(kv_blocks_by_tenant={"t1": {"device": 2}, "t2": {"host": 1}})])
-    metrics.set_engine([_stats(kv_blocks_by_tenant={"t2": {"host": 1}})])
+    metrics.set_engine({B: _stats(kv_blocks_by_tenant={"t2": {"host": 1}})})
     v = _values(metrics)
     assert 'strata:kv_blocks{tenant="t1",tier="device"}' not in v
+    assert f'strata:num_requests_running{{worker="{A}"}}' not in v  # A did not answer
     assert v['strata:kv_blocks{tenant="t2",tier="host"}'] == 1
+
+
+def test_tenant_info_names_each_tenant_until_the_next_refresh() -> None:
+    metrics = GatewayMetrics()
+    assert metrics.tenant_names_due(now=0.0)
+    metrics.set_tenant_names({"t_1": "Acme", "t_2": 'Quote "Co"'}, now=100.0)
+    assert not metrics.tenant_names_due(now=110.0)
+    assert metrics.tenant_names_due(now=130.0)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    info = families["strata:tenant_info"]
+    assert info.type == "gauge"
+    assert {(s.labels["tenant"], s.labels["name"], s.value) for s in info.samples} == {
+        ("t_1", "Acme", 1.0),
+        ("t_2", 'Quote "Co"', 1.0),
+    }
+    metrics.set_tenant_names({"t_2": "Renamed"}, now=130.0)  # t_1 was deleted
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    assert [s.labels for s in families["strata:tenant_info"].samples] == [
+        {"tenant": "t_2", "name": "Renamed"}
+    ]

@@ -16,7 +16,8 @@ import zlib
 import pytest
 import torch
 
-from engine.block_manager import BlockManager, chain_hashes, root_hash
+from engine.block_hash import chain_hashes, root_hash
+from engine.block_manager import BlockManager
 from kvstore import disk as disk_module
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool

@@ -1,0 +1,129 @@
+"""A worker in a fleet: its sealed record in the store, renewed by a heartbeat and gone when
+it stops; the KV blocks it caches reported by tier, under the same keys a gateway computes
+from the prompt with the tenant's salt. A real worker process and a real store."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+import msgspec
+import pytest
+
+from engine.block_hash import prompt_keys
+from engine.client import EngineClient
+from engine.fleet import (
+    EVENTS,
+    KV_EVENTS,
+    WORKERS,
+    KVEvent,
+    record_key,
+    snapshot_key,
+    unseal,
+)
+from engine.handshake import ClientAuth
+from engine.protocol import SamplingParams, Scheduling
+from tests.integration.conftest import WorkerProcess, _free_port
+
+SECRET = secrets.token_urlsafe(32)
+TINY = ["--model", "synthetic:tiny", "--num-kv-blocks", "64", "--block-size", "4",
+        "--dtype", "float32"]  # fmt: skip
+
+
+async def wait_for(predicate, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while not (value := await predicate()):
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+    return value
+
+
+@pytest.fixture
+def fleet_worker(tmp_path, strata_cache_dir, store_server):
+    port = _free_port()
+    worker = WorkerProcess(
+        tmp_path / "unused.sock", [*TINY, "--registry-url", store_server.url,
+                                   "--worker-id", "w-test"],
+        strata_cache_dir, address=f"tcp://127.0.0.1:{port}",
+        env={"STRATA_WORKER_SECRET": SECRET},
+    )  # fmt: skip
+    worker.start()
+    yield worker
+    worker.stop()
+
+
+async def test_a_worker_registers_reports_its_blocks_and_leaves(fleet_worker, redis_client):
+    async def record():
+        blob = await redis_client.get(record_key("w-test"))
+        return blob and unseal(blob, SECRET)
+
+    rec = await wait_for(record)
+    assert rec.address == fleet_worker.address and rec.model_id.startswith("synthetic")
+    assert rec.kv_block_size == 4 and rec.num_kv_blocks_total == 64 and rec.cache_namespace
+    assert await redis_client.pttl(record_key("w-test")) <= 3000  # it expires unless renewed
+    assert await redis_client.zscore(WORKERS, "w-test") > time.time() * 1000
+    assert unseal(await redis_client.get(record_key("w-test")), "x" * 32) is None  # sealed
+    beat = rec.heartbeat_at
+    renewed = await wait_for(lambda: _later(redis_client, beat))
+    assert renewed.heartbeat_at > beat
+
+    pubsub = redis_client.pubsub()
+    await pubsub.subscribe(KV_EVENTS)
+    client = EngineClient(fleet_worker.address, auth=ClientAuth(secret=SECRET))
+    prompt = list(range(1, 14))  # three full blocks of 4
+    scheduling = Scheduling(tenant="acme", cache_salt="tenant:salt-a")
+    async for _ in client.generate("r1", prompt, SamplingParams(max_tokens=1),
+                                   scheduling=scheduling):  # fmt: skip
+        pass
+    await client.close()
+    want = prompt_keys(rec.cache_namespace, "tenant:salt-a", "", prompt, 4)
+    assert len(want) == 3
+
+    async def reported() -> set[int]:
+        message = await pubsub.get_message(timeout=1.0)
+        if message is None or message["type"] != "message":
+            return set()
+        event = msgspec.msgpack.decode(message["data"], type=KVEvent)
+        return set(event.added.get("device", [])) & set(want)
+
+    assert await wait_for(reported) == set(want)
+    await pubsub.aclose()
+    other_tenant = prompt_keys(rec.cache_namespace, "tenant:salt-b", "", prompt, 4)
+    assert not set(other_tenant) & set(want)  # another salt: other keys
+
+    async def snapshot_has_them() -> bool:
+        blob = await redis_client.get(snapshot_key("w-test"))
+        if blob is None:
+            return False
+        snap = msgspec.msgpack.decode(blob, type=KVEvent)
+        return snap.snapshot and set(want) <= set(snap.added.get("device", []))
+
+    await wait_for(snapshot_has_them)
+
+    events = redis_client.pubsub()
+    await events.subscribe(EVENTS)
+    fleet_worker.stop()
+    assert not await redis_client.exists(record_key("w-test"), snapshot_key("w-test"))
+    assert await redis_client.zscore(WORKERS, "w-test") is None
+
+    async def left() -> bool:
+        message = await events.get_message(timeout=1.0)
+        return message is not None and message["data"] == b"leave w-test"
+
+    await wait_for(left, timeout=5)
+    await events.aclose()
+
+
+async def _later(redis_client, beat: float):
+    blob = await redis_client.get(record_key("w-test"))
+    rec = blob and unseal(blob, SECRET)
+    return rec if rec and rec.heartbeat_at > beat else None
+
+
+def test_a_worker_without_the_fleet_secret_does_not_register(tmp_path, strata_cache_dir,
+                                                             store_server):  # fmt: skip
+    worker = WorkerProcess(tmp_path / "w.sock", [*TINY, "--registry-url", store_server.url],
+                           strata_cache_dir)  # fmt: skip
+    with pytest.raises(RuntimeError, match="exited with 2"):
+        worker.start()

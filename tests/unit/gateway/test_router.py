@@ -1,0 +1,46 @@
+"""Routing policies: the cached prefix against the work waiting, fewest requests, turns."""
+
+from __future__ import annotations
+
+from gateway.kv_index import PrefixHit
+from gateway.router import Candidate, RoutingPolicy, choose, cost
+
+KV, LEAST, RR = RoutingPolicy.KV_AWARE, RoutingPolicy.LEAST_LOADED, RoutingPolicy.ROUND_ROBIN
+
+
+def pick(policy, candidates, prompt_tokens=2048, turn=0) -> str:
+    return choose(policy, candidates, prompt_tokens=prompt_tokens, block_size=16,
+                  turn=turn).worker_id  # fmt: skip
+
+
+def test_kv_aware_goes_where_the_document_is_cached():
+    holder = Candidate("a", hit=PrefixHit(device=120))
+    idle = Candidate("b")
+    assert pick(KV, [idle, holder]) == "a"
+    assert pick(LEAST, [idle, Candidate("a", num_in_flight=1, hit=PrefixHit(device=120))]) == "b"
+
+
+def test_a_faster_tier_wins_over_a_slower_one():
+    on_device = Candidate("a", hit=PrefixHit(device=100))
+    on_disk = Candidate("b", hit=PrefixHit(disk=100))
+    assert pick(KV, [on_disk, on_device]) == "a"
+    assert cost(on_disk, 2048, 16) < cost(Candidate("c"), 2048, 16)  # disk still beats nothing
+
+
+def test_a_worker_far_busier_loses_even_with_the_prefix():
+    busy = Candidate("a", num_in_flight=20, queued_tokens=40_000, hit=PrefixHit(device=128))
+    idle = Candidate("b")
+    assert pick(KV, [busy, idle]) == "b"
+
+
+def test_a_nearly_full_kv_pool_is_avoided():
+    full = Candidate("a", kv_usage=0.99, hit=PrefixHit(device=10))
+    roomy = Candidate("b", kv_usage=0.2, hit=PrefixHit(device=10))
+    assert pick(KV, [full, roomy]) == "b"
+
+
+def test_ties_and_round_robin_take_turns():
+    workers = [Candidate("a"), Candidate("b"), Candidate("c")]
+    assert [pick(RR, workers, turn=t) for t in range(4)] == ["a", "b", "c", "a"]
+    assert [pick(KV, workers, turn=t) for t in range(3)] == ["a", "b", "c"]
+    assert [pick(LEAST, workers, turn=t) for t in range(3)] == ["a", "b", "c"]
