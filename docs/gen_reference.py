@@ -64,6 +64,9 @@ _ENV_NOTES = {
     "use for the served model (`model` is its id or the name it was started with). Usage "
     "records and metrics always use the model's own id.",
     "STRATA_PORT": "The port the gateway listens on.",
+    "STRATA_ROUTING": "How a gateway chooses a request's worker: `kv_aware` (the default: the "
+    "worker holding the longest cached prefix of the prompt, weighed against its load), "
+    "`least_loaded` or `round_robin`.",
     "STRATA_REDIS_URL": "The operator's Redis or Valkey (`redis://`, `rediss://`, `unix://`). "
     "Set for `strata serve`, it replaces the embedded store; `strata gateway` needs it.",
     "GOMP_SPINCOUNT": "OpenMP's spin count, for the engine worker that `strata serve` starts; "

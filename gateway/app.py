@@ -18,15 +18,13 @@ from litestar.enums import RequestEncodingType
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
-from engine.model_specs import load_tokenizer_for
 from gateway.adapters import AdapterResolver
-from gateway.engines import EnginePool
 from gateway.errors import APIError, exception_handlers, invalid_field, invalid_json
+from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.openai_types import MAX_JSON_DEPTH, too_deep
 from gateway.pipeline import Pipeline
-from gateway.prepare import Preparer
-from gateway.responses import Renderer
+from gateway.router import RoutingPolicy
 from gateway.routes import admin, ops
 from gateway.routes.openai import OpenAIController, TokenizerController
 from gateway.settings import GatewaySettings
@@ -66,25 +64,24 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
     journal = LedgerJournal(Path(settings.data_dir) / "ledger-journal")
     writer = LedgerWriter(ledger, journal=journal)
     writer.start()
-    engines = EnginePool(settings.engine_addresses, settings.worker_auth)
+    fleet = Fleet(
+        addresses=settings.engine_addresses, auth=settings.worker_auth, redis=redis,
+        cache_dir=settings.cache_dir, policy=RoutingPolicy(settings.routing),
+        default_model=settings.model, aliases=settings.alias_targets(),
+    )  # fmt: skip
     metrics = GatewayMetrics()
-    preparer: Preparer | None = None
     try:
-        info = await engines.connect()
-        tokenizer = load_tokenizer_for(settings.model, settings.cache_dir)
+        await fleet.start()
         pipeline = Pipeline(
-            engines, tokenizer, Admission(redis, lease_ttl_s=settings.lease_ttl_s), writer, metrics
+            fleet, Admission(redis, lease_ttl_s=settings.lease_ttl_s), writer, metrics
         )
-        preparer = Preparer(tokenizer, info, aliases=settings.aliases_of(info.model_id))
         app.state.gateway = GatewayState(
             settings=settings, redis=redis, registry=registry, keys=keys,
-            admission=pipeline.admission, ledger=ledger, ledger_writer=writer,
-            engines=engines, tokenizer=tokenizer, preparer=preparer,
-            adapters=AdapterResolver(registry, info, preparer.model_names),
-            pipeline=pipeline, renderer=Renderer(tokenizer), metrics=metrics,
+            admission=pipeline.admission, ledger=ledger, ledger_writer=writer, fleet=fleet,
+            adapters=AdapterResolver(registry, fleet), pipeline=pipeline, metrics=metrics,
             started_at=time.time(),
         )  # fmt: skip
-        log.info("gateway ready: serving %s", info.model_id)
+        log.info("gateway ready: serving %s", ", ".join(sorted(fleet.groups)))
         yield
         await pipeline.drain()
     finally:
@@ -95,10 +92,8 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
                 "%d usage records could not be written before shutdown; they are kept in %s "
                 "and written at the next start", left, journal.root,
             )  # fmt: skip
-        if preparer is not None:
-            preparer.close()
         await keys.stop()
-        await engines.close()
+        await fleet.close()
         await redis.aclose()
 
 

@@ -84,7 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine worker address (repeatable; default: $STRATA_ENGINE_URLS)",
     )
     gw.add_argument("--redis-url", default=None, help="default: $STRATA_REDIS_URL")
-    gw.add_argument("--model", default=None, help="the workers' model spec (for the tokenizer)")
+    gw.add_argument(
+        "--model",
+        default=None,
+        help="the default model: what 'default' names (an id; default: the first to join)",
+    )
+    gw.add_argument(
+        "--routing",
+        default=None,
+        choices=["kv_aware", "least_loaded", "round_robin"],
+        help="how a request's worker is chosen (default: $STRATA_ROUTING or kv_aware: the "
+        "worker holding the longest cached prefix of the prompt, weighed against its load)",
+    )
     gw.add_argument("--host", default=None)
     gw.add_argument("--port", type=int, default=None)
     gw.add_argument("--cache-dir", default=None)
@@ -239,11 +250,16 @@ def _gateway(args: argparse.Namespace) -> int:
 
     gateway_settings = settings.GatewaySettings.from_env(
         model=args.model, host=args.host, port=args.port, cache_dir=args.cache_dir,
-        data_dir=args.data_dir, redis_url=args.redis_url,
+        data_dir=args.data_dir, redis_url=args.redis_url, routing=args.routing,
         engine_addresses=tuple(args.engine) or None, model_aliases=tuple(args.alias) or None,
     )  # fmt: skip
-    if gateway_settings.redis_url is None or not gateway_settings.engine_addresses:
-        raise ValueError("a gateway replica needs --redis-url and at least one --engine")
+    if gateway_settings.redis_url is None:
+        raise ValueError("a gateway replica needs --redis-url (or STRATA_REDIS_URL)")
+    if not gateway_settings.engine_addresses and gateway_settings.worker_secret is None:
+        raise ValueError(
+            "a gateway replica needs workers: --engine addresses, or the fleet secret "
+            "STRATA_WORKER_SECRET to find registered workers in the store"
+        )
     configure_logging(settings.log_level(), json=gateway_settings.json_logs)
     uvicorn.run(
         create_app(gateway_settings),

@@ -43,6 +43,7 @@ from engine.handshake import ClientAuth, FleetSecretError
 from engine.protocol import EngineDeadError, EngineStats, ModelInfo
 from engine.tokenizer import Tokenizer
 from gateway.kv_index import KVIndex
+from gateway.prepare import Preparer
 from gateway.router import Candidate, RoutingPolicy, choose
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,7 @@ class ModelGroup:
     info: ModelInfo
     tokenizer: Tokenizer
     shape: str
+    preparer: Preparer
     workers: dict[str, WorkerHandle] = field(default_factory=dict)
 
     @property
@@ -114,8 +116,13 @@ class Fleet:
         redis: aioredis.Redis | None,
         cache_dir: str,
         policy: RoutingPolicy = RoutingPolicy.KV_AWARE,
+        default_model: str = "default",
+        aliases: Mapping[str, str] | None = None,
     ) -> None:
         self.auth = auth
+        self.default_model = default_model  # an id, or the spec the default's workers run
+        self.aliases = dict(aliases or {})  # alias -> a model id, or "default"
+        self._first_model: str | None = None
         self.redis = redis if auth.secret is not None else None  # a registry needs the secret
         self.cache_dir = Path(cache_dir)
         self.policy = policy
@@ -130,7 +137,7 @@ class Fleet:
         self._refresh_now = asyncio.Event()
         self._refused: dict[str, float] = {}  # worker id -> when it may be tried again
         for address in addresses:
-            handle = WorkerHandle(f"static:{address}", address, self._client(address), static=True)
+            handle = WorkerHandle(address, address, self._client(address), static=True)
             self.workers[handle.worker_id] = handle
 
     def _client(self, address: str) -> EngineClient:
@@ -159,6 +166,8 @@ class Fleet:
             await asyncio.sleep(0.2)
 
     async def close(self) -> None:
+        for group in self.groups.values():
+            group.preparer.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -186,9 +195,13 @@ class Fleet:
             )
         if group is None:
             tokenizer = await self._tokenizer(handle.client, info)
-            group = self.groups.setdefault(
-                info.model_id, ModelGroup(info.model_id, info, tokenizer, shape)
-            )
+            if info.model_id not in self.groups:
+                self._first_model = self._first_model or info.model_id
+                aliases = self.aliases_of(info.model_id)
+                self.groups[info.model_id] = ModelGroup(
+                    info.model_id, info, tokenizer, shape, Preparer(tokenizer, info, aliases)
+                )
+            group = self.groups[info.model_id]
         group.workers[handle.worker_id] = handle
         self.index.add_worker(handle.worker_id)
         if not handle.static:
@@ -321,9 +334,43 @@ class Fleet:
             if snapshot.worker_id == worker_id and self.index.known(worker_id):
                 self.index.load(snapshot)
 
+    # -- names --------------------------------------------------------------------------
+
+    @property
+    def default_model_id(self) -> str | None:
+        """The model `default` names: the one given, else the first to join."""
+        if self.default_model in self.groups:
+            return self.default_model
+        return self._first_model
+
+    def resolve(self, name: str) -> ModelGroup | None:
+        """The model a request's `model` names: its id, `default` (or the default's spec),
+        or an operator's alias; None for anything else."""
+        if name in self.groups:
+            return self.groups[name]
+        target = self.aliases.get(name, name)
+        if target in ("default", self.default_model):
+            target = self.default_model_id or ""
+        return self.groups.get(target)
+
+    def aliases_of(self, model_id: str) -> tuple[str, ...]:
+        """Every other name that resolves to `model_id`."""
+        names = {"default", self.default_model, *self.aliases}
+        return tuple(sorted(n for n in names if n != model_id and self._target(n) == model_id))
+
+    def _target(self, name: str) -> str | None:
+        target = self.aliases.get(name, name)
+        if target in ("default", self.default_model):
+            return self.default_model_id or (target if target in self.groups else None)
+        return target
+
+    def all_aliases(self) -> dict[str, str]:
+        """Every alias of a served model -> that model's id (for reading old records)."""
+        return {a: m for m in self.groups for a in self.aliases_of(m)}
+
     # -- routing --------------------------------------------------------------------------
 
-    def route(
+    async def route(
         self,
         group: ModelGroup,
         *,
@@ -334,8 +381,14 @@ class Fleet:
     ) -> WorkerHandle:
         """The worker of `group` that serves a prompt of `token_ids` for the tenant whose
         salt is `cache_salt`, by the gateway's policy; its blocks are then expected there.
-        Raises NoWorkerError when none is usable."""
+        When none is usable, the ones that were down are tried again first (a restarted
+        worker is back at once). Raises NoWorkerError when none is usable."""
         workers = [w for w in group.available if w.worker_id not in exclude]
+        if not workers:
+            down = [w for w in group.workers.values()
+                    if not w.drained and w.worker_id not in exclude]  # fmt: skip
+            await asyncio.gather(*(_try_connect(w.client, 1.0) for w in down))
+            workers = [w for w in group.available if w.worker_id not in exclude]
         if not workers:
             raise NoWorkerError(f"no worker of {group.model_id} is available")
         keys = prompt_keys(group.info.cache_namespace, cache_salt, lora_key, token_ids,

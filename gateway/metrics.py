@@ -57,6 +57,12 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        self.failovers = Counter(
+            "strata:request_failovers",
+            "Requests moved to another worker after theirs failed before the first output",
+            ["model"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "strata:time_to_first_token_seconds",
             "Time to first token",
@@ -91,6 +97,9 @@ class GatewayMetrics:
 
     def rejected(self, tenant: str, reason: str) -> None:
         self.rejections.labels(tenant, reason).inc()
+
+    def failed_over(self, model: str) -> None:
+        self.failovers.labels(model).inc()
 
     def store_bypassed(self, tenant: str) -> None:
         self.store_bypass.labels(tenant).inc()

@@ -16,9 +16,8 @@ import msgspec
 
 from engine.output_processor import TextDelta, TextStream
 from engine.protocol import EngineDeadError, FinishReason, InvalidRequestError, RequestOutput
-from engine.tokenizer import Tokenizer
-from gateway.engines import EnginePool
 from gateway.errors import APIError
+from gateway.fleet import Fleet, ModelGroup, NoWorkerError, WorkerHandle
 from gateway.metrics import GatewayMetrics
 from gateway.openai_types import ErrorType
 from gateway.prepare import Job
@@ -38,6 +37,30 @@ _STATUS = {
 }
 
 
+@dataclass
+class Route:
+    """Where a job runs: its model's group and the worker chosen for it."""
+
+    group: ModelGroup
+    worker: WorkerHandle
+    failed: set[str] = field(default_factory=set)
+
+    async def fail(self, worker: WorkerHandle, fleet: Fleet, job: Job) -> bool:
+        """`worker` failed this job before any output: move the job to another worker of
+        its model (unless a choice before did already). False when none is left."""
+        self.failed.add(worker.worker_id)
+        if self.worker is not worker:
+            return True  # another choice of the job moved it already
+        try:
+            self.worker = await fleet.route(
+                self.group, token_ids=job.prompts[0], cache_salt=job.scheduling.cache_salt,
+                lora_key="" if job.lora is None else job.lora.key, exclude=tuple(self.failed),
+            )  # fmt: skip
+        except NoWorkerError:
+            return False
+        return True
+
+
 # a streamed job whose response never starts (the client left as it was sent) is settled as
 # cancelled after this long, so its lease and its ledger record never hang
 START_GRACE_S = 30.0
@@ -51,6 +74,7 @@ class Ticket:
     auth: AuthContext
     reserved: bool
     headers: dict[str, str]
+    route: Route | None = None  # the worker it runs on
     begun: bool = False
     settled: bool = False
     keeper: asyncio.Task[None] | None = None
@@ -122,14 +146,12 @@ class Tally:
 class Pipeline:
     def __init__(
         self,
-        engines: EnginePool,
-        tokenizer: Tokenizer,
+        fleet: Fleet,
         admission: Admission,
         ledger: LedgerWriter,
         metrics: GatewayMetrics,
     ) -> None:
-        self.engines = engines
-        self.tokenizer = tokenizer
+        self.fleet = fleet
         self.admission = admission
         self.ledger = ledger
         self.metrics = metrics
@@ -138,16 +160,36 @@ class Pipeline:
 
     # -- admission --------------------------------------------------------------------------
 
+    async def _route(self, job: Job) -> Route:
+        """The worker a job runs on (every choice on one, so they share the prompt's KV): by
+        the fleet's policy, from its first prompt. 503 when no worker of its model is up."""
+        group = self.fleet.groups.get(job.base_model)
+        try:
+            if group is None:
+                raise NoWorkerError(f"no worker serves {job.base_model}")
+            worker = await self.fleet.route(
+                group, token_ids=job.prompts[0], cache_salt=job.scheduling.cache_salt,
+                lora_key="" if job.lora is None else job.lora.key,
+            )  # fmt: skip
+        except NoWorkerError as exc:
+            raise APIError(
+                503, f"the model '{job.model}' has no worker available; retry shortly",
+                type="service_unavailable", code="model_unavailable",
+                headers={"retry-after": "2"},
+            ) from exc  # fmt: skip
+        return Route(group, worker)
+
     async def admit(self, auth: AuthContext, job: Job) -> Ticket:
-        """Reserve every limit at once. Raises APIError 429 (denied) or 503 (store down and
-        the tenant's policy says fail_closed)."""
+        """Reserve every limit at once and choose the worker. Raises APIError 429 (denied) or
+        503 (no worker up; store down and the tenant's policy says fail_closed)."""
         decision = await self._reserve(
             auth, job.request_id, job.num_prompt_tokens, job.num_choices * job.max_tokens,
             job.kv_tokens, job,
         )  # fmt: skip
+        route = await self._route(job)
         if decision is None:
-            return Ticket(auth, reserved=False, headers={})
-        ticket = Ticket(auth, reserved=True, headers=rate_limit_headers(decision))
+            return Ticket(auth, reserved=False, headers={}, route=route)
+        ticket = Ticket(auth, reserved=True, headers=rate_limit_headers(decision), route=route)
         ticket.keeper = asyncio.get_running_loop().create_task(
             self._keep(job, ticket), name=f"lease-{job.request_id}"
         )
@@ -244,10 +286,45 @@ class Pipeline:
     # -- running ----------------------------------------------------------------------------
 
     async def run_choice(
-        self, job: Job, index: int, tally: Tally, results: ChoiceResult | None = None
+        self,
+        job: Job,
+        ticket: Ticket,
+        index: int,
+        tally: Tally,
+        results: ChoiceResult | None = None,
     ) -> AsyncIterator[TextDelta]:
-        """Stream one choice's text deltas; closing the iterator aborts the engine request."""
-        client = self.engines.pick()
+        """Stream one choice's text deltas; closing the iterator aborts the engine request.
+        A worker that dies or fails before the choice's first output is replaced, once, by
+        another worker of the model: the client sees nothing of it, and the job is billed
+        once (its settlement counts what was sent)."""
+        route = ticket.route
+        assert route is not None
+        retried = False
+        while True:
+            worker, started = route.worker, False
+            try:
+                async for delta in self._run_on(worker, job, index, tally, results):
+                    started = True
+                    yield delta
+                return
+            except EngineDeadError as exc:
+                if started or retried or not await route.fail(worker, self.fleet, job):
+                    raise
+                retried = True
+                self.metrics.failed_over(job.base_model)
+                log.warning(
+                    "%s: worker %s failed before the first output (%s); retrying on %s",
+                    job.request_id, worker.worker_id, exc, route.worker.worker_id,
+                )  # fmt: skip
+
+    async def _run_on(
+        self,
+        worker: WorkerHandle,
+        job: Job,
+        index: int,
+        tally: Tally,
+        results: ChoiceResult | None,
+    ) -> AsyncIterator[TextDelta]:
         prompt = job.prompt_of(index)
         prompt_ids = job.prompts[prompt]
         params = job.params
@@ -255,39 +332,50 @@ class Pipeline:
             # a seeded request's choices must differ from each other, and still repeat: the
             # k-th choice of each prompt draws from seed + k
             params = msgspec.structs.replace(params, seed=(params.seed + index % job.n) % 2**64)
-        stream = TextStream(self.tokenizer, prompt_ids, params)
+        group = self.fleet.groups[job.base_model]
+        stream = TextStream(group.tokenizer, prompt_ids, params)
         rid = f"{job.request_id}-{index}"
         leader = index % job.n == 0
         prefilled = job.prefilled.setdefault(prompt, asyncio.Event())
         if job.staggered and not leader:
             await prefilled.wait()
-        outputs = client.generate(rid, prompt_ids, params, scheduling=job.scheduling, lora=job.lora)
+        outputs = worker.client.generate(
+            rid, prompt_ids, params, scheduling=job.scheduling, lora=job.lora
+        )
         if tally.engine_started is None:
             tally.engine_started = time.perf_counter()
-        async with contextlib.aclosing(outputs), _setting(prefilled, leader):
-            async for out in outputs:
-                if leader:
-                    prefilled.set()  # its first output: the prompt is computed and cached
-                if out.error is not None:
-                    raise EngineDeadError(out.error)
-                delta = stream.process(out)
-                if out.new_token_ids and tally.first_token_at is None:
-                    tally.first_token_at = time.perf_counter()
-                tally.completion_tokens += len(delta.token_ids)  # none past a stop string
-                tally.cached(prompt, out)
-                if results is not None:
-                    results.text += delta.text
-                    results.token_ids.extend(delta.token_ids)
-                    results.logprobs.extend(delta.logprobs or ())
-                    results.prompt_logprobs.extend(delta.prompt_logprobs or ())
-                if delta.finished:
-                    tally.engine_finished = time.perf_counter()
-                yield delta
-                if delta.finished:
-                    if results is not None and delta.finish_reason is not None:
-                        results.finish_reason = delta.finish_reason.value
-                        results.stop_reason = delta.stop_reason
-                    return
+        queued = len(prompt_ids)  # until its first output: work waiting on that worker
+        worker.queued_tokens += queued
+        try:
+            async with contextlib.aclosing(outputs), _setting(prefilled, leader):
+                async for out in outputs:
+                    if queued:
+                        worker.queued_tokens -= queued
+                        queued = 0
+                    if leader:
+                        prefilled.set()  # its first output: the prompt is computed and cached
+                    if out.error is not None:
+                        raise EngineDeadError(out.error)
+                    delta = stream.process(out)
+                    if out.new_token_ids and tally.first_token_at is None:
+                        tally.first_token_at = time.perf_counter()
+                    tally.completion_tokens += len(delta.token_ids)  # none past a stop string
+                    tally.cached(prompt, out)
+                    if results is not None:
+                        results.text += delta.text
+                        results.token_ids.extend(delta.token_ids)
+                        results.logprobs.extend(delta.logprobs or ())
+                        results.prompt_logprobs.extend(delta.prompt_logprobs or ())
+                    if delta.finished:
+                        tally.engine_finished = time.perf_counter()
+                    yield delta
+                    if delta.finished:
+                        if results is not None and delta.finish_reason is not None:
+                            results.finish_reason = delta.finish_reason.value
+                            results.stop_reason = delta.stop_reason
+                        return
+        finally:
+            worker.queued_tokens -= queued
 
     async def complete(self, job: Job, ticket: Ticket) -> tuple[list[ChoiceResult], Tally]:
         """Run every choice to the end (non-streaming)."""
@@ -296,7 +384,7 @@ class Pipeline:
         ticket.begin()
 
         async def drain(i: int) -> None:
-            async for _ in self.run_choice(job, i, tally, results[i]):
+            async for _ in self.run_choice(job, ticket, i, tally, results[i]):
                 pass
 
         try:

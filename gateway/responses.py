@@ -256,7 +256,7 @@ class Renderer:
             # tool-calling replies: read as they come; calls held until whole
             readers: dict[int, ReplyStream] = {}
             held: dict[int, list[TextDelta]] = {}
-            async for index, delta in _merge(pipeline, job, tally):
+            async for index, delta in _merge(pipeline, job, ticket, tally):
                 if echo is not None and not echoed[index]:
                     # the prompt, with its scores when asked, arrives with the first output
                     echoed[index] = True
@@ -317,18 +317,18 @@ def _final_status(reasons: list[str | None]) -> UsageStatus:
 
 
 async def _merge(
-    pipeline: Pipeline, job: Job, tally: Tally
+    pipeline: Pipeline, job: Job, ticket: Ticket, tally: Tally
 ) -> AsyncIterator[tuple[int, TextDelta]]:
     """Deltas of every choice as they come; one choice is iterated directly."""
     if job.num_choices == 1:
-        async for delta in pipeline.run_choice(job, 0, tally):
+        async for delta in pipeline.run_choice(job, ticket, 0, tally):
             yield 0, delta
         return
     queue: asyncio.Queue[tuple[int, TextDelta | BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
-            async for delta in pipeline.run_choice(job, i, tally):
+            async for delta in pipeline.run_choice(job, ticket, i, tally):
                 await queue.put((i, delta))
         except Exception as exc:  # surfaced to the consumer below
             await queue.put((i, exc))

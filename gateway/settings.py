@@ -35,13 +35,17 @@ def redis_url() -> str | None:
     return os.environ.get("STRATA_REDIS_URL") or None
 
 
+ROUTING_POLICIES = ("kv_aware", "least_loaded", "round_robin")
+
+
 @dataclass(frozen=True)
 class GatewaySettings:
     """What one gateway replica needs. Built by `from_env` at the entry point, or directly."""
 
-    model: str = "default"
-    # other names of the served model, each `alias=model` (model: its id or the name above)
+    model: str = "default"  # the default model: its id (or the spec its workers were started with)
+    # other names of served models, each `alias=model` (model: an id, or `default`)
     model_aliases: tuple[str, ...] = ()
+    routing: str = "kv_aware"  # how a request's worker is chosen: kv_aware, least_loaded, ...
     engine_addresses: tuple[str, ...] = ()
     redis_url: str | None = None  # None: the caller runs an embedded store
     admin_token: str | None = None
@@ -67,21 +71,18 @@ class GatewaySettings:
             alias, eq, target = spec.partition("=")
             if not (eq and alias.strip() and target.strip()):
                 raise ValueError(f"a model alias is written alias=model, not {spec!r}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}")
         if self.worker_secret is not None:
             check_secret(self.worker_secret)
 
-    def aliases_of(self, model_id: str) -> tuple[str, ...]:
-        """Every name that resolves to the served model `model_id`: `default`, the name it
-        was started with, and the operator's aliases of either. Raises ValueError for an
-        alias of a model this gateway does not serve."""
-        own = {model_id, self.model, "default"}
-        names = [self.model, "default"]
+    def alias_targets(self) -> dict[str, str]:
+        """The operator's aliases: alias -> the model id (or `default`) it names."""
+        out = {}
         for spec in self.model_aliases:
             alias, _, target = (part.strip() for part in spec.partition("="))
-            if target not in own:
-                raise ValueError(f"model alias {alias!r} names {target!r}, which is not served")
-            names.append(alias)
-        return tuple(names)
+            out[alias] = target
+        return out
 
     @property
     def worker_auth(self) -> ClientAuth:
@@ -103,6 +104,7 @@ class GatewaySettings:
             "host": env.get("STRATA_HOST", "127.0.0.1"),
             "port": int(env.get("STRATA_PORT", "8000")),
             "json_logs": env.get("STRATA_LOG_FORMAT", "json") == "json",
+            "routing": env.get("STRATA_ROUTING", "kv_aware"),
         }
         aliases = env.get("STRATA_MODEL_ALIASES", "")
         if aliases:

@@ -5,13 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.tokenizer import Tokenizer
 from gateway.adapters import AdapterResolver
-from gateway.engines import EnginePool
+from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
-from gateway.prepare import Preparer
-from gateway.responses import Renderer
 from gateway.settings import GatewaySettings
 from policies.admission import Admission
 from tenants.keys import KeyManager
@@ -28,11 +25,8 @@ class GatewayState:
     admission: Admission
     ledger: Ledger
     ledger_writer: LedgerWriter
-    engines: EnginePool
-    tokenizer: Tokenizer
-    preparer: Preparer
+    fleet: Fleet
     adapters: AdapterResolver
     pipeline: Pipeline
-    renderer: Renderer
     metrics: GatewayMetrics
     started_at: float

@@ -250,6 +250,7 @@ class AdapterCreate(Base):
     name: str
     path: str
     allowed_tenants: list[str] | None = None
+    base_model: str | None = None  # the served model it adapts (default: the default model)
 
     def __post_init__(self) -> None:
         check_name(self.name, "name")

@@ -33,9 +33,9 @@ async def usage_export(
     prices = {p.model: p for p in await gw.registry.list_prices()}
     adapters = await gw.registry.list_adapters()
     names = ModelNames(
-        gw.preparer.aliases,
+        gw.fleet.all_aliases(),
         {a.name: a.base_model for a in adapters},
-        default_base=gw.preparer.info.model_id,
+        default_base=gw.fleet.default_model_id,
     )
     book = PriceBook(prices)
     body = export_usage(

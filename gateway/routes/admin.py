@@ -14,7 +14,7 @@ from litestar.response import Stream
 from gateway.adapters import (
     MAX_ADAPTER_UPLOAD_BYTES,
     AdapterUpload,
-    check_adapter,
+    register_adapter,
     register_upload,
 )
 from gateway.auth import gateway_state, requires_admin_token
@@ -104,8 +104,9 @@ class TenantController(Controller):
 
 
 def policy_view(gw: GatewayState, policy: Policy) -> PolicyView:
-    """The KV budget in bytes at the served model's KV bytes per token (and KV dtype)."""
-    per_token = gw.preparer.info.kv_bytes_per_token
+    """The KV budget in bytes at the default model's KV bytes per token (and KV dtype)."""
+    default = gw.fleet.resolve("default")
+    per_token = default.info.kv_bytes_per_token if default is not None else 0
     budget = policy.kv_budget_tokens
     return PolicyView(
         policy=policy,
@@ -142,8 +143,7 @@ class AdapterController(Controller):
     @post("/")
     async def register(self, request: Req, data: JSONBody[AdapterCreate]) -> Adapter:
         gw = gateway_state(request)
-        await check_adapter(data.path, data.name, gw.preparer.info)  # 400 if it cannot serve
-        return await gw.registry.register_adapter(data, gw.preparer.info.model_id)
+        return await register_adapter(data, gw.registry, gw.fleet)  # 400 if it cannot serve
 
     @post("/upload", request_max_body_size=MAX_ADAPTER_UPLOAD_BYTES, status_code=201)
     async def upload(
@@ -155,7 +155,7 @@ class AdapterController(Controller):
         kept under the gateway's data dir, which the engine workers must be able to read."""
         gw = gateway_state(request)
         root = Path(gw.settings.data_dir) / "adapters"
-        return await register_upload(data, gw.registry, gw.preparer.info, root)
+        return await register_upload(data, gw.registry, gw.fleet, root)
 
     @get("/")
     async def list_all(self, request: Req) -> list[Adapter]:

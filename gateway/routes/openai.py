@@ -12,6 +12,7 @@ from litestar.response import Stream
 
 from gateway.auth import auth_of, gateway_state, requires_api_key
 from gateway.errors import APIError, bad_request
+from gateway.fleet import ModelGroup
 from gateway.logs import bind_request
 from gateway.openai_types import (
     ChatCompletionRequest,
@@ -24,6 +25,7 @@ from gateway.openai_types import (
     TokenizeResponse,
 )
 from gateway.prepare import Job, new_request_id
+from gateway.responses import Renderer
 from gateway.routes import time_window, usage_export
 from gateway.state import GatewayState
 from gateway.tools import plan_tools
@@ -31,45 +33,53 @@ from gateway.tools import plan_tools
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
-async def respond(gw: GatewayState, request: Request[Any, Any, Any], job: Job) -> Response[Any]:
-    """Admit the job, then stream it or run it to completion."""
+async def respond(
+    gw: GatewayState, request: Request[Any, Any, Any], job: Job, group: ModelGroup
+) -> Response[Any]:
+    """Admit the job (and choose its worker), then stream it or run it to completion."""
     bind_request(job.request_id, auth_of(request).tenant.id)
     ticket = await gw.pipeline.admit(auth_of(request), job)
     request.state.response_headers = {"x-request-id": job.request_id, **ticket.headers}
+    renderer = Renderer(group.tokenizer)
     if job.stream:
         return Stream(
-            gw.renderer.stream(gw.pipeline, job, ticket),
+            renderer.stream(gw.pipeline, job, ticket),
             media_type="text/event-stream",
             headers=_SSE_HEADERS,
         )
     results, tally = await gw.pipeline.complete(job, ticket)
     request.state.response_headers["server-timing"] = tally.server_timing(job.started)
     if job.endpoint == "chat.completions":
-        return Response(gw.renderer.chat_completion(job, results, tally))
-    return Response(gw.renderer.completion(job, results, tally))
+        return Response(renderer.chat_completion(job, results, tally))
+    return Response(renderer.completion(job, results, tally))
 
 
 async def _visible_models(request: Request[Any, Any, Any]) -> list[ModelCard]:
-    """The base model and the adapters the caller's plan allows."""
-    gw, policy = gateway_state(request), auth_of(request).tenant.policy
-    base = gw.preparer.info.model_id
-    created = int(gw.started_at)
-    context = gw.preparer.info.max_model_len
+    """Every served model and every adapter of one that the caller's plan allows."""
+    gw, tenant = gateway_state(request), auth_of(request).tenant
+    policy, created = tenant.policy, int(gw.started_at)
     cards = [
-        ModelCard(id=base, created=created, owned_by="strata", root=base, max_model_len=context)
+        ModelCard(
+            id=model_id,
+            created=created,
+            owned_by="strata",
+            root=model_id,
+            max_model_len=group.info.max_model_len,
+        )
+        for model_id, group in sorted(gw.fleet.groups.items())
+        if policy.allows_model(model_id)
     ]
-    if policy.allowed_models is not None and base not in policy.allowed_models:
-        cards = []
-    for adapter in await gw.registry.list_adapters(auth_of(request).tenant.id):
-        if policy.allows_adapter(adapter.name):
+    for adapter in await gw.registry.list_adapters(tenant.id):
+        group = gw.fleet.resolve(adapter.base_model)
+        if group is not None and policy.allows_adapter(adapter.name):
             cards.append(
                 ModelCard(
                     id=adapter.name,
                     created=int(adapter.created_at),
                     owned_by="strata",
-                    root=base,
-                    parent=base,
-                    max_model_len=context,
+                    root=group.model_id,
+                    parent=group.model_id,
+                    max_model_len=group.info.max_model_len,
                 )
             )
     return cards
@@ -92,10 +102,10 @@ class OpenAIController(Controller):
         gw, rid = gateway_state(request), new_request_id("chat.completions")
         started = _start_request(request, rid)
         tenant = auth_of(request).tenant
-        lora = await gw.adapters.resolve(data.model, tenant)
-        job = await gw.preparer.chat(data, tenant, rid, lora)
+        group, lora = await gw.adapters.resolve(data.model, tenant)
+        job = await group.preparer.chat(data, tenant, rid, lora)
         job.started = started  # e2e and TTFT include tokenization
-        return await respond(gw, request, job)
+        return await respond(gw, request, job, group)
 
     @post("/completions", status_code=200)
     async def completions(
@@ -104,10 +114,10 @@ class OpenAIController(Controller):
         gw, rid = gateway_state(request), new_request_id("completions")
         started = _start_request(request, rid)
         tenant = auth_of(request).tenant
-        lora = await gw.adapters.resolve(data.model, tenant)
-        job = await gw.preparer.completion(data, tenant, rid, lora)
+        group, lora = await gw.adapters.resolve(data.model, tenant)
+        job = await group.preparer.completion(data, tenant, rid, lora)
         job.started = started  # e2e and TTFT include tokenization
-        return await respond(gw, request, job)
+        return await respond(gw, request, job, group)
 
     @get("/models")
     async def models(self, request: Request[Any, Any, Any]) -> ModelList:
@@ -151,38 +161,39 @@ class TokenizerController(Controller):
     tags = ["tokenizer"]  # noqa: RUF012
 
     @staticmethod
-    async def _check_model(request: Request[Any, Any, Any], model: str) -> GatewayState:
+    async def _group(request: Request[Any, Any, Any], model: str) -> tuple[GatewayState, Any]:
+        """The gateway and the model group `model` names (404 and 403 as for a request)."""
         gw, tenant = gateway_state(request), auth_of(request).tenant
-        if await gw.adapters.resolve(model, tenant) is None:
-            gw.preparer.check_model(model, tenant.policy)
-        return gw
+        group, _ = await gw.adapters.resolve(model, tenant)
+        return gw, group
 
     @post("/tokenize", status_code=200)
     async def tokenize(
         self, request: Request[Any, Any, Any], data: JSONBody[TokenizeRequest]
     ) -> TokenizeResponse:
         """Counted against the tenant's request rate and concurrency like any request."""
-        gw = await self._check_model(request, data.model)
+        gw, group = await self._group(request, data.model)
+        preparer = group.preparer
         if (data.prompt is None) == (data.messages is None):
             raise bad_request("give either prompt or messages", param="prompt")
         rid = f"tok-{uuid.uuid4().hex}"
         async with gw.pipeline.admitted(auth_of(request), rid) as headers:
             request.state.response_headers = {"x-request-id": rid, **headers}
             if data.prompt is not None:
-                ids = await gw.preparer.encode(data.prompt, data.add_special_tokens)
+                ids = await preparer.encode(data.prompt, data.add_special_tokens)
             else:
                 assert data.messages is not None
                 tools = plan_tools(data.tools, data.tool_choice, data.parallel_tool_calls)
-                ids = await gw.preparer.chat_ids(data.messages, data.add_generation_prompt, tools)
-        info = gw.preparer.info
+                ids = await preparer.chat_ids(data.messages, data.add_generation_prompt, tools)
+        info = preparer.info
         return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)
 
     @post("/detokenize", status_code=200)
     async def detokenize(
         self, request: Request[Any, Any, Any], data: JSONBody[DetokenizeRequest]
     ) -> DetokenizeResponse:
-        gw = await self._check_model(request, data.model)
-        if any(not 0 <= t < gw.preparer.info.vocab_size for t in data.tokens):
+        _, group = await self._group(request, data.model)
+        if any(not 0 <= t < group.info.vocab_size for t in data.tokens):
             raise bad_request("tokens are out of the vocabulary", param="tokens")
-        text = gw.preparer.tokenizer.decode(data.tokens, skip_special_tokens=False)
+        text = group.tokenizer.decode(data.tokens, skip_special_tokens=False)
         return DetokenizeResponse(prompt=text)

@@ -32,11 +32,11 @@ async def ready(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """The store and at least one engine worker answer."""
     gw = gateway_state(request)
     store_ok = await ping(gw.redis)
-    engine_ok = await gw.engines.ready()
+    engine_ok = await gw.fleet.ready()
     ok = store_ok and engine_ok
     body = {
         "status": "ready" if ok else "not ready", "store": store_ok, "engine": engine_ok,
-        "engine_errors": gw.engines.errors(),
+        "engine_errors": gw.fleet.errors(),
     }  # fmt: skip
     return Response(body, status_code=200 if ok else 503)
 
@@ -51,7 +51,7 @@ async def metrics(request: Request[Any, Any, Any]) -> bytes:
         if not hmac.compare_digest(presented, expected.encode()):
             raise APIError(401, "invalid metrics token", type="authentication_error",
                            code="invalid_metrics_token")  # fmt: skip
-    gw.metrics.set_engine(await gw.engines.stats())
+    gw.metrics.set_engine(await gw.fleet.stats())
     await _refresh_tenant_names(gw)
     return gw.metrics.render()
 

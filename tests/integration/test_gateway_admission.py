@@ -98,7 +98,7 @@ def test_model_not_allowed_is_403_and_unknown_model_400(gateway):
     assert error_of(r)["type"] == "permission_error"
     _, key = gateway.new_tenant()
     r = post(gateway, key, {**chat(), "model": "gpt-17"})
-    assert r.status_code == 400
+    assert r.status_code == 404
     assert error_of(r)["code"] == "model_not_found"
 
 

@@ -93,7 +93,7 @@ async def test_adapters_end_to_end(lora_gateway):
     assert denied.json()["error"]["code"] == "model_not_allowed"
     missing = chat(server, allowed, "colors@9")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
-    assert chat(server, allowed, "no-such-model").status_code == 400
+    assert chat(server, allowed, "no-such-model").status_code == 404
 
     with httpx.Client(base_url=server.url) as http:
 

@@ -283,7 +283,7 @@ def test_models_lists_the_base_model(client):
 
 
 def test_sdk_errors_are_typed(client, gateway):
-    with pytest.raises(openai.BadRequestError) as err:
+    with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="no-such-model", messages=QUESTION)
     assert err.value.code == "model_not_found"
     bad = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="sk-strata-nope", max_retries=0)

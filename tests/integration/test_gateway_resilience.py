@@ -185,8 +185,8 @@ async def test_engine_killed_mid_stream(own_worker, store_server, strata_cache_d
             down = await http.post(
                 "/v1/chat/completions", json=body(), headers={"authorization": f"Bearer {key}"}
             )
-            assert down.status_code == 503
-            assert down.json()["error"]["code"] == "engine_unavailable"
+            assert down.status_code == 503 and down.headers["retry-after"]
+            assert down.json()["error"]["code"] == "model_unavailable"
             own_worker.start()  # a restarted worker is picked up again
             again = await http.post(
                 "/v1/chat/completions", json=body(), headers={"authorization": f"Bearer {key}"}
