@@ -1,15 +1,17 @@
 """Engine configuration: one frozen dataclass per concern, validated on construction.
 
-`ModelConfig` describes a checkpoint's architecture (read from GGUF metadata, an HF
-`config.json`, or a synthetic preset). `EngineConfig` composes the runtime options the
-operator chooses; it is built once at the entry point and handed down in pieces.
+`EngineConfig` composes the runtime options the operator chooses; it is built once at the
+entry point and handed down in pieces. Each field declares its command-line option
+(engine/options.py). A checkpoint's architecture is `ModelConfig` (engine/model_config.py).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from engine.options import GIB, InUnits, not_an_option, option
 
 if TYPE_CHECKING:
     import torch
@@ -105,185 +107,79 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-@dataclass(frozen=True)
-class RopeScaling:
-    """RoPE frequency scaling. `llama3` rescales long wavelengths; `linear` divides positions."""
-
-    kind: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("llama3", "linear"):
-            raise ConfigError(f"unsupported rope scaling type {self.kind!r}")
-        if self.factor <= 0:
-            raise ConfigError("rope scaling factor must be positive")
-
-    @classmethod
-    def from_hf(cls, raw: dict[str, Any] | None) -> RopeScaling | None:
-        if not raw:
-            return None
-        kind = raw.get("rope_type", raw.get("type", "default"))
-        if kind == "default":
-            return None
-        return cls(
-            kind=kind,
-            factor=float(raw.get("factor", 1.0)),
-            low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
-        )
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shapes and numerics of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    architecture: str = "llama"
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                f"({self.num_kv_heads})"
-            )
-        if self.head_dim % 2:
-            raise ConfigError("head_dim must be even for rotary embeddings")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        per_layer = attn + 3 * h * i + 2 * h
-        embeddings = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + h
-
-    def to_hf(self) -> dict[str, Any]:
-        """The `config.json` an HF checkpoint of this architecture carries."""
-        out: dict[str, Any] = {
-            "architectures": [
-                "Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"
-            ],
-            "model_type": "qwen2" if self.architecture == "qwen2" else "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
-            "hidden_act": "silu",
-        }
-        rs = self.rope_scaling
-        if rs is not None:
-            out["rope_scaling"] = {
-                "rope_type": rs.kind,
-                "factor": rs.factor,
-                "low_freq_factor": rs.low_freq_factor,
-                "high_freq_factor": rs.high_freq_factor,
-                "original_max_position_embeddings": rs.original_max_position_embeddings,
-            }
-        return out
-
-    @classmethod
-    def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Read an HF `config.json`; raises ConfigError for architectures we do not run."""
-        archs = raw.get("architectures") or [raw.get("model_type", "")]
-        arch = str(archs[0]).lower()
-        supported = {
-            "llamaforcausallm": "llama",
-            "mistralforcausallm": "mistral",
-            "qwen2forcausallm": "qwen2",
-            "llama": "llama",
-            "mistral": "mistral",
-            "qwen2": "qwen2",
-        }
-        if arch not in supported:
-            raise ConfigError(
-                f"unsupported architecture {archs[0]!r}; Strata runs Llama, Mistral and Qwen2"
-            )
-        family = supported[arch]
-        # transformers >= 5 nests rope settings under `rope_parameters`
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        rope_theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        num_heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        head_dim = raw.get("head_dim") or hidden // num_heads
-        return cls(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=RopeScaling.from_hf(rope),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", family == "qwen2")),
-            architecture=family,
-        )
+KV_LOADS = ("auto", "sync", "thread", "stream")
+KV_HOST_READS = ("auto", "kernel", "copy")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV pool: `num_blocks` pages of `block_size` tokens, sized once at startup.
 
-    When `num_blocks` is None the pool takes `kv_cache_memory_bytes`.
+    When `num_blocks` is None the pool takes `kv_cache_memory_bytes`. Pages evicted from the
+    prefix cache move down to the tiers below the pool (kvstore/tiers.py), when sized.
     """
 
-    block_size: int = 16
-    kv_cache_memory_bytes: int = 1 << 30
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: KVCacheDtype | None = None  # None: fp8_e4m3 on CUDA, auto elsewhere
-    # tiers below the device pool for prefix-cache pages (kvstore/tiers.py); 0 = none
-    host_memory_bytes: int = 0
-    disk_bytes: int = 0
-    disk_path: str | None = None  # a directory; default: the system's temporary directory
-    # save cooling prefix-cache pages to the host tier between steps, ahead of the
-    # allocations that reuse their blocks (BlockManager.spill_ahead). It pays where those
-    # copies overlap compute; with synchronous copies it only moves them, and it keeps the
-    # most recently freed pages in host RAM rather than the most recently evicted.
-    spill_ahead: bool = False
-    # how pages come back from those tiers (kvstore/transfer.py): "auto" (a CUDA stream,
-    # layer by layer, on GPU; synchronous on CPU), "sync", "thread" or "stream"
-    kv_load: str = "auto"
-    # on a CUDA stream, how host tier rows are read in place: "kernel" (a Triton kernel over
-    # PCIe), "copy" (CuPy 2-D copies by runs of slots, on the copy engines) or "auto" (kernel)
-    kv_host_reads: str = "auto"
+    block_size: int = option(16, "--block-size", "tokens per KV block")
+    kv_cache_memory_bytes: int = option(
+        1 << 30,
+        "--kv-cache-gb",
+        "memory for the paged KV pool, in GiB",
+        unit=InUnits(1 << 30, at_least=1),
+    )
+    num_blocks: int | None = option(
+        None, "--num-kv-blocks", "exact KV pool size in blocks (overrides --kv-cache-gb)"
+    )
+    enable_prefix_caching: bool = option(
+        True, "--no-prefix-caching", "do not reuse the KV of full blocks shared by earlier prompts"
+    )
+    kv_cache_dtype: KVCacheDtype | None = option(
+        None,
+        "--kv-cache-dtype",
+        "KV page storage: auto (the compute dtype) or fp8_e4m3 (FP8 values with a scale "
+        "per token and KV head); default fp8_e4m3 on CUDA, auto elsewhere",
+    )
+    host_memory_bytes: int = option(
+        0,
+        "--kv-host-gb",
+        "host RAM (pinned on CUDA) for prefix-cache pages evicted from the device, in GiB",
+        unit=GIB,
+    )
+    disk_bytes: int = option(
+        0,
+        "--kv-disk-gb",
+        "disk space for prefix-cache pages evicted from host RAM, in GiB",
+        unit=GIB,
+    )
+    disk_path: str | None = option(
+        None,
+        "--kv-disk-path",
+        "directory for the disk tier's page file (default: the system temp directory)",
+    )
+    # BlockManager.spill_ahead: it pays where those copies overlap compute; with synchronous
+    # copies it only moves them, and it keeps the most recently freed pages in host RAM
+    # rather than the most recently evicted
+    spill_ahead: bool = option(
+        False,
+        "--kv-spill-ahead",
+        "save cooling prefix-cache pages to the host tier between steps, before their "
+        "blocks are reused",
+    )
+    kv_load: str = option(
+        "auto",
+        "--kv-load",
+        "how pages come back from host RAM and disk: layer by layer on a CUDA stream "
+        "(stream, CuPy where installed), on a worker thread (thread) or before the step "
+        "(sync); auto: stream on CUDA, sync elsewhere",
+        choices=KV_LOADS,
+    )
+    kv_host_reads: str = option(
+        "auto",
+        "--kv-host-reads",
+        "on a CUDA stream, how pages in host RAM are read: by a Triton kernel over PCIe "
+        "(kernel) or by CuPy copies on the copy engines, a few per layer for runs of "
+        "neighbouring pages (copy); auto: kernel",
+        choices=KV_HOST_READS,
+    )
 
     def storage_dtype(self, compute: torch.dtype, device: torch.device) -> torch.dtype:
         """The dtype KV pages are stored in, for a model computing in `compute`."""
@@ -303,24 +199,37 @@ class CacheConfig:
             raise ConfigError("kv_cache_memory_bytes must be positive")
         if self.host_memory_bytes < 0 or self.disk_bytes < 0:
             raise ConfigError("KV host and disk tier sizes must not be negative")
-        if self.kv_load not in ("auto", "sync", "thread", "stream"):
-            raise ConfigError("kv_load must be auto, sync, thread or stream")
-        if self.kv_host_reads not in ("auto", "kernel", "copy"):
-            raise ConfigError("kv_host_reads must be auto, kernel or copy")
+        if self.kv_load not in KV_LOADS:
+            raise ConfigError(f"kv_load must be one of {', '.join(KV_LOADS)}")
+        if self.kv_host_reads not in KV_HOST_READS:
+            raise ConfigError(f"kv_host_reads must be one of {', '.join(KV_HOST_READS)}")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits: sequences and tokens per step, and context length."""
 
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    policy: SchedulingPolicy = SchedulingPolicy.FAIR
-    # while requests run, the pages from host RAM or disk that one step may admit (each
-    # costs the scheduler bookkeeping before the step can start); a request over more is
-    # admitted alone
-    max_loaded_blocks_per_step: int = 512
+    max_num_seqs: int = option(128, "--max-num-seqs", "most sequences one step runs")
+    max_num_batched_tokens: int = option(
+        2048, "--max-num-batched-tokens", "token budget of one step (prefill chunk size)"
+    )
+    max_model_len: int | None = option(
+        None,
+        "--max-model-len",
+        "most tokens of a sequence, prompt and output (default: the model's context)",
+    )
+    policy: SchedulingPolicy = option(
+        SchedulingPolicy.FAIR,
+        "--scheduling-policy",
+        "fair: priority, then weighted fair share between tenants (default)",
+    )
+    # each page costs the scheduler bookkeeping before the step can start; a request over
+    # more is admitted alone
+    max_loaded_blocks_per_step: int = option(
+        512,
+        "--max-loaded-blocks-per-step",
+        "while requests run, KV pages from host RAM or disk one step may admit",
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -349,11 +258,29 @@ class SpeculativeConfig:
     `adaptive`: draft only while it pays, as measured on this machine and load
     (engine/speculative.py, `DraftGate`); off, every draftable request is drafted for."""
 
-    num_speculative_tokens: int = 0
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
-    max_step_drafts: int = 8
-    adaptive: bool = True
+    num_speculative_tokens: int = option(
+        0,
+        "--speculative-tokens",
+        "draft tokens per step for greedy requests, looked up in their own context "
+        "(prompt-lookup speculative decoding; 0, the default, turns it off)",
+    )
+    prompt_lookup_max: int = option(
+        4, "--prompt-lookup-max", "longest suffix looked up for drafts, in tokens"
+    )
+    prompt_lookup_min: int = option(
+        2, "--prompt-lookup-min", "shortest suffix looked up for drafts, in tokens"
+    )
+    max_step_drafts: int = option(
+        8,
+        "--speculative-max-step-drafts",
+        "draft tokens per step, shared by the running requests (none once more run)",
+    )
+    adaptive: bool = option(
+        True,
+        "--speculative-always",
+        "draft whenever a request can be drafted for, instead of only while drafted "
+        "steps are measured to produce more tokens per second than plain ones",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_speculative_tokens <= 16:
@@ -370,9 +297,16 @@ class LoRAConfig:
     largest rank a slot takes; `adapter_dir`, where set, is the only directory adapters load
     from (a worker always sets it; None, in-process use, trusts the caller's paths)."""
 
-    max_loras: int = 0
-    max_lora_rank: int = 16
-    adapter_dir: str | None = None
+    max_loras: int = option(
+        0, "--max-loras", "LoRA adapter slots served at once, from one batch (0: no adapters)"
+    )
+    max_lora_rank: int = option(16, "--max-lora-rank", "largest adapter rank (1-64)")
+    adapter_dir: str | None = option(
+        None,
+        "--adapter-dir",
+        "the only directory adapters are loaded from, symlinks and '..' resolved "
+        "(default for workers: adapters/ in the data directory, where uploads are kept)",
+    )
 
     def __post_init__(self) -> None:
         if self.max_loras < 0:
@@ -383,22 +317,57 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs, composed once by the entry point."""
+    """Everything the engine needs, composed once by the entry point. Its fields and those
+    of its parts are the options of `strata engine`, `serve` and `generate` (engine/options.py)."""
 
-    model: str = "default"
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    num_threads: int | None = None
-    cache_dir: str | None = None
-    backend: KernelBackend = KernelBackend.AUTO
-    # decode steps from captured CUDA graphs (Triton backend only; engine/cuda_graphs.py)
-    enforce_eager: bool = False
-    cuda_graph_max_batch: int = 256
-    # one-token steps' projections: cuBLAS, Triton's GEMV, or per shape the faster (CUDA)
-    gemv: GemvKernel = GemvKernel.AUTO
-    # projections' weights: as the checkpoint holds them, 16-bit, or FP8 (CUDA)
-    weights: WeightFormat = WeightFormat.AUTO
+    model: str = option(
+        "default",
+        "--model",
+        "'default' (SmolLM2-135M-Instruct), a .gguf file, an HF directory, or synthetic:<preset>",
+    )
+    dtype: str = option("auto", "--dtype", "auto (bf16), bfloat16, float16 or float32")
+    device: str = option("auto", "--device", "auto, cpu, cuda, cuda:N")
+    seed: int = not_an_option(
+        0,
+        "`strata engine --seed` sets it; `generate --seed` seeds sampling instead, and "
+        "`serve` starts its worker with the default",
+    )
+    num_threads: int | None = option(None, "--threads", "torch intra-op threads")
+    cache_dir: str | None = option(
+        None,
+        "--cache-dir",
+        "where dequantized weights are cached (default: $STRATA_CACHE_DIR or ~/.cache/strata)",
+    )
+    backend: KernelBackend = option(
+        KernelBackend.AUTO,
+        "--backend",
+        "auto: native kernels on CPU, Triton on CUDA; torch: torch ops only; "
+        "triton: force the Triton kernels (interpreted on CPU, slow)",
+    )
+    enforce_eager: bool = option(  # engine/cuda_graphs.py
+        False,
+        "--enforce-eager",
+        "run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
+    cuda_graph_max_batch: int = option(
+        256,
+        "--cuda-graph-max-batch",
+        "largest decode batch replayed from a captured CUDA graph (Triton backend; at "
+        "most --max-num-seqs); larger batches run eagerly",
+    )
+    gemv: GemvKernel = option(
+        GemvKernel.AUTO,
+        "--gemv",
+        "one-token steps' products on CUDA: auto (per weight shape, whichever of cuBLAS "
+        "and Triton's GEMV timed faster at start), cublas, or triton",
+    )
+    weights: WeightFormat = option(
+        WeightFormat.AUTO,
+        "--weights",
+        "the projections' weights: auto (as the model file holds them), 16bit (the "
+        "--dtype), or fp8 (e4m3 with a scale per output channel, quantized at load, about "
+        "half the bytes of 16-bit ones; CUDA only)",
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)

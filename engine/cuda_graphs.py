@@ -16,7 +16,7 @@ import torch
 
 from engine.attention.paged import SeqSlice
 from engine.attention.triton_backend import TritonContext, TritonPagedAttention
-from engine.lora.layers import LoRABatch
+from engine.lora.batch import LoRABatch
 from engine.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from engine.attention.triton_backend import TritonPagedAttention
 from engine.cuda_graphs import DecodeGraphs
 from engine.device import to_device
 from engine.kernels.cpu import CpuKernels
-from engine.lora.layers import LoRABatch
+from engine.lora.batch import LoRABatch
 from engine.model.llama import LlamaForCausalLM
 from engine.protocol import TokenLogprob
 from engine.request import Request

@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 
 import engine.tokenizer
-from engine.config import ModelConfig, ModelLoadError, RopeScaling
+from engine.config import ModelLoadError
+from engine.model_config import ModelConfig, RopeScaling
 from engine.tokenizer import Tokenizer, byte_tokenizer
 
 log = logging.getLogger(__name__)

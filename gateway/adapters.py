@@ -14,7 +14,7 @@ import aiofiles
 import msgspec
 from litestar.datastructures import UploadFile
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.protocol import LoRARequest, ModelInfo
 from gateway.errors import APIError, bad_request
 from tenants.errors import NotFoundError
@@ -23,7 +23,6 @@ from tenants.registry import TenantRegistry, tenant_may_use
 
 if TYPE_CHECKING:
     from gateway.fleet import Fleet, ModelGroup
-    from gateway.state import GatewayState
 
 
 class AdapterResolver:
@@ -82,12 +81,12 @@ def base_group(fleet: Fleet, base_model: str | None) -> ModelGroup:
     return group
 
 
-async def register_adapter(spec: AdapterCreate, gw: GatewayState) -> Adapter:
+async def register_adapter(spec: AdapterCreate, registry: TenantRegistry, fleet: Fleet) -> Adapter:
     """Check that the base model's engine can serve the adapter (400 if not) and register
     it as a new version for that model."""
-    group = base_group(gw.fleet, spec.base_model)
+    group = base_group(fleet, spec.base_model)
     await check_adapter(spec.path, spec.name, group.info)
-    return await gw.registry.register_adapter(spec, group.model_id)
+    return await registry.register_adapter(spec, group.model_id)
 
 
 def check_model(group: ModelGroup, model: str, policy: Policy) -> None:
@@ -139,7 +138,9 @@ class AdapterUpload:
     base_model: str | None = None
 
 
-async def register_upload(upload: AdapterUpload, gw: GatewayState, root: Path) -> Adapter:
+async def register_upload(
+    upload: AdapterUpload, registry: TenantRegistry, fleet: Fleet, root: Path
+) -> Adapter:
     """Write the uploaded files to a fresh directory under `root`, check them like a path
     registration (400 and nothing kept when the engine could not serve them), register."""
     try:
@@ -150,7 +151,7 @@ async def register_upload(upload: AdapterUpload, gw: GatewayState, root: Path) -
                              base_model=upload.base_model)  # fmt: skip
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
         raise bad_request(f"invalid adapter upload: {exc}", code="invalid_adapter") from None
-    group = base_group(gw.fleet, spec.base_model)
+    group = base_group(fleet, spec.base_model)
     directory = root / f"{spec.name}-{secrets.token_hex(8)}"
     try:
         await asyncio.to_thread(directory.mkdir, parents=True)
@@ -167,4 +168,4 @@ async def register_upload(upload: AdapterUpload, gw: GatewayState, root: Path) -
         await upload.adapter_config.close()
         await upload.adapter_model.close()
     created = msgspec.structs.replace(spec, path=str(directory.resolve()))
-    return await gw.registry.register_adapter(created, group.model_id)
+    return await registry.register_adapter(created, group.model_id)

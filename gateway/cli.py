@@ -11,20 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.config import (
-    CacheConfig,
-    ConfigError,
-    EngineConfig,
-    GemvKernel,
-    KernelBackend,
-    KVCacheDtype,
-    LoRAConfig,
-    ModelLoadError,
-    SchedulerConfig,
-    SchedulingPolicy,
-    SpeculativeConfig,
-    WeightFormat,
-)
+from engine.config import ConfigError, EngineConfig, ModelLoadError
+from engine.options import add_options, argv_from_args, config_from_args
 from gateway import settings
 from gateway.admin_cli import add_admin_commands, run_admin, run_usage
 from gateway.logs import configure_logging
@@ -33,227 +21,18 @@ if TYPE_CHECKING:
     from engine.fleet import FleetConfig
     from engine.worker import ListenConfig
 
-_GIB = 1 << 30
-
 
 def _engine_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument(
-        "--model",
-        default="default",
-        help="'default' (SmolLM2-135M-Instruct), a .gguf file, an HF directory, "
-        "or synthetic:<preset>",
-    )
-    g.add_argument("--dtype", default="auto", help="auto (bf16), bfloat16, float16 or float32")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    g.add_argument(
-        "--weights",
-        default="auto",
-        choices=[w.value for w in WeightFormat],
-        help="the projections' weights: auto (as the model file holds them), 16bit (the "
-        "--dtype), or fp8 (e4m3 with a scale per output channel, quantized at load, about "
-        "half the bytes of 16-bit ones; CUDA only)",
-    )
-    g.add_argument(
-        "--kv-cache-gb", type=float, default=1.0, help="memory for the paged KV pool, in GiB"
-    )
-    g.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=None,
-        help="exact KV pool size in blocks (overrides --kv-cache-gb)",
-    )
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument(
-        "--kv-cache-dtype",
-        default=None,
-        choices=[d.value for d in KVCacheDtype],
-        help="KV page storage: auto (the compute dtype) or fp8_e4m3 (FP8 values with a scale "
-        "per token and KV head); default fp8_e4m3 on CUDA, auto elsewhere",
-    )
-    g.add_argument(
-        "--kv-host-gb",
-        type=float,
-        default=0.0,
-        help="host RAM (pinned on CUDA) for prefix-cache pages evicted from the device, in GiB",
-    )
-    g.add_argument(
-        "--kv-disk-gb",
-        type=float,
-        default=0.0,
-        help="disk space for prefix-cache pages evicted from host RAM, in GiB",
-    )
-    g.add_argument(
-        "--kv-disk-path",
-        default=None,
-        help="directory for the disk tier's page file (default: the system temp directory)",
-    )
-    g.add_argument(
-        "--kv-load",
-        default="auto",
-        choices=["auto", "sync", "thread", "stream"],
-        help="how pages come back from host RAM and disk: layer by layer on a CUDA stream "
-        "(stream, CuPy where installed), on a worker thread (thread) or before the step "
-        "(sync); auto: stream on CUDA, sync elsewhere",
-    )
-    g.add_argument(
-        "--kv-host-reads",
-        default="auto",
-        choices=["auto", "kernel", "copy"],
-        help="on a CUDA stream, how pages in host RAM are read: by a Triton kernel over PCIe "
-        "(kernel) or by CuPy copies on the copy engines, a few per layer for runs of "
-        "neighbouring pages (copy); auto: kernel",
-    )
-    g.add_argument(
-        "--kv-spill-ahead",
-        action="store_true",
-        help="save cooling prefix-cache pages to the host tier between steps, before their "
-        "blocks are reused",
-    )
-    g.add_argument(
-        "--no-prefix-caching",
-        dest="prefix_caching",
-        action="store_false",
-        help="do not reuse the KV of full blocks shared by earlier prompts",
-    )
-    g.add_argument(
-        "--max-loras",
-        type=int,
-        default=0,
-        help="LoRA adapter slots served at once, from one batch (0: no adapters)",
-    )
-    g.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank (1-64)")
-    g.add_argument(
-        "--adapter-dir",
-        default=None,
-        help="the only directory adapters are loaded from, symlinks and '..' resolved "
-        "(default for workers: adapters/ in the data directory, where uploads are kept)",
-    )
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="token budget of one step (prefill chunk size)",
-    )
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument(
-        "--max-loaded-blocks-per-step",
-        type=int,
-        default=512,
-        help="while requests run, KV pages from host RAM or disk one step may admit",
-    )
-    g.add_argument(
-        "--scheduling-policy",
-        default="fair",
-        choices=[p.value for p in SchedulingPolicy],
-        help="fair: priority, then weighted fair share between tenants (default)",
-    )
-    g.add_argument(
-        "--backend",
-        default="auto",
-        choices=[k.value for k in KernelBackend],
-        help="auto: native kernels on CPU, Triton on CUDA; torch: torch ops only; "
-        "triton: force the Triton kernels (interpreted on CPU, slow)",
-    )
-    g.add_argument(
-        "--gemv",
-        default="auto",
-        choices=[k.value for k in GemvKernel],
-        help="one-token steps' products on CUDA: auto (per weight shape, whichever of cuBLAS "
-        "and Triton's GEMV timed faster at start), cublas, or triton",
-    )
-    g.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="run decode steps eagerly instead of replaying captured CUDA graphs",
-    )
-    g.add_argument(
-        "--speculative-tokens",
-        type=int,
-        default=0,
-        help="draft tokens per step for greedy requests, looked up in their own context "
-        "(prompt-lookup speculative decoding; 0, the default, turns it off)",
-    )
-    g.add_argument(
-        "--prompt-lookup-max",
-        type=int,
-        default=4,
-        help="longest suffix looked up for drafts, in tokens",
-    )
-    g.add_argument(
-        "--prompt-lookup-min",
-        type=int,
-        default=2,
-        help="shortest suffix looked up for drafts, in tokens",
-    )
-    g.add_argument(
-        "--speculative-max-step-drafts",
-        type=int,
-        default=8,
-        help="draft tokens per step, shared by the running requests (none once more run)",
-    )
-    g.add_argument(
-        "--speculative-always",
-        action="store_true",
-        help="draft whenever a request can be drafted for, instead of only while drafted "
-        "steps are measured to produce more tokens per second than plain ones",
-    )
-    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    g.add_argument(
-        "--cache-dir",
-        default=None,
-        help="where dequantized weights are cached (default: $STRATA_CACHE_DIR or ~/.cache/strata)",
-    )
+    add_options(p.add_argument_group("engine"), EngineConfig)
 
 
 def _engine_config(
-    args: argparse.Namespace, seed: int = 0, adapter_dir: str | None = None
+    args: argparse.Namespace, seed: int = EngineConfig.seed, adapter_dir: str | None = None
 ) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        seed=seed,
-        num_threads=args.threads,
-        cache_dir=args.cache_dir or settings.cache_dir(),
-        backend=KernelBackend(args.backend),
-        enforce_eager=args.enforce_eager,
-        gemv=GemvKernel(args.gemv),
-        weights=WeightFormat(args.weights),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_memory_bytes=max(1, int(args.kv_cache_gb * _GIB)),
-            num_blocks=args.num_kv_blocks,
-            enable_prefix_caching=args.prefix_caching,
-            kv_cache_dtype=args.kv_cache_dtype and KVCacheDtype(args.kv_cache_dtype),
-            host_memory_bytes=int(args.kv_host_gb * _GIB),
-            disk_bytes=int(args.kv_disk_gb * _GIB),
-            disk_path=args.kv_disk_path,
-            spill_ahead=args.kv_spill_ahead,
-            kv_load=args.kv_load,
-            kv_host_reads=args.kv_host_reads,
-        ),
-        lora=LoRAConfig(
-            max_loras=args.max_loras,
-            max_lora_rank=args.max_lora_rank,
-            adapter_dir=args.adapter_dir or adapter_dir,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-            policy=SchedulingPolicy(args.scheduling_policy),
-            max_loaded_blocks_per_step=args.max_loaded_blocks_per_step,
-        ),
-        speculative=SpeculativeConfig(
-            num_speculative_tokens=args.speculative_tokens,
-            prompt_lookup_max=args.prompt_lookup_max,
-            prompt_lookup_min=args.prompt_lookup_min,
-            max_step_drafts=args.speculative_max_step_drafts,
-            adaptive=not args.speculative_always,
-        ),
-    )
+    """The engine options parsed, with what the command line leaves to the entry point: the
+    seed, and where unset the cache directory (from the environment) and the adapter one."""
+    defaults = {"seed": seed, "cache_dir": settings.cache_dir(), "lora.adapter_dir": adapter_dir}
+    return config_from_args(EngineConfig, args, defaults)
 
 
 def _alias_option(p: argparse.ArgumentParser) -> None:
@@ -338,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     eng.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TCP inside TLS")
     eng.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    eng.add_argument("--seed", type=int, default=0, help="engine random seed")
+    eng.add_argument("--seed", type=int, default=EngineConfig.seed, help="engine random seed")
     fleet = eng.add_argument_group("fleet")
     fleet.add_argument(
         "--registry-url",
@@ -434,57 +213,15 @@ def _fleet_config(args: argparse.Namespace, listen: ListenConfig) -> FleetConfig
     )  # fmt: skip
 
 
-_ENGINE_FLAGS = (
-    "dtype",
-    "device",
-    "weights",
-    "kv_cache_gb",
-    "num_kv_blocks",
-    "block_size",
-    "kv_cache_dtype",
-    "kv_host_gb",
-    "kv_disk_gb",
-    "kv_disk_path",
-    "kv_load",
-    "kv_host_reads",
-    "max_loras",
-    "max_lora_rank",
-    "adapter_dir",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "max_loaded_blocks_per_step",
-    "scheduling_policy",
-    "speculative_tokens",
-    "prompt_lookup_max",
-    "prompt_lookup_min",
-    "speculative_max_step_drafts",
-    "backend",
-    "gemv",
-    "threads",
-)
-_ENGINE_SWITCHES = ("enforce_eager", "kv_spill_ahead", "speculative_always")  # store_true
-
-
-def _engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine options given to `serve`, passed on to its worker."""
-    defaults = build_parser().parse_args(["engine"])
-    argv: list[str] = [] if args.prefix_caching else ["--no-prefix-caching"]
-    for name in _ENGINE_FLAGS:
-        value = getattr(args, name)
-        if value != getattr(defaults, name):
-            argv += [f"--{name.replace('_', '-')}", str(value)]
-    argv += [f"--{name.replace('_', '-')}" for name in _ENGINE_SWITCHES if getattr(args, name)]
-    return argv
-
-
-def _serve_worker_argv(args: argparse.Namespace, data_dir: str) -> list[str]:
-    """`serve`'s worker options: those given, and adapters from where the gateway keeps its
-    uploads unless --adapter-dir says otherwise."""
-    argv = _engine_argv(args)
-    if args.adapter_dir is None:
-        argv += ["--adapter-dir", os.path.join(data_dir, "adapters")]
-    return argv
+def _serve_worker_argv(args: argparse.Namespace, model: str, data_dir: str) -> list[str]:
+    """`serve`'s worker options: every engine option given to `serve`, the model it serves
+    (--model, else $STRATA_MODEL), and adapters from where the gateway keeps its uploads
+    unless --adapter-dir says otherwise."""
+    worker = argparse.Namespace(**vars(args))
+    worker.model = model
+    if worker.adapter_dir is None:
+        worker.adapter_dir = os.path.join(data_dir, "adapters")
+    return argv_from_args(EngineConfig, worker)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -495,12 +232,12 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.serve import serve  # noqa: PLC0415
 
     gateway_settings = settings.GatewaySettings.from_env(
-        model=args.model if args.model != "default" else None,
+        model=args.model if args.model != EngineConfig.model else None,
         host=args.host, port=args.port, data_dir=args.data_dir, cache_dir=args.cache_dir,
         model_aliases=tuple(args.alias) or None,
     )  # fmt: skip
     configure_logging(settings.log_level(), json=gateway_settings.json_logs)
-    engine_argv = _serve_worker_argv(args, gateway_settings.data_dir)
+    engine_argv = _serve_worker_argv(args, gateway_settings.model, gateway_settings.data_dir)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(serve(gateway_settings, engine_argv, demo=args.demo))
     return 0

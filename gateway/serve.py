@@ -256,9 +256,7 @@ async def serve(settings: GatewaySettings, engine_args: list[str], *, demo: bool
     # the worker shares the cores with the gateway and the store: its OpenMP threads should
     # not spin long between kernels (measured: ~15% less engine CPU per request, same latency)
     env.setdefault("GOMP_SPINCOUNT", "10000")
-    worker = WorkerSupervisor(
-        ["--model", settings.model, *engine_args], address, env, settings.worker_auth
-    )
+    worker = WorkerSupervisor(engine_args, address, env, settings.worker_auth)
     try:
         await worker.start()
         settings = dataclasses.replace(settings, engine_addresses=(address,))

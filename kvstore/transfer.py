@@ -16,12 +16,11 @@ import threading
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from kvstore.device_pool import DeviceKVPool
+from kvstore.base import KVCacheSpec
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +72,23 @@ def _cupy() -> Any:
     return cupy
 
 
-def _page_layout(pool: DeviceKVPool) -> list[tuple[int, int]]:
+class PagePool(Protocol):
+    """What page loads and saves use of the device pool (kvstore/device_pool.py), which owns
+    a `PageLoads`: its page shape and device, its pages as byte views, and whole-page copies."""
+
+    spec: KVCacheSpec
+    device: torch.device
+
+    def page_parts(self) -> list[torch.Tensor]: ...
+
+    def layer_parts(self, layer_idx: int) -> list[torch.Tensor]: ...
+
+    def read_pages_into(self, blocks: Sequence[int], out: Sequence[torch.Tensor]) -> None: ...
+
+    def write_pages(self, blocks: Sequence[int], pages: Sequence[torch.Tensor]) -> None: ...
+
+
+def _page_layout(pool: PagePool) -> list[tuple[int, int]]:
     """Per part of a page (the values, then FP8 scales): (its offset in the page, bytes of
     one layer's K or V row)."""
     layout = []
@@ -110,7 +125,7 @@ class _Staged:
 
     def __init__(
         self,
-        pool: DeviceKVPool,
+        pool: PagePool,
         pages: Sequence[torch.Tensor],
         buffer: torch.Tensor,
         workers: ThreadPoolExecutor,
@@ -137,7 +152,7 @@ class _Staged:
 
 
 def _scatter(dst: list[torch.Tensor], src: list[torch.Tensor], index: torch.Tensor) -> None:
-    """One layer's rows into the pool: dst parts [2, num_blocks, width] (DeviceKVPool.
+    """One layer's rows into the pool: dst parts [2, num_blocks, width] (PagePool.
     layer_parts), src parts [n, 2 * width] as staged (or copied to the device)."""
     for d, s in zip(dst, src, strict=True):
         d, s = _words(d, s.view(s.shape[0], 2, -1).transpose(0, 1))
@@ -161,7 +176,7 @@ class PageLoads:
 
     def __init__(
         self,
-        pool: DeviceKVPool,
+        pool: PagePool,
         mode: LoadMode | str = LoadMode.AUTO,
         host_reads: HostReads | str = HostReads.AUTO,
     ) -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
 from engine.lora.adapter import TARGET_MODULES
 from engine.lora.synthetic import write_random_adapter
+from engine.model_config import ModelConfig
 
 # SmolLM2-135M's shapes, for adapters of the default model
 SMOLLM2 = ModelConfig(

@@ -1,5 +1,5 @@
 """Triton kernels for multi-LoRA: segment-gathered shrink and expand (SGMV) over a step's
-tokens grouped by adapter slot (`LoRABatch`, engine/lora/layers.py); tiles of length 0 are
+tokens grouped by adapter slot (`LoRABatch`, engine/lora/batch.py); tiles of length 0 are
 padding, so a CUDA graph's grid depends on the batch size only. Interpreted on CPU (tests).
 The design is in docs/design/kernels.md.
 """

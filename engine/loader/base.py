@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig, ModelLoadError
+from engine.config import ModelLoadError
+from engine.model_config import ModelConfig
 
 __all__ = ["Checkpoint", "ModelLoadError", "check_tensors", "expected_tensor_shapes"]
 

@@ -21,9 +21,9 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
 from engine.loader.base import ModelLoadError
 from engine.loader.hf_loader import load_hf_weights
+from engine.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.gguf_reader import ReaderTensor
 from tqdm import tqdm
 
-from engine.config import ModelConfig
 from engine.loader.base import ModelLoadError, check_tensors
 from engine.loader.gguf_meta import PERMUTED_QK, gguf_architecture, gguf_config
+from engine.model_config import ModelConfig
 
 GGUF_MAGIC = b"GGUF"
 

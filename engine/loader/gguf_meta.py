@@ -9,9 +9,10 @@ import numpy as np
 import torch
 from gguf import GGUFReader, GGUFValueType
 
-from engine.config import ConfigError, ModelConfig, RopeScaling
+from engine.config import ConfigError
 from engine.loader.base import ModelLoadError
 from engine.model.llama import rope_inv_freq
+from engine.model_config import ModelConfig, RopeScaling
 
 # general.architecture -> ModelConfig.architecture. llama.cpp writes "llama" for Mistral;
 # "mistral" is accepted as the same network (and maps to "llama" so a cached copy, whose

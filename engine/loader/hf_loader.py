@@ -10,8 +10,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from engine.config import ConfigError, ModelConfig
+from engine.config import ConfigError
 from engine.loader.base import Checkpoint, ModelLoadError, check_tensors, expected_tensor_shapes
+from engine.model_config import ModelConfig
 
 SHARD_INDEX = "model.safetensors.index.json"
 

@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.protocol import InvalidRequestError
 
 MAX_RANK = 64

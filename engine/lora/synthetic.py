@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
 from engine.lora.adapter import CONFIG_FILE, TARGET_MODULES, WEIGHTS_FILE, module_shape
+from engine.model_config import ModelConfig
 
 
 def write_random_adapter(

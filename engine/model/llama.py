@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig, RopeScaling
+from engine.model_config import ModelConfig, RopeScaling
 
 
 class AttentionBackend(Protocol):

@@ -34,7 +34,7 @@ from engine.model.llama import (
 from kvstore.hostmem import HostArena
 
 if TYPE_CHECKING:
-    from engine.lora.layers import LoRABatch
+    from engine.lora.batch import LoRABatch
 
 
 class NativeRMSNorm(nn.Module):

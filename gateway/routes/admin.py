@@ -145,7 +145,8 @@ class AdapterController(Controller):
 
     @post("/")
     async def register(self, request: Req, data: JSONBody[AdapterCreate]) -> Adapter:
-        return await register_adapter(data, gateway_state(request))  # 400 if it cannot serve
+        gw = gateway_state(request)
+        return await register_adapter(data, gw.registry, gw.fleet)  # 400 if it cannot serve
 
     @post("/upload", request_max_body_size=MAX_ADAPTER_UPLOAD_BYTES, status_code=201)
     async def upload(
@@ -156,7 +157,8 @@ class AdapterController(Controller):
         """Register an adapter from its two PEFT files, sent as multipart form data; they are
         kept under the gateway's data dir, which the engine workers must be able to read."""
         gw = gateway_state(request)
-        return await register_upload(data, gw, Path(gw.settings.data_dir) / "adapters")
+        root = Path(gw.settings.data_dir) / "adapters"
+        return await register_upload(data, gw.registry, gw.fleet, root)
 
     @get("/")
     async def list_all(self, request: Req) -> list[Adapter]:

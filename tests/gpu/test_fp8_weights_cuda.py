@@ -14,14 +14,7 @@ import torch
 
 from engine.attention.paged import SeqSlice
 from engine.attention.triton_backend import load_triton_kernels
-from engine.config import (
-    CacheConfig,
-    EngineConfig,
-    LoRAConfig,
-    ModelConfig,
-    SchedulerConfig,
-    WeightFormat,
-)
+from engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, WeightFormat
 from engine.cuda_graphs import batch_ladder
 from engine.llm import LLM
 from engine.lora.layers import LoRALinear
@@ -34,6 +27,7 @@ from engine.model.fp8_weights import (
 )
 from engine.model.llama import LlamaForCausalLM
 from engine.model.triton_layers import PROJECTIONS
+from engine.model_config import ModelConfig
 from engine.protocol import LoRARequest, SamplingParams
 
 pytestmark = pytest.mark.gpu

@@ -20,12 +20,12 @@ from engine.config import (
     KernelBackend,
     KVCacheDtype,
     LoRAConfig,
-    ModelConfig,
 )
 from engine.cuda_graphs import batch_ladder
 from engine.evaluate import greedy_agreement
 from engine.llm import LLM
-from engine.lora.layers import LoRABatch, LoRALinear
+from engine.lora.batch import LoRABatch
+from engine.lora.layers import LoRALinear
 from engine.lora.synthetic import write_random_adapter
 from engine.model.llama import LlamaForCausalLM, RMSNorm, RotaryEmbedding, SiluAndMul
 from engine.model.triton_layers import (
@@ -36,6 +36,7 @@ from engine.model.triton_layers import (
     TritonSiluMul,
     apply_triton_layers,
 )
+from engine.model_config import ModelConfig
 from engine.protocol import LoRARequest, SamplingParams
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool

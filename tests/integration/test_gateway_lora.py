@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from tests.integration.conftest import GatewayServer, WorkerProcess, gateway_settings
 from tests.integration.test_gateway_usage import ledger_record
 from tests.lora_files import SMOLLM2, write_adapter

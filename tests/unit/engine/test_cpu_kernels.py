@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.paged import PagedAttention, SeqSlice
-from engine.config import ModelConfig
 from engine.kernels.cpu import CpuKernels, kernel_dir, load_cpu_kernels, pair_rows
 from engine.model.llama import RMSNorm, RotaryEmbedding, SiluAndMul
+from engine.model_config import ModelConfig
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
 from kvstore.fp8 import quantize_fp8

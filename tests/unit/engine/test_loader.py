@@ -19,11 +19,11 @@ from gguf import GGMLQuantizationType as QType
 from safetensors.torch import save_file
 
 from engine.attention.paged import PagedAttention, SeqSlice
-from engine.config import ModelConfig, RopeScaling
 from engine.loader import PRESETS, ModelLoadError, build_model, load_checkpoint
 from engine.loader.base import expected_tensor_shapes
 from engine.loader.gguf_meta import llama3_scaling_from_freqs
 from engine.model.llama import LlamaForCausalLM, RotaryEmbedding, rope_inv_freq
+from engine.model_config import ModelConfig, RopeScaling
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ModelConfig
 from engine.lora.adapter import TARGET_MODULES, AdapterError, load_adapter
+from engine.model_config import ModelConfig
 from tests.lora_files import write_adapter as write_files
 
 CONFIG = ModelConfig(

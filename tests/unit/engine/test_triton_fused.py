@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from engine.attention.triton_backend import load_triton_kernels
-from engine.config import ModelConfig
 from engine.model.llama import RMSNorm, RotaryEmbedding, SiluAndMul
 from engine.model.triton_layers import TritonRMSNorm, TritonRotary, TritonSiluMul
+from engine.model_config import ModelConfig
 from tests.triton_marks import INTERPRETED
 
 pytestmark = INTERPRETED

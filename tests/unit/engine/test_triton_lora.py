@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from engine.attention.triton_backend import load_triton_kernels
-from engine.lora.layers import LoRABatch, LoRALinear, group_by_slot
+from engine.lora.batch import LoRABatch, group_by_slot
+from engine.lora.layers import LoRALinear
 from tests.triton_marks import INTERPRETED
 
 pytestmark = INTERPRETED
