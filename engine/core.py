@@ -439,6 +439,7 @@ class EngineCore:
             max_lora_rank=self.config.lora.max_lora_rank,
             prefix_caching=self.config.cache.enable_prefix_caching,
             cache_namespace=self.scheduler.cache_namespace,
+            model_spec=self.config.model,
         )
 
     def cached_block_hashes(self) -> dict[str, Collection[bytes]]:

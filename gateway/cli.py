@@ -9,7 +9,7 @@ import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.config import ConfigError, EngineConfig, ModelLoadError
 from engine.options import add_options, argv_from_args, config_from_args
@@ -24,6 +24,21 @@ if TYPE_CHECKING:
 
 def _engine_options(p: argparse.ArgumentParser) -> None:
     add_options(p.add_argument_group("engine"), EngineConfig)
+
+
+class _RepeatableModel:
+    """`serve`'s engine options: `--model` may be given once per model to serve."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def add_argument(self, *flags: str, **kwargs: Any) -> Any:
+        if flags == ("--model",):
+            kwargs |= {
+                "action": "append", "default": None,
+                "help": f"{kwargs.get('help', '')}; repeatable: one set of workers per model",
+            }  # fmt: skip
+        return self.group.add_argument(*flags, **kwargs)
 
 
 def _engine_config(
@@ -74,7 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--demo", action="store_true", help="create a demo tenant and print its API key once"
     )
     _alias_option(srv)
-    _engine_options(srv)
+    srv.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="engine workers per model, each its own process (default 1)",
+    )
+    add_options(_RepeatableModel(srv.add_argument_group("engine")), EngineConfig)
 
     gw = sub.add_parser("gateway", help="one gateway replica (store and workers run elsewhere)")
     gw.add_argument(
@@ -214,9 +235,9 @@ def _fleet_config(args: argparse.Namespace, listen: ListenConfig) -> FleetConfig
 
 
 def _serve_worker_argv(args: argparse.Namespace, model: str, data_dir: str) -> list[str]:
-    """`serve`'s worker options: every engine option given to `serve`, the model it serves
-    (--model, else $STRATA_MODEL), and adapters from where the gateway keeps its uploads
-    unless --adapter-dir says otherwise."""
+    """One of `serve`'s workers' options: every engine option given to `serve`, the model
+    it serves, and adapters from where the gateway keeps its uploads unless --adapter-dir
+    says otherwise."""
     worker = argparse.Namespace(**vars(args))
     worker.model = model
     if worker.adapter_dir is None:
@@ -231,15 +252,22 @@ def _serve(args: argparse.Namespace) -> int:
 
     from gateway.serve import serve  # noqa: PLC0415
 
+    models = args.model or [None]  # None: $STRATA_MODEL, else the default model
+    if args.workers < 1:
+        raise ValueError("--workers must be at least 1")
     gateway_settings = settings.GatewaySettings.from_env(
-        model=args.model if args.model != EngineConfig.model else None,
-        host=args.host, port=args.port, data_dir=args.data_dir, cache_dir=args.cache_dir,
-        model_aliases=tuple(args.alias) or None,
+        model=models[0], host=args.host, port=args.port, data_dir=args.data_dir,
+        cache_dir=args.cache_dir, model_aliases=tuple(args.alias) or None,
     )  # fmt: skip
     configure_logging(settings.log_level(), json=gateway_settings.json_logs)
-    engine_argv = _serve_worker_argv(args, gateway_settings.model, gateway_settings.data_dir)
+    specs = [m or gateway_settings.model for m in models]
+    worker_args = [
+        _serve_worker_argv(args, spec, gateway_settings.data_dir)
+        for spec in specs
+        for _ in range(args.workers)
+    ]
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve(gateway_settings, engine_argv, demo=args.demo))
+        runner.run(serve(gateway_settings, worker_args, demo=args.demo))
     return 0
 
 

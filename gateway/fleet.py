@@ -126,6 +126,7 @@ class Fleet:
         self.default_model = default_model  # an id, or the spec the default's workers run
         self.aliases = dict(aliases or {})  # alias -> a model id, or "default"
         self._first_model: str | None = None
+        self._specs: dict[str, str] = {}  # what workers were started with -> their model id
         self.redis = redis if auth.secret is not None else None  # a registry needs the secret
         self.cache_dir = Path(cache_dir)
         self.policy = policy
@@ -199,6 +200,7 @@ class Fleet:
             tokenizer = await self._tokenizer(handle.client, info)
             if info.model_id not in self.groups:
                 self._first_model = self._first_model or info.model_id
+                self._specs.setdefault(info.model_spec, info.model_id)
                 self.groups[info.model_id] = ModelGroup(
                     info.model_id, info, tokenizer, shape, Preparer(tokenizer, info)
                 )
@@ -353,10 +355,11 @@ class Fleet:
 
     @property
     def default_model_id(self) -> str | None:
-        """The model `default` names: the one given, else the first to join."""
+        """The model `default` names: the one given (by id, or by the spec its workers were
+        started with), else the first to join."""
         if self.default_model in self.groups:
             return self.default_model
-        return self._first_model
+        return self._specs.get(self.default_model, self._first_model)
 
     def resolve(self, name: str) -> ModelGroup | None:
         """The model a request's `model` names: its id, `default` (or the default's spec),

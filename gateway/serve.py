@@ -239,27 +239,37 @@ def _prepare_data_dir(settings: GatewaySettings) -> Path:
     return data_dir
 
 
-async def serve(settings: GatewaySettings, engine_args: list[str], *, demo: bool) -> None:
+async def serve(
+    settings: GatewaySettings, worker_args: list[list[str]], *, demo: bool
+) -> None:
+    """The store (embedded unless STRATA_REDIS_URL names one), one supervised worker per entry
+    of `worker_args` (each registered in the store, so the gateway finds them and the KV they
+    hold) and the gateway, until SIGINT/SIGTERM."""
     data_dir = _prepare_data_dir(settings)
     store: StoreSupervisor | None = None
     if settings.redis_url is None:
         store = StoreSupervisor(EmbeddedStore(data_dir / "store"))
         settings = dataclasses.replace(settings, redis_url=store.start())
-    assert settings.redis_url is not None
+    store_url = settings.redis_url
+    assert store_url is not None
     settings = dataclasses.replace(settings, admin_token=admin_token(settings))
-    address = f"unix://{(data_dir / 'engine.sock').resolve()}"
-    # besides the socket's mode, the worker asks for the fleet secret: the configured one,
-    # else one made up for this run; it goes to the worker in its environment
+    # besides the sockets' mode, workers ask for the fleet secret (and seal their records in
+    # the store with it): the configured one, else one made up for this run; it goes to the
+    # workers in their environment
     worker_secret = settings.worker_secret or secrets.token_urlsafe(32)
-    settings = dataclasses.replace(settings, worker_secret=worker_secret)
+    settings = dataclasses.replace(settings, worker_secret=worker_secret, engine_addresses=())
     env = dict(os.environ, STRATA_CACHE_DIR=settings.cache_dir, STRATA_WORKER_SECRET=worker_secret)
-    # the worker shares the cores with the gateway and the store: its OpenMP threads should
+    # the workers share the cores with the gateway and the store: their OpenMP threads should
     # not spin long between kernels (measured: ~15% less engine CPU per request, same latency)
     env.setdefault("GOMP_SPINCOUNT", "10000")
-    worker = WorkerSupervisor(engine_args, address, env, settings.worker_auth)
+    workers = []
+    for i, args in enumerate(worker_args):
+        name = "engine.sock" if len(worker_args) == 1 else f"engine-{i}.sock"
+        address = f"unix://{(data_dir / name).resolve()}"
+        fleet = ["--registry-url", store_url, "--worker-id", f"local-{i}"]
+        workers.append(WorkerSupervisor([*args, *fleet], address, env, settings.worker_auth))
     try:
-        await worker.start()
-        settings = dataclasses.replace(settings, engine_addresses=(address,))
+        await asyncio.gather(*(worker.start() for worker in workers))
         if demo:
             assert settings.redis_url is not None
             secret, key_id, new = await demo_key(settings.redis_url, data_dir)
@@ -290,6 +300,6 @@ async def serve(settings: GatewaySettings, engine_args: list[str], *, demo: bool
             )
         await running
     finally:
-        await worker.stop()
+        await asyncio.gather(*(worker.stop() for worker in workers))
         if store is not None:
             await store.stop()

@@ -29,7 +29,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_serve(tmp_path, strata_cache_dir) -> tuple[subprocess.Popen[str], str, str]:
+def _start_serve(tmp_path, strata_cache_dir, *extra: str) -> tuple[subprocess.Popen[str], str, str]:
     """`strata serve --demo` on a free port: the process, the demo key and the API's URL."""
     port = _free_port()
     env = dict(
@@ -43,7 +43,7 @@ def _start_serve(tmp_path, strata_cache_dir) -> tuple[subprocess.Popen[str], str
     env.pop("STRATA_WORKER_SECRET", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "serve", "--demo", "--port", str(port),
-         "--kv-cache-gb", "0.25"],
+         "--kv-cache-gb", "0.25", *extra],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     assert proc.stdout is not None
@@ -163,3 +163,30 @@ def test_serve_demo_end_to_end(tmp_path, strata_cache_dir):
     assert not (tmp_path / "data" / "engine.sock").exists()
     assert not (tmp_path / "data" / "store" / "store.sock").exists()
     assert (tmp_path / "data" / "store" / "appendonlydir").is_dir()
+
+
+def test_serve_runs_a_worker_per_model_and_routes_by_model(tmp_path, strata_cache_dir):
+    proc, key, url = _start_serve(
+        tmp_path, strata_cache_dir, "--model", "synthetic:tiny", "--model", "default"
+    )
+    try:
+        headers = {"authorization": f"Bearer {key}"}
+        with httpx.Client(base_url=url, headers=headers, timeout=120) as http:
+            ids = {m["id"] for m in http.get("/models").json()["data"]}
+            assert ids == {"synthetic:tiny", "SmolLM2-135M-Instruct"}
+            for model, served in (("default", "synthetic:tiny"),  # the first --model
+                                  ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct")):  # fmt: skip
+                r = http.post("/completions", json={"model": model, "prompt": "Hi",
+                                                    "max_tokens": 2})  # fmt: skip
+                assert r.status_code == 200, r.text
+                assert r.json()["model"] == served
+        token = (tmp_path / "data" / "admin_token").read_text().strip()
+        admin = httpx.get(url.removesuffix("/v1") + "/admin/workers/", timeout=30,
+                          headers={"authorization": f"Bearer {token}"}).json()  # fmt: skip
+        assert sorted((w["worker_id"], w["model"]) for w in admin) == [
+            ("local-0", "synthetic:tiny"),
+            ("local-1", "SmolLM2-135M-Instruct"),
+        ]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
