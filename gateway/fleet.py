@@ -46,7 +46,7 @@ from engine.protocol import EngineDeadError, EngineStats, ModelInfo
 from engine.tokenizer import Tokenizer
 from gateway.kv_index import KVIndex
 from gateway.prepare import Preparer
-from gateway.router import Candidate, RoutingPolicy, choose
+from gateway.router import Candidate, RoutingPolicy, choose, prefill_tokens
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,9 @@ class WorkerHandle:
     static: bool = False  # given by --engine: never leaves the view
     record: WorkerRecord | None = None  # a registry worker's latest record
     drained: bool = False
-    queued_tokens: int = 0  # prompt tokens of this gateway's requests awaiting a first output
+    # prefill of this gateway's requests there awaiting a first output (their prompt tokens
+    # less the cached prefix each was routed to)
+    queued_tokens: int = 0
 
     @property
     def model_id(self) -> str | None:
@@ -396,9 +398,10 @@ class Fleet:
         cache_salt: str,
         lora_key: str,
         exclude: Sequence[str] = (),
-    ) -> WorkerHandle:
+    ) -> tuple[WorkerHandle, int]:
         """The worker of `group` that serves a prompt of `token_ids` for the tenant whose
-        salt is `cache_salt`, by the gateway's policy; its blocks are then expected there.
+        salt is `cache_salt`, by the gateway's policy, and the prompt tokens it is expected
+        to compute (those not in its cached prefix); the blocks are then expected there.
         When none is usable, the ones that were down are tried again first (a restarted
         worker is back at once). Raises NoWorkerError when none is usable."""
         workers = [w for w in group.available if w.worker_id not in exclude]
@@ -417,8 +420,9 @@ class Fleet:
             prompt_tokens=len(token_ids), block_size=group.info.kv_block_size, turn=self._turn,
         )  # fmt: skip
         self._turn += 1
+        prefill = prefill_tokens(chosen, len(token_ids), group.info.kv_block_size)
         self.index.expect(chosen.worker_id, keys)
-        return by_id[chosen.worker_id]
+        return by_id[chosen.worker_id], round(prefill)
 
     # -- operations -----------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ class Route:
 
     group: ModelGroup
     worker: WorkerHandle
+    num_prefill_tokens: int  # of its first prompt: the tokens not cached on the worker
     failed: set[str] = field(default_factory=set)
 
     async def fail(self, worker: WorkerHandle, fleet: Fleet, job: Job) -> bool:
@@ -52,7 +53,7 @@ class Route:
         if self.worker is not worker:
             return True  # another choice of the job moved it already
         try:
-            self.worker = await fleet.route(
+            self.worker, self.num_prefill_tokens = await fleet.route(
                 self.group, token_ids=job.prompts[0], cache_salt=job.scheduling.cache_salt,
                 lora_key="" if job.lora is None else job.lora.key, exclude=tuple(self.failed),
             )  # fmt: skip
@@ -167,7 +168,7 @@ class Pipeline:
         try:
             if group is None:
                 raise NoWorkerError(f"no worker serves {job.base_model}")
-            worker = await self.fleet.route(
+            worker, num_prefill_tokens = await self.fleet.route(
                 group, token_ids=job.prompts[0], cache_salt=job.scheduling.cache_salt,
                 lora_key="" if job.lora is None else job.lora.key,
             )  # fmt: skip
@@ -177,7 +178,7 @@ class Pipeline:
                 type="service_unavailable", code="model_unavailable",
                 headers={"retry-after": "2"},
             ) from exc  # fmt: skip
-        return Route(group, worker)
+        return Route(group, worker, num_prefill_tokens)
 
     async def admit(self, auth: AuthContext, job: Job) -> Ticket:
         """Reserve every limit at once and choose the worker. Raises APIError 429 (denied) or
@@ -303,7 +304,7 @@ class Pipeline:
         while True:
             worker, started = route.worker, False
             try:
-                async for delta in self._run_on(worker, job, index, tally, results):
+                async for delta in self._run_on(route, worker, job, index, tally, results):
                     started = True
                     yield delta
                 return
@@ -319,6 +320,7 @@ class Pipeline:
 
     async def _run_on(
         self,
+        route: Route,
         worker: WorkerHandle,
         job: Job,
         index: int,
@@ -344,7 +346,10 @@ class Pipeline:
         )
         if tally.engine_started is None:
             tally.engine_started = time.perf_counter()
-        queued = len(prompt_ids)  # until its first output: work waiting on that worker
+        # until its first output: work waiting on that worker (a prompt routed to its
+        # cached prefix there waits on the rest only)
+        routed = prompt == 0 and worker is route.worker
+        queued = route.num_prefill_tokens if routed else len(prompt_ids)
         worker.queued_tokens += queued
         try:
             async with contextlib.aclosing(outputs), _setting(prefilled, leader):

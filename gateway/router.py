@@ -3,8 +3,9 @@ snapshot of the candidates).
 
 `kv_aware` (the default) weighs the prefill a worker's cached prefix saves, by the tier each
 block is in, against the work already waiting there, in tokens of prefill: a request goes
-where it finishes soonest, so a worker far busier than the others loses even with the
-document cached (llm-d's precise prefix scorer and Dynamo's KV router weigh the same two).
+where its prompt costs least, its own prefill counted twice since it also delays whatever
+queues behind it, so a worker far busier than the others loses even with the document
+cached (llm-d's precise prefix scorer and Dynamo's KV router weigh the same two).
 `least_loaded` takes the worker with the fewest requests; `round_robin` takes turns.
 """
 
@@ -22,6 +23,11 @@ TIER_SAVING = {"device": 1.0, "host": 0.8, "disk": 0.5}
 WAITING_TOKENS = 256  # a request queued there by another gateway (its prompt unknown here)
 RUNNING_TOKENS = 16  # a request decoding there: its share of each step
 KV_FULL = 0.9  # past this KV usage a worker is penalized (it would preempt or queue)
+# the request's own prefill counts this many times over the work ahead of it: the work ahead
+# delays only this request, its prefill delays it and the requests that queue behind it
+# there (about one under load); so a document stays on the worker that holds it while that
+# worker finishes another prompt, instead of being prefilled again on an idle one
+PREFILL_WEIGHT = 2.0
 
 
 class RoutingPolicy(enum.Enum):
@@ -36,7 +42,9 @@ class Candidate:
 
     worker_id: str
     num_in_flight: int = 0  # requests this gateway has there
-    queued_tokens: int = 0  # prompt tokens of those still waiting for their first output
+    # prefill of those still waiting for their first output: their prompt tokens less the
+    # cached prefix each was routed to
+    queued_tokens: int = 0
     num_running: int = 0  # from its heartbeat (every gateway's requests)
     num_waiting: int = 0
     kv_usage: float = 0.0  # blocks used / total, from its heartbeat
@@ -52,10 +60,15 @@ def saved_tokens(hit: PrefixHit, block_size: int) -> float:
     )
 
 
+def prefill_tokens(c: Candidate, prompt_tokens: int, block_size: int) -> float:
+    """The request's own prefill on `c`: its prompt less what `c`'s cached prefix saves."""
+    return max(prompt_tokens - saved_tokens(c.hit, block_size), 0.0)
+
+
 def cost(c: Candidate, prompt_tokens: int, block_size: int) -> float:
-    """Tokens of prefill-equivalent work before this request is done computing its prompt
-    on `c`: its own uncached prefill plus the work ahead of it there."""
-    prefill = max(prompt_tokens - saved_tokens(c.hit, block_size), 0.0)
+    """Tokens of prefill-equivalent work of this request on `c`: its own uncached prefill
+    (weighed by PREFILL_WEIGHT) plus the work ahead of it there."""
+    prefill = PREFILL_WEIGHT * prefill_tokens(c, prompt_tokens, block_size)
     others_waiting = max(c.num_waiting - c.num_in_flight, 0)
     backlog = c.queued_tokens + WAITING_TOKENS * others_waiting + RUNNING_TOKENS * c.num_running
     total = prefill + backlog

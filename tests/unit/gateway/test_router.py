@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.kv_index import PrefixHit
-from gateway.router import Candidate, RoutingPolicy, choose, cost
+from gateway.router import Candidate, RoutingPolicy, choose, cost, prefill_tokens
 
 KV, LEAST, RR = RoutingPolicy.KV_AWARE, RoutingPolicy.LEAST_LOADED, RoutingPolicy.ROUND_ROBIN
 
@@ -31,6 +31,20 @@ def test_a_worker_far_busier_loses_even_with_the_prefix():
     busy = Candidate("a", num_in_flight=20, queued_tokens=40_000, hit=PrefixHit(device=128))
     idle = Candidate("b")
     assert pick(KV, [busy, idle]) == "b"
+
+
+def test_a_document_waits_for_its_worker_to_finish_one_other_prompt():
+    # the holder computes another 2,048-token prompt first; an idle worker would prefill
+    # this document again, finishing no sooner and holding a second copy of it
+    holder = Candidate("a", num_in_flight=1, queued_tokens=2048, hit=PrefixHit(device=127))
+    idle = Candidate("b")
+    assert pick(KV, [idle, holder]) == "a"
+
+
+def test_queued_work_counts_only_the_uncached_prompt():
+    assert prefill_tokens(Candidate("a", hit=PrefixHit(device=120)), 2000, 16) == 80
+    assert prefill_tokens(Candidate("a", hit=PrefixHit(device=200)), 2000, 16) == 0
+    assert prefill_tokens(Candidate("a"), 2000, 16) == 2000
 
 
 def test_a_nearly_full_kv_pool_is_avoided():
