@@ -11,6 +11,7 @@ from typing import Any
 
 from bench import (
     engine_throughput,
+    fleet,
     gateway_overhead,
     kv_fp8_quality,
     lora,
@@ -121,3 +122,25 @@ def test_gateway_overhead_quick_run_removes_the_store_and_socket(
     assert summary["rps"]["1"]["direct"] > 0 and summary["rps"]["1"]["gateway"] > 0
     assert record["requests_per_level"] == 4
     assert not list(empty_tempdir.iterdir()), "the store's files and the socket are gone"
+
+
+def test_fleet_quick_run_sends_one_stream_through_every_policy(
+    tmp_path, capsys, strata_cache_dir, empty_tempdir
+):
+    summary = fleet.main([
+        "--quick", "--model", "synthetic:tiny", "--dtype", "float32", "--workers", "2",
+        "--tenants", "2", "--docs-per-tenant", "2", "--doc-tokens", "64", "--requests", "8",
+        "--worker-docs", "2", "--concurrency", "2", "--max-tokens", "2", "--ideal", "analytic",
+        "--cache-dir", str(strata_cache_dir), "--out-dir", str(tmp_path),
+    ])  # fmt: skip
+    record = published("fleet", summary, capsys.readouterr().out, tmp_path)
+    policies = {"kv_aware", "least_loaded", "round_robin"}
+    assert set(summary["ttft_p50_ms"]) == policies
+    assert set(summary["hit_rate"]) == policies | {"ideal"}
+    assert all(0 <= rate <= 1 for rate in summary["hit_rate"].values())
+    assert summary["speedup_vs_least_loaded"] > 0
+    runs = record["runs"]
+    assert summary["hit_rate"]["ideal"] == record["ideal_hit_rate_analytic"] > 0
+    assert set(runs) == policies and {len(run["requests"]) for run in runs.values()} == {8}
+    assert len({run["prompt_tokens"] for run in runs.values()}) == 1, "the same stream each time"
+    assert not list(empty_tempdir.iterdir()), "the store's files and the ledgers are gone"
