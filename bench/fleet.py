@@ -6,6 +6,7 @@ docs/benchmarks.md.
 
     python bench/fleet.py            # 3 workers, 8 tenants x 3 documents of ~2,000 tokens
     python bench/fleet.py --quick    # 3 workers, 4 tenants x 2 documents of ~1,000 tokens
+    python bench/fleet.py --device cuda --workers 2    # two workers on one GPU
 
 The last printed line is one JSON object; the full record goes to bench/results/.
 """
@@ -31,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import add_cache_dir_argument, machine_info, parse_args, publish, scratch_dir
 from bench.gateway_overhead import _port, _wait, percentile
+from engine.config import resolve_device
 from engine.model_specs import load_tokenizer_for
 from engine.tokenizer import Tokenizer
 from tenants.store import EmbeddedStore
@@ -337,13 +338,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--doc-tokens", type=int, default=2000)
     ap.add_argument("--requests", type=int, default=160)
     ap.add_argument("--chat-fraction", type=float, default=0.25)
-    ap.add_argument("--zipf", type=float, default=1.0, help="popularity exponent")
+    ap.add_argument("--zipf", type=float, default=0.6,
+                    help="popularity exponent: a document of rank r is asked in proportion to "
+                    "r^-zipf (0.6: most documents are asked several times)")  # fmt: skip
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--worker-docs", type=float, default=10.0,
                     help="documents one worker's KV pool holds")  # fmt: skip
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="auto",
+                    help="the workers' device: auto, cpu, cuda (all on one GPU)")  # fmt: skip
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--ideal", choices=("measured", "analytic"), default="measured",
                     help="the reference hit rate: a run through one worker whose host tier "
@@ -368,8 +373,10 @@ def main(argv: list[str] | None = None) -> dict:
     doc_blocks = -(-(longest + args.max_tokens) // args.block_size)
     worker_blocks = int(args.worker_docs * doc_blocks)
     ideal_analytic = round(analytic_hit_rate(tokenizer, items, args.block_size), 4)
-    common = ["--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads),
-              "--block-size", str(args.block_size), "--seed", str(args.seed)]  # fmt: skip
+    device = resolve_device(args.device)
+    common = ["--model", args.model, "--dtype", args.dtype, "--device", str(device),
+              "--threads", str(args.threads), "--block-size", str(args.block_size),
+              "--seed", str(args.seed)]  # fmt: skip
     fleet_args = [*common, "--num-kv-blocks", str(worker_blocks)]
     asks = Counter(it.doc for it in items if it.doc is not None)
     print(f"{len(items)} requests: {sum(asks.values())} about {len(asks)} of {num_docs} "
@@ -428,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict:
         floors["ttft_floor_met"] = summary["speedup_vs_least_loaded"] >= 2.0
     record = {
         "benchmark": "fleet",
-        **machine_info(torch.device("cpu")),
+        **machine_info(device),
         "load_average": {"before": load_before, "after": load_after},
         "model_spec": args.model,
         "synthetic_weights": args.model.startswith("synthetic:"),
