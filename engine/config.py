@@ -57,6 +57,14 @@ class GemvKernel(enum.Enum):
     TRITON = "triton"
 
 
+class GrammarBackend(enum.Enum):
+    """The grammar engine behind structured output (engine/structured): llguidance, or
+    xgrammar (JSON Schemas only), kept for comparison (docs/structured-output.md)."""
+
+    LLGUIDANCE = "llguidance"
+    XGRAMMAR = "xgrammar"
+
+
 class KVCacheDtype(enum.Enum):
     """Storage of KV pages. `auto`: the model's compute dtype. `fp8_e4m3`: float8_e4m3fn
     values with a float32 scale per (token, KV head), about half the bytes of 16-bit pages."""
@@ -386,6 +394,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # the grammar engine that constrains output to response formats and tool calls
+    grammar_backend: GrammarBackend = GrammarBackend.LLGUIDANCE
 
     def __post_init__(self) -> None:
         if self.num_threads is not None and self.num_threads <= 0:

@@ -18,6 +18,7 @@ from engine.loader import (
 from engine.model.native_cpu import apply_native_cpu
 from engine.model.triton_layers import apply_triton_layers
 from engine.model_specs import tokenizer_from_source
+from engine.structured.backend import Vocabulary
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
         eos_token_ids=tokenizer.eos_token_ids,
         kernels=kernels,
         triton=triton,
-        token_bytes=tokenizer.token_bytes(),
+        vocabulary=Vocabulary.of(tokenizer),
     )
     return core, tokenizer
 
