@@ -79,10 +79,6 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # or text of this Lark grammar (llguidance's dialect: `%json {...}` embeds a schema)
     grammar: str | None = None
 
-    @property
-    def is_constrained(self) -> bool:
-        return self.json_schema is not None or self.grammar is not None
-
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field (token ids are range-checked
         only when `vocab_size` is given)."""
@@ -135,6 +131,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def is_constrained(self) -> bool:
+        """Whether a response format or grammar constrains the output."""
+        return self.json_schema is not None or self.grammar is not None
 
 
 class Scheduling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

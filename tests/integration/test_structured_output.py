@@ -149,6 +149,79 @@ def test_json_mode_streams_an_object(client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_keyword_the_engine_cannot_enforce_is_a_400_naming_it(client):
+    bad = {"type": "json_schema", "json_schema": {"name": "tags", "schema": {
+        "type": "array", "items": {"type": "string"}, "uniqueItems": True}}}  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], response_format=bad
+        )
+    assert err.value.body["param"] == "response_format"
+    assert "'uniqueItems' is not supported" in err.value.body["message"]
+
+
+def test_a_refused_schema_is_settled_and_frees_what_admission_reserved(gateway):
+    """The grammar is compiled after admission: a refusal there must give the tenant's
+    concurrency back (one slot here), or every later request would be turned away."""
+    _, key = gateway.new_tenant(rpm=1000, tpm=1_000_000, max_concurrent=1)
+    solo = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}
+    for _ in range(3):
+        with pytest.raises(openai.BadRequestError):
+            solo.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], response_format=bad
+            )
+    ok = solo.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+NESTED = "^((a?){255}){8}$"  # 4,090 automaton states; compiled up front it took 1.66 s
+
+
+def test_adversarial_patterns_hold_up_no_other_tenant(gateway, client):
+    """Four copies of a pattern whose automaton once took seconds to build, in four
+    requests at once, while /health is polled and another tenant asks for four tokens: the
+    grammars compile off the event loop and off the engine's step loop, so neither waits
+    for them. (The old compile held /health for 5.4 s and the other request for 11.5 s; the
+    bounds here are generous for a slow shared machine.)"""
+    import asyncio
+
+    import httpx
+
+    fields = {f"f{i}": {"type": "string", "pattern": NESTED} for i in range(4)}
+    schema = {"type": "object", "properties": fields, "required": list(fields)}
+    attack = {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "max_tokens": 4,
+              "response_format": {"type": "json_schema",
+                                  "json_schema": {"name": "n", "schema": schema}}}  # fmt: skip
+    _, other_key = gateway.new_tenant(rpm=1000, tpm=1_000_000, max_concurrent=4)
+    small = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    async def timed(http: httpx.AsyncClient, method: str, url: str, **kw) -> float:
+        started = asyncio.get_running_loop().time()
+        reply = await http.request(method, url, **kw)
+        assert reply.status_code == 200, reply.text
+        return asyncio.get_running_loop().time() - started
+
+    async def run() -> tuple[float, float, float]:
+        mine = {"authorization": f"Bearer {client.api_key}"}
+        theirs = {"authorization": f"Bearer {other_key}"}
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+            alone = await timed(http, "POST", "/v1/chat/completions", json=small, headers=theirs)
+            attacks = [asyncio.create_task(timed(http, "POST", "/v1/chat/completions",
+                                                 json=attack, headers=mine))
+                       for _ in range(4)]  # fmt: skip
+            health = [await timed(http, "GET", "/health") for _ in range(5)]
+            other = await timed(http, "POST", "/v1/chat/completions", json=small, headers=theirs)
+            await asyncio.gather(*attacks)
+        return alone, max(health), other
+
+    alone, health, other = asyncio.run(run())
+    assert health < 1.0, f"/health took {health:.2f} s beside the patterns"
+    assert other < 3 * alone + 2.0, f"{other:.2f} s beside the patterns, {alone:.2f} s alone"
+
+
 def test_an_unsupported_schema_is_a_400_and_the_gateway_serves_on(client):
     bad = {"type": "json_schema", "json_schema": {
         "name": "ref", "schema": {"type": "string", "format": "uri-reference"}}}  # fmt: skip

@@ -192,7 +192,8 @@ def grammars():
     from engine.config import GrammarBackend
     from engine.structured.backend import Vocabulary, make_compiler
 
-    vocab = Vocabulary(JSON_VOCAB, {260: "<|x|>", STOP: "<|end|>"}, STOP, lambda t: list(t.encode()))
+    specials = {260: "<|x|>", STOP: "<|end|>"}
+    vocab = Vocabulary(JSON_VOCAB, specials, STOP, lambda t: list(t.encode()))
     return make_compiler(GrammarBackend.LLGUIDANCE, vocab)
 
 

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from engine.config import GrammarBackend
-from engine.structured import SchemaError
+from engine.structured import SchemaError, check
 from engine.structured.backend import Vocabulary, make_compiler, mask_words
 from gateway.errors import APIError
 from gateway.openai_types import ChatMessage, NamedToolChoice, Tool, ToolName
@@ -196,13 +196,11 @@ def test_tools_with_their_own_definitions_keep_them_apart():
 
 
 def test_a_schema_the_engine_cannot_enforce_is_refused_naming_its_tool():
-    bad = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"n": {"type": "array", "uniqueItems": True}}}}}  # fmt: skip
+    unique = {"type": "object", "properties": {"n": {"type": "array", "uniqueItems": True}}}
+    bad = {"type": "function", "function": {"name": "f", "parameters": unique}}
     plan = plan_tools(tools(WEATHER, bad), "auto", True)
     assert plan is not None
     with pytest.raises(SchemaError) as found:
-        from engine.structured import check
-
         check(plan.schema, None)
     err = plan.refusal(found.value)
     assert (err.status, err.param) == (400, "tools[1].function.parameters")
