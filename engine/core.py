@@ -172,6 +172,8 @@ class EngineCore:
         params.validate(self.vocab_size)
         sched = scheduling or Scheduling()
         sched.validate()
+        if params.is_constrained and matcher is None:
+            matcher = self.compile_grammar(params)
         if self.tiers is not None:
             bs = self.pool.spec.block_size
             self.tiers.set_allowance(
@@ -179,8 +181,6 @@ class EngineCore:
                 None if sched.kv_host_tokens is None else sched.kv_host_tokens // bs,
                 None if sched.kv_disk_tokens is None else sched.kv_disk_tokens // bs,
             )
-        if params.is_constrained and matcher is None:
-            matcher = self.compile_grammar(params)
         slot: int | None = 0
         if lora is not None:
             if self.lora is None:

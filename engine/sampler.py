@@ -44,7 +44,7 @@ class SamplingBatch:
     max_num_logprobs: int | None
     # logit_bias and min_tokens, as sparse (row, token id, value) triples added to the logits
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # rows with a response format, and the tokens each may take next
+    # rows with a response format (None: every row), and the tokens each may take next
     mask_rows: torch.Tensor | None = None  # [C] long
     bitmask: torch.Tensor | None = None  # [C, ceil(V / 32)] int32, one bit per token
 
@@ -138,6 +138,8 @@ def _token_masks(
         matcher = requests[row].matcher
         assert matcher is not None
         matcher.fill_mask(bitmask, i)
+    if rows == list(range(len(requests))):  # every row: masked in place
+        return None, to_device(bitmask, device)
     rows_t = torch.tensor(rows, dtype=torch.long)
     return to_device(rows_t, device), to_device(bitmask, device)
 
@@ -236,7 +238,6 @@ def sample(
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     apply_penalties(logits, batch)
     if batch.bitmask is not None:
-        assert batch.mask_rows is not None
         apply_bitmask(logits, batch.mask_rows, batch.bitmask)
     greedy = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
     if batch.all_greedy:

@@ -241,10 +241,15 @@ def test_the_benchmark_runs_both_ways_and_checks_every_output(tmp_path, capsys, 
     from bench import structured_output
 
     summary = structured_output.main(["--quick", "--batches", "2", "--max-tokens", "80",
+                                      "--backends", "llguidance",
                                       "--cache-dir", str(strata_cache_dir),
                                       "--out-dir", str(tmp_path)])  # fmt: skip
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
-    assert summary["with_schema_tok_s"]["2"] > 0 and summary["without_tok_s"]["2"] > 0
+    assert summary["ratio"]["llguidance"]["2"] > 0
     (written,) = tmp_path.glob("structured_output-cpu-*.json")
     record = json.loads(written.read_text())
-    assert record["results"]["2"]["valid_outputs"].split("/")[1] == "2"
+    assert record["throughput"]["llguidance"]["2"]["valid_outputs"].split("/")[1] == "2"
+    assert set(record["adversarial"]["nested_optional"]) >= {"pattern", "llguidance"}
+    corpus = record["corpus"]["llguidance"]
+    assert corpus["compiled"] + corpus["refused"] == record["corpus"]["num_schemas"]
+    assert "keyword/uniqueItems" in corpus["refusals"]

@@ -254,7 +254,7 @@ def test_a_seeded_constrained_row_repeats_whatever_its_batch(grammars):
 
 
 def test_the_mask_is_applied_to_the_constrained_rows_only_in_one_op():
-    from engine.structured.bitmask import apply_bitmask
+    from engine.structured.bitmask import apply_bitmask, unpack_refused_on_device
 
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(5, 70, generator=gen)
@@ -268,3 +268,8 @@ def test_the_mask_is_applied_to_the_constrained_rows_only_in_one_op():
         want = torch.where(bits[c, :70].bool(), logits[row], float("-inf"))
         assert torch.equal(masked[row], want)
     assert torch.equal(masked[[0, 2, 4]], logits[[0, 2, 4]])
+    every = logits[:2].clone()
+    apply_bitmask(every, None, bitmask)
+    assert torch.equal(every[0], torch.where(bits[0, :70].bool(), logits[0], float("-inf")))
+    # what a CUDA bitmask goes through, on the CPU: the same bits
+    assert torch.equal(unpack_refused_on_device(bitmask), bits == 0)
