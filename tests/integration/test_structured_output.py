@@ -72,6 +72,36 @@ def test_a_constrained_request_gets_the_same_tokens_alone_and_in_a_mixed_batch(l
         jsonschema.validate(json.loads(outs[3].text), CITY)
 
 
+def test_greedy_takes_the_models_likeliest_token_the_grammar_allows_at_every_step(llm):
+    """The rule the hand-written engine followed too, so where both allow the same tokens
+    their greedy outputs agree: the model's own choice when the grammar allows it, else its
+    likeliest allowed token. Checked against the model's own logprobs (top 20), replaying
+    the grammar over the output."""
+    import torch
+
+    from engine.structured.backend import mask_words
+
+    (out,) = llm.generate(PROMPTS[:1], city_params(logprobs=20), chat=True)
+    assert llm.core.grammars is not None
+    stops = frozenset(llm.core.eos_token_ids)
+    replay = llm.core.grammars.matcher(json.dumps(CITY), None, stops)
+    bitmask = torch.zeros(1, mask_words(llm.core.vocab_size), dtype=torch.int32)
+    num_free = 0
+    for token, scores in zip(out.token_ids, out.logprobs, strict=True):
+        bitmask.zero_()
+        replay.fill_mask(bitmask, 0)
+        words = bitmask[0].tolist()
+        allowed = [t for t in scores.top_ids if words[t >> 5] >> (t & 31) & 1]
+        if token in scores.top_ids:  # the likeliest allowed of the model's top 20
+            assert allowed[0] == token
+            assert scores.logprob == scores.top_logprobs[scores.top_ids.index(token)]
+        else:  # or the grammar allowed none of them
+            assert not allowed and scores.logprob <= scores.top_logprobs[-1]
+        num_free += scores.top_ids[0] == token  # the model's own choice stood
+        replay.accept(token)
+    assert 0 < num_free < len(out.token_ids)  # the grammar chose some tokens, not all
+
+
 def test_preempted_constrained_requests_resume_their_grammar(make_core, smollm2_fp32, llm):
     from engine.config import CacheConfig, EngineConfig
 
