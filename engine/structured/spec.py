@@ -22,8 +22,11 @@ from engine.structured.errors import SchemaError
 
 MAX_SCHEMA_BYTES = 64 * 1024
 MAX_GRAMMAR_BYTES = 128 * 1024
-# whitespace between JSON tokens: enough to pretty-print, too little for a model to loop on
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
+# whitespace between JSON tokens: enough to pretty-print (one line break, indentation), too
+# little for a model to loop on: at most 20 bytes of spaces and tabs, one of them maybe "\n"
+JSON_WHITESPACE = "|".join(
+    ["[ \t]{0,20}", *(f"[ \t]{{{i}}}\n[ \t]{{0,{19 - i}}}" for i in range(20))]
+)
 _JSON_OPTIONS: Any = {"whitespace_pattern": JSON_WHITESPACE}
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
@@ -90,9 +93,42 @@ def grammar_text(json_schema: str | None, grammar: str | None) -> str:
         return llguidance.LLMatcher.grammar_from_lark(grammar)
     assert json_schema is not None
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(json_schema, defaults=_JSON_OPTIONS)
+        schema = closed(json.loads(json_schema))
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     except ValueError as exc:
         raise SchemaError(readable(str(exc))) from None
+
+
+# where a schema's values are schemas (one, a list, or a map of them)
+_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
+        "propertyNames", "unevaluatedProperties", "unevaluatedItems")  # fmt: skip
+_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with every object that declares `properties` closed to others unless it says
+    otherwise (`additionalProperties`, `patternProperties`): where JSON Schema leaves the
+    choice, the output holds what the schema describes, as OpenAI's strict mode does, rather
+    than members a model may go on inventing. Enum and const values are left as they are."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if key in out:
+            out[key] = closed(out[key])
+    for key in _LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in _MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    if isinstance(out.get("items"), list):  # draft 4's tuples
+        out["items"] = [closed(sub) for sub in out["items"]]
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if "properties" in out and not any(key in out for key in open_keys):
+        out["additionalProperties"] = False
+    return out
 
 
 def check(

@@ -105,7 +105,7 @@ def test_auto_answers_in_text_or_calls_and_a_conversation_with_results_goes_on(c
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"x": {"type": "string", "format": "hostname"}}}}}]},
+            "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}]},
          "tools[0].function.parameters"),
     ],
 )  # fmt: skip

@@ -91,6 +91,12 @@ def test_a_schema_lets_through_exactly_its_texts(backend, text, ok):
         jsonschema.validate(json.loads(text), PERSON)
 
 
+def test_whitespace_is_enough_to_pretty_print_and_no_more():
+    assert matches(PERSON, json.dumps({"name": "Ann", "age": 1}, indent=4))
+    assert not matches(PERSON, '{\n\n"name": "Ann", "age": 1}')  # a blank line
+    assert not matches(PERSON, '{"name": "Ann",' + " " * 21 + '"age": 1}')
+
+
 def test_keywords_the_old_engine_refused_are_enforced():
     one_of = {"oneOf": [{"type": "integer", "multipleOf": 3}, {"type": "string", "maxLength": 2}]}
     assert matches(one_of, "9") and matches(one_of, '"ab"')
@@ -244,3 +250,15 @@ def test_lark_grammars_constrain_text_too():
     assert allowed(m) >= {ord("y"), ord("n"), ord("7")} and ord("x") not in allowed(m)
     with pytest.raises(SchemaError, match="JSON Schemas only"):
         COMPILERS[GrammarBackend.XGRAMMAR].matcher(None, lark, frozenset({STOP}))
+
+
+def test_objects_that_declare_properties_allow_no_others_unless_they_say_so():
+    declared = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert matches(declared, '{"a": 1}') and not matches(declared, '{"a": 1, "b": 2}')
+    opened = {**declared, "additionalProperties": {"type": "string"}}
+    assert matches(opened, '{"a": 1, "b": "x"}')
+    nested = {"type": "array", "items": {"anyOf": [declared, {"type": "null"}]}}
+    assert not matches(nested, '[{"a": 1, "b": 2}]')
+    assert matches({"type": "object"}, '{"b": 2}')  # no properties declared: any object
+    const = {"const": {"properties": {"x": 1}}}  # a value, not a schema: left as it is
+    assert matches(const, '{"properties":{"x":1}}')
