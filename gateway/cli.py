@@ -177,6 +177,10 @@ def _generate(args: argparse.Namespace) -> int:
         json_schema=_read_schema(args.json_schema),
     )
     params.validate()  # before spending seconds on importing torch and loading the model
+    if params.json_schema is not None:
+        from engine.structured import check  # noqa: PLC0415
+
+        check(params.json_schema, None)
     from engine.llm import LLM  # noqa: PLC0415
 
     llm = LLM(_engine_config(args), progress=True)
