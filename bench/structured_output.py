@@ -26,7 +26,6 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,7 +42,8 @@ from engine.config import CacheConfig, EngineConfig, GrammarBackend, SchedulerCo
 from engine.factory import create_engine
 from engine.protocol import SamplingParams
 from engine.structured import SchemaError, check
-from engine.structured.backend import GrammarCompiler, TokenMatcher, make_compiler, mask_words
+from engine.structured.backend import GrammarCompiler, TokenMatcher, mask_words
+from engine.structured.compilers import make_compiler
 from engine.tokenizer import Tokenizer
 
 SCHEMA = {
@@ -218,15 +218,6 @@ def coverage(
     return out
 
 
-def _avx512bf16() -> bool:
-    try:
-        found = subprocess.run(["grep", "-o", "-m1", "avx512bf16", "/proc/cpuinfo"],
-                               capture_output=True, text=True, check=False)  # fmt: skip
-    except OSError:
-        return False
-    return bool(found.stdout.strip())
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -281,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     record = {
         **engine_record("structured_output", core, args.model),
-        "avx512bf16": _avx512bf16(), "schema": SCHEMA, "max_tokens": args.max_tokens,
+        "schema": SCHEMA, "max_tokens": args.max_tokens,
         "repeats": args.repeats, "quick": args.quick, "throughput": runs,
         "adversarial": attacks, "corpus": covered, **summary,
     }  # fmt: skip

@@ -39,7 +39,8 @@ from engine.sampler import rewind_draws
 from engine.scheduler import Scheduler
 from engine.speculative import accept
 from engine.structured import SchemaError
-from engine.structured.backend import GrammarCompiler, TokenMatcher, Vocabulary, make_compiler
+from engine.structured.backend import GrammarCompiler, TokenMatcher, Vocabulary
+from engine.structured.compilers import make_compiler
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
 from kvstore.disk import disk_slot_nbytes

@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.config import GrammarBackend
-from engine.structured.spec import DEFAULT_LIMITS, GrammarLimits
+from engine.structured.spec import GrammarLimits
 
 if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
@@ -126,15 +125,3 @@ class GrammarCompiler(ABC):
         self, json_schema: str | None, grammar: str | None, stop_ids: frozenset[int]
     ) -> TokenMatcher:
         """A fresh matcher at the start of the grammar. Raises SchemaError."""
-
-
-def make_compiler(
-    backend: GrammarBackend, vocabulary: Vocabulary, limits: GrammarLimits = DEFAULT_LIMITS
-) -> GrammarCompiler:
-    if backend is GrammarBackend.XGRAMMAR:
-        from engine.structured.xgrammar_backend import XGrammarCompiler  # noqa: PLC0415
-
-        return XGrammarCompiler(vocabulary, limits)
-    from engine.structured.llguidance_backend import LLGuidanceCompiler  # noqa: PLC0415
-
-    return LLGuidanceCompiler(vocabulary, limits)

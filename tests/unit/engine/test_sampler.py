@@ -190,7 +190,8 @@ OPEN, PARIS, TRUE, STOP = 256, 257, 258, 261
 @pytest.fixture(scope="module")
 def grammars():
     from engine.config import GrammarBackend
-    from engine.structured.backend import Vocabulary, make_compiler
+    from engine.structured.backend import Vocabulary
+    from engine.structured.compilers import make_compiler
 
     specials = {260: "<|x|>", STOP: "<|end|>"}
     vocab = Vocabulary(JSON_VOCAB, specials, STOP, lambda t: list(t.encode()))

@@ -14,7 +14,8 @@ import torch
 
 from engine.config import GrammarBackend
 from engine.structured import GrammarLimits, SchemaError, check, precheck
-from engine.structured.backend import TokenMatcher, Vocabulary, make_compiler, mask_words
+from engine.structured.backend import TokenMatcher, Vocabulary, mask_words
+from engine.structured.compilers import make_compiler
 
 # a small vocabulary: the 256 bytes, a few longer tokens, a special token and a stop token
 TOKENS: list[bytes | None] = [bytes((b,)) for b in range(256)]

@@ -10,7 +10,8 @@ import pytest
 
 from engine.config import GrammarBackend
 from engine.structured import SchemaError, check
-from engine.structured.backend import Vocabulary, make_compiler, mask_words
+from engine.structured.backend import Vocabulary, mask_words
+from engine.structured.compilers import make_compiler
 from gateway.errors import APIError
 from gateway.openai_types import ChatMessage, NamedToolChoice, Tool, ToolName
 from gateway.tool_formats import NativeReplyStream, ToolFormat, parse_native, template_format
