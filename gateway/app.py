@@ -24,6 +24,7 @@ from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.openai_types import MAX_JSON_DEPTH, too_deep
 from gateway.pipeline import Pipeline
+from gateway.providers import DEPENDENCIES
 from gateway.router import RoutingPolicy
 from gateway.routes import admin, ops
 from gateway.routes.openai import OpenAIController, TokenizerController
@@ -145,6 +146,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             ops.metrics,
         ],
         lifespan=[_lifespan],
+        dependencies=DEPENDENCIES,
         exception_handlers=exception_handlers(),
         before_request=_decode_json_strictly,
         before_send=[_add_state_headers],

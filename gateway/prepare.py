@@ -210,7 +210,10 @@ class Preparer:
         tenant: Tenant,
         request_id: str,
         lora: LoRARequest | None = None,
+        started: float | None = None,
     ) -> Job:
+        """The job of a chat request; `started` (perf_counter) is when the request arrived,
+        so its latency counts the preparation too."""
         _refuse_unsupported(body)
         tools = self.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         json_schema = _json_schema(body.response_format)
@@ -233,12 +236,10 @@ class Preparer:
         elif body.top_logprobs is not None:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         max_tokens = body.max_completion_tokens or body.max_tokens
-        job = self._job(
+        return self._job(
             body, tenant, request_id, "chat.completions", [prompt_ids], max_tokens, logprobs,
-            json_schema=json_schema, grammar=grammar, lora=lora,
+            json_schema=json_schema, grammar=grammar, lora=lora, tools=tools, started=started,
         )  # fmt: skip
-        job.tools = tools
-        return job
 
     async def completion(
         self,
@@ -246,7 +247,9 @@ class Preparer:
         tenant: Tenant,
         request_id: str,
         lora: LoRARequest | None = None,
+        started: float | None = None,
     ) -> Job:
+        """The job of a completions request (`started` as for `chat`)."""
         _refuse_unsupported(body)
         prompts, texts = await self._prompts(body.prompt, body.echo)
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
@@ -258,12 +261,11 @@ class Preparer:
         scoring = None
         if body.echo and (body.logprobs is not None or body.max_tokens == 0):
             scoring = body.logprobs or 0
-        job = self._job(
+        return self._job(
             body, tenant, request_id, "completions", prompts, body.max_tokens, body.logprobs,
             prompt_logprobs=scoring, json_schema=_json_schema(body.response_format), lora=lora,
+            echo_texts=texts, started=started,
         )  # fmt: skip
-        job.echo_texts = texts
-        return job
 
     async def _prompts(
         self, prompt: str | list[int | str | list[int]], echo: bool
@@ -311,6 +313,9 @@ class Preparer:
         json_schema: str | None = None,
         grammar: str | None = None,
         lora: LoRARequest | None = None,
+        tools: ToolPlan | None = None,
+        echo_texts: list[str] | None = None,
+        started: float | None = None,
     ) -> Job:
         """`json_schema` or `grammar`: what the output must be (from response_format, or the
         reply format of callable tools); `lora`: the adapter it runs through."""
@@ -402,6 +407,8 @@ class Preparer:
                 cache_salt=cache_salt(tenant), kv_host_tokens=policy.kv_host_tokens,
                 kv_disk_tokens=policy.kv_disk_tokens,
             ),
+            tools=tools, echo_texts=echo_texts,
+            started=time.perf_counter() if started is None else started,
         )  # fmt: skip
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import msgspec
@@ -29,11 +28,10 @@ from gateway.openai_types import (
     TopLogprob,
     Usage,
 )
-from gateway.pipeline import ChoiceResult, Pipeline, Tally, Ticket
+from gateway.pipeline import ChoiceResult, JobStream, Tally
 from gateway.prepare import Job
 from gateway.tool_formats import NativeReplyStream
 from gateway.tools import ReplyStream
-from tenants.records import UsageStatus
 
 _encode = msgspec.json.Encoder().encode
 DONE = b"data: [DONE]\n\n"
@@ -243,12 +241,9 @@ class Renderer:
             id=job.request_id, created=job.created, model=job.model, choices=[], usage=usage
         )
 
-    async def stream(self, pipeline: Pipeline, job: Job, ticket: Ticket) -> AsyncIterator[bytes]:
-        """SSE events for a job; settles it (ledger, release) however the stream ends."""
-        if not ticket.begin():
-            return  # settled before the response could start (see Pipeline._keep)
-        tally = Tally()
-        reasons: list[str | None] = [None] * job.num_choices
+    async def stream(self, run: JobStream) -> AsyncIterator[bytes]:
+        """SSE events for a job's stream (the pipeline runs and settles it; this formats)."""
+        job = run.job
         try:
             if job.endpoint == "chat.completions":
                 for i in range(job.n):
@@ -258,14 +253,12 @@ class Renderer:
             # tool-calling replies: read as they come; calls held until whole
             readers: dict[int, ReplyStream | NativeReplyStream] = {}
             held: dict[int, list[TextDelta]] = {}
-            async for index, delta in _merge(pipeline, job, ticket, tally):
+            async for index, delta in run:
                 if echo is not None and not echoed[index]:
                     # the prompt, with its scores when asked, arrives with the first output
                     echoed[index] = True
                     prompt = TextDelta(echo[job.prompt_of(index)], [], None, None, None, 0)
                     yield sse(self._chunk(job, index, prompt, delta.prompt_logprobs or ()))
-                if delta.finish_reason is not None:
-                    reasons[index] = delta.finish_reason.value
                 if job.tools is not None:
                     held.setdefault(index, []).append(delta)
                     reader = readers.setdefault(index, job.tools.reader())
@@ -284,72 +277,12 @@ class Renderer:
                 if delta.text or delta.logprobs or delta.finish_reason is not None:
                     yield sse(self._chunk(job, index, delta))
             if job.include_usage:
-                yield sse(self._usage_chunk(job, tally))
-            tally.status = _final_status(reasons)
+                yield sse(self._usage_chunk(job, run.tally))
             yield DONE
         except (EngineDeadError, InvalidRequestError) as exc:
-            tally.status = "error"
             message = (
                 f"the inference engine failed while generating; the response is incomplete ({exc})"
             )
-            yield (
-                b"data: "
-                + _encode(
-                    ErrorBody(
-                        error=ErrorInfo(message=message, type="server_error", code="engine_error")
-                    )
-                )
-                + b"\n\n"
-            )
+            error = ErrorInfo(message=message, type="server_error", code="engine_error")
+            yield b"data: " + _encode(ErrorBody(error=error)) + b"\n\n"
             yield DONE
-        except BaseException:
-            tally.status = "cancelled"
-            raise
-        finally:
-            if tally.status is None:
-                tally.status = "cancelled"
-            pipeline.settle(job, ticket, tally)
-
-
-def _final_status(reasons: list[str | None]) -> UsageStatus:
-    if "error" in reasons:
-        return "error"
-    if "abort" in reasons or None in reasons:
-        return "cancelled"
-    return "length" if "length" in reasons else "stop"
-
-
-async def _merge(
-    pipeline: Pipeline, job: Job, ticket: Ticket, tally: Tally
-) -> AsyncIterator[tuple[int, TextDelta]]:
-    """Deltas of every choice as they come; one choice is iterated directly."""
-    if job.num_choices == 1:
-        async for delta in pipeline.run_choice(job, ticket, 0, tally):
-            yield 0, delta
-        return
-    queue: asyncio.Queue[tuple[int, TextDelta | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int) -> None:
-        try:
-            async for delta in pipeline.run_choice(job, ticket, i, tally):
-                await queue.put((i, delta))
-        except Exception as exc:  # surfaced to the consumer below
-            await queue.put((i, exc))
-        else:
-            await queue.put((i, None))
-
-    tasks = [asyncio.create_task(pump(i)) for i in range(job.num_choices)]
-    try:
-        remaining = job.num_choices
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -169,7 +169,7 @@ def hermes(smollm2_tokenizer, smollm2_fp32):
     info = ModelInfo(model_id=MODEL, vocab_size=tokenizer.vocab_size, max_model_len=2048,
                      eos_token_ids=sorted(tokenizer.eos_token_ids), kv_block_size=16,
                      kv_bytes_per_token=1, dtype="float32", device="cpu")  # fmt: skip
-    preparer = Preparer(tokenizer, info, ())
+    preparer = Preparer(tokenizer, info)
     yield preparer, asyncio.run, tokenizer
     preparer.close()
 
