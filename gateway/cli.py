@@ -33,9 +33,9 @@ class _RepeatableModel:
         self.group = group
 
     def add_argument(self, *flags: str, **kwargs: Any) -> Any:
-        if flags == ("--model",):
+        if flags == ("--model",):  # read as `models`; `model` stays the field's default
             kwargs |= {
-                "action": "append", "default": None,
+                "action": "append", "default": None, "dest": "models",
                 "help": f"{kwargs.get('help', '')}; repeatable: one set of workers per model",
             }  # fmt: skip
         return self.group.add_argument(*flags, **kwargs)
@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine workers per model, each its own process (default 1)",
     )
     add_options(_RepeatableModel(srv.add_argument_group("engine")), EngineConfig)
+    srv.set_defaults(model=EngineConfig.model)
 
     gw = sub.add_parser("gateway", help="one gateway replica (store and workers run elsewhere)")
     gw.add_argument(
@@ -184,6 +185,10 @@ def _generate(args: argparse.Namespace) -> int:
         json_schema=_read_schema(args.json_schema),
     )
     params.validate()  # before spending seconds on importing torch and loading the model
+    if params.json_schema is not None:
+        from engine.structured import check  # noqa: PLC0415
+
+        check(params.json_schema, None)
     from engine.llm import LLM  # noqa: PLC0415
 
     llm = LLM(_engine_config(args), progress=True)
@@ -259,7 +264,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from gateway.serve import serve  # noqa: PLC0415
 
-    models = args.model or [None]  # None: $STRATA_MODEL, else the default model
+    models = args.models or [None]  # None: $STRATA_MODEL, else the default model
     if args.workers < 1:
         raise ValueError("--workers must be at least 1")
     gateway_settings = settings.GatewaySettings.from_env(

@@ -416,12 +416,15 @@ class Pipeline:
         status = tally.status or "error"
         now = time.perf_counter()
         tenant_id = ticket.auth.tenant.id
+        # a job refused or gone before any engine saw it (a grammar over budget, a client
+        # that left at once) processed no prompt: nothing to bill for it
+        prompt_tokens = job.num_prompt_tokens if tally.engine_started is not None else 0
         record = UsageRecord(
             request_id=job.request_id, tenant_id=tenant_id, key_id=ticket.auth.key.id,
             model=job.base_model, adapter=None if job.lora is None else job.lora.name,
             adapter_version=None if job.lora is None else job.lora.version,
             user=job.user, endpoint=job.endpoint,
-            prompt_tokens=job.num_prompt_tokens, cached_tokens=tally.cached_tokens,
+            prompt_tokens=prompt_tokens, cached_tokens=tally.cached_tokens,
             cached_host_tokens=tally.cached_host_tokens,
             cached_disk_tokens=tally.cached_disk_tokens,
             completion_tokens=tally.completion_tokens, status=status,
@@ -433,7 +436,7 @@ class Pipeline:
         self.ledger.submit(record)
         self.metrics.finished(record, tally.first_token_at, job.started)
         if ticket.reserved:
-            used = job.num_prompt_tokens + tally.completion_tokens
+            used = prompt_tokens + tally.completion_tokens
             task = asyncio.get_running_loop().create_task(self._release(ticket, job, used))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)

@@ -31,7 +31,8 @@ from gateway.openai_types import (
 )
 from gateway.pipeline import ChoiceResult, Pipeline, Tally, Ticket
 from gateway.prepare import Job
-from gateway.tools import ReplyStream, parse_reply
+from gateway.tool_formats import NativeReplyStream
+from gateway.tools import ReplyStream
 from tenants.records import UsageStatus
 
 _encode = msgspec.json.Encoder().encode
@@ -119,7 +120,7 @@ class Renderer:
         for r in results:
             message, finish = AssistantMessage(content=r.text), r.finish_reason
             if job.tools is not None:
-                message, finish = parse_reply(r.text, r.finish_reason)
+                message, finish = job.tools.parse_reply(r.text, r.finish_reason)
             logprobs = self.chat_logprobs(r.logprobs) if job.params.logprobs is not None else None
             choices.append(
                 ChatChoice(
@@ -209,19 +210,20 @@ class Renderer:
             id=job.request_id, created=job.created, model=job.model, choices=[cchoice]
         )
 
-    def _reply_chunk(self, job: Job, index: int, deltas: list[TextDelta]) -> msgspec.Struct:
-        """A tool-calling choice's one chunk, once its reply is whole: the reply's content,
-        or its calls."""
+    def _reply_chunk(
+        self, job: Job, index: int, deltas: list[TextDelta], text: str
+    ) -> msgspec.Struct:
+        """A tool-calling choice's last chunk, once its reply is whole: the reply's content
+        not yet sent (`text`), or its calls."""
         last = deltas[-1]
-        assert last.finish_reason is not None
-        text = "".join(d.text for d in deltas)
-        message, finish = parse_reply(text, last.finish_reason.value)
+        assert last.finish_reason is not None and job.tools is not None
+        message, finish = job.tools.parse_reply(text, last.finish_reason.value)
         if message.tool_calls is None:
             delta = ChatDelta(content=message.content)
         else:
             calls = [ToolCallDelta(index=k, id=c.id, function=c.function)
                      for k, c in enumerate(message.tool_calls)]  # fmt: skip
-            delta = ChatDelta(tool_calls=calls)
+            delta = ChatDelta(content=message.content, tool_calls=calls)
         logprobs = [lp for d in deltas for lp in d.logprobs or ()]
         choice = ChatChunkChoice(
             index=index, delta=delta, finish_reason=finish, stop_reason=last.stop_reason,
@@ -254,7 +256,7 @@ class Renderer:
             echo = job.echo_texts
             echoed = [echo is None] * job.num_choices
             # tool-calling replies: read as they come; calls held until whole
-            readers: dict[int, ReplyStream] = {}
+            readers: dict[int, ReplyStream | NativeReplyStream] = {}
             held: dict[int, list[TextDelta]] = {}
             async for index, delta in _merge(pipeline, job, ticket, tally):
                 if echo is not None and not echoed[index]:
@@ -266,7 +268,8 @@ class Renderer:
                     reasons[index] = delta.finish_reason.value
                 if job.tools is not None:
                     held.setdefault(index, []).append(delta)
-                    text = readers.setdefault(index, ReplyStream()).feed(delta.text)
+                    reader = readers.setdefault(index, job.tools.reader())
+                    text = reader.feed(delta.text)
                     if text is not None:  # a text answer: its characters as they come
                         deltas = held.pop(index)
                         delta = TextDelta(
@@ -274,7 +277,7 @@ class Renderer:
                             delta.finish_reason, delta.stop_reason, delta.num_output_tokens,
                         )  # fmt: skip
                     elif delta.finish_reason is not None:  # only whole calls can be read
-                        yield sse(self._reply_chunk(job, index, held.pop(index)))
+                        yield sse(self._reply_chunk(job, index, held.pop(index), reader.unreleased))
                         continue
                     else:
                         continue

@@ -24,11 +24,11 @@ from gateway.openai_types import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from gateway.pipeline import Tally
 from gateway.prepare import Job, new_request_id
 from gateway.responses import Renderer
 from gateway.routes import time_window, usage_export
 from gateway.state import GatewayState
-from gateway.tools import plan_tools
 
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
@@ -39,6 +39,11 @@ async def respond(
     """Admit the job (and choose its worker), then stream it or run it to completion."""
     bind_request(job.request_id, auth_of(request).tenant.id)
     ticket = await gw.pipeline.admit(auth_of(request), job)
+    try:  # a response format is compiled once admitted (a refusal settles the job)
+        await group.preparer.check_grammar(job)
+    except APIError:
+        gw.pipeline.settle(job, ticket, Tally(status="error"))
+        raise
     request.state.response_headers = {"x-request-id": job.request_id, **ticket.headers}
     renderer = Renderer(group.tokenizer)
     if job.stream:
@@ -183,7 +188,7 @@ class TokenizerController(Controller):
                 ids = await preparer.encode(data.prompt, data.add_special_tokens)
             else:
                 assert data.messages is not None
-                tools = plan_tools(data.tools, data.tool_choice, data.parallel_tool_calls)
+                tools = preparer.plan_tools(data.tools, data.tool_choice, data.parallel_tool_calls)
                 ids = await preparer.chat_ids(data.messages, data.add_generation_prompt, tools)
         info = preparer.info
         return TokenizeResponse(count=len(ids), max_model_len=info.max_model_len, tokens=ids)
