@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gw.add_argument("--host", default=None)
     gw.add_argument("--port", type=int, default=None)
+    gw.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="gateway processes serving the port (SO_REUSEPORT), each a whole replica on a "
+        "core of its own; restarted when one dies (default 1: this process serves)",
+    )
     gw.add_argument("--cache-dir", default=None)
     gw.add_argument(
         "--data-dir",
@@ -277,10 +284,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    import uvicorn  # noqa: PLC0415
+    from gateway.processes import run_processes, serve_one  # noqa: PLC0415
 
-    from gateway.app import create_app  # noqa: PLC0415
-
+    if args.workers < 1:
+        raise ValueError("--workers must be at least 1")
     gateway_settings = settings.GatewaySettings.from_env(
         model=args.model, host=args.host, port=args.port, cache_dir=args.cache_dir,
         data_dir=args.data_dir, redis_url=args.redis_url, routing=args.routing,
@@ -294,16 +301,9 @@ def _gateway(args: argparse.Namespace) -> int:
             "STRATA_WORKER_SECRET to find registered workers in the store"
         )
     configure_logging(settings.log_level(), json=gateway_settings.json_logs)
-    uvicorn.run(
-        create_app(gateway_settings),
-        host=gateway_settings.host,
-        port=gateway_settings.port,
-        loop="uvloop",
-        http="httptools",
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=30,
-    )
+    if args.workers > 1:
+        return run_processes(gateway_settings, args.workers)
+    serve_one(gateway_settings)
     return 0
 
 
