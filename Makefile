@@ -79,7 +79,7 @@ GPU_PYTHON ?= python3
 GPU_PYVER ?= 3.12
 GPU_WHEELS ?= .whl
 GPU_SITE ?= /tmp/strata-site
-GPU_DEPS ?= msgspec gguf redis structlog pytest-asyncio
+GPU_DEPS ?= msgspec gguf redis structlog pytest-asyncio llguidance
 GPU_RUN := PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PYTHON)
 # The GPU tests also run the default model. Its GGUF (98 MB) is more than one transfer to a
 # device machine takes (64 MiB), so gpu-wheels splits it: the first part goes with the wheels,

@@ -1,10 +1,13 @@
 """The gateway's added latency: a request through the HTTP gateway (auth, tokenization,
 admission, ledger) against the same request sent straight to the worker by `EngineClient`,
 at 1, 16 and 64 concurrent clients, with the CPU time each process spends per request.
-Method and figures: docs/benchmarks.md.
+`--gateway-workers N` runs the gateway as N processes on its port (`strata gateway
+--workers N`), to see requests/s scale with them; `--model synthetic:tiny` keeps the
+engine's share small. Method and figures: docs/benchmarks.md.
 
     python bench/gateway_overhead.py            # full run
     python bench/gateway_overhead.py --quick    # smoke run
+    python bench/gateway_overhead.py --model synthetic:tiny --gateway-workers 2
 
 The last printed line is one JSON object; the full record goes to bench/results/.
 """
@@ -54,10 +57,31 @@ def _wait(predicate, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command name (Linux)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU time of a process and its live children so far (Linux): the
+    processes of a gateway started with --workers are its children."""
+    total = 0
+    for proc in [pid, *_children(pid)]:
+        fields = _stat(proc)
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int(_stat(int(entry.name))[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -162,9 +186,17 @@ async def run_load(
     return out
 
 
-def measure(tmp: Path, levels: list[int], requests: int, engine_threads: int) -> dict[str, dict]:
-    """Start a store, an engine worker and a gateway with their files in `tmp`, load them at
-    each concurrency of `levels`, and stop them (on an error too): the figures by name."""
+def measure(
+    tmp: Path,
+    levels: list[int],
+    requests: int,
+    engine_threads: int,
+    model: str = "default",
+    gateway_workers: int = 1,
+) -> dict[str, dict]:
+    """Start a store, an engine worker serving `model` and a gateway of `gateway_workers`
+    processes with their files in `tmp`, load them at each concurrency of `levels`, and stop
+    them (on an error too): the figures by name."""
     store = EmbeddedStore(tmp / "store")
     store.start()
     env = dict(
@@ -182,6 +214,8 @@ def measure(tmp: Path, levels: list[int], requests: int, engine_threads: int) ->
         "engine",
         "--listen",
         engine_addr,
+        "--model",
+        model,
         "--kv-cache-gb",
         "0.5",
         "--max-num-seqs",
@@ -196,21 +230,25 @@ def measure(tmp: Path, levels: list[int], requests: int, engine_threads: int) ->
         port = _port()
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "gateway", "--engine", engine_addr,
-             "--redis-url", store.url, "--port", str(port)], env=env,
+             "--redis-url", store.url, "--port", str(port), "--data-dir", str(tmp / "gateway"),
+             "--workers", str(gateway_workers)], env=env,
         ))  # fmt: skip
         url = f"http://127.0.0.1:{port}"
 
-        def up() -> bool:
+        def up() -> bool:  # every process has started
             try:
-                return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+                if httpx.get(f"{url}/ready", timeout=2).status_code != 200:
+                    return False
+                metrics = httpx.get(f"{url}/metrics", timeout=2).text
             except httpx.HTTPError:
                 return False
+            return metrics.count("strata:gateway_process_starts_total{") == gateway_workers
 
         _wait(up, 120, "the gateway")
         admin = httpx.Client(base_url=url, headers={"authorization": f"Bearer {ADMIN}"})
         tenant = admin.post("/admin/tenants/", json={"name": "bench"}).json()
         key = admin.post(f"/admin/tenants/{tenant['id']}/keys", json={}).json()["secret"]
-        ids = load_tokenizer_for("default", cache_dir()).encode_chat(MESSAGES)
+        ids = load_tokenizer_for(model, cache_dir()).encode_chat(MESSAGES)
 
         overhead: dict[str, dict[str, float]] = {}
         delta: dict[str, dict[str, float]] = {}
@@ -280,16 +318,33 @@ def main(argv: list[str] | None = None) -> dict:
         "the figures are the gateway's cost rather than CPU stolen from a "
         "saturated engine; 0 = all cores)",
     )
+    ap.add_argument(
+        "--model",
+        default="default",
+        help="the worker's model spec (synthetic:tiny: the engine's time is small, so "
+        "the gateway's shows)",
+    )
+    ap.add_argument(
+        "--gateway-workers",
+        type=int,
+        default=1,
+        help="gateway processes on the one port (strata gateway --workers)",
+    )
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = parse_args(ap, argv, concurrency="1,16", requests=60)
     levels = [int(c) for c in args.concurrency.split(",")]
 
     with scratch_dir("strata-gateway-bench-") as tmp:  # the store's files, the socket
-        figures = measure(tmp, levels, args.requests, args.engine_threads)
+        figures = measure(
+            tmp, levels, args.requests, args.engine_threads, args.model, args.gateway_workers
+        )
     overhead, delta, rps = figures["overhead"], figures["delta"], figures["rps"]
     latency, cpu = figures["latency"], figures["cpu"]
 
-    summary = {"overhead_ms": overhead, "e2e_delta_ms": delta, "rps": rps}
+    summary = {
+        "gateway_workers": args.gateway_workers, "overhead_ms": overhead, "e2e_delta_ms": delta,
+        "rps": rps,
+    }  # fmt: skip
     import torch
 
     record = {
@@ -298,6 +353,8 @@ def main(argv: list[str] | None = None) -> dict:
         "requests_per_level": args.requests,  # in the mixed run; half per path alone
         "quick": args.quick,
         "engine_threads": args.engine_threads or "all",
+        "model": args.model,
+        "gateway_workers": args.gateway_workers,
         "latency_ms": latency,
         "cpu_ms_per_request": cpu,
         **summary,

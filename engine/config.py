@@ -72,6 +72,14 @@ class WeightFormat(enum.Enum):
     FP8 = "fp8"
 
 
+class GrammarBackend(enum.Enum):
+    """The grammar engine behind structured output (engine/structured): llguidance, or
+    xgrammar (JSON Schemas only), kept for comparison (docs/structured-output.md)."""
+
+    LLGUIDANCE = "llguidance"
+    XGRAMMAR = "xgrammar"
+
+
 class KVCacheDtype(enum.Enum):
     """Storage of KV pages. `auto`: the model's compute dtype. `fp8_e4m3`: float8_e4m3fn
     values with a float32 scale per (token, KV head), about half the bytes of 16-bit pages."""
@@ -367,6 +375,12 @@ class EngineConfig:
         "the projections' weights: auto (as the model file holds them), 16bit (the "
         "--dtype), or fp8 (e4m3 with a scale per output channel, quantized at load, about "
         "half the bytes of 16-bit ones; CUDA only)",
+    )
+    grammar_backend: GrammarBackend = option(
+        GrammarBackend.LLGUIDANCE,
+        "--grammar-backend",
+        "the grammar engine that constrains structured output and tool calls: llguidance, "
+        "or xgrammar (JSON Schemas only; an optional extra, for comparison)",
     )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

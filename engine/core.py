@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -38,7 +38,9 @@ from engine.request import Request
 from engine.sampler import rewind_draws
 from engine.scheduler import Scheduler
 from engine.speculative import accept
-from engine.structured import TokenMatcher, json_matcher
+from engine.structured import SchemaError
+from engine.structured.backend import GrammarCompiler, TokenMatcher, Vocabulary
+from engine.structured.compilers import make_compiler
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
 from kvstore.disk import disk_slot_nbytes
@@ -57,13 +59,13 @@ class EngineCore:
         eos_token_ids: frozenset[int],
         kernels: CpuKernels | None = None,
         triton: bool = False,
-        token_bytes: Sequence[bytes | None] | None = None,
+        vocabulary: Vocabulary | None = None,
     ) -> None:
         """`kernels`: native CPU kernels for attention (the model's own modules are swapped
         by `engine.model.native_cpu.apply_native_cpu` before the core is built).
         `triton`: attention on the Triton kernels instead (engine/attention/triton_backend.py).
-        `token_bytes`: the text of each token id (`Tokenizer.token_bytes`); without it,
-        requests with a response format are refused.
+        `vocabulary`: the tokenizer's tokens (`Vocabulary.of`); without it, requests with
+        a response format are refused.
         """
         mc = model.config
         self.model_config = mc
@@ -73,11 +75,9 @@ class EngineCore:
         self.dtype = next(model.parameters()).dtype
         self.eos_token_ids = eos_token_ids
         self.vocab_size = mc.vocab_size
-        self.token_bytes = token_bytes
-        first_byte = None
-        if token_bytes is not None:  # [V] each token's first byte, 256 for none
-            firsts = [data[0] if data else 256 for data in token_bytes[: mc.vocab_size]]
-            first_byte = torch.tensor(firsts + [256] * (mc.vocab_size - len(firsts)))
+        self.grammars: GrammarCompiler | None = None
+        if vocabulary is not None:
+            self.grammars = make_compiler(config.grammar_backend, vocabulary.padded(mc.vocab_size))
         spec = KVCacheSpec(
             mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache.block_size,
             config.cache.storage_dtype(self.dtype, self.device),
@@ -126,7 +126,6 @@ class EngineCore:
             lora=lora_batch,
             triton=triton,
             eos_token_ids=eos_token_ids,
-            first_byte=first_byte,
         )
         if triton and not config.enforce_eager:  # adapters too: they run on the Triton kernels
             self.runner.use_decode_graphs(
@@ -156,9 +155,11 @@ class EngineCore:
         *,
         scheduling: Scheduling | None = None,
         lora: LoRARequest | None = None,
+        matcher: TokenMatcher | None = None,
     ) -> None:
         """Queue a request (through adapter `lora` if given). Raises InvalidRequestError and
-        changes nothing if it is bad."""
+        changes nothing if it is bad. A request with a response format takes `matcher`
+        (from `compile_grammar`, run where it holds up no step) or compiles one here."""
         if request_id in self.scheduler.requests or request_id in self._parked:
             raise InvalidRequestError(f"request id {request_id!r} is already in flight")
         if not prompt_token_ids:
@@ -173,16 +174,14 @@ class EngineCore:
         params.validate(self.vocab_size)
         sched = scheduling or Scheduling()
         sched.validate()
+        if params.is_constrained and matcher is None:
+            matcher = self.compile_grammar(params)
         if self.tiers is not None:
             bs = self.pool.spec.block_size
             self.tiers.set_allowance(
                 sched.tenant,
                 None if sched.kv_host_tokens is None else sched.kv_host_tokens // bs,
                 None if sched.kv_disk_tokens is None else sched.kv_disk_tokens // bs,
-            )
-        if params.json_schema is not None and self.token_bytes is None:
-            raise InvalidRequestError(
-                "this engine has no vocabulary to constrain output with", "response_format"
             )
         slot: int | None = 0
         if lora is not None:
@@ -195,7 +194,7 @@ class EngineCore:
             weight=sched.weight, cache_salt=sched.cache_salt, device=self.device,
             lora_slot=slot or 0, lora_key="" if lora is None else lora.key,
         )  # fmt: skip
-        request.matcher = self._matcher(params)
+        request.matcher = matcher
         if slot is None:  # waits, outside the scheduler, for its adapter's weights
             assert self.lora is not None and lora is not None
             self.lora.start_load(lora)
@@ -203,14 +202,21 @@ class EngineCore:
             return
         self.scheduler.add_request(request)
 
-    def _matcher(self, params: SamplingParams) -> TokenMatcher | None:
-        if params.json_schema is None:
-            return None
-        assert self.token_bytes is not None
+    def compile_grammar(self, params: SamplingParams) -> TokenMatcher:
+        """A fresh matcher of the request's response format or grammar, ending where its
+        stop tokens may. Touches no engine state, so it may run on any thread (the worker
+        runs it beside the step loop). Raises InvalidRequestError."""
+        if self.grammars is None:
+            raise InvalidRequestError(
+                "this engine has no vocabulary to constrain output with", "response_format"
+            )
         stops = frozenset(params.stop_token_ids)
         if not params.ignore_eos:
             stops |= self.eos_token_ids
-        return TokenMatcher(json_matcher(params.json_schema), self.token_bytes, stops)
+        try:
+            return self.grammars.matcher(params.json_schema, params.grammar, stops)
+        except SchemaError as exc:
+            raise InvalidRequestError(f"response_format: {exc}", "response_format") from None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Finish a request now and free its blocks; None if it is not in flight."""
@@ -318,7 +324,8 @@ class EngineCore:
                 outputs.append(
                     self._fail(
                         request,
-                        "no token could continue the response format among the most likely ones",
+                        "no token can continue the response format (its grammar ran out of "
+                        "its step budget)",
                     )
                 )
                 continue

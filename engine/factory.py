@@ -19,6 +19,7 @@ from engine.model.fp8_weights import apply_fp8_weights, choose_plans
 from engine.model.native_cpu import apply_native_cpu
 from engine.model.triton_layers import apply_triton_layers
 from engine.model_specs import tokenizer_from_source
+from engine.structured.backend import Vocabulary
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
         eos_token_ids=tokenizer.eos_token_ids,
         kernels=kernels,
         triton=triton,
-        token_bytes=tokenizer.token_bytes(),
+        vocabulary=Vocabulary.of(tokenizer),
     )
     return core, tokenizer
 

@@ -83,13 +83,10 @@ class ModelRunner:
         lora: LoRABatch | None = None,
         triton: bool = False,
         eos_token_ids: frozenset[int] = frozenset(),
-        first_byte: torch.Tensor | None = None,
     ) -> None:
-        """`eos_token_ids`: what a request's min_tokens holds back. `first_byte`: [V] each
-        token's first byte on the host (256 for none), for requests with a response format."""
+        """`eos_token_ids`: what a request's min_tokens holds back."""
         self.model = model
         self.eos_token_ids = eos_token_ids
-        self.first_byte = first_byte
         self.pool = pool
         self.device = device
         self.vocab_size = model.config.vocab_size
@@ -153,9 +150,7 @@ class ModelRunner:
         prompt = self._score_prompts(hidden, scored) if scored else None
         if not sampled:
             return Launched([], None, prompt)
-        batch = build_sampling_batch(
-            sampled, self.vocab_size, self.device, self.eos_token_ids, self.first_byte
-        )
+        batch = build_sampling_batch(sampled, self.vocab_size, self.device, self.eos_token_ids)
         rows = sample_rows + draft_rows
         if rows != list(range(len(input_ids))):  # not a step of decode tokens alone
             rows_t = to_device(torch.tensor(rows, dtype=torch.long), self.device)

@@ -10,7 +10,7 @@ import enum
 
 import msgspec
 
-from engine.structured import SchemaError, grammar_for
+from engine.structured import SchemaError, precheck
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries in one request's logit_bias (OpenAI's limit)
@@ -73,9 +73,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # strings are looked for only in the text that follows them
     min_tokens: int = 0
     # the output must be JSON text matching this JSON Schema, given as JSON text
-    # (engine/structured says what is supported); '{"type": "object"}' is any object.
+    # (docs/structured-output.md says what is supported); '{"type": "object"}' is any object.
     # Generation ends as soon as the value is complete.
     json_schema: str | None = None
+    # or text of this Lark grammar (llguidance's dialect: `%json {...}` embeds a schema)
+    grammar: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first bad field (token ids are range-checked
@@ -121,15 +123,19 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         limit = vocab_size if vocab_size is not None else 2**31
         if any(not 0 <= t < limit for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be valid token ids")
-        if self.json_schema is not None:
-            try:
-                grammar_for(self.json_schema)
-            except SchemaError as exc:
-                raise InvalidRequestError(f"response_format: {exc}", "response_format") from None
+        try:  # the cheap checks: the grammar itself is compiled off any loop, once
+            precheck(self.json_schema, self.grammar)
+        except SchemaError as exc:
+            raise InvalidRequestError(f"response_format: {exc}", "response_format") from None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def is_constrained(self) -> bool:
+        """Whether a response format or grammar constrains the output."""
+        return self.json_schema is not None or self.grammar is not None
 
 
 class Scheduling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -14,7 +14,7 @@ import torch
 
 from engine.protocol import FinishReason, SamplingParams, TokenLogprob
 from engine.speculative import NgramIndex
-from engine.structured import TokenMatcher
+from engine.structured.backend import TokenMatcher
 
 
 class RequestStatus(enum.Enum):

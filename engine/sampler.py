@@ -1,6 +1,7 @@
 """Batched sampling: every request's own parameters (penalties, temperature, top-k, top-p,
-min-p, seed, logprobs, response format) applied to the whole batch at once, one uniform
-number per sampled row. The design is in docs/design/scheduler.md.
+min-p, seed, logprobs, the grammar of a response format) applied to the whole batch at once,
+one uniform number per sampled row. The design is in docs/design/scheduler.md; grammars in
+docs/structured-output.md.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import torch
 
 from engine.device import to_device
 from engine.request import Request
-from engine.structured import TokenMatcher
+from engine.structured.backend import mask_words
+from engine.structured.bitmask import apply_bitmask, new_bitmask
 
 
 @dataclass
@@ -34,9 +36,9 @@ class SamplingBatch:
     max_num_logprobs: int | None
     # logit_bias and min_tokens, as sparse (row, token id, value) triples added to the logits
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # rows with a response format: (row, its matcher, whether the row is greedy)
-    constrained: list[tuple[int, TokenMatcher, bool]] | None = None
-    first_byte: torch.Tensor | None = None  # [V] long on the host: each token's first byte
+    # rows with a response format (None: every row), and the tokens each may take next
+    mask_rows: torch.Tensor | None = None  # [C] long
+    bitmask: torch.Tensor | None = None  # [C, ceil(V / 32)] int32, one bit per token
 
 
 @dataclass
@@ -61,10 +63,10 @@ def build_sampling_batch(
     vocab_size: int,
     device: torch.device,
     eos_token_ids: frozenset[int] = frozenset(),
-    first_byte: torch.Tensor | None = None,
 ) -> SamplingBatch:
     """`eos_token_ids`: what min_tokens holds back (with each request's stop token ids).
-    `first_byte`: [V] each token's first byte (256 for none), for rows with a response format."""
+    Fills the token masks of requests with a response format (their matchers may mark
+    themselves stuck: no token can continue)."""
     params = [r.params for r in requests]
 
     def col(values: list[float]) -> torch.Tensor:
@@ -94,8 +96,7 @@ def build_sampling_batch(
         out_ids = _pad([r.output_token_ids for r in requests], vocab_size, device)
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     bias = _sparse_bias(requests, eos_token_ids, device)
-    constrained = [(row, r.matcher, r.params.is_greedy)
-                   for row, r in enumerate(requests) if r.matcher is not None]  # fmt: skip
+    mask_rows, bitmask = _token_masks(requests, vocab_size, device)
     return SamplingBatch(
         temperature=temperature,
         all_greedy=all_greedy,
@@ -111,9 +112,28 @@ def build_sampling_batch(
         prompt_ids=prompt_ids,
         max_num_logprobs=max(wanted) if wanted else None,
         bias=bias,
-        constrained=constrained or None,
-        first_byte=first_byte,
+        mask_rows=mask_rows,
+        bitmask=bitmask,
     )
+
+
+def _token_masks(
+    requests: list[Request], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The rows with a grammar and their masks, filled on the host (each matcher's own
+    work), then copied to the device in one transfer."""
+    rows = [row for row, r in enumerate(requests) if r.matcher is not None]
+    if not rows:
+        return None, None
+    bitmask = new_bitmask(len(rows), mask_words(vocab_size))
+    for i, row in enumerate(rows):
+        matcher = requests[row].matcher
+        assert matcher is not None
+        matcher.fill_mask(bitmask, i)
+    if rows == list(range(len(requests))):  # every row: masked in place
+        return None, to_device(bitmask, device)
+    rows_t = torch.tensor(rows, dtype=torch.long)
+    return to_device(rows_t, device), to_device(bitmask, device)
 
 
 def _sparse_bias(
@@ -209,9 +229,8 @@ def sample(
     if batch.max_num_logprobs is not None:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     apply_penalties(logits, batch)
-    penalized = probs = None
-    if batch.constrained:  # [C, V] the logits the filters below have not touched
-        penalized = logits[[row for row, _, _ in batch.constrained]].cpu()
+    if batch.bitmask is not None:
+        apply_bitmask(logits, batch.mask_rows, batch.bitmask)
     greedy = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
     if batch.all_greedy:
         token_ids = greedy
@@ -235,8 +254,6 @@ def sample(
         # rounding can leave the last step of a cdf flat: never return a token of no mass
         drawn = torch.where(probs.gather(1, drawn) > 0, drawn, greedy[:, None]).squeeze(1)
         token_ids = torch.where(temp > 0, drawn, greedy)
-    if penalized is not None:
-        token_ids = _constrain(token_ids, probs, penalized, batch, generator)
     if raw_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
     return score(raw_logprobs, token_ids, batch.max_num_logprobs or 0)
@@ -248,67 +265,6 @@ def rewind_draws(generator: torch.Generator, state: torch.Tensor, draws: int) ->
     generator.set_state(state)
     for _ in range(draws):
         torch.rand((), device=generator.device, generator=generator)
-
-
-def _constrain(
-    token_ids: torch.Tensor,
-    probs: torch.Tensor | None,
-    penalized: torch.Tensor,
-    batch: SamplingBatch,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """token_ids [S] with each constrained row's token replaced by an allowed one where its
-    grammar refuses it. probs: [S, V] the filtered distributions of sampled rows (None when
-    every row is greedy); penalized: [C, V] the constrained rows' logits before filtering."""
-    assert batch.constrained is not None and batch.first_byte is not None
-    chosen = token_ids.tolist()  # the host waits for the step: grammars run on the host
-    for k, (row, matcher, greedy) in enumerate(batch.constrained):
-        if matcher.allows(chosen[row]):
-            continue
-        orders = [(penalized[k], float("-inf"))]
-        if not greedy and probs is not None:  # tokens the filters dropped have no chance
-            gen = batch.generators[row] or generator
-            uniform = torch.rand(probs.shape[1], device=probs.device, generator=gen)
-            orders.insert(0, ((probs[row] / -uniform.log()).cpu(), 0.0))  # E = -log U
-        token = _first_allowed(orders, matcher, batch.first_byte)
-        if token is None:
-            matcher.stuck = True  # the core fails the request rather than append a token
-        else:
-            chosen[row] = token
-    return to_device(torch.tensor(chosen, dtype=torch.long), token_ids.device)
-
-
-def _first_allowed(
-    orders: list[tuple[torch.Tensor, float]], matcher: TokenMatcher, first_byte: torch.Tensor
-) -> int | None:
-    """The first token `matcher` allows, by descending key, among keys above their floor;
-    None if none is, or once `_MAX_CHECKS` candidates were refused (a grammar must not hold
-    the whole batch up). The bound is a count, not a time: whether a request can go on
-    must not depend on how busy the machine is."""
-    allowed = torch.tensor([*matcher.next_bytes(), False])  # [257]: index 256 is "no bytes"
-    candidates = allowed[first_byte]  # [V]
-    if matcher.can_end:
-        candidates[[t for t in matcher.stop_ids if t < len(candidates)]] = True
-    checks = 0
-    for key, floor in orders:
-        key = key.masked_fill(~candidates, float("-inf"))
-        while checks < _MAX_CHECKS:
-            values, ids = key.topk(min(_CANDIDATES_PER_LOOK, key.numel()))
-            for value, token in zip(values.tolist(), ids.tolist(), strict=True):
-                if value <= floor:
-                    break
-                if matcher.allows(token):
-                    return token
-            else:
-                key[ids] = float("-inf")
-                checks += len(ids)
-                continue
-            break
-    return None
-
-
-_CANDIDATES_PER_LOOK = 64
-_MAX_CHECKS = 4096
 
 
 def score(logprobs: torch.Tensor, token_ids: torch.Tensor, n: int) -> SamplerOutput:

@@ -86,7 +86,7 @@ def draftable(params: SamplingParams, num_output_tokens: int) -> bool:
         and not params.frequency_penalty
         and not params.presence_penalty
         and params.repetition_penalty == 1.0
-        and params.json_schema is None
+        and not params.is_constrained
         and num_output_tokens >= params.min_tokens
     )
 

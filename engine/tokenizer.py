@@ -234,6 +234,10 @@ class Tokenizer:
                 table[token_id] = token.replace("▁", " ").encode()
         return table
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a vocabulary entry spelled `token` (None if there is none)."""
+        return self._backend.token_to_id(token)
+
     def is_special(self, token_id: int) -> bool:
         """Whether `token_id` is a special token, which `skip_special_tokens` drops."""
         return token_id in self.all_special_ids

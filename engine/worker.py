@@ -1,8 +1,10 @@
 """A worker process: one EngineCore served over a Unix or TCP socket.
 
-Two threads. The asyncio thread owns the sockets: it decodes frames into commands and
-writes outputs back. The engine thread owns the EngineCore: it drains commands between
-steps, runs steps while there is work, and blocks when idle. Requests are namespaced by
+Two threads, and one more for grammars. The asyncio thread owns the sockets: it decodes
+frames into commands and writes outputs back. The engine thread owns the EngineCore: it
+drains commands between steps, runs steps while there is work, and blocks when idle. A
+request with a response format has its grammar compiled on the grammar thread and joins the
+engine once it is ready, so no step waits for a compile. Requests are namespaced by
 connection, so a client that disconnects has its requests aborted and its blocks freed.
 A connection counts only once it has passed the fleet-secret handshake (engine/handshake.py),
 within a bounded time and before any frame of it is read.
@@ -23,6 +25,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +44,7 @@ from engine.fleet import (
 )
 from engine.handshake import HandshakeRefusedError, accept_client, check_secret, server_tls_context
 from engine.protocol import InvalidRequestError, RequestOutput
+from engine.structured.backend import TokenMatcher
 from engine.tokenizer import Tokenizer
 from engine.wire import (
     Abort,
@@ -67,7 +71,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class _Command:
     conn_id: int
-    msg: msgspec.Struct | None  # None: the connection closed
+    msg: msgspec.Struct | _Compiled | None  # None: the connection closed
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """A submitted request whose grammar is compiled (or refused)."""
+
+    submit: Submit
+    matcher: TokenMatcher | InvalidRequestError
 
 
 _STOP = _Command(-1, None)
@@ -136,6 +148,8 @@ class Worker:
         # the engine thread's latest figures and loaded adapters, for the fleet
         self._load: tuple[dict[str, int], list[str]] = ({}, [])
         self._started_at = 0.0
+        self._grammars = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._compiling: set[str] = set()  # request ids (with their connection's prefix)
 
     # -- asyncio side -------------------------------------------------------------------
 
@@ -191,6 +205,7 @@ class Worker:
             await store.aclose()
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join, 10)
+        self._grammars.shutdown(wait=False, cancel_futures=True)
         for writer in list(self._writers.values()):
             writer.close()
         if kind == "unix":
@@ -317,24 +332,40 @@ class Worker:
     def _apply(self, cmd: _Command) -> None:
         msg, prefix = cmd.msg, f"{cmd.conn_id}/"
         if msg is None:
+            self._compiling = {r for r in self._compiling if not r.startswith(prefix)}
             aborted = [r for r in list(self.core.scheduler.requests) if r.startswith(prefix)]
             for rid in aborted:
                 self.core.abort_request(rid)
             if aborted:
                 log.info("connection %d closed; aborted %d requests", cmd.conn_id, len(aborted))
-        elif isinstance(msg, Submit):
+        elif isinstance(msg, Submit) and msg.params.is_constrained:
+            self._compiling.add(prefix + msg.request_id)
+            future = self._grammars.submit(self.core.compile_grammar, msg.params)
+            future.add_done_callback(lambda done: self._compiled(cmd.conn_id, msg, done))
+        elif isinstance(msg, Submit | _Compiled):
+            submit = msg.submit if isinstance(msg, _Compiled) else msg
+            matcher: TokenMatcher | None = None
             try:
+                if isinstance(msg, _Compiled):
+                    if prefix + submit.request_id not in self._compiling:
+                        return  # aborted, or its connection closed, while it compiled
+                    self._compiling.discard(prefix + submit.request_id)
+                    if isinstance(msg.matcher, InvalidRequestError):
+                        raise msg.matcher
+                    matcher = msg.matcher
                 self.core.add_request(
-                    prefix + msg.request_id,
-                    msg.prompt_token_ids,
-                    msg.params,
-                    scheduling=msg.scheduling,
-                    lora=msg.lora,
+                    prefix + submit.request_id,
+                    submit.prompt_token_ids,
+                    submit.params,
+                    scheduling=submit.scheduling,
+                    lora=submit.lora,
+                    matcher=matcher,
                 )
             except InvalidRequestError as exc:
-                rejected = Rejected(msg.request_id, exc.code, str(exc), exc.param)
+                rejected = Rejected(submit.request_id, exc.code, str(exc), exc.param)
                 self._post(cmd.conn_id, rejected)
         elif isinstance(msg, Abort):
+            self._compiling.difference_update(prefix + rid for rid in msg.request_ids)
             outs = [self.core.abort_request(prefix + rid) for rid in msg.request_ids]
             done = [o for o in outs if o is not None]
             if done:
@@ -350,6 +381,17 @@ class Worker:
                 self._post(cmd.conn_id, Pong(msg.call_id, healthy=False, detail=str(exc)))
             else:
                 self._post(cmd.conn_id, Pong(msg.call_id, healthy=True))
+
+    def _compiled(self, conn_id: int, submit: Submit, done: Future[TokenMatcher]) -> None:
+        """On the grammar thread: hand the compiled request to the engine thread."""
+        if done.cancelled():
+            return
+        exc = done.exception()
+        if exc is not None and not isinstance(exc, InvalidRequestError):
+            log.error("compiling a grammar failed", exc_info=exc)
+            exc = InvalidRequestError(f"response_format: {exc}", "response_format")
+        matcher = exc if isinstance(exc, InvalidRequestError) else done.result()
+        self._commands.put(_Command(conn_id, _Compiled(submit, matcher)))
 
 
 def _bind_private_socket(path: str) -> socket.socket:

@@ -24,6 +24,7 @@ from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.openai_types import MAX_JSON_DEPTH, too_deep
 from gateway.pipeline import Pipeline
+from gateway.providers import DEPENDENCIES
 from gateway.router import RoutingPolicy
 from gateway.routes import admin, ops
 from gateway.routes.openai import OpenAIController, TokenizerController
@@ -40,7 +41,8 @@ log = logging.getLogger(__name__)
 
 
 async def _add_state_headers(message: Message, scope: Scope) -> None:
-    """Every response (errors and streams included) carries the request's id and limits."""
+    """Every response (errors and streams included) carries the request's id and limits, and
+    is counted."""
     if message["type"] != "http.response.start":
         return
     headers = (scope.get("state") or {}).get("response_headers") or {}
@@ -50,6 +52,9 @@ async def _add_state_headers(message: Message, scope: Scope) -> None:
             mutable[name] = value
     if "x-request-id" not in mutable:  # rejected before a handler named the request
         mutable["x-request-id"] = f"req-{uuid.uuid4().hex}"
+    gateway: GatewayState | None = getattr(scope["app"].state, "gateway", None)
+    if gateway is not None:
+        gateway.metrics.responded()
 
 
 @asynccontextmanager
@@ -69,7 +74,7 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
         cache_dir=settings.cache_dir, policy=RoutingPolicy(settings.routing),
         default_model=settings.model, aliases=settings.alias_targets(),
     )  # fmt: skip
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(process_index=settings.process_index, shared_dir=settings.metrics_dir)
     try:
         await fleet.start()
         pipeline = Pipeline(
@@ -145,6 +150,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             ops.metrics,
         ],
         lifespan=[_lifespan],
+        dependencies=DEPENDENCIES,
         exception_handlers=exception_handlers(),
         before_request=_decode_json_strictly,
         before_send=[_add_state_headers],

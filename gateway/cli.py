@@ -33,9 +33,9 @@ class _RepeatableModel:
         self.group = group
 
     def add_argument(self, *flags: str, **kwargs: Any) -> Any:
-        if flags == ("--model",):
+        if flags == ("--model",):  # read as `models`; `model` stays the field's default
             kwargs |= {
-                "action": "append", "default": None,
+                "action": "append", "default": None, "dest": "models",
                 "help": f"{kwargs.get('help', '')}; repeatable: one set of workers per model",
             }  # fmt: skip
         return self.group.add_argument(*flags, **kwargs)
@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine workers per model, each its own process (default 1)",
     )
     add_options(_RepeatableModel(srv.add_argument_group("engine")), EngineConfig)
+    srv.set_defaults(model=EngineConfig.model)
 
     gw = sub.add_parser("gateway", help="one gateway replica (store and workers run elsewhere)")
     gw.add_argument(
@@ -119,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gw.add_argument("--host", default=None)
     gw.add_argument("--port", type=int, default=None)
+    gw.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="gateway processes serving the port (SO_REUSEPORT), each a whole replica on a "
+        "core of its own; restarted when one dies (default 1: this process serves)",
+    )
     gw.add_argument("--cache-dir", default=None)
     gw.add_argument(
         "--data-dir",
@@ -177,6 +185,10 @@ def _generate(args: argparse.Namespace) -> int:
         json_schema=_read_schema(args.json_schema),
     )
     params.validate()  # before spending seconds on importing torch and loading the model
+    if params.json_schema is not None:
+        from engine.structured import check  # noqa: PLC0415
+
+        check(params.json_schema, None)
     from engine.llm import LLM  # noqa: PLC0415
 
     llm = LLM(_engine_config(args), progress=True)
@@ -252,7 +264,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from gateway.serve import serve  # noqa: PLC0415
 
-    models = args.model or [None]  # None: $STRATA_MODEL, else the default model
+    models = args.models or [None]  # None: $STRATA_MODEL, else the default model
     if args.workers < 1:
         raise ValueError("--workers must be at least 1")
     gateway_settings = settings.GatewaySettings.from_env(
@@ -272,10 +284,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    import uvicorn  # noqa: PLC0415
+    from gateway.processes import run_processes, serve_one  # noqa: PLC0415
 
-    from gateway.app import create_app  # noqa: PLC0415
-
+    if args.workers < 1:
+        raise ValueError("--workers must be at least 1")
     gateway_settings = settings.GatewaySettings.from_env(
         model=args.model, host=args.host, port=args.port, cache_dir=args.cache_dir,
         data_dir=args.data_dir, redis_url=args.redis_url, routing=args.routing,
@@ -289,16 +301,9 @@ def _gateway(args: argparse.Namespace) -> int:
             "STRATA_WORKER_SECRET to find registered workers in the store"
         )
     configure_logging(settings.log_level(), json=gateway_settings.json_logs)
-    uvicorn.run(
-        create_app(gateway_settings),
-        host=gateway_settings.host,
-        port=gateway_settings.port,
-        loop="uvloop",
-        http="httptools",
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=30,
-    )
+    if args.workers > 1:
+        return run_processes(gateway_settings, args.workers)
+    serve_one(gateway_settings)
     return 0
 
 

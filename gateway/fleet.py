@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -486,6 +487,8 @@ def _tokenizer_from_files(cache_dir: Path, files: Mapping[str, bytes]) -> Tokeni
         staging = Path(tempfile.mkdtemp(dir=directory.parent))
         for name, data in files.items():
             (staging / Path(name).name).write_bytes(data)
-        with contextlib.suppress(OSError):  # another replica may have put it there first
+        try:
             staging.rename(directory)
+        except OSError:  # another process (a replica, a sibling) put it there first
+            shutil.rmtree(staging, ignore_errors=True)
     return Tokenizer.from_dir(str(directory))

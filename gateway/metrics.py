@@ -6,6 +6,12 @@ tenants' names are collected at scrape time from what the scrape handler last ha
 series per worker, so a worker that restarts or drops out reads as a counter reset, never as
 a burst. `render` leaves out prometheus_client's `_created` series. Names follow vLLM's where
 they overlap, prefixed `strata:` instead of `vllm:`.
+
+The processes of `strata gateway --workers N` share one port, so a scrape reaches any one of
+them: each writes its counters and histograms to files in a directory they share
+(prometheus_client's multiprocess mode, chosen by PROMETHEUS_MULTIPROC_DIR in the process's
+environment before prometheus_client is imported), and `render` reads the sums over all of
+them, those of processes that died and were restarted included.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from engine.protocol import EngineStats
 from tenants.records import UsageRecord
@@ -28,9 +35,11 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class GatewayMetrics:
-    """Every metric of one gateway replica, on its own registry."""
+    """Every metric of one gateway replica, on its own registry. `process_index` is this
+    process's place among the replica's processes; `shared_dir`, where they all keep their
+    metrics (None: this process is the whole replica)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, process_index: int = 0, shared_dir: str | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -90,10 +99,43 @@ class GatewayMetrics:
             ["tenant"],
             registry=r,
         )
+        process = str(process_index)
+        self.responses = Counter(
+            "strata:gateway_responses",
+            "HTTP responses sent (every route), by gateway process: 0 to N-1 under `strata "
+            "gateway --workers N`",
+            ["process"],
+            registry=r,
+        ).labels(process)
+        self.starts = Counter(
+            "strata:gateway_process_starts",
+            "Starts of each gateway process (more than one: it died and was restarted)",
+            ["process"],
+            registry=r,
+        ).labels(process)
+        self.starts.inc()
         self.engine = _EngineCollector()
         self.tenant_info = _TenantInfoCollector()
         r.register(self.engine)
         r.register(self.tenant_info)
+        self._exposed = r if shared_dir is None else self._shared_registry(shared_dir)
+
+    def _shared_registry(self, shared_dir: str) -> CollectorRegistry:
+        """The sums over every process's files in `shared_dir`, and this process's view of the
+        workers and tenants (the same in each process: read from the workers and the store)."""
+        if values.ValueClass is values.MutexValue:
+            raise RuntimeError(
+                "metrics shared between processes need PROMETHEUS_MULTIPROC_DIR in the "
+                "environment before prometheus_client is imported"
+            )
+        exposed = CollectorRegistry()
+        MultiProcessCollector(exposed, path=shared_dir)
+        exposed.register(self.engine)
+        exposed.register(self.tenant_info)
+        return exposed
+
+    def responded(self) -> None:
+        self.responses.inc()
 
     def rejected(self, tenant: str, reason: str) -> None:
         self.rejections.labels(tenant, reason).inc()
@@ -131,7 +173,7 @@ class GatewayMetrics:
         self.tenant_info.refreshed_at = now
 
     def render(self) -> bytes:
-        return generate_latest(_WithoutCreated(self.registry))
+        return generate_latest(_WithoutCreated(self._exposed))
 
 
 # How long a replica serves the tenants' names it last read before reading them again: one

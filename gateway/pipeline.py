@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -383,7 +383,7 @@ class Pipeline:
             worker.queued_tokens -= queued
 
     async def complete(self, job: Job, ticket: Ticket) -> tuple[list[ChoiceResult], Tally]:
-        """Run every choice to the end (non-streaming)."""
+        """Run every choice to the end (non-streaming); settles the job however it ends."""
         tally = Tally()
         results = [ChoiceResult(i) for i in range(job.num_choices)]
         ticket.begin()
@@ -394,6 +394,7 @@ class Pipeline:
 
         try:
             await asyncio.gather(*(drain(i) for i in range(job.num_choices)))
+            tally.status = final_status([r.finish_reason for r in results])
         except InvalidRequestError as exc:
             tally.status = "error"
             raise APIError(400, str(exc), code="invalid_request") from exc
@@ -404,10 +405,13 @@ class Pipeline:
             tally.status = "cancelled"
             raise
         finally:
-            if tally.status is None:
-                tally.status = _job_status(results)
             self.settle(job, ticket, tally)
         return results, tally
+
+    def stream(self, job: Job, ticket: Ticket) -> JobStream:
+        """Every choice's deltas as they come, for a streamed response; settles the job
+        however the stream ends."""
+        return JobStream(self, job, ticket)
 
     # -- settling ---------------------------------------------------------------------------
 
@@ -421,12 +425,15 @@ class Pipeline:
         status = tally.status or "error"
         now = time.perf_counter()
         tenant_id = ticket.auth.tenant.id
+        # a job refused or gone before any engine saw it (a grammar over budget, a client
+        # that left at once) processed no prompt: nothing to bill for it
+        prompt_tokens = job.num_prompt_tokens if tally.engine_started is not None else 0
         record = UsageRecord(
             request_id=job.request_id, tenant_id=tenant_id, key_id=ticket.auth.key.id,
             model=job.base_model, adapter=None if job.lora is None else job.lora.name,
             adapter_version=None if job.lora is None else job.lora.version,
             user=job.user, endpoint=job.endpoint,
-            prompt_tokens=job.num_prompt_tokens, cached_tokens=tally.cached_tokens,
+            prompt_tokens=prompt_tokens, cached_tokens=tally.cached_tokens,
             cached_host_tokens=tally.cached_host_tokens,
             cached_disk_tokens=tally.cached_disk_tokens,
             completion_tokens=tally.completion_tokens, status=status,
@@ -438,7 +445,7 @@ class Pipeline:
         self.ledger.submit(record)
         self.metrics.finished(record, tally.first_token_at, job.started)
         if ticket.reserved:
-            used = job.num_prompt_tokens + tally.completion_tokens
+            used = prompt_tokens + tally.completion_tokens
             task = asyncio.get_running_loop().create_task(self._release(ticket, job, used))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
@@ -480,15 +487,85 @@ async def _setting(event: asyncio.Event, owner: bool) -> AsyncIterator[None]:
             event.set()
 
 
-def _job_status(results: list[ChoiceResult]) -> UsageStatus:
-    reasons = {r.finish_reason for r in results}
+def final_status(reasons: Sequence[str | None]) -> UsageStatus:
+    """A job's status from its choices' finish reasons: any error is an error, any choice
+    aborted or never finished makes it cancelled, else length if any ran out, else stop."""
     if "error" in reasons:
         return "error"
-    if "abort" in reasons:
+    if "abort" in reasons or None in reasons:
         return "cancelled"
-    if "length" in reasons:
-        return "length"
-    return "stop"
+    return "length" if "length" in reasons else "stop"
+
+
+class JobStream:
+    """One admitted job's choices as `(index, delta)` pairs as they come, and its `tally`.
+    Iterate once. However the iteration ends (finished, a failed engine, the client gone)
+    the job is settled with the status `final_status` gives, or error, or cancelled."""
+
+    def __init__(self, pipeline: Pipeline, job: Job, ticket: Ticket) -> None:
+        self.pipeline = pipeline
+        self.job = job
+        self.ticket = ticket
+        self.tally = Tally()
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, TextDelta]]:
+        return self._run()
+
+    async def _run(self) -> AsyncIterator[tuple[int, TextDelta]]:
+        job, ticket, tally = self.job, self.ticket, self.tally
+        if not ticket.begin():
+            return  # settled before the response could start (see Pipeline._keep)
+        reasons: list[str | None] = [None] * job.num_choices
+        try:
+            async for index, delta in self._merge():
+                if delta.finish_reason is not None:
+                    reasons[index] = delta.finish_reason.value
+                yield index, delta
+            tally.status = final_status(reasons)
+        except (EngineDeadError, InvalidRequestError):
+            tally.status = "error"
+            raise
+        except BaseException:
+            tally.status = "cancelled"
+            raise
+        finally:
+            if tally.status is None:
+                tally.status = "cancelled"
+            self.pipeline.settle(job, ticket, tally)
+
+    async def _merge(self) -> AsyncIterator[tuple[int, TextDelta]]:
+        """Deltas of every choice as they come; one choice is iterated directly."""
+        job, ticket, tally, run = self.job, self.ticket, self.tally, self.pipeline.run_choice
+        if job.num_choices == 1:
+            async for delta in run(job, ticket, 0, tally):
+                yield 0, delta
+            return
+        queue: asyncio.Queue[tuple[int, TextDelta | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for delta in run(job, ticket, i, tally):
+                    await queue.put((i, delta))
+            except Exception as exc:  # surfaced to the consumer below
+                await queue.put((i, exc))
+            else:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(job.num_choices)]
+        try:
+            remaining = job.num_choices
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _denial(decision: Decision, job: Job | None, policy: Policy) -> str:

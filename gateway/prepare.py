@@ -21,9 +21,17 @@ from engine.protocol import (
     SamplingParams,
     Scheduling,
 )
+from engine.structured import SchemaError, check
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from gateway.errors import APIError, bad_request
-from gateway.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.openai_types import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    NamedToolChoice,
+    Tool,
+)
+from gateway.tool_formats import ToolFormat, probe_tools, template_format
 from gateway.tools import ToolPlan, plan_tools, render_messages
 from tenants.records import Tenant
 
@@ -114,9 +122,36 @@ class Preparer:
         self.tokenizer = tokenizer
         self.info = info
         self._threads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize")
+        # response formats are compiled here, one at a time, after admission
+        self._grammars = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self.tool_format = _tool_format(tokenizer)
+        marker = tokenizer.token_id("[TOOL_CALLS]")  # mistral's, where it is a special token
+        self._tool_calls_token = marker if marker in tokenizer.all_special_ids else None
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
+        self._grammars.shutdown(wait=False, cancel_futures=True)
+
+    def plan_tools(
+        self, tools: list[Tool] | None, choice: str | NamedToolChoice | None, parallel: bool
+    ) -> ToolPlan | None:
+        """A request's tool plan, in the model's own call syntax where its template has one."""
+        return plan_tools(tools, choice, parallel, self.tool_format, self._tool_calls_token)
+
+    async def check_grammar(self, job: Job) -> None:
+        """Compile the job's response format (or tool calls' grammar) once, on the grammar
+        thread, never on the event loop; call it after admission. Raises a 400 naming what
+        is refused, or saying the grammar is over its compile budget."""
+        params = job.params
+        if not params.is_constrained:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._grammars, check, params.json_schema, params.grammar)
+        except SchemaError as exc:
+            if job.tools is None:
+                raise bad_request(f"response_format: {exc}", param="response_format") from None
+            raise await loop.run_in_executor(self._grammars, job.tools.refusal, exc) from None
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; long texts are tokenized off the event loop."""
@@ -147,11 +182,12 @@ class Preparer:
                         "(text only)",
                         param=f"messages[{i}].content",
                     )
+        native = {"tools": tools.tools} if tools is not None and tools.native is not None else {}
 
         def render() -> list[int]:
             rendered = render_messages(messages, tools)
             text = self.tokenizer.apply_chat_template(
-                rendered, add_generation_prompt=add_generation_prompt
+                rendered, add_generation_prompt=add_generation_prompt, **native
             )
             # as Tokenizer.encode_chat: templates write their own BOS
             return self.tokenizer.encode(text, add_special_tokens=False)
@@ -174,17 +210,21 @@ class Preparer:
         tenant: Tenant,
         request_id: str,
         lora: LoRARequest | None = None,
+        started: float | None = None,
     ) -> Job:
+        """The job of a chat request; `started` (perf_counter) is when the request arrived,
+        so its latency counts the preparation too."""
         _refuse_unsupported(body)
-        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        tools = self.plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         json_schema = _json_schema(body.response_format)
+        grammar = None
         if tools is not None:
             if json_schema is not None:
                 raise bad_request(
                     "response_format and callable tools together are not supported",
                     param="response_format",
                 )
-            json_schema = tools.schema
+            json_schema, grammar = tools.schema, tools.grammar
         prompt_ids = await self.chat_ids(body.messages, tools=tools)
         logprobs = None
         if body.logprobs:
@@ -196,12 +236,10 @@ class Preparer:
         elif body.top_logprobs is not None:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         max_tokens = body.max_completion_tokens or body.max_tokens
-        job = self._job(
+        return self._job(
             body, tenant, request_id, "chat.completions", [prompt_ids], max_tokens, logprobs,
-            json_schema=json_schema, lora=lora,
+            json_schema=json_schema, grammar=grammar, lora=lora, tools=tools, started=started,
         )  # fmt: skip
-        job.tools = tools
-        return job
 
     async def completion(
         self,
@@ -209,7 +247,9 @@ class Preparer:
         tenant: Tenant,
         request_id: str,
         lora: LoRARequest | None = None,
+        started: float | None = None,
     ) -> Job:
+        """The job of a completions request (`started` as for `chat`)."""
         _refuse_unsupported(body)
         prompts, texts = await self._prompts(body.prompt, body.echo)
         if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
@@ -221,12 +261,11 @@ class Preparer:
         scoring = None
         if body.echo and (body.logprobs is not None or body.max_tokens == 0):
             scoring = body.logprobs or 0
-        job = self._job(
+        return self._job(
             body, tenant, request_id, "completions", prompts, body.max_tokens, body.logprobs,
             prompt_logprobs=scoring, json_schema=_json_schema(body.response_format), lora=lora,
+            echo_texts=texts, started=started,
         )  # fmt: skip
-        job.echo_texts = texts
-        return job
 
     async def _prompts(
         self, prompt: str | list[int | str | list[int]], echo: bool
@@ -272,10 +311,14 @@ class Preparer:
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         json_schema: str | None = None,
+        grammar: str | None = None,
         lora: LoRARequest | None = None,
+        tools: ToolPlan | None = None,
+        echo_texts: list[str] | None = None,
+        started: float | None = None,
     ) -> Job:
-        """`json_schema`: what the output must be (from response_format, or the reply format
-        of callable tools); `lora`: the adapter it runs through."""
+        """`json_schema` or `grammar`: what the output must be (from response_format, or the
+        reply format of callable tools); `lora`: the adapter it runs through."""
         policy = tenant.policy
         if not all(prompts):
             raise bad_request("the prompt is empty", param="prompt")
@@ -339,6 +382,7 @@ class Preparer:
                 logit_bias=_logit_bias(body.logit_bias),
                 min_tokens=body.min_tokens or 0,
                 json_schema=json_schema,
+                grammar=grammar,
             )
             params.validate(self.info.vocab_size)
         except InvalidRequestError as exc:
@@ -363,7 +407,21 @@ class Preparer:
                 cache_salt=cache_salt(tenant), kv_host_tokens=policy.kv_host_tokens,
                 kv_disk_tokens=policy.kv_disk_tokens,
             ),
+            tools=tools, echo_texts=echo_texts,
+            started=time.perf_counter() if started is None else started,
         )  # fmt: skip
+
+
+def _tool_format(tokenizer: Tokenizer) -> ToolFormat | None:
+    """The call syntax the model's chat template teaches, if it renders tools at all."""
+    probe = [{"role": "user", "content": "hi"}]
+    try:
+        plain = tokenizer.apply_chat_template(probe)
+        shown = tokenizer.apply_chat_template(probe, tools=probe_tools())
+    except ChatTemplateError:
+        return None
+    renders = shown != plain and probe_tools()[0]["function"]["name"] in shown
+    return template_format(tokenizer.chat_template, renders)
 
 
 def _json_schema(response_format: dict[str, Any] | None) -> str | None:

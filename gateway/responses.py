@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 import msgspec
@@ -29,10 +28,10 @@ from gateway.openai_types import (
     TopLogprob,
     Usage,
 )
-from gateway.pipeline import ChoiceResult, Pipeline, Tally, Ticket
+from gateway.pipeline import ChoiceResult, JobStream, Tally
 from gateway.prepare import Job
-from gateway.tools import ReplyStream, parse_reply
-from tenants.records import UsageStatus
+from gateway.tool_formats import NativeReplyStream
+from gateway.tools import ReplyStream
 
 _encode = msgspec.json.Encoder().encode
 DONE = b"data: [DONE]\n\n"
@@ -119,7 +118,7 @@ class Renderer:
         for r in results:
             message, finish = AssistantMessage(content=r.text), r.finish_reason
             if job.tools is not None:
-                message, finish = parse_reply(r.text, r.finish_reason)
+                message, finish = job.tools.parse_reply(r.text, r.finish_reason)
             logprobs = self.chat_logprobs(r.logprobs) if job.params.logprobs is not None else None
             choices.append(
                 ChatChoice(
@@ -209,19 +208,20 @@ class Renderer:
             id=job.request_id, created=job.created, model=job.model, choices=[cchoice]
         )
 
-    def _reply_chunk(self, job: Job, index: int, deltas: list[TextDelta]) -> msgspec.Struct:
-        """A tool-calling choice's one chunk, once its reply is whole: the reply's content,
-        or its calls."""
+    def _reply_chunk(
+        self, job: Job, index: int, deltas: list[TextDelta], text: str
+    ) -> msgspec.Struct:
+        """A tool-calling choice's last chunk, once its reply is whole: the reply's content
+        not yet sent (`text`), or its calls."""
         last = deltas[-1]
-        assert last.finish_reason is not None
-        text = "".join(d.text for d in deltas)
-        message, finish = parse_reply(text, last.finish_reason.value)
+        assert last.finish_reason is not None and job.tools is not None
+        message, finish = job.tools.parse_reply(text, last.finish_reason.value)
         if message.tool_calls is None:
             delta = ChatDelta(content=message.content)
         else:
             calls = [ToolCallDelta(index=k, id=c.id, function=c.function)
                      for k, c in enumerate(message.tool_calls)]  # fmt: skip
-            delta = ChatDelta(tool_calls=calls)
+            delta = ChatDelta(content=message.content, tool_calls=calls)
         logprobs = [lp for d in deltas for lp in d.logprobs or ()]
         choice = ChatChunkChoice(
             index=index, delta=delta, finish_reason=finish, stop_reason=last.stop_reason,
@@ -241,12 +241,9 @@ class Renderer:
             id=job.request_id, created=job.created, model=job.model, choices=[], usage=usage
         )
 
-    async def stream(self, pipeline: Pipeline, job: Job, ticket: Ticket) -> AsyncIterator[bytes]:
-        """SSE events for a job; settles it (ledger, release) however the stream ends."""
-        if not ticket.begin():
-            return  # settled before the response could start (see Pipeline._keep)
-        tally = Tally()
-        reasons: list[str | None] = [None] * job.num_choices
+    async def stream(self, run: JobStream) -> AsyncIterator[bytes]:
+        """SSE events for a job's stream (the pipeline runs and settles it; this formats)."""
+        job = run.job
         try:
             if job.endpoint == "chat.completions":
                 for i in range(job.n):
@@ -254,19 +251,18 @@ class Renderer:
             echo = job.echo_texts
             echoed = [echo is None] * job.num_choices
             # tool-calling replies: read as they come; calls held until whole
-            readers: dict[int, ReplyStream] = {}
+            readers: dict[int, ReplyStream | NativeReplyStream] = {}
             held: dict[int, list[TextDelta]] = {}
-            async for index, delta in _merge(pipeline, job, ticket, tally):
+            async for index, delta in run:
                 if echo is not None and not echoed[index]:
                     # the prompt, with its scores when asked, arrives with the first output
                     echoed[index] = True
                     prompt = TextDelta(echo[job.prompt_of(index)], [], None, None, None, 0)
                     yield sse(self._chunk(job, index, prompt, delta.prompt_logprobs or ()))
-                if delta.finish_reason is not None:
-                    reasons[index] = delta.finish_reason.value
                 if job.tools is not None:
                     held.setdefault(index, []).append(delta)
-                    text = readers.setdefault(index, ReplyStream()).feed(delta.text)
+                    reader = readers.setdefault(index, job.tools.reader())
+                    text = reader.feed(delta.text)
                     if text is not None:  # a text answer: its characters as they come
                         deltas = held.pop(index)
                         delta = TextDelta(
@@ -274,79 +270,19 @@ class Renderer:
                             delta.finish_reason, delta.stop_reason, delta.num_output_tokens,
                         )  # fmt: skip
                     elif delta.finish_reason is not None:  # only whole calls can be read
-                        yield sse(self._reply_chunk(job, index, held.pop(index)))
+                        yield sse(self._reply_chunk(job, index, held.pop(index), reader.unreleased))
                         continue
                     else:
                         continue
                 if delta.text or delta.logprobs or delta.finish_reason is not None:
                     yield sse(self._chunk(job, index, delta))
             if job.include_usage:
-                yield sse(self._usage_chunk(job, tally))
-            tally.status = _final_status(reasons)
+                yield sse(self._usage_chunk(job, run.tally))
             yield DONE
         except (EngineDeadError, InvalidRequestError) as exc:
-            tally.status = "error"
             message = (
                 f"the inference engine failed while generating; the response is incomplete ({exc})"
             )
-            yield (
-                b"data: "
-                + _encode(
-                    ErrorBody(
-                        error=ErrorInfo(message=message, type="server_error", code="engine_error")
-                    )
-                )
-                + b"\n\n"
-            )
+            error = ErrorInfo(message=message, type="server_error", code="engine_error")
+            yield b"data: " + _encode(ErrorBody(error=error)) + b"\n\n"
             yield DONE
-        except BaseException:
-            tally.status = "cancelled"
-            raise
-        finally:
-            if tally.status is None:
-                tally.status = "cancelled"
-            pipeline.settle(job, ticket, tally)
-
-
-def _final_status(reasons: list[str | None]) -> UsageStatus:
-    if "error" in reasons:
-        return "error"
-    if "abort" in reasons or None in reasons:
-        return "cancelled"
-    return "length" if "length" in reasons else "stop"
-
-
-async def _merge(
-    pipeline: Pipeline, job: Job, ticket: Ticket, tally: Tally
-) -> AsyncIterator[tuple[int, TextDelta]]:
-    """Deltas of every choice as they come; one choice is iterated directly."""
-    if job.num_choices == 1:
-        async for delta in pipeline.run_choice(job, ticket, 0, tally):
-            yield 0, delta
-        return
-    queue: asyncio.Queue[tuple[int, TextDelta | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int) -> None:
-        try:
-            async for delta in pipeline.run_choice(job, ticket, i, tally):
-                await queue.put((i, delta))
-        except Exception as exc:  # surfaced to the consumer below
-            await queue.put((i, exc))
-        else:
-            await queue.put((i, None))
-
-    tasks = [asyncio.create_task(pump(i)) for i in range(job.num_choices)]
-    try:
-        remaining = job.num_choices
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -239,9 +239,7 @@ def _prepare_data_dir(settings: GatewaySettings) -> Path:
     return data_dir
 
 
-async def serve(
-    settings: GatewaySettings, worker_args: list[list[str]], *, demo: bool
-) -> None:
+async def serve(settings: GatewaySettings, worker_args: list[list[str]], *, demo: bool) -> None:
     """The store (embedded unless STRATA_REDIS_URL names one), one supervised worker per entry
     of `worker_args` (each registered in the store, so the gateway finds them and the KV they
     hold) and the gateway, until SIGINT/SIGTERM."""

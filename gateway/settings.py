@@ -61,8 +61,15 @@ class GatewaySettings:
     lease_ttl_s: float = 300.0
     auth_cache_ttl_s: float = 10.0
     json_logs: bool = True
+    # set by `strata gateway --workers N` in each of its processes: which one this is
+    # (0..N-1, the `process` label of its metrics), and the directory where the N processes
+    # keep their metrics, so that a scrape answered by any of them reads their sums
+    process_index: int = 0
+    metrics_dir: str | None = None
 
     def __post_init__(self) -> None:
+        if self.process_index < 0:
+            raise ValueError("process_index must be at least 0")
         if self.admin_token is not None and len(self.admin_token) < 16:
             raise ValueError("the admin token must be at least 16 characters")
         if not 1 <= self.port <= 65535:

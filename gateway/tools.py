@@ -1,14 +1,17 @@
 """Tool calling (OpenAI's `tools` and `tool_choice`) for any model, through structured output.
 
-The tools are described to the model in a system message, and its reply is constrained to
-one JSON object: `{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` to call tools, or,
-with `tool_choice: "auto"`, `{"content": "..."}` to answer in text. `"required"` allows calls
-only; a named tool_choice, calls of that tool only; `parallel_tool_calls: false`, one call.
-Each call's arguments must match its tool's `parameters` schema (engine/structured).
+Where the model's chat template renders `tools` in a syntax gateway/tool_formats.py knows
+(hermes, llama3_json, mistral), the template describes the tools and the reply is
+constrained to the model's own call syntax. Otherwise the tools are described to the model
+in a system message, and its reply is constrained to one JSON object:
+`{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` to call tools, or, with
+`tool_choice: "auto"`, `{"content": "..."}` to answer in text. Either way `"required"` allows
+calls only; a named tool_choice, calls of that tool only; `parallel_tool_calls: false`, one
+call; and each call's arguments must match its tool's `parameters` schema.
 
 The reply comes back in OpenAI's shape: `tool_calls` with fresh ids and the arguments as JSON
 text, and finish_reason "tool_calls"; or plain `content`. Earlier turns' calls are shown to
-the model in the same JSON it writes, and tool results as `tool` turns.
+the model as it writes them, and tool results as `tool` turns.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from engine.structured import SchemaError, compile_schema, grammar_for
+from engine.structured import SchemaError, check
 from gateway.errors import APIError, bad_request
 from gateway.openai_types import (
     AssistantMessage,
@@ -30,6 +33,7 @@ from gateway.openai_types import (
     ToolCall,
     too_deep,
 )
+from gateway.tool_formats import NativeReplyStream, ToolFormat, call_grammar, parse_native
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _EMPTY_ARGUMENTS = {"type": "object", "properties": {}}
@@ -37,17 +41,48 @@ _EMPTY_ARGUMENTS = {"type": "object", "properties": {}}
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """How a request's tools shape its prompt and its output."""
+    """How a request's tools shape its prompt and its output: the JSON-object scheme
+    (`schema`, `instructions`) or the model's own syntax (`native`, `grammar`, `tools`)."""
 
-    schema: str  # the JSON Schema the reply must match, as text
-    instructions: str  # the system message that describes the tools
+    schema: str | None  # the JSON Schema the reply must match, as text
+    instructions: str | None  # the system message that describes the tools
+    native: ToolFormat | None = None
+    grammar: str | None = None  # the Lark grammar a native reply must match
+    tools: list[dict[str, Any]] = field(default_factory=list)  # for the chat template
+    # each tool's name and parameters schema, to name the one a compile refuses
+    parameters: tuple[tuple[str, Any], ...] = ()
+
+    def parse_reply(
+        self, text: str, finish_reason: str | None
+    ) -> tuple[AssistantMessage, str | None]:
+        if self.native is not None:
+            return parse_native(text, finish_reason, self.native)
+        return parse_reply(text, finish_reason)
+
+    def reader(self) -> ReplyStream | NativeReplyStream:
+        return ReplyStream() if self.native is None else NativeReplyStream(self.native)
+
+    def refusal(self, exc: SchemaError) -> APIError:
+        """A 400 naming the tool whose parameters the reply's grammar could not take (found
+        by compiling each alone: call it off the event loop)."""
+        for i, (_, parameters) in enumerate(self.parameters):
+            try:
+                check(json.dumps(parameters), None)
+            except SchemaError as own:
+                return bad_request(str(own), param=f"tools[{i}].function.parameters")
+        return bad_request(f"the tools' schemas together: {exc}", param="tools")
 
 
 def plan_tools(
-    tools: list[Tool] | None, choice: str | NamedToolChoice | None, parallel: bool
+    tools: list[Tool] | None,
+    choice: str | NamedToolChoice | None,
+    parallel: bool,
+    native: ToolFormat | None = None,
+    mistral_token: int | None = None,
 ) -> ToolPlan | None:
-    """The plan for a request's tools; None when no tool may be called. Raises a 400 naming
-    the field for a bad tool, schema or choice."""
+    """The plan for a request's tools, in the template's own syntax `native` where it has
+    one; None when no tool may be called. Raises a 400 naming the field for a bad tool or
+    choice (schemas are compiled later, after admission: `ToolPlan.refusal`)."""
     if choice is not None and not tools:
         if choice == "none":
             return None
@@ -64,11 +99,13 @@ def plan_tools(
             )
         names = [choice.function.name]
     answer = choice in (None, "auto")
+    parameters = tuple((name, spec["parameters"]) for name, spec in table.items())
+    if native is not None:
+        chosen = [table[n] for n in names]
+        grammar = call_grammar(chosen, native, parallel, answer, mistral_token)
+        listed = [{"type": "function", "function": spec} for spec in table.values()]
+        return ToolPlan(None, None, native, grammar, listed, parameters)
     schema = json.dumps(_reply_schema([table[n] for n in names], parallel, answer))
-    try:
-        grammar_for(schema)  # compiled once: the request's own check finds it cached
-    except SchemaError as exc:
-        raise _schema_error(tools, exc) from None
     listing = json.dumps(list(table.values()), ensure_ascii=False)
     shape = '{"tool_calls": [{"name": <function name>, "arguments": <arguments object>}]}'
     instructions = (
@@ -77,7 +114,7 @@ def plan_tools(
         + ("functions" if parallel else "one function")
         + (', or {"content": <your answer>} to answer without calling one.' if answer else ".")
     )
-    return ToolPlan(schema=schema, instructions=instructions)
+    return ToolPlan(schema=schema, instructions=instructions, parameters=parameters)
 
 
 def _tool_table(tools: list[Tool]) -> dict[str, dict[str, Any]]:
@@ -123,16 +160,6 @@ def _reply_schema(tools: list[dict[str, Any]], parallel: bool, answer: bool) -> 
     return reply | ({"$defs": definitions} if definitions else {})
 
 
-def _schema_error(tools: list[Tool], exc: SchemaError) -> APIError:
-    """A 400 naming the tool whose parameters the reply schema could not take."""
-    for i, tool in enumerate(tools):
-        try:
-            compile_schema(tool.function.parameters or _EMPTY_ARGUMENTS)
-        except SchemaError as own:
-            return bad_request(str(own), param=f"tools[{i}].function.parameters")
-    return bad_request(f"the tools' schemas together: {exc}", param="tools")
-
-
 def _hoisted(schema: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
     """A tool's parameters schema without its definitions, its references rewritten to
     `#/$defs/<prefix><name>` (`#` itself to `#/$defs/<prefix>`), and the definitions so
@@ -171,7 +198,10 @@ def _hoisted(schema: Any, prefix: str) -> tuple[Any, dict[str, Any]]:
 
 def render_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> list[dict[str, Any]]:
     """The conversation as the chat template reads it: assistant turns' calls in the JSON the
-    model writes, and the tools' description first (in the system message, if there is one)."""
+    model writes, and the tools' description first (in the system message, if there is one);
+    or, for a template with its own syntax, calls and results as templates take them."""
+    if plan is not None and plan.native is not None:
+        return [_native_turn(m) for m in messages]
     rendered = []
     for m in messages:
         content = m.text()
@@ -180,13 +210,30 @@ def render_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> list[
                      for c in m.tool_calls]  # fmt: skip
             content = json.dumps({"tool_calls": calls}, ensure_ascii=False)
         rendered.append({"role": m.role, "content": content})
-    if plan is not None:
+    if plan is not None and plan.instructions is not None:
         if rendered and rendered[0]["role"] in ("system", "developer"):
             first = rendered[0]
             rendered[0] = {**first, "content": f"{first['content']}\n\n{plan.instructions}"}
         else:
             rendered.insert(0, {"role": "system", "content": plan.instructions})
     return rendered
+
+
+def _native_turn(m: ChatMessage) -> dict[str, Any]:
+    """A turn as templates that render tools read it (transformers' convention: a call's
+    arguments as an object, a tool result with the id of the call it answers)."""
+    turn: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.tool_calls:
+        turn["tool_calls"] = [
+            {"id": c.id, "type": "function",
+             "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+            for c in m.tool_calls
+        ]  # fmt: skip
+    if m.tool_call_id is not None:
+        turn["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        turn["name"] = m.name
+    return turn
 
 
 def _arguments(text: str) -> Any:
@@ -239,6 +286,11 @@ class ReplyStream:
         self.read = 0  # of that string, the characters decoded so far
         self.closed = False  # its closing quote has come
         self.calls = False  # the reply is calls (or cannot be an answer)
+
+    @property
+    def unreleased(self) -> str:
+        """The reply's text not released as an answer (all of it, unless it is one)."""
+        return self.text if self.start is None else ""
 
     def feed(self, delta: str) -> str | None:
         """The answer's new text (maybe ""), or None while the reply is not known to be one."""

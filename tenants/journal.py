@@ -4,7 +4,9 @@ store down past the shutdown drain) writes them after it restarts.
 
 Layout: `<root>/<owner>/<seq>.seg`, one `<owner>` directory per running gateway process,
 held with an exclusive `flock` on `<owner>/lock`. A process that starts claims every owner
-directory whose lock is free (its process is gone) and replays those records. A frame is
+directory whose lock is free (its process is gone) and replays those records. Processes
+that share a root and start together (`strata gateway --workers N`) split the orphans: each
+is claimed by exactly one of them. A frame is
 `len:u32 crc32:u32 msgpack(UsageRecord)`; a torn or corrupt tail ends a segment's reading.
 """
 
@@ -88,7 +90,10 @@ class LedgerJournal:
         return replay
 
     def _lock(self, directory: Path) -> bool:
-        fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        except FileNotFoundError:  # another gateway starting at once claimed and removed it
+            return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -100,7 +105,10 @@ class LedgerJournal:
     def _claim(self, directory: Path) -> list[tuple[int, UsageRecord]]:
         out: list[tuple[int, UsageRecord]] = []
         for path in sorted(directory.glob("*.seg")):
-            records = list(self._read(path))
+            try:
+                records = list(self._read(path))
+            except FileNotFoundError:
+                continue
             if not records:
                 path.unlink()
                 continue

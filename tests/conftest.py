@@ -19,6 +19,7 @@ from engine.kernels.cpu import kernel_dir
 from engine.loader import build_model, load_checkpoint
 from engine.model.llama import LlamaForCausalLM
 from engine.model.native_cpu import apply_native_cpu
+from engine.structured.backend import Vocabulary
 from engine.tokenizer import Tokenizer
 from tenants.store import EmbeddedStore, connect
 
@@ -90,12 +91,12 @@ def hf_smollm2(smollm2_dir: str) -> Any:
 
 
 @pytest.fixture(scope="session")
-def smollm2_token_bytes(smollm2_tokenizer: Tokenizer) -> list[bytes | None]:
-    return smollm2_tokenizer.token_bytes()
+def smollm2_vocabulary(smollm2_tokenizer: Tokenizer) -> Vocabulary:
+    return Vocabulary.of(smollm2_tokenizer)
 
 
 @pytest.fixture
-def make_core(smollm2_fp32, smollm2_fp32_torch, smollm2_token_bytes, strata_cache_dir):
+def make_core(smollm2_fp32, smollm2_fp32_torch, smollm2_vocabulary, strata_cache_dir):
     """Build an EngineCore over the shared fp32 SmolLM2 weights with a given config."""
 
     def make(config: EngineConfig | None = None) -> EngineCore:
@@ -107,7 +108,7 @@ def make_core(smollm2_fp32, smollm2_fp32_torch, smollm2_token_bytes, strata_cach
         kernels = native_kernels(cfg, torch.float32)
         return EngineCore(
             model, cfg, model_id=model_id, eos_token_ids=tokenizer.eos_token_ids,
-            kernels=kernels, triton=use_triton(cfg), token_bytes=smollm2_token_bytes,
+            kernels=kernels, triton=use_triton(cfg), vocabulary=smollm2_vocabulary,
         )  # fmt: skip
 
     return make

@@ -2,4 +2,5 @@
 
 
 class SchemaError(ValueError):
-    """A response format Strata cannot honour: bad JSON, an invalid or unsupported schema."""
+    """A response format Strata cannot honour: bad JSON, an invalid or unsupported schema or
+    grammar, or one that would take more than the compile budget."""

@@ -13,13 +13,19 @@ from gateway.errors import bad_request
 from tenants.export import ExportFormat, Granularity, ModelNames, PriceBook, export_usage
 
 if TYPE_CHECKING:
-    from gateway.state import GatewayState
+    from gateway.fleet import Fleet
+    from gateway.metrics import GatewayMetrics
+    from tenants.ledger import Ledger
+    from tenants.registry import TenantRegistry
 
 log = logging.getLogger(__name__)
 
 
 async def usage_export(
-    gw: GatewayState,
+    registry: TenantRegistry,
+    ledger: Ledger,
+    fleet: Fleet,
+    metrics: GatewayMetrics,
     tenant_id: str | None,
     start: float,
     end: float,
@@ -30,28 +36,28 @@ async def usage_export(
     """A usage export over [start, end) (one tenant, or all for None) at today's prices,
     with every model named by its canonical id. Requests no price applies to are logged
     and counted once the export has been read."""
-    prices = {p.model: p for p in await gw.registry.list_prices()}
-    adapters = await gw.registry.list_adapters()
+    prices = {p.model: p for p in await registry.list_prices()}
+    adapters = await registry.list_adapters()
     names = ModelNames(
-        gw.fleet.all_aliases(),
+        fleet.all_aliases(),
         {a.name: a.base_model for a in adapters},
-        default_base=gw.fleet.default_model_id,
+        default_base=fleet.default_model_id,
     )
     book = PriceBook(prices)
     body = export_usage(
-        gw.ledger.iter_records(tenant_id, start, end),
+        ledger.iter_records(tenant_id, start, end),
         fmt=fmt, granularity=granularity, prices=book, names=names,
     )  # fmt: skip
-    return _report_unpriced(body, book, gw)
+    return _report_unpriced(body, book, metrics)
 
 
 async def _report_unpriced(
-    body: AsyncIterator[bytes], book: PriceBook, gw: GatewayState
+    body: AsyncIterator[bytes], book: PriceBook, metrics: GatewayMetrics
 ) -> AsyncIterator[bytes]:
     async for chunk in body:
         yield chunk
     for name, num_requests in sorted(book.unpriced.items()):
-        gw.metrics.unpriced.labels(name).inc(num_requests)
+        metrics.unpriced.labels(name).inc(num_requests)
         log.warning(
             "usage export: %d requests of %r have no price (set one with PUT /admin/prices/)",
             num_requests, name,

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import msgspec
-from litestar import Controller, Request, Response, delete, get, patch, post, put
+from litestar import Controller, Response, delete, get, patch, post, put
+from litestar.di import NamedDependency
 from litestar.enums import RequestEncodingType
 from litestar.params import Body, FromPath, FromQuery, JSONBody
 from litestar.response import Stream
@@ -18,12 +19,15 @@ from gateway.adapters import (
     register_adapter,
     register_upload,
 )
-from gateway.auth import gateway_state, requires_admin_token
-from gateway.fleet import WorkerHandle
+from gateway.auth import requires_admin_token
+from gateway.fleet import Fleet, WorkerHandle
+from gateway.metrics import GatewayMetrics
 from gateway.routes import time_window, usage_export
-from gateway.state import GatewayState
+from gateway.settings import GatewaySettings
 from tenants.errors import NotFoundError
 from tenants.export import ExportFormat, Granularity
+from tenants.keys import KeyManager
+from tenants.ledger import Ledger
 from tenants.records import (
     Adapter,
     AdapterCreate,
@@ -39,8 +43,8 @@ from tenants.records import (
     TenantUpdate,
     TenantView,
 )
+from tenants.registry import TenantRegistry
 
-Req = Request[Any, Any, Any]
 _MEDIA = {"csv": "text/csv", "ndjson": "application/x-ndjson", "json": "application/json"}
 
 
@@ -50,65 +54,88 @@ class TenantController(Controller):
     tags = ["admin"]  # noqa: RUF012
 
     @post("/")
-    async def create(self, request: Req, data: JSONBody[TenantCreate]) -> TenantView:
-        return TenantView.of(await gateway_state(request).registry.create_tenant(data))
+    async def create(
+        self, registry: NamedDependency[TenantRegistry], data: JSONBody[TenantCreate]
+    ) -> TenantView:
+        return TenantView.of(await registry.create_tenant(data))
 
     @get("/")
-    async def list_all(self, request: Req) -> list[TenantView]:
-        return [TenantView.of(t) for t in await gateway_state(request).registry.list_tenants()]
+    async def list_all(self, registry: NamedDependency[TenantRegistry]) -> list[TenantView]:
+        return [TenantView.of(t) for t in await registry.list_tenants()]
 
     @get("/{tenant_id:str}")
-    async def read(self, request: Req, tenant_id: FromPath[str]) -> TenantView:
-        return TenantView.of(await gateway_state(request).registry.get_tenant(tenant_id))
+    async def read(
+        self, registry: NamedDependency[TenantRegistry], tenant_id: FromPath[str]
+    ) -> TenantView:
+        return TenantView.of(await registry.get_tenant(tenant_id))
 
     @patch("/{tenant_id:str}")
     async def update(
-        self, request: Req, tenant_id: FromPath[str], data: JSONBody[TenantUpdate]
+        self,
+        registry: NamedDependency[TenantRegistry],
+        tenant_id: FromPath[str],
+        data: JSONBody[TenantUpdate],
     ) -> TenantView:
-        tenant = await gateway_state(request).registry.update_tenant(tenant_id, data)
+        tenant = await registry.update_tenant(tenant_id, data)
         return TenantView.of(tenant)
 
     @delete("/{tenant_id:str}")
-    async def remove(self, request: Req, tenant_id: FromPath[str]) -> None:
-        await gateway_state(request).registry.delete_tenant(tenant_id)
+    async def remove(
+        self, registry: NamedDependency[TenantRegistry], tenant_id: FromPath[str]
+    ) -> None:
+        await registry.delete_tenant(tenant_id)
 
     @post("/{tenant_id:str}/rotate-cache-salt", status_code=200)
-    async def rotate_cache_salt(self, request: Req, tenant_id: FromPath[str]) -> TenantView:
+    async def rotate_cache_salt(
+        self, registry: NamedDependency[TenantRegistry], tenant_id: FromPath[str]
+    ) -> TenantView:
         """A fresh secret salt: the tenant's cached prefixes are never hit again."""
-        tenant = await gateway_state(request).registry.rotate_cache_salt(tenant_id)
+        tenant = await registry.rotate_cache_salt(tenant_id)
         return TenantView.of(tenant)
 
     @get("/{tenant_id:str}/policy")
-    async def get_policy(self, request: Req, tenant_id: FromPath[str]) -> PolicyView:
-        gw = gateway_state(request)
-        return policy_view(gw, await gw.registry.get_policy(tenant_id))
+    async def get_policy(
+        self,
+        registry: NamedDependency[TenantRegistry],
+        fleet: NamedDependency[Fleet],
+        tenant_id: FromPath[str],
+    ) -> PolicyView:
+        return policy_view(fleet, await registry.get_policy(tenant_id))
 
     @put("/{tenant_id:str}/policy")
     async def put_policy(
-        self, request: Req, tenant_id: FromPath[str], data: JSONBody[Policy]
+        self,
+        registry: NamedDependency[TenantRegistry],
+        tenant_id: FromPath[str],
+        data: JSONBody[Policy],
     ) -> Policy:
-        return await gateway_state(request).registry.put_policy(tenant_id, data)
+        return await registry.put_policy(tenant_id, data)
 
     @patch("/{tenant_id:str}/policy")
     async def patch_policy(
-        self, request: Req, tenant_id: FromPath[str], data: JSONBody[PolicyPatch]
+        self,
+        registry: NamedDependency[TenantRegistry],
+        tenant_id: FromPath[str],
+        data: JSONBody[PolicyPatch],
     ) -> Policy:
-        return await gateway_state(request).registry.patch_policy(tenant_id, data)
+        return await registry.patch_policy(tenant_id, data)
 
     @post("/{tenant_id:str}/keys")
     async def create_key(
-        self, request: Req, tenant_id: FromPath[str], data: JSONBody[KeyCreate]
+        self, keys: NamedDependency[KeyManager], tenant_id: FromPath[str], data: JSONBody[KeyCreate]
     ) -> ApiKeyCreated:
-        return await gateway_state(request).keys.create_key(tenant_id, data)
+        return await keys.create_key(tenant_id, data)
 
     @get("/{tenant_id:str}/keys")
-    async def list_keys(self, request: Req, tenant_id: FromPath[str]) -> list[ApiKey]:
-        return await gateway_state(request).keys.list_keys(tenant_id)
+    async def list_keys(
+        self, keys: NamedDependency[KeyManager], tenant_id: FromPath[str]
+    ) -> list[ApiKey]:
+        return await keys.list_keys(tenant_id)
 
 
-def policy_view(gw: GatewayState, policy: Policy) -> PolicyView:
+def policy_view(fleet: Fleet, policy: Policy) -> PolicyView:
     """The KV budget in bytes at the default model's KV bytes per token (and KV dtype)."""
-    default = gw.fleet.resolve("default")
+    default = fleet.resolve("default")
     per_token = default.info.kv_bytes_per_token if default is not None else 0
     budget = policy.kv_budget_tokens
     return PolicyView(
@@ -124,18 +151,18 @@ class KeyController(Controller):
     tags = ["admin"]  # noqa: RUF012
 
     @get("/{key_id:str}")
-    async def read(self, request: Req, key_id: FromPath[str]) -> ApiKey:
-        return await gateway_state(request).keys.get_key(key_id)
+    async def read(self, keys: NamedDependency[KeyManager], key_id: FromPath[str]) -> ApiKey:
+        return await keys.get_key(key_id)
 
     @post("/{key_id:str}/revoke", status_code=200)
-    async def revoke(self, request: Req, key_id: FromPath[str]) -> ApiKey:
-        return await gateway_state(request).keys.revoke_key(key_id)
+    async def revoke(self, keys: NamedDependency[KeyManager], key_id: FromPath[str]) -> ApiKey:
+        return await keys.revoke_key(key_id)
 
     @post("/{key_id:str}/rotate")
     async def rotate(
-        self, request: Req, key_id: FromPath[str], data: JSONBody[KeyRotate]
+        self, keys: NamedDependency[KeyManager], key_id: FromPath[str], data: JSONBody[KeyRotate]
     ) -> ApiKeyCreated:
-        return await gateway_state(request).keys.rotate_key(key_id, data)
+        return await keys.rotate_key(key_id, data)
 
 
 class AdapterController(Controller):
@@ -144,29 +171,34 @@ class AdapterController(Controller):
     tags = ["admin"]  # noqa: RUF012
 
     @post("/")
-    async def register(self, request: Req, data: JSONBody[AdapterCreate]) -> Adapter:
-        gw = gateway_state(request)
-        return await register_adapter(data, gw.registry, gw.fleet)  # 400 if it cannot serve
+    async def register(
+        self,
+        registry: NamedDependency[TenantRegistry],
+        fleet: NamedDependency[Fleet],
+        data: JSONBody[AdapterCreate],
+    ) -> Adapter:
+        return await register_adapter(data, registry, fleet)  # 400 if it cannot serve
 
     @post("/upload", request_max_body_size=MAX_ADAPTER_UPLOAD_BYTES, status_code=201)
     async def upload(
         self,
-        request: Req,
+        registry: NamedDependency[TenantRegistry],
+        fleet: NamedDependency[Fleet],
+        settings: NamedDependency[GatewaySettings],
         data: Annotated[AdapterUpload, Body(media_type=RequestEncodingType.MULTI_PART)],
     ) -> Adapter:
         """Register an adapter from its two PEFT files, sent as multipart form data; they are
         kept under the gateway's data dir, which the engine workers must be able to read."""
-        gw = gateway_state(request)
-        root = Path(gw.settings.data_dir) / "adapters"
-        return await register_upload(data, gw.registry, gw.fleet, root)
+        root = Path(settings.data_dir) / "adapters"
+        return await register_upload(data, registry, fleet, root)
 
     @get("/")
-    async def list_all(self, request: Req) -> list[Adapter]:
-        return await gateway_state(request).registry.list_adapters()
+    async def list_all(self, registry: NamedDependency[TenantRegistry]) -> list[Adapter]:
+        return await registry.list_adapters()
 
     @delete("/{name:str}")
-    async def remove(self, request: Req, name: FromPath[str]) -> None:
-        await gateway_state(request).registry.delete_adapter(name)
+    async def remove(self, registry: NamedDependency[TenantRegistry], name: FromPath[str]) -> None:
+        await registry.delete_adapter(name)
 
 
 class PriceController(Controller):
@@ -175,17 +207,19 @@ class PriceController(Controller):
     tags = ["admin"]  # noqa: RUF012
 
     @put("/", status_code=200)
-    async def put_price(self, request: Req, data: JSONBody[Price]) -> Price:
-        await gateway_state(request).registry.put_price(data)
+    async def put_price(
+        self, registry: NamedDependency[TenantRegistry], data: JSONBody[Price]
+    ) -> Price:
+        await registry.put_price(data)
         return data
 
     @get("/")
-    async def list_all(self, request: Req) -> list[Price]:
-        return await gateway_state(request).registry.list_prices()
+    async def list_all(self, registry: NamedDependency[TenantRegistry]) -> list[Price]:
+        return await registry.list_prices()
 
     @delete("/{model:str}")
-    async def remove(self, request: Req, model: FromPath[str]) -> None:
-        await gateway_state(request).registry.delete_price(model)
+    async def remove(self, registry: NamedDependency[TenantRegistry], model: FromPath[str]) -> None:
+        await registry.delete_price(model)
 
 
 class UsageController(Controller):
@@ -196,7 +230,10 @@ class UsageController(Controller):
     @get("/export")
     async def export(
         self,
-        request: Req,
+        registry: NamedDependency[TenantRegistry],
+        ledger: NamedDependency[Ledger],
+        fleet: NamedDependency[Fleet],
+        metrics: NamedDependency[GatewayMetrics],
         tenant: FromQuery[str | None] = None,
         start: FromQuery[str | None] = None,
         end: FromQuery[str | None] = None,
@@ -205,11 +242,13 @@ class UsageController(Controller):
     ) -> Response[Any]:
         """Stream usage for one tenant (or all) over [start, end), with cost columns (bounds
         in unix seconds or ISO 8601)."""
-        gw = gateway_state(request)
         begin, stop = time_window(start, end)
         if tenant is not None:
-            await gw.registry.get_tenant(tenant)  # 404 for an unknown tenant
-        body = await usage_export(gw, tenant, begin, stop, fmt=format, granularity=granularity)
+            await registry.get_tenant(tenant)  # 404 for an unknown tenant
+        body = await usage_export(
+            registry, ledger, fleet, metrics, tenant, begin, stop, fmt=format,
+            granularity=granularity,
+        )  # fmt: skip
         filename = f"usage-{tenant or 'all'}.{format}"
         return Stream(
             body,
@@ -257,22 +296,21 @@ class WorkerController(Controller):
     tags = ["admin"]  # noqa: RUF012
 
     @get("/")
-    async def list_all(self, request: Req) -> list[WorkerView]:
-        fleet = gateway_state(request).fleet
+    async def list_all(self, fleet: NamedDependency[Fleet]) -> list[WorkerView]:
         return [_worker_view(h) for _, h in sorted(fleet.workers.items())]
 
     @post("/drain", status_code=200)
-    async def drain(self, request: Req, data: JSONBody[WorkerRef]) -> WorkerView:
+    async def drain(self, fleet: NamedDependency[Fleet], data: JSONBody[WorkerRef]) -> WorkerView:
         """The worker takes no new requests, on every gateway; its running ones finish."""
-        return _worker_view(await _set_drained(request, data.worker_id, True))
+        return _worker_view(await _set_drained(fleet, data.worker_id, True))
 
     @post("/undrain", status_code=200)
-    async def undrain(self, request: Req, data: JSONBody[WorkerRef]) -> WorkerView:
-        return _worker_view(await _set_drained(request, data.worker_id, False))
+    async def undrain(self, fleet: NamedDependency[Fleet], data: JSONBody[WorkerRef]) -> WorkerView:
+        return _worker_view(await _set_drained(fleet, data.worker_id, False))
 
 
-async def _set_drained(request: Req, worker_id: str, drained: bool) -> WorkerHandle:
+async def _set_drained(fleet: Fleet, worker_id: str, drained: bool) -> WorkerHandle:
     try:
-        return await gateway_state(request).fleet.set_drained(worker_id, drained)
+        return await fleet.set_drained(worker_id, drained)
     except KeyError:
         raise NotFoundError("worker", worker_id) from None

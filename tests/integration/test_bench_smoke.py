@@ -113,15 +113,21 @@ def test_gateway_overhead_quick_run_removes_the_store_and_socket(
     tmp_path, capsys, strata_cache_dir, empty_tempdir, monkeypatch
 ):
     monkeypatch.setenv("STRATA_CACHE_DIR", str(strata_cache_dir))  # the worker's weights
-    summary = gateway_overhead.main(
-        ["--quick", "--concurrency", "1", "--requests", "4", "--out-dir", str(tmp_path)]
-    )
+    summary = gateway_overhead.main([
+        "--quick", "--concurrency", "1", "--requests", "4", "--model", "synthetic:tiny",
+        "--gateway-workers", "2", "--out-dir", str(tmp_path),
+    ])  # fmt: skip
     record = published("gateway_overhead", summary, capsys.readouterr().out, tmp_path)
     assert set(summary["overhead_ms"]) == set(summary["rps"]) == {"1"}
     assert summary["overhead_ms"]["1"]["p50"] > 0
     assert summary["rps"]["1"]["direct"] > 0 and summary["rps"]["1"]["gateway"] > 0
     assert record["requests_per_level"] == 4
-    assert not list(empty_tempdir.iterdir()), "the store's files and the socket are gone"
+    assert record["model"] == "synthetic:tiny" and record["gateway_workers"] == 2
+    # the gateway's processes count in its CPU time
+    assert record["cpu_ms_per_request"]["1"]["gateway"]["gateway"] > 0
+    assert not list(empty_tempdir.iterdir()), (
+        "the store's files, the socket and the gateway's metrics directory are gone"
+    )
 
 
 def test_fleet_quick_run_sends_one_stream_through_every_policy(

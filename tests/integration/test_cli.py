@@ -78,7 +78,7 @@ def test_sampled_generation_is_reproducible_with_a_seed(strata_cache_dir):
         (["--dtype", "float8"], "dtype"),
         (["--weights", "fp8", "--device", "cpu"], "fp8 weights need the Triton kernels"),
         (["--max-tokens", "0"], "max_tokens"),
-        (["--json-schema", '{"type": "string", "format": "hostname"}'], "'hostname' is not"),
+        (["--json-schema", '{"type": "array", "uniqueItems": true}'], "'uniqueItems' is not"),
         (["--json-schema", "@/nonexistent/schema.json"], "cannot read"),
     ],
 )

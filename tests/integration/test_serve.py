@@ -115,6 +115,23 @@ def test_serve_demo_end_to_end(tmp_path, strata_cache_dir):
         assert [t["name"] for t in tenants.json()] == ["demo"]
         assert oct((tmp_path / "data" / "demo_key").stat().st_mode & 0o777) == "0o600"
 
+        # the operator prices the model /v1/models lists; the request above, sent as
+        # `default`, is billed at that price
+        admin = httpx.Client(base_url=url.removesuffix("/v1"), timeout=30,
+                             headers={"authorization": f"Bearer {token}"})  # fmt: skip
+        (listed,) = client.models.list().data
+        price = {"model": listed.id, "prompt_per_m": 2.0, "completion_per_m": 8.0}
+        assert admin.put("/admin/prices/", json=price).status_code == 200
+        deadline = time.monotonic() + 10
+        while not (rows := admin.get("/admin/usage/export").json()):
+            assert time.monotonic() < deadline, "the request was not billed"
+            time.sleep(0.2)
+        (row,) = rows
+        assert row["model"] == listed.id and row["priced"] is True
+        want = (row["prompt_tokens"] * 2.0 + row["completion_tokens"] * 8.0) / 1e6
+        assert float(row["cost_total"]) == pytest.approx(want) and want > 0
+        admin.close()
+
         # the worker got a made-up fleet secret through its environment, never its command
         # line, and asks every client for it; its socket and the data directory are private
         (worker,) = [p for p, cmd in _children(proc.pid).items() if " engine " in cmd]

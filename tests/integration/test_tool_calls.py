@@ -105,7 +105,7 @@ def test_auto_answers_in_text_or_calls_and_a_conversation_with_results_goes_on(c
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"x": {"type": "string", "format": "hostname"}}}}}]},
+            "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}]},
          "tools[0].function.parameters"),
     ],
 )  # fmt: skip
@@ -139,3 +139,67 @@ def test_tokenize_counts_the_tools_as_a_request_bills_them(client, gateway):
         plain = http.post("/tokenize", json={"model": MODEL, "messages": ASK}).json()["count"]
     reply = create(client, tool_choice="required", max_tokens=1)
     assert counted == reply.usage.prompt_tokens > plain + 50
+
+
+# -- a template that renders tools: the model's own syntax ---------------------------------
+
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call functions. Their signatures:\n<tools>\n"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\nFor each call, "
+    'write <tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.tool_calls %}{%- for call in message.tool_calls %}\n<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
+    "\n</tool_call>{%- endfor %}{%- else %}{{ message.content }}{%- endif %}<|im_end|>\n"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+@pytest.fixture
+def hermes(smollm2_tokenizer, smollm2_fp32):
+    """A gateway preparer and an engine over the real model, its chat template one that
+    renders tools in hermes syntax (as Qwen2.5's does)."""
+    import asyncio
+
+    from engine.protocol import ModelInfo
+    from gateway.prepare import Preparer
+
+    tokenizer = smollm2_tokenizer.with_chat_template(HERMES_TEMPLATE)
+    info = ModelInfo(model_id=MODEL, vocab_size=tokenizer.vocab_size, max_model_len=2048,
+                     eos_token_ids=sorted(tokenizer.eos_token_ids), kv_block_size=16,
+                     kv_bytes_per_token=1, dtype="float32", device="cpu")  # fmt: skip
+    preparer = Preparer(tokenizer, info)
+    yield preparer, asyncio.run, tokenizer
+    preparer.close()
+
+
+def test_a_template_with_tools_gets_calls_in_its_own_syntax(hermes, make_core):
+    import msgspec
+
+    from engine.llm import LLM
+    from gateway.openai_types import ChatCompletionRequest
+    from gateway.tool_formats import ToolFormat
+    from tenants.records import Tenant
+
+    preparer, run, tokenizer = hermes
+    assert preparer.tool_format is ToolFormat.HERMES
+    tenant = msgspec.convert({"id": "t", "name": "t", "created_at": 0.0, "policy": {}}, Tenant)
+    body = msgspec.convert({"model": MODEL, "messages": ASK, "tools": TOOLS,
+                            "tool_choice": "required", "max_tokens": 120, "temperature": 0},
+                           ChatCompletionRequest)  # fmt: skip
+    job = run(preparer.chat(body, tenant, "chatcmpl-1"))
+    run(preparer.check_grammar(job))
+    assert job.tools is not None and job.params.grammar is not None
+    prompt = tokenizer.decode(job.prompts[0], skip_special_tokens=False)
+    assert "<tools>" in prompt and '"get_weather"' in prompt  # the template shows the tools
+    assert "You can call these functions" not in prompt  # not the JSON-object scheme's
+    llm = LLM(core=make_core(), tokenizer=tokenizer)
+    (out,) = llm.generate([job.prompts[0]], job.params)
+    assert out.text.startswith("<tool_call>\n")
+    message, finish = job.tools.parse_reply(out.text, "stop")
+    assert finish == "tool_calls" and message.tool_calls
+    for call in message.tool_calls:
+        schema = next(t["function"]["parameters"] for t in TOOLS
+                      if t["function"]["name"] == call.function.name)  # fmt: skip
+        jsonschema.validate(json.loads(call.function.arguments), schema)

@@ -1,9 +1,11 @@
 """deploy/ matches the code: Kubernetes manifests valid against the Kubernetes schemas (as
-files, and as kustomize builds them), gateways pointed at every worker pod, dashboards on a
-datasource variable, alert rules well formed, and every metric they name documented."""
+files, and as kustomize builds them), workers registering in the store the gateways read,
+dashboards on a datasource variable, alert rules well formed, and every metric they name
+documented."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -81,32 +83,71 @@ def _base_docs() -> list[dict]:
     return docs
 
 
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
 def _check_fleet(docs: list[dict]) -> None:
-    """Gateways address each worker pod, the Secret's keys are the ones referenced, probes
-    hit /health and /ready, and the scrape annotations name the HTTP port."""
+    """Workers register in the store the gateways read (the same URL, the password and the
+    fleet secret from the same Secret keys), as their pod name, at their pod's DNS name under
+    the headless Service; gateways list no worker; the store admits both; a gateway runs
+    one process per core it requests; the Secret's keys are the ones referenced, probes hit
+    /health and /ready, and the scrape annotations name the HTTP port."""
     workers = _by_kind(docs, "StatefulSet", "strata-worker")
-    service = workers["spec"]["serviceName"]
-    expected = [
-        f"tcp://{workers['metadata']['name']}-{i}.{service}:7000"
-        for i in range(workers["spec"]["replicas"])
-    ]
     gateway = _by_kind(docs, "StatefulSet", "strata-gateway")
     pod = gateway["spec"]["template"]
     (container,) = pod["spec"]["containers"]
     env = {e["name"]: e for e in container["env"]}
-    assert env["STRATA_ENGINE_URLS"]["value"].split(",") == expected
+    assert "STRATA_ENGINE_URLS" not in env and "--engine" not in container["args"]
+    (engine,) = workers["spec"]["template"]["spec"]["containers"]
+    args = engine["args"]
+    worker_env = {e["name"]: e for e in engine["env"]}
+    assert args[0] == "engine"
+    registry = (
+        _arg(args, "--registry-url")
+        if "--registry-url" in args
+        else worker_env["STRATA_REDIS_URL"]["value"]
+    )
+    assert registry == env["STRATA_REDIS_URL"]["value"]
+    for name in ("STORE_PASSWORD", "STRATA_WORKER_SECRET"):
+        assert worker_env[name]["valueFrom"] == env[name]["valueFrom"], name
+    # $(VAR) expands only to a variable defined earlier in the container's env
+    for where, e in [("env", env), ("worker env", worker_env)]:
+        order = list(e)
+        for name, var in e.items():
+            for ref in re.findall(r"\$\((\w+)\)", var.get("value", "")):
+                assert ref in order[: order.index(name)], f"{where}: {name} uses {ref}"
+    for where, c, e in [("gateway", container, env), ("worker", engine, worker_env)]:
+        for ref in {r for a in c["args"] for r in re.findall(r"\$\((\w+)\)", a)}:
+            assert ref in e, f"{where} args use {ref}"
+    assert worker_env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert _arg(args, "--worker-id") == "$(POD_NAME)"
+    service = _by_kind(docs, "Service", workers["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None"  # a DNS name per pod
+    worker_labels = workers["spec"]["template"]["metadata"]["labels"]
+    assert _selects(service["spec"]["selector"], worker_labels)
+    port = _arg(args, "--listen").rpartition(":")[2]
+    assert port == str(service["spec"]["ports"][0]["port"])
+    assert _arg(args, "--advertise") == f"tcp://$(POD_NAME).{service['metadata']['name']}:{port}"
+    store_policy = _by_kind(docs, "NetworkPolicy", "strata-valkey")
+    peers = [p["podSelector"]["matchLabels"] for r in store_policy["spec"]["ingress"]
+             for p in r["from"]]  # fmt: skip
+    for labels in (worker_labels, pod["metadata"]["labels"]):
+        assert any(_selects(peer, labels) for peer in peers)
+    requests = container["resources"]["requests"]
+    assert int(_arg(container["args"], "--workers")) == int(requests["cpu"])
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
-    (port,) = container["ports"]
+    (http,) = container["ports"]
     annotations = pod["metadata"]["annotations"]
-    assert annotations["prometheus.io/port"] == str(port["containerPort"])
+    assert annotations["prometheus.io/port"] == str(http["containerPort"])
     assert annotations["prometheus.io/path"] == "/metrics"
     assert {"STRATA_WORKER_SECRET", "STRATA_ADMIN_TOKEN", "STRATA_METRICS_TOKEN"} <= set(env)
-    (engine,) = workers["spec"]["template"]["spec"]["containers"]
-    listen = engine["args"][engine["args"].index("--listen") + 1]
-    assert listen.endswith(":7000") and engine["args"][0] == "engine"
-    model = engine["args"][engine["args"].index("--model") + 1]
-    assert container["args"][container["args"].index("--model") + 1] == model
+    assert _arg(container["args"], "--model") == _arg(args, "--model")
     refs = [
         e["valueFrom"]["secretKeyRef"]
         for d in docs
@@ -122,7 +163,7 @@ def _check_fleet(docs: list[dict]) -> None:
         assert set(secret["data"]) == set(SECRET_KEYS)
 
 
-def test_the_base_gateways_reach_every_worker() -> None:
+def test_the_base_workers_register_where_the_gateways_look() -> None:
     _check_fleet(_base_docs())
 
 

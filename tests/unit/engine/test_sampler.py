@@ -1,6 +1,7 @@
 import json
 import math
 
+import pytest
 import torch
 
 from engine.protocol import SamplingParams
@@ -184,79 +185,92 @@ JV = 262  # the 256 bytes, then '{"', 'Paris', 'true', '}', a special token, a s
 JSON_VOCAB: list[bytes | None] = [bytes((b,)) for b in range(256)]
 JSON_VOCAB += [b'{"', b"Paris", b"true", b"}", None, None]
 OPEN, PARIS, TRUE, STOP = 256, 257, 258, 261
-FIRST_BYTE = torch.tensor([t[0] if t else 256 for t in JSON_VOCAB])
 
 
-def constrained(schema: dict, **params) -> Request:
-    from engine.structured import JsonMatcher, TokenMatcher, grammar_for
+@pytest.fixture(scope="module")
+def grammars():
+    from engine.config import GrammarBackend
+    from engine.structured.backend import Vocabulary
+    from engine.structured.compilers import make_compiler
 
+    specials = {260: "<|x|>", STOP: "<|end|>"}
+    vocab = Vocabulary(JSON_VOCAB, specials, STOP, lambda t: list(t.encode()))
+    return make_compiler(GrammarBackend.LLGUIDANCE, vocab)
+
+
+def constrained(grammars, schema: dict, **params) -> Request:
     text = json.dumps(schema)
     r = Request("r", [1, 2, 3], SamplingParams(json_schema=text, **params))
-    r.matcher = TokenMatcher(JsonMatcher(grammar_for(text)), JSON_VOCAB, frozenset({STOP}))
+    r.matcher = grammars.matcher(text, None, frozenset({STOP}))
     return r
 
 
 def run_constrained(requests, logits, gen=None):
-    batch = build_sampling_batch(
-        requests, JV, torch.device("cpu"), frozenset({STOP}), first_byte=FIRST_BYTE
-    )
+    batch = build_sampling_batch(requests, JV, torch.device("cpu"), frozenset({STOP}))
     return sample(logits.clone(), batch, gen, argmax=lambda x: x.argmax(dim=-1))
 
 
-def test_a_greedy_row_takes_its_best_token_the_grammar_allows():
+def test_a_greedy_row_takes_its_best_token_the_grammar_allows(grammars):
     logits = torch.zeros(2, JV)
     logits[:, PARIS] = 9.0  # what the model wants, and JSON does not start so
     logits[:, STOP] = 8.0  # nor is an empty output a value
     logits[:, OPEN] = 5.0
     logits[:, ord("{")] = 4.0
     free = reqs(SamplingParams(temperature=0.0))[0]
-    out = run_constrained([constrained({"type": "object"}, temperature=0.0), free], logits)
+    row = constrained(grammars, {"type": "object"}, temperature=0.0, logprobs=1)
+    out = run_constrained([row, free], logits)
     assert out.token_ids.tolist() == [OPEN, PARIS]
+    # the logprobs reported are the model's own, before the grammar's mask
+    assert out.top_ids is not None and out.top_ids[0].tolist() == [PARIS]
 
 
-def test_a_sampled_row_draws_from_its_distribution_restricted_to_allowed_tokens():
+def test_a_sampled_row_draws_from_its_distribution_restricted_to_allowed_tokens(grammars):
     probs = torch.full((JV,), 1e-9)
     probs[PARIS], probs[ord("1")], probs[ord("2")] = 0.7, 0.2, 0.1
     logits = probs.log().expand(3000, JV)
-    rows = [constrained({"type": "integer"}, temperature=1.0, seed=i) for i in range(3000)]
+    rows = [constrained(grammars, {"type": "integer"}, temperature=1.0, seed=i)
+            for i in range(3000)]  # fmt: skip
     tokens = run_constrained(rows, logits).token_ids.tolist()
     assert set(tokens) <= {ord(c) for c in "0123456789-"}
     share = tokens.count(ord("1")) / len(tokens)
     assert abs(share - 2 / 3) < 0.05  # 0.2 / (0.2 + 0.1)
 
 
-def test_when_filters_leave_no_allowed_token_the_best_allowed_by_logits_is_taken():
+def test_filters_apply_to_the_allowed_tokens_only(grammars):
     logits = torch.zeros(1, JV)
     logits[0, PARIS], logits[0, ord("7")], logits[0, ord("3")] = 9.0, 2.0, 1.0
-    row = constrained({"type": "integer"}, temperature=1.0, top_k=1, seed=0)
+    row = constrained(grammars, {"type": "integer"}, temperature=1.0, top_k=1, seed=0)
     assert run_constrained([row], logits).token_ids.tolist() == [ord("7")]
 
 
-def test_a_grammar_no_token_can_continue_marks_the_row_stuck():
-    from engine.structured import JsonMatcher, TokenMatcher, grammar_for
+def test_a_seeded_constrained_row_repeats_whatever_its_batch(grammars):
+    logits = torch.randn(4, JV, generator=torch.Generator().manual_seed(0))
+    params = {"temperature": 1.0, "seed": 11}
+    alone = run_constrained([constrained(grammars, {"type": "object"}, **params)], logits[:1])
+    mates = [constrained(grammars, {"type": "object"}, **params),
+             *reqs(SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)),
+             constrained(grammars, {"type": "integer"}, temperature=0.5)]  # fmt: skip
+    batch = run_constrained(mates, logits)
+    assert batch.token_ids[0] == alone.token_ids[0]
 
-    r = Request("r", [1], SamplingParams(temperature=0.0, json_schema='{"type": "object"}'))
-    vocab: list[bytes | None] = [b"x"] * JV  # no token opens an object
-    r.matcher = TokenMatcher(JsonMatcher(grammar_for('{"type": "object"}')), vocab, frozenset())
-    run_constrained([r], torch.zeros(1, JV))
-    assert r.matcher.stuck
 
+def test_the_mask_is_applied_to_the_constrained_rows_only_in_one_op():
+    from engine.structured.bitmask import apply_bitmask, unpack_refused_on_device
 
-def test_a_grammar_gives_up_after_a_bounded_search():
-    from engine.structured import JsonMatcher, TokenMatcher, grammar_for
-
-    vocab_size = 20_000
-    vocab: list[bytes | None] = [b"{x"] * vocab_size  # each opens an object, then fails
-    r = Request("r", [1], SamplingParams(temperature=0.0, json_schema='{"type": "object"}'))
-    matcher = TokenMatcher(JsonMatcher(grammar_for('{"type": "object"}')), vocab, frozenset())
-    checked = []
-    allows = matcher.allows
-    matcher.allows = lambda token: checked.append(token) or allows(token)  # type: ignore[method-assign]
-    r.matcher = matcher
-    batch = build_sampling_batch(
-        [r], vocab_size, torch.device("cpu"), first_byte=torch.full((vocab_size,), ord("{"))
-    )
-    sample(torch.randn(1, vocab_size), batch)
-    assert matcher.stuck
-    # the drawn token, then candidates until the count, however long they take
-    assert 4096 <= len(checked) <= 4096 + 64 + 1
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 70, generator=gen)
+    bits = torch.randint(0, 2, (2, 96), generator=gen)  # [C, 3 words x 32]: token t's bit
+    bits[:, 31] = 1  # bit 31 makes a word negative: still read right
+    words = (bits.view(2, 3, 32) << torch.arange(32)).sum(-1)  # [C, 3] as unsigned values
+    bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    masked = logits.clone()
+    apply_bitmask(masked, torch.tensor([3, 1]), bitmask)
+    for row, c in ((3, 0), (1, 1)):
+        want = torch.where(bits[c, :70].bool(), logits[row], float("-inf"))
+        assert torch.equal(masked[row], want)
+    assert torch.equal(masked[[0, 2, 4]], logits[[0, 2, 4]])
+    every = logits[:2].clone()
+    apply_bitmask(every, None, bitmask)
+    assert torch.equal(every[0], torch.where(bits[0, :70].bool(), logits[0], float("-inf")))
+    # what a CUDA bitmask goes through, on the CPU: the same bits
+    assert torch.equal(unpack_refused_on_device(bitmask), bits == 0)

@@ -67,6 +67,7 @@ NON_DEFAULT: dict[str, str | None] = {
     "--prompt-lookup-min": "1",
     "--speculative-max-step-drafts": "4",
     "--speculative-always": None,
+    "--grammar-backend": "xgrammar",
 }
 COMMANDS = (["engine"], ["generate", "hi"], ["serve"])
 
@@ -91,7 +92,8 @@ def _parse(*argv: str) -> argparse.Namespace:
 def _worker_config(serve_argv: list[str]) -> EngineConfig:
     """The config of the worker `serve` starts with these arguments."""
     args = _parse("serve", *serve_argv)
-    worker = _serve_worker_argv(args, args.model, "/srv/strata")
+    (model,) = args.models or ["default"]  # serve takes --model once per model
+    worker = _serve_worker_argv(args, model, "/srv/strata")
     return _engine_config(_parse("engine", *worker))
 
 
@@ -144,6 +146,9 @@ def test_every_option_reaches_its_field_from_every_command(command):
 @pytest.mark.parametrize("flag", NON_DEFAULT)
 def test_serve_forwards_each_option_alone_and_it_parses_back(flag):
     args = _parse("serve", *_flags(flag))
+    if flag == "--model":  # serve takes it once per model; each worker gets its own
+        assert _serve_worker_argv(args, args.models[0], "/srv")[0] == f"--model={args.models[0]}"
+        return
     argv = argv_from_args(EngineConfig, args)
     assert argv == ([flag] if NON_DEFAULT[flag] is None else [f"{flag}={NON_DEFAULT[flag]}"])
     again = _parse("engine", *argv)

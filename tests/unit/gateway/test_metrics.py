@@ -4,6 +4,7 @@ over workers, tenants' names, and no `_created` series."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.protocol import EngineStats
@@ -121,3 +122,19 @@ def test_tenant_info_names_each_tenant_until_the_next_refresh() -> None:
     assert [s.labels for s in families["strata:tenant_info"].samples] == [
         {"tenant": "t_2", "name": "Renamed"}
     ]
+
+
+def test_a_process_counts_its_responses_and_its_start_under_its_index() -> None:
+    metrics = GatewayMetrics(process_index=3)
+    metrics.responded()
+    metrics.responded()
+    values = _values(metrics)
+    assert values['strata:gateway_responses_total{process="3"}'] == 2
+    assert values['strata:gateway_process_starts_total{process="3"}'] == 1
+
+
+def test_metrics_shared_between_processes_need_their_mode_chosen_before_import(tmp_path) -> None:
+    """Without PROMETHEUS_MULTIPROC_DIR at import, values live in this process only: a
+    scrape would read one process's share as if it were the replica's."""
+    with pytest.raises(RuntimeError, match="PROMETHEUS_MULTIPROC_DIR"):
+        GatewayMetrics(shared_dir=str(tmp_path))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Iterator
 
 import pytest
 
 from engine.protocol import ModelInfo, Scheduling
+from gateway import prepare
 from gateway.errors import APIError
 from gateway.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest, TextPart
 from gateway.prepare import Preparer
@@ -209,15 +211,6 @@ async def test_response_formats_reach_the_engine_as_json_schemas(preparer):
         ({"type": "json_schema"}, "json_schema must be an object"),
         ({"type": "json_schema", "json_schema": {"schema": {}}}, "name must be"),
         ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}, "name must be"),
-        (
-            {"type": "json_schema",
-             "json_schema": {"name": "A", "schema": {"type": "array", "uniqueItems": True}}},
-            "keyword 'uniqueItems' is not supported",
-        ),
-        (
-            {"type": "json_schema", "json_schema": {"name": "A", "schema": {"$ref": "#/$defs/B"}}},
-            "names no definition",
-        ),
     ],
 )  # fmt: skip
 async def test_bad_response_formats_are_a_400_naming_the_problem(
@@ -226,6 +219,33 @@ async def test_bad_response_formats_are_a_400_naming_the_problem(
     with pytest.raises(APIError, match=message) as err:
         await preparer.chat(chat_with(response_format=response_format), tenant(), "r-1")
     assert (err.value.status, err.value.param) == (400, "response_format")
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"type": "array", "uniqueItems": True}, "keyword 'uniqueItems' is not supported"),
+        ({"$ref": "#/$defs/B"}, "'/\\$defs/B' does not exist"),
+    ],
+)
+async def test_schemas_are_compiled_once_admitted_off_the_loop_and_refused_by_name(
+    preparer, schema, message, monkeypatch
+):
+    response_format = {"type": "json_schema", "json_schema": {"name": "A", "schema": schema}}
+    job = await preparer.chat(chat_with(response_format=response_format), tenant(), "r-1")
+    loop_thread = threading.get_ident()
+    compiled_on: list[int] = []
+    real_check = prepare.check
+
+    def spy(*args):
+        compiled_on.append(threading.get_ident())
+        return real_check(*args)
+
+    monkeypatch.setattr(prepare, "check", spy)
+    with pytest.raises(APIError, match=message) as err:
+        await preparer.check_grammar(job)
+    assert (err.value.status, err.value.param) == (400, "response_format")
+    assert len(compiled_on) == 1 and compiled_on[0] != loop_thread
 
 
 async def test_logit_bias_and_min_tokens_reach_the_engine(preparer):

@@ -129,3 +129,50 @@ async def test_writer_journals_while_the_store_is_down(private_store, tmp_path):
     await client.aclose()
     replayed = LedgerJournal(tmp_path).open()
     assert sorted(rec.request_id for _, rec in replayed) == [f"req-{i}" for i in range(5)]
+
+
+def _open_journal(root: str, barrier, results) -> None:
+    journal = LedgerJournal(root)
+    barrier.wait(60)
+    try:
+        results.put(sorted(rec.request_id for _, rec in journal.open()))
+    except Exception as exc:  # reported to the test, which fails on it
+        results.put(repr(exc))
+
+
+def test_processes_starting_together_split_the_orphans(tmp_path):
+    """N gateway processes sharing a data dir: every record a dead process left is replayed
+    by exactly one of them, and the empty directories crashed processes left behind (which
+    another process may remove while this one is reading the root) are no error."""
+    ctx = multiprocessing.get_context("spawn")
+    with_records = [ctx.Process(target=_leave_pending, args=(str(tmp_path), f"req-{i}"))
+                    for i in range(6)]  # fmt: skip
+    for proc in with_records:  # one after another: each leaves its own directory
+        proc.start()
+        proc.join(60)
+        assert proc.exitcode == 0
+    for i in range(400):
+        (tmp_path / f"crashed-{i:03d}").mkdir()
+        (tmp_path / f"crashed-{i:03d}" / "lock").touch()
+    num_processes = 4
+    barrier, results = ctx.Barrier(num_processes), ctx.Queue()
+    procs = [ctx.Process(target=_open_journal, args=(str(tmp_path), barrier, results))
+             for _ in range(num_processes)]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    outcomes = [results.get(timeout=120) for _ in procs]
+    for proc in procs:
+        proc.join(60)
+    errors = [o for o in outcomes if isinstance(o, str)]
+    assert not errors
+    replayed = sorted(rid for found in outcomes for rid in found)
+    assert replayed == [f"req-{i}" for i in range(6)]  # each once
+    assert not list(tmp_path.glob("crashed-*"))
+
+
+def _leave_pending(root: str, request_id: str) -> None:
+    """A gateway that dies with one record pending (its lock goes with the process)."""
+    journal = LedgerJournal(root)
+    journal.open()
+    journal.append(make_record(request_id))
+    os._exit(0)
