@@ -139,8 +139,15 @@ def unseal(blob: bytes, secret: str) -> WorkerRecord | None:
 def model_shape(info: ModelInfo) -> str:
     """A short digest of a model's shapes (vocabulary, widths, layers, heads): workers that
     announce one model id must agree on it."""
-    fields = (info.vocab_size, info.hidden_size, info.intermediate_size, info.num_layers,
-              info.num_heads, info.num_kv_heads, info.head_dim)  # fmt: skip
+    fields = (
+        info.vocab_size,
+        info.hidden_size,
+        info.intermediate_size,
+        info.num_layers,
+        info.num_heads,
+        info.num_kv_heads,
+        info.head_dim,
+    )
     return hashlib.sha256(repr(fields).encode()).hexdigest()[:16]
 
 
@@ -184,8 +191,9 @@ class KVTracker:
         events = []
         if added or removed:
             self._seq += 1
-            events.append(KVEvent(worker_id=self.worker_id, seq=self._seq, added=added,
-                                  removed=removed))  # fmt: skip
+            events.append(
+                KVEvent(worker_id=self.worker_id, seq=self._seq, added=added, removed=removed)
+            )
         self._polls += 1
         if self._polls % self.snapshot_every == 1:
             events.append(self.snapshot())
@@ -194,9 +202,11 @@ class KVTracker:
     def snapshot(self) -> KVEvent:
         """Every block held now, by tier, at the latest sequence number."""
         return KVEvent(
-            worker_id=self.worker_id, seq=self._seq, snapshot=True,
+            worker_id=self.worker_id,
+            seq=self._seq,
+            snapshot=True,
             added={t: [block_key(h) for h in hashes] for t, hashes in self._last.items() if hashes},
-        )  # fmt: skip
+        )
 
 
 class Registration:

@@ -200,8 +200,11 @@ class _EngineFigure:
 
 def _tiers(device: int, host: int, disk: int, *, present: EngineStats) -> dict[str, int]:
     """Values by tier, for the tiers the worker has (a host or disk pool of size 0 is none)."""
-    have = {"device": True, "host": present.num_kv_host_blocks_total > 0,
-            "disk": present.num_kv_disk_blocks_total > 0}  # fmt: skip
+    have = {
+        "device": True,
+        "host": present.num_kv_host_blocks_total > 0,
+        "disk": present.num_kv_disk_blocks_total > 0,
+    }
     values = {"device": device, "host": host, "disk": disk}
     return {tier: n for tier, n in values.items() if have[tier]}
 
@@ -219,63 +222,121 @@ def _engine_figure(
 
 
 ENGINE_FIGURES = (
-    _engine_figure("strata:num_requests_waiting", "gauge", "Requests queued in the worker",
-                   lambda s: s.num_waiting),
-    _engine_figure("strata:num_requests_running", "gauge",
-                   "Requests holding KV blocks in the worker (running, or loading their pages)",
-                   lambda s: s.num_running),
-    _engine_figure("strata:num_requests_loading_kv", "gauge",
-                   "Running requests waiting outside the batch for their pages from host RAM "
-                   "or disk", lambda s: s.num_loading),
-    _engine_figure("strata:num_preemptions", "counter",
-                   "Requests preempted for KV space since the worker started",
-                   lambda s: s.num_preemptions),
-    _engine_figure("strata:kv_blocks_used", "gauge", "KV-cache blocks in use, by tier",
-                   lambda s: _tiers(s.num_kv_blocks_used, s.num_kv_host_blocks_used,
-                                    s.num_kv_disk_blocks_used, present=s), by_tier=True),
-    _engine_figure("strata:kv_blocks_capacity", "gauge", "KV-cache blocks in the pools, by tier",
-                   lambda s: _tiers(s.num_kv_blocks_total, s.num_kv_host_blocks_total,
-                                    s.num_kv_disk_blocks_total, present=s), by_tier=True),
-    _engine_figure("strata:kv_cache_hit_blocks", "counter",
-                   "Prefix-cache hits, in blocks, by the tier each block came from",
-                   lambda s: s.num_cache_hit_blocks, by_tier=True),
-    _engine_figure("strata:kv_spilled_blocks", "counter",
-                   "Cached KV pages moved down, by the tier they went to (host, disk)",
-                   lambda s: s.num_kv_spilled_blocks, by_tier=True),
-    _engine_figure("strata:kv_dropped_blocks", "counter",
-                   "Cached KV pages dropped because no tier below could keep them",
-                   lambda s: s.num_kv_dropped_blocks),
-    _engine_figure("strata:kv_disk_write_errors", "counter",
-                   "KV page writes to disk that failed (those pages were dropped)",
-                   lambda s: s.num_kv_disk_write_errors),
-    _engine_figure("strata:kv_disk_checksum_failures", "counter",
-                   "KV pages on disk that failed their checksum (served as misses)",
-                   lambda s: s.num_kv_disk_checksum_failures),
-    _engine_figure("strata:kv_disk_read_ahead_bytes", "gauge",
-                   "Bytes of KV pages read from disk for waiting requests, held in memory",
-                   lambda s: s.kv_disk_read_ahead_bytes),
-    _engine_figure("strata:spec_decode_num_draft_tokens", "counter",
-                   "Draft tokens proposed by speculative decoding",
-                   lambda s: s.num_draft_tokens),
-    _engine_figure("strata:spec_decode_num_accepted_tokens", "counter",
-                   "Draft tokens the model agreed with (each one a decode step saved)",
-                   lambda s: s.num_accepted_draft_tokens),
-    _engine_figure("strata:kv_cache_bytes_per_token", "gauge",
-                   "KV-cache bytes per token (K and V, every layer, FP8 scales included)",
-                   lambda s: s.kv_bytes_per_token),
-)  # fmt: skip
+    _engine_figure(
+        "strata:num_requests_waiting",
+        "gauge",
+        "Requests queued in the worker",
+        lambda s: s.num_waiting,
+    ),
+    _engine_figure(
+        "strata:num_requests_running",
+        "gauge",
+        "Requests holding KV blocks in the worker (running, or loading their pages)",
+        lambda s: s.num_running,
+    ),
+    _engine_figure(
+        "strata:num_requests_loading_kv",
+        "gauge",
+        "Running requests waiting outside the batch for their pages from host RAM or disk",
+        lambda s: s.num_loading,
+    ),
+    _engine_figure(
+        "strata:num_preemptions",
+        "counter",
+        "Requests preempted for KV space since the worker started",
+        lambda s: s.num_preemptions,
+    ),
+    _engine_figure(
+        "strata:kv_blocks_used",
+        "gauge",
+        "KV-cache blocks in use, by tier",
+        lambda s: _tiers(
+            s.num_kv_blocks_used, s.num_kv_host_blocks_used, s.num_kv_disk_blocks_used, present=s
+        ),
+        by_tier=True,
+    ),
+    _engine_figure(
+        "strata:kv_blocks_capacity",
+        "gauge",
+        "KV-cache blocks in the pools, by tier",
+        lambda s: _tiers(
+            s.num_kv_blocks_total, s.num_kv_host_blocks_total, s.num_kv_disk_blocks_total, present=s
+        ),
+        by_tier=True,
+    ),
+    _engine_figure(
+        "strata:kv_cache_hit_blocks",
+        "counter",
+        "Prefix-cache hits, in blocks, by the tier each block came from",
+        lambda s: s.num_cache_hit_blocks,
+        by_tier=True,
+    ),
+    _engine_figure(
+        "strata:kv_spilled_blocks",
+        "counter",
+        "Cached KV pages moved down, by the tier they went to (host, disk)",
+        lambda s: s.num_kv_spilled_blocks,
+        by_tier=True,
+    ),
+    _engine_figure(
+        "strata:kv_dropped_blocks",
+        "counter",
+        "Cached KV pages dropped because no tier below could keep them",
+        lambda s: s.num_kv_dropped_blocks,
+    ),
+    _engine_figure(
+        "strata:kv_disk_write_errors",
+        "counter",
+        "KV page writes to disk that failed (those pages were dropped)",
+        lambda s: s.num_kv_disk_write_errors,
+    ),
+    _engine_figure(
+        "strata:kv_disk_checksum_failures",
+        "counter",
+        "KV pages on disk that failed their checksum (served as misses)",
+        lambda s: s.num_kv_disk_checksum_failures,
+    ),
+    _engine_figure(
+        "strata:kv_disk_read_ahead_bytes",
+        "gauge",
+        "Bytes of KV pages read from disk for waiting requests, held in memory",
+        lambda s: s.kv_disk_read_ahead_bytes,
+    ),
+    _engine_figure(
+        "strata:spec_decode_num_draft_tokens",
+        "counter",
+        "Draft tokens proposed by speculative decoding",
+        lambda s: s.num_draft_tokens,
+    ),
+    _engine_figure(
+        "strata:spec_decode_num_accepted_tokens",
+        "counter",
+        "Draft tokens the model agreed with (each one a decode step saved)",
+        lambda s: s.num_accepted_draft_tokens,
+    ),
+    _engine_figure(
+        "strata:kv_cache_bytes_per_token",
+        "gauge",
+        "KV-cache bytes per token (K and V, every layer, FP8 scales included)",
+        lambda s: s.kv_bytes_per_token,
+    ),
+)
 
 # per tenant, summed over workers: tenants x tiers x workers would be too many series
 KV_BLOCKS_BY_TENANT = MetricSpec(
-    "strata:kv_blocks", "gauge",
+    "strata:kv_blocks",
+    "gauge",
     "KV-cache blocks per tenant and tier (device, host, disk), held or cached, summed over "
-    "the replica's workers", ("tenant", "tier"),
-)  # fmt: skip
+    "the replica's workers",
+    ("tenant", "tier"),
+)
 
 TENANT_INFO = MetricSpec(
-    "strata:tenant_info", "gauge",
-    "1 for every tenant, naming it: join on `tenant` to show names", ("tenant", "name"),
-)  # fmt: skip
+    "strata:tenant_info",
+    "gauge",
+    "1 for every tenant, naming it: join on `tenant` to show names",
+    ("tenant", "name"),
+)
 
 COLLECTED_METRICS = (*(f.spec for f in ENGINE_FIGURES), KV_BLOCKS_BY_TENANT, TENANT_INFO)
 

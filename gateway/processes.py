@@ -84,10 +84,16 @@ def serve_one(
     """Serve until SIGINT/SIGTERM, then drain; on `sockets` (already bound) if given, else
     on settings.host:port. Raises SystemExit when the app fails to start."""
     config = uvicorn.Config(
-        create_app(settings), host=settings.host, port=settings.port, loop="uvloop",
-        http="httptools", lifespan="on", log_config=None, access_log=False,
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        log_config=None,
+        access_log=False,
         timeout_graceful_shutdown=30,
-    )  # fmt: skip
+    )
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(_Server(config, on_started).serve(sockets))
 
@@ -197,8 +203,12 @@ class GatewayProcesses:
             if self._stopping.is_set():
                 pass
             elif all(ready):
-                log.info("%d gateway processes serving at http://%s:%d", len(self.children),
-                         self.settings.host, self.settings.port)  # fmt: skip
+                log.info(
+                    "%d gateway processes serving at http://%s:%d",
+                    len(self.children),
+                    self.settings.host,
+                    self.settings.port,
+                )
             else:
                 log.error("a gateway process exited before it served; stopping the others")
                 failed = True
@@ -230,8 +240,11 @@ class GatewayProcesses:
     def _kill_all(self) -> None:
         for child in self.children:
             if child.proc is not None and child.proc.returncode is None:
-                log.error("gateway process %d did not stop in %.0f s: killing it",
-                          child.index, self.stop_timeout_s)  # fmt: skip
+                log.error(
+                    "gateway process %d did not stop in %.0f s: killing it",
+                    child.index,
+                    self.stop_timeout_s,
+                )
                 child.proc.kill()
 
     async def _start(self, child: _Child) -> bool:
@@ -243,12 +256,17 @@ class GatewayProcesses:
         read_fd, write_fd = os.pipe()
         try:
             child.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gateway.processes", "--ready-fd", str(write_fd),
-                stdin=asyncio.subprocess.PIPE, pass_fds=(write_fd,),
+                sys.executable,
+                "-m",
+                "gateway.processes",
+                "--ready-fd",
+                str(write_fd),
+                stdin=asyncio.subprocess.PIPE,
+                pass_fds=(write_fd,),
                 env=dict(os.environ, PROMETHEUS_MULTIPROC_DIR=self.metrics_dir),
                 start_new_session=True,  # a terminal's Ctrl-C reaches the parent only
                 preexec_fn=_child_preexec,
-            )  # fmt: skip
+            )
         finally:
             os.close(write_fd)
         child.started_at = asyncio.get_running_loop().time()
@@ -278,8 +296,9 @@ class GatewayProcesses:
                 child.restart_delay_s, loop.time() - child.started_at, self.healthy_after_s
             )
             child.restart_delay_s = delay
-            log.error("gateway process %d exited with %s; restarting in %.0fs",
-                      child.index, code, delay)  # fmt: skip
+            log.error(
+                "gateway process %d exited with %s; restarting in %.0fs", child.index, code, delay
+            )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), delay)
             if self._stopping.is_set():

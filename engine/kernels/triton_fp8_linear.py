@@ -36,10 +36,23 @@ from triton.runtime.interpreter import InterpretedFunction
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows: columns of y
     row_ok = rows < N
     toks = tl.arange(0, BLOCK_M)  # rows of x
@@ -72,11 +85,26 @@ def _fp8_gemv_kernel(
 
 @triton.jit
 def _fp8_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     # program -> (row tile of x, weight tile): GROUP_M row tiles in a row share a weight tile
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -159,8 +187,9 @@ class GemmTiles:
 
     @property
     def name(self) -> str:
-        return (f"m{self.block_m}/n{self.block_n}/k{self.block_k}/w{self.num_warps}"
-                f"/s{self.num_stages}")  # fmt: skip
+        return (
+            f"m{self.block_m}/n{self.block_n}/k{self.block_k}/w{self.num_warps}/s{self.num_stages}"
+        )
 
 
 # Row buckets of the matmul: a product of M rows takes the tiles chosen for the first bucket
@@ -169,22 +198,32 @@ class GemmTiles:
 ROW_BUCKETS: tuple[int | None, ...] = (16, 64, 256, None)
 GEMM_CANDIDATES: dict[int | None, tuple[GemmTiles, ...]] = {
     16: (
-        GemmTiles(16, 16, 256, 4, 4), GemmTiles(16, 32, 256, 4, 4), GemmTiles(16, 16, 512, 4, 3),
-        GemmTiles(16, 64, 128, 4, 4), GemmTiles(16, 32, 128, 4, 5),
+        GemmTiles(16, 16, 256, 4, 4),
+        GemmTiles(16, 32, 256, 4, 4),
+        GemmTiles(16, 16, 512, 4, 3),
+        GemmTiles(16, 64, 128, 4, 4),
+        GemmTiles(16, 32, 128, 4, 5),
     ),
     64: (
-        GemmTiles(64, 16, 256, 4, 4), GemmTiles(64, 32, 256, 4, 3), GemmTiles(64, 32, 128, 4, 4),
-        GemmTiles(64, 64, 128, 4, 4), GemmTiles(32, 32, 256, 4, 4),
+        GemmTiles(64, 16, 256, 4, 4),
+        GemmTiles(64, 32, 256, 4, 3),
+        GemmTiles(64, 32, 128, 4, 4),
+        GemmTiles(64, 64, 128, 4, 4),
+        GemmTiles(32, 32, 256, 4, 4),
     ),
     256: (
-        GemmTiles(64, 64, 128, 4, 4), GemmTiles(128, 64, 64, 4, 4), GemmTiles(64, 128, 64, 4, 4),
+        GemmTiles(64, 64, 128, 4, 4),
+        GemmTiles(128, 64, 64, 4, 4),
+        GemmTiles(64, 128, 64, 4, 4),
         GemmTiles(128, 128, 64, 8, 3),
     ),
     None: (
-        GemmTiles(128, 128, 64, 8, 3), GemmTiles(128, 256, 64, 8, 3),
-        GemmTiles(64, 128, 64, 4, 4), GemmTiles(128, 128, 128, 8, 3),
+        GemmTiles(128, 128, 64, 8, 3),
+        GemmTiles(128, 256, 64, 8, 3),
+        GemmTiles(64, 128, 64, 4, 4),
+        GemmTiles(128, 128, 128, 8, 3),
     ),
-}  # fmt: skip
+}
 
 
 def gemm_tiles(num_rows: int) -> GemmTiles:
@@ -248,10 +287,24 @@ def fp8_gemv(
     block_m = triton.next_power_of_2(m)
     block_k = min(max(128, tiles.block_k // block_m), triton.next_power_of_2(k))
     _fp8_gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
-        x, weight, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
-    )  # fmt: skip
+        x,
+        weight,
+        scale,
+        bias if bias is not None else scale,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % block_k == 0,
+        BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=block_k,
+        num_warps=tiles.num_warps,
+    )
     return out
 
 
@@ -275,13 +328,28 @@ def fp8_gemm(
     block_k = min(t.block_k, max(16, triton.next_power_of_2(k)))
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
     _fp8_gemm_kernel[grid](
-        x, weight, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, GROUP_M=t.group_m,
+        x,
+        weight,
+        scale,
+        bias if bias is not None else scale,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % block_k == 0,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        BLOCK_K=block_k,
+        GROUP_M=t.group_m,
         DOT_DTYPE=tl.float32 if wide else _TL_DTYPES[x.dtype],
-        DOT_PRECISION="ieee" if wide else "tf32", num_warps=t.num_warps,
+        DOT_PRECISION="ieee" if wide else "tf32",
+        num_warps=t.num_warps,
         num_stages=t.num_stages,
-    )  # fmt: skip
+    )
     return out
 
 

@@ -38,9 +38,11 @@ async def ready(
     engine_ok = await fleet.ready()
     ok = store_ok and engine_ok
     body = {
-        "status": "ready" if ok else "not ready", "store": store_ok, "engine": engine_ok,
+        "status": "ready" if ok else "not ready",
+        "store": store_ok,
+        "engine": engine_ok,
         "engine_errors": fleet.errors(),
-    }  # fmt: skip
+    }
     return Response(body, status_code=200 if ok else 503)
 
 
@@ -57,8 +59,12 @@ async def metrics(
     if expected is not None:
         presented = (bearer_token(request) or "").encode()
         if not hmac.compare_digest(presented, expected.encode()):
-            raise APIError(401, "invalid metrics token", type="authentication_error",
-                           code="invalid_metrics_token")  # fmt: skip
+            raise APIError(
+                401,
+                "invalid metrics token",
+                type="authentication_error",
+                code="invalid_metrics_token",
+            )
     metrics.set_engine(await fleet.stats())
     await _refresh_tenant_names(registry, metrics)
     return metrics.render()

@@ -28,8 +28,16 @@ from engine.protocol import SamplingParams, Scheduling
 from tests.integration.conftest import WorkerProcess, _free_port
 
 SECRET = secrets.token_urlsafe(32)
-TINY = ["--model", "synthetic:tiny", "--num-kv-blocks", "64", "--block-size", "4",
-        "--dtype", "float32"]  # fmt: skip
+TINY = [
+    "--model",
+    "synthetic:tiny",
+    "--num-kv-blocks",
+    "64",
+    "--block-size",
+    "4",
+    "--dtype",
+    "float32",
+]
 
 
 async def wait_for(predicate, timeout: float = 20.0):
@@ -44,11 +52,12 @@ async def wait_for(predicate, timeout: float = 20.0):
 def fleet_worker(tmp_path, strata_cache_dir, store_server):
     port = _free_port()
     worker = WorkerProcess(
-        tmp_path / "unused.sock", [*TINY, "--registry-url", store_server.url,
-                                   "--worker-id", "w-test"],
-        strata_cache_dir, address=f"tcp://127.0.0.1:{port}",
+        tmp_path / "unused.sock",
+        [*TINY, "--registry-url", store_server.url, "--worker-id", "w-test"],
+        strata_cache_dir,
+        address=f"tcp://127.0.0.1:{port}",
         env={"STRATA_WORKER_SECRET": SECRET},
-    )  # fmt: skip
+    )
     worker.start()
     yield worker
     worker.stop()
@@ -74,8 +83,9 @@ async def test_a_worker_registers_reports_its_blocks_and_leaves(fleet_worker, re
     client = EngineClient(fleet_worker.address, auth=ClientAuth(secret=SECRET))
     prompt = list(range(1, 14))  # three full blocks of 4
     scheduling = Scheduling(tenant="acme", cache_salt="tenant:salt-a")
-    async for _ in client.generate("r1", prompt, SamplingParams(max_tokens=1),
-                                   scheduling=scheduling):  # fmt: skip
+    async for _ in client.generate(
+        "r1", prompt, SamplingParams(max_tokens=1), scheduling=scheduling
+    ):
         pass
     await client.close()
     want = prompt_keys(rec.cache_namespace, "tenant:salt-a", "", prompt, 4)
@@ -122,9 +132,11 @@ async def _later(redis_client, beat: float):
     return rec if rec and rec.heartbeat_at > beat else None
 
 
-def test_a_worker_without_the_fleet_secret_does_not_register(tmp_path, strata_cache_dir,
-                                                             store_server):  # fmt: skip
-    worker = WorkerProcess(tmp_path / "w.sock", [*TINY, "--registry-url", store_server.url],
-                           strata_cache_dir)  # fmt: skip
+def test_a_worker_without_the_fleet_secret_does_not_register(
+    tmp_path, strata_cache_dir, store_server
+):
+    worker = WorkerProcess(
+        tmp_path / "w.sock", [*TINY, "--registry-url", store_server.url], strata_cache_dir
+    )
     with pytest.raises(RuntimeError, match="exited with 2"):
         worker.start()
