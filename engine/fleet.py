@@ -1,18 +1,7 @@
-"""A worker's place in the fleet: its record in the store, renewed by a heartbeat, and the
-events that tell gateways which KV blocks it holds in each tier.
-
-Store layout (a Redis-protocol server shared with the gateways):
-
-    strata:w:all             ZSET   worker id -> when its record expires (unix ms)
-    strata:w:rec:<id>        STRING the worker's sealed record, expiring with its heartbeat
-    strata:w:drain           SET    ids of workers an operator drained
-    strata:w:events          pub/sub  "join" / "leave" / "drain" / "undrain" + worker id
-    strata:kv:events         pub/sub  KVEvent deltas of every worker
-    strata:kv:snap:<id>      STRING the worker's latest full KVEvent (a snapshot)
-
-A record is sealed with the fleet secret (HMAC-SHA256): a gateway ignores any record that
-does not verify, so only a holder of the secret can join a fleet. Block events carry a
-per-worker sequence number; a gateway that sees a gap reloads the snapshot.
+"""A worker's place in the fleet: its record in the store (sealed with the fleet secret,
+renewed by a heartbeat) and the events that tell gateways which KV blocks it holds in each
+tier, as deltas with a per-worker sequence number plus periodic snapshots. The store layout
+and how gateways read it: docs/design/fleet.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""Prometheus metrics with per-tenant labels, on a registry owned by the app (no globals).
-
-The replica counts requests, tokens and latencies itself. The engine workers' figures and the
-tenants' names are collected at scrape time from what the scrape handler last handed over
-(`set_engine`, `set_tenant_names`): workers' totals since their start are counters, one
-series per worker, so a worker that restarts or drops out reads as a counter reset, never as
-a burst. `render` leaves out prometheus_client's `_created` series. Names follow vLLM's where
-they overlap, prefixed `strata:` instead of `vllm:`.
-
-The processes of `strata gateway --workers N` share one port, so a scrape reaches any one of
-them: each writes its counters and histograms to files in a directory they share
-(prometheus_client's multiprocess mode, chosen by PROMETHEUS_MULTIPROC_DIR in the process's
-environment before prometheus_client is imported), and `render` reads the sums over all of
-them, those of processes that died and were restarted included.
+"""Prometheus metrics with per-tenant labels, on a registry owned by the app (no globals). The
+replica counts requests, tokens and latencies itself; workers' figures and tenant names are
+collected at scrape time from what was last handed over (`set_engine`, `set_tenant_names`).
+Under `strata gateway --workers N` the processes share counters through prometheus_client's
+multiprocess mode. Names follow vLLM's, prefixed `strata:`: docs/metrics.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""`strata gateway`: one replica as one process, or with `--workers N` as N processes on one
-port, each a whole replica (its own store connections, fleet view and ledger journal
-directory), under a parent that restarts a process that dies and forwards SIGTERM/SIGINT so
-that each drains (open streams, then the pending usage records) and exits 0.
-
-Each process binds its own listening socket to the port with SO_REUSEPORT: the kernel keeps
-an accept queue per socket and spreads new connections over them by a hash of their
-addresses, so the N event loops get even shares. One socket inherited by all would wake
-every loop at each connection (a thundering herd) and leave it to whichever wakes first,
-which on Linux piles connections on a few processes. A process that dies takes its socket
-out of the group: new connections go to the others until it is back (the few queued on its
-socket and not yet accepted are reset).
+"""`strata gateway`: one replica as one process, or with `--workers N` as N whole replicas on
+one port (each binds its own SO_REUSEPORT socket), under a parent that restarts a process
+that dies and forwards SIGTERM/SIGINT so that each drains and exits 0. Why SO_REUSEPORT and
+not a shared socket: docs/design/fleet.md, "Gateway processes".
 """
 
 from __future__ import annotations

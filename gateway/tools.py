@@ -1,17 +1,7 @@
-"""Tool calling (OpenAI's `tools` and `tool_choice`) for any model, through structured output.
-
-Where the model's chat template renders `tools` in a syntax gateway/tool_formats.py knows
-(hermes, llama3_json, mistral), the template describes the tools and the reply is
-constrained to the model's own call syntax. Otherwise the tools are described to the model
-in a system message, and its reply is constrained to one JSON object:
-`{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` to call tools, or, with
-`tool_choice: "auto"`, `{"content": "..."}` to answer in text. Either way `"required"` allows
-calls only; a named tool_choice, calls of that tool only; `parallel_tool_calls: false`, one
-call; and each call's arguments must match its tool's `parameters` schema.
-
-The reply comes back in OpenAI's shape: `tool_calls` with fresh ids and the arguments as JSON
-text, and finish_reason "tool_calls"; or plain `content`. Earlier turns' calls are shown to
-the model as it writes them, and tool results as `tool` turns.
+"""Tool calling (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`) for any model, through
+structured output: in the model's own call syntax where its chat template has one that
+gateway/tool_formats.py knows, else as one constrained JSON object described in a system
+message. Replies come back in OpenAI's shape. Details: docs/structured-output.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
-"""Triton products with FP8 weights: y = (x W8^T) * s (+ b) for x [M, K] in the compute
-dtype, W8 float8_e4m3fn [N, K] (an nn.Linear weight's layout) and s float32 [N], one scale
-per output row (engine/model/fp8_weights.py quantizes them). Two kernels, by M:
-
-- one-row products (a decode step of one sequence): a matrix-vector product laid
-  out like engine/kernels/triton_gemv.py. Each program reads BLOCK_N consecutive weight rows,
-  BLOCK_K columns at a time, widens them to fp32 in registers and multiplies them by every
-  row of x, so the weights are streamed once whatever M; one fp32 sum per (row of x, weight
-  row), no split, so sums are deterministic. Such a step's time is the time to stream the
-  weights: half the bytes of 16-bit ones.
-- more rows (decode batches, drafted steps, prefill chunks): a tiled matmul. A program computes a
-  BLOCK_N x BLOCK_M tile of y^T over K: the weight tile is the left operand of `tl.dot`,
-  widened in registers to the activations' dtype (every e4m3 value is exact in bf16 and
-  fp16), x^T the right one, fp32 accumulation. Weights on the left fill the tensor cores'
-  wide side when M is a decode batch. Programs walk GROUP_M row tiles of x per weight tile,
-  so a weight tile read from memory serves them from L2.
-
-Both multiply the fp32 sum by the row's scale (sum of x w8 s = s times sum of x w8), add
-the bias and round to x's dtype once. A launch depends only on shapes (no host sync, no
-allocation but the output), so CUDA graphs capture it. Which kernel and tiles run a product
-of M rows is an `Fp8Plan`; on CUDA the engine times `GEMV_CANDIDATES` and each row
-bucket's `GEMM_CANDIDATES` on every weight shape at start and keeps the fastest
-(engine/model/fp8_weights.py); bench/fp8_linear.py sweeps them. Interpreted on CPU for
-tests, with the dot in fp32.
+"""Triton products with FP8 weights: y = (x W8^T) * s (+ b) for x [M, K] in the compute dtype,
+W8 float8_e4m3fn [N, K] and s float32 [N], one scale per output row. A GEMV for one-row
+products and a tiled matmul for more rows; which kernel and tiles serve M rows is an
+`Fp8Plan`. Launches depend only on shapes, so CUDA graphs capture them; interpreted on CPU
+for tests. Layout and choices: docs/design/kernels.md, "FP8 weights".
 """
 
 from __future__ import annotations
