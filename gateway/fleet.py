@@ -19,6 +19,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections import Counter as Tally
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -46,6 +47,7 @@ from engine.handshake import ClientAuth, FleetSecretError
 from engine.protocol import EngineDeadError, EngineStats, ModelInfo
 from engine.tokenizer import Tokenizer
 from gateway.kv_index import KVIndex
+from gateway.metrics import FleetView
 from gateway.prepare import Preparer
 from gateway.router import Candidate, RoutingPolicy, choose
 
@@ -469,6 +471,22 @@ class Fleet:
             for h in self.workers.values()
             if h.client.last_error is not None
         ]
+
+    def view(self) -> FleetView:
+        """This gateway's view of the fleet, for its metrics."""
+        workers: Tally[tuple[str, str]] = Tally()
+        for h in self.workers.values():
+            state = "drained" if h.drained else "serving" if h.client.connected else "down"
+            workers[(h.model_id or "unknown", state)] += 1
+        return FleetView(
+            registry_up=self.registry_ok if self.redis is not None else None,
+            workers=dict(workers),
+            dropped={
+                "invalid_record": self.num_invalid_records,
+                "malformed_event": self.num_bad_events,
+                "unknown_worker": self.index.num_dropped,
+            },
+        )
 
     async def stats(self) -> dict[str, EngineStats]:
         """Each connected worker's figures, by worker id."""

@@ -107,8 +107,10 @@ class GatewayMetrics:
         self.starts.inc()
         self.engine = _EngineCollector()
         self.tenant_info = _TenantInfoCollector()
+        self.fleet = _FleetCollector(process)
         r.register(self.engine)
         r.register(self.tenant_info)
+        r.register(self.fleet)
         self._exposed = r if shared_dir is None else self._shared_registry(shared_dir)
 
     def _shared_registry(self, shared_dir: str) -> CollectorRegistry:
@@ -123,6 +125,7 @@ class GatewayMetrics:
         MultiProcessCollector(exposed, path=shared_dir)
         exposed.register(self.engine)
         exposed.register(self.tenant_info)
+        exposed.register(self.fleet)
         return exposed
 
     def responded(self) -> None:
@@ -153,6 +156,10 @@ class GatewayMetrics:
         """The engine workers' latest figures, by worker address (workers that did not answer
         are left out: their series go stale)."""
         self.engine.stats = dict(stats)
+
+    def set_fleet(self, view: FleetView) -> None:
+        """This process's view of the fleet, as of the scrape."""
+        self.fleet.view = view
 
     def tenant_names_due(self, now: float) -> bool:
         """Whether the tenants' names are older than TENANT_NAMES_TTL_S (monotonic clock)."""
@@ -329,7 +336,45 @@ TENANT_INFO = MetricSpec(
     ("tenant", "name"),
 )
 
-COLLECTED_METRICS = (*(f.spec for f in ENGINE_FIGURES), KV_BLOCKS_BY_TENANT, TENANT_INFO)
+FLEET_REGISTRY_UP = MetricSpec(
+    "strata:fleet_registry_up",
+    "gauge",
+    "1 while the gateway process reads the fleet registry, 0 while the store is out of reach "
+    "and it routes on its last view (no series without a registry)",
+    ("process",),
+)
+FLEET_WORKERS = MetricSpec(
+    "strata:fleet_workers",
+    "gauge",
+    "Workers in the gateway process's view, by model and state (serving, drained, down)",
+    ("process", "model", "state"),
+)
+FLEET_DROPPED = MetricSpec(
+    "strata:fleet_dropped_messages",
+    "counter",
+    "Fleet messages the gateway process ignored since it started, by reason: "
+    "invalid_record (a registry record that does not verify), malformed_event, "
+    "unknown_worker (KV events of a worker not in its view)",
+    ("process", "reason"),
+)
+
+COLLECTED_METRICS = (
+    *(f.spec for f in ENGINE_FIGURES),
+    KV_BLOCKS_BY_TENANT,
+    TENANT_INFO,
+    FLEET_REGISTRY_UP,
+    FLEET_WORKERS,
+    FLEET_DROPPED,
+)
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """What a gateway process's metrics say of its fleet view."""
+
+    registry_up: bool | None  # None: no registry (only --engine workers)
+    workers: Mapping[tuple[str, str], int]  # (model id, state) -> how many
+    dropped: Mapping[str, int]  # reason -> messages ignored since the process started
 
 
 def _family(spec: MetricSpec) -> CounterMetricFamily | GaugeMetricFamily:
@@ -376,6 +421,32 @@ class _TenantInfoCollector:
         for tenant_id, name in sorted(self.names.items()):
             family.add_metric([tenant_id, name], 1)
         yield family
+
+
+class _FleetCollector:
+    """This process's view of the fleet as of the last `GatewayMetrics.set_fleet`, labelled
+    with the process (each process of a replica has its own view and counts)."""
+
+    def __init__(self, process: str) -> None:
+        self.process = process
+        self.view: FleetView | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.view is None:
+            return
+        p = self.process
+        if self.view.registry_up is not None:
+            up = _family(FLEET_REGISTRY_UP)
+            up.add_metric([p], 1 if self.view.registry_up else 0)
+            yield up
+        workers = _family(FLEET_WORKERS)
+        for (model, state), n in sorted(self.view.workers.items()):
+            workers.add_metric([p, model, state], n)
+        yield workers
+        dropped = _family(FLEET_DROPPED)
+        for reason, n in sorted(self.view.dropped.items()):
+            dropped.add_metric([p, reason], n)
+        yield dropped
 
 
 class _WithoutCreated:

@@ -6,6 +6,7 @@ when a worker is killed, and workers without the fleet secret kept out."""
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import time
 from pathlib import Path
@@ -144,6 +145,12 @@ async def test_every_gateway_sees_the_registered_workers_and_not_the_impostor(fl
         assert view["tiny-a"]["model"] == view["tiny-b"]["model"]
         assert "impostor" not in view  # its record does not verify with the fleet secret
         assert not any(w["drained"] for w in view.values())
+        async with httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+            text = (await http.get("/metrics")).text
+        ignored = re.search(
+            r'strata:fleet_dropped_messages_total{process="0",reason="invalid_record"} (\S+)', text
+        )
+        assert ignored and float(ignored.group(1)) >= 1  # the impostor's record, counted
 
 
 async def test_a_tenants_document_lands_where_its_kv_is_and_another_tenant_gets_no_hit(fleet):

@@ -161,3 +161,24 @@ def test_metrics_shared_between_processes_need_their_mode_chosen_before_import(t
     scrape would read one process's share as if it were the replica's."""
     with pytest.raises(RuntimeError, match="PROMETHEUS_MULTIPROC_DIR"):
         GatewayMetrics(shared_dir=str(tmp_path))
+
+
+def test_the_fleet_view_by_model_and_state_and_the_registry_only_where_there_is_one() -> None:
+    from gateway.metrics import FleetView
+
+    metrics = GatewayMetrics(process_index=1)
+    assert not any(name.startswith("strata:fleet") for name in _values(metrics))  # no view yet
+    view = FleetView(
+        registry_up=False,
+        workers={("m", "serving"): 2, ("m", "drained"): 1},
+        dropped={"invalid_record": 3, "unknown_worker": 0},
+    )
+    metrics.set_fleet(view)
+    values = _values(metrics)
+    assert values['strata:fleet_registry_up{process="1"}'] == 0
+    assert values['strata:fleet_workers{model="m",process="1",state="serving"}'] == 2
+    assert values['strata:fleet_workers{model="m",process="1",state="drained"}'] == 1
+    assert values['strata:fleet_dropped_messages_total{process="1",reason="invalid_record"}'] == 3
+    assert _types(metrics)["strata:fleet_dropped_messages"] == "counter"
+    metrics.set_fleet(FleetView(registry_up=None, workers={}, dropped={}))
+    assert not any(name.startswith("strata:fleet_registry_up") for name in _values(metrics))
