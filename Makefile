@@ -91,8 +91,9 @@ GGUF_PART_MIB := 48
 
 gpu-wheels: $(VENV)/.installed
 	$(PYTHON) -m pip download --no-cache-dir --no-deps --only-binary=:all: \
-		--python-version $(GPU_PYVER) --implementation cp --platform manylinux_2_28_x86_64 \
-		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		--python-version $(GPU_PYVER) --implementation cp --platform manylinux_2_31_x86_64 \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 \
 		-d $(GPU_WHEELS) $(GPU_DEPS)
 	mkdir -p $(GPU_MODEL_PART)
 	gguf=$$($(BIN)/python -c "from engine.loader import resolve_model_path as r; print(r('default'))") \

@@ -117,9 +117,12 @@ def add_cache_dir_argument(ap: argparse.ArgumentParser) -> None:
     by default the CLI's, so that a run leaves nothing in the temporary directory."""
     from gateway.settings import cache_dir
 
-    ap.add_argument("--cache-dir", default=cache_dir(),
-                    help="dequantized weights and built kernels (default: as the CLI's, "
-                    "$STRATA_CACHE_DIR, else ~/.cache/strata)")  # fmt: skip
+    ap.add_argument(
+        "--cache-dir",
+        default=cache_dir(),
+        help="dequantized weights and built kernels (default: as the CLI's, "
+        "$STRATA_CACHE_DIR, else ~/.cache/strata)",
+    )
 
 
 def engine_record(benchmark: str, core: Any, model_spec: str) -> dict[str, Any]:

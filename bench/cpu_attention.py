@@ -71,9 +71,15 @@ def time_point(kernels: CpuKernels, args: dict, repeats: int) -> float:
 
     def call() -> object:
         return kernels.paged_decode(
-            args["q"], args["k_pages"], args["v_pages"], args["block_tables"], args["seq_lens"],
-            HEAD_DIM**-0.5, k_scales=args.get("k_scales"), v_scales=args.get("v_scales"),
-        )  # fmt: skip
+            args["q"],
+            args["k_pages"],
+            args["v_pages"],
+            args["block_tables"],
+            args["seq_lens"],
+            HEAD_DIM**-0.5,
+            k_scales=args.get("k_scales"),
+            v_scales=args.get("v_scales"),
+        )
 
     return statistics.median(timed_calls(call, repeats, warmup=1)) * 1e3
 

@@ -145,8 +145,10 @@ def main(argv: list[str] | None = None) -> dict:
             blocks = rng.sample(range(batch * (context // BLOCK + 1)), batch * (context // BLOCK))
             per = context // BLOCK
             # lengths vary a little, as in a real batch: tables of unequal width
-            seqs = [SeqSlice(1, context - 1 - (i % BLOCK) * 3, blocks[i * per : (i + 1) * per])
-                    for i in range(batch)]  # fmt: skip
+            seqs = [
+                SeqSlice(1, context - 1 - (i % BLOCK) * 3, blocks[i * per : (i + 1) * per])
+                for i in range(batch)
+            ]
             for s in seqs:
                 del s.block_table[(s.context_len // BLOCK) + 1 :]
             assert torch.equal(padded_tables(seqs, torch.int32), row_by_row(seqs))
@@ -165,12 +167,14 @@ def main(argv: list[str] | None = None) -> dict:
             }
             row["speedup"] = round(row["row_by_row_us"] / row["padded_tables_us"], 2)
             rows.append(row)
-            print(f"B={batch:4d} C={context:5d}: block table {row['padded_tables_us']:8.1f} us "
-                  f"(one tensor per row {row['row_by_row_us']:8.1f} us, {row['speedup']}x); "
-                  f"slots {row['slot_indices_us']:.1f} us; graph inputs "
-                  f"{row['graph_inputs_us']:.1f} us, new rows {row['graph_inputs_new_us']:.1f} us, "
-                  f"moved rows {row['graph_inputs_moved_us']:.1f} us"
-                  f" (per buffer {row['per_buffer_us']:.1f} us)")  # fmt: skip
+            print(
+                f"B={batch:4d} C={context:5d}: block table {row['padded_tables_us']:8.1f} us "
+                f"(one tensor per row {row['row_by_row_us']:8.1f} us, {row['speedup']}x); "
+                f"slots {row['slot_indices_us']:.1f} us; graph inputs "
+                f"{row['graph_inputs_us']:.1f} us, new rows {row['graph_inputs_new_us']:.1f} us, "
+                f"moved rows {row['graph_inputs_moved_us']:.1f} us"
+                f" (per buffer {row['per_buffer_us']:.1f} us)"
+            )
     record = {
         "benchmark": "decode_metadata",
         **machine_info(device),

@@ -136,9 +136,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--temperature", type=float, default=0.0,
+        "--temperature",
+        type=float,
+        default=0.0,
         help="0: greedy; above: plain sampling, each Strata request with its own seed",
-    )  # fmt: skip
+    )
     ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (median)")
     ap.add_argument("--quick", action="store_true", help="batches 1,8, 32 new tokens, 1 run")
     ap.add_argument("--skip-hf", action="store_true", help="measure Strata only")

@@ -81,17 +81,22 @@ def documents(tokenizer: Tokenizer, count: int, length: int) -> list[str]:
     """`count` distinct texts of about `length` tokens each: consecutive slices of Python's
     reference text (`pydoc_data.topics`), as text."""
     topics = pydoc_data.topics.topics
-    ids = tokenizer.encode("\n\n".join(topics[name] for name in sorted(topics)),
-                           add_special_tokens=False)  # fmt: skip
+    ids = tokenizer.encode(
+        "\n\n".join(topics[name] for name in sorted(topics)), add_special_tokens=False
+    )
     if len(ids) < count * length:
         raise SystemExit(f"the reference text has {len(ids)} tokens; need {count * length}")
     return [tokenizer.decode(ids[i * length : (i + 1) * length]) for i in range(count)]
 
 
 def workload(
-    rng: random.Random, docs: list[str], tenants: int, num_requests: int, chat_fraction: float,
+    rng: random.Random,
+    docs: list[str],
+    tenants: int,
+    num_requests: int,
+    chat_fraction: float,
     zipf: float,
-) -> list[Item]:  # fmt: skip
+) -> list[Item]:
     """The request stream: each request is a chat (with probability `chat_fraction`, from a
     tenant drawn uniformly) or a question about a document drawn with Zipf popularity over
     every (tenant, document) pair; document k belongs to tenant k % tenants."""
@@ -135,33 +140,75 @@ def analytic_hit_rate(tokenizer: Tokenizer, items: list[Item], block_size: int) 
 
 @contextlib.contextmanager
 def fleet(
-    tmp: Path, store_url: str, name: str, worker_args: list[list[str]], routing: str,
+    tmp: Path,
+    store_url: str,
+    name: str,
+    worker_args: list[list[str]],
+    routing: str,
     cache_dir: str,
-) -> Iterator[str]:  # fmt: skip
+) -> Iterator[str]:
     """Workers (one per entry of `worker_args`) registered in the store and one gateway
     routing by `routing` over them; yields the gateway's URL once it sees every worker.
     Everything is stopped on exit, on an error too."""
-    env = dict(os.environ, STRATA_LOG_LEVEL="WARNING", STRATA_LOG_FORMAT="console",
-               STRATA_ADMIN_TOKEN=ADMIN, STRATA_WORKER_SECRET=SECRET,
-               STRATA_CACHE_DIR=cache_dir, GOMP_SPINCOUNT="10000")  # fmt: skip
+    env = dict(
+        os.environ,
+        STRATA_LOG_LEVEL="WARNING",
+        STRATA_LOG_FORMAT="console",
+        STRATA_ADMIN_TOKEN=ADMIN,
+        STRATA_WORKER_SECRET=SECRET,
+        STRATA_CACHE_DIR=cache_dir,
+        GOMP_SPINCOUNT="10000",
+    )
     for var in ("STRATA_ENGINE_URLS", "STRATA_REDIS_URL", "STRATA_METRICS_TOKEN"):
         env.pop(var, None)
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i, args in enumerate(worker_args):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "gateway.cli", "engine", "--listen",
-                 f"tcp://127.0.0.1:{_port()}", "--registry-url", store_url,
-                 "--worker-id", f"{name}-{i}", "--cache-dir", cache_dir, *args],
-                env=env, stdout=subprocess.DEVNULL,
-            ))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "gateway.cli",
+                        "engine",
+                        "--listen",
+                        f"tcp://127.0.0.1:{_port()}",
+                        "--registry-url",
+                        store_url,
+                        "--worker-id",
+                        f"{name}-{i}",
+                        "--cache-dir",
+                        cache_dir,
+                        *args,
+                    ],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                )
+            )
         port = _port()
         (tmp / name).mkdir()
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "gateway", "--redis-url", store_url,
-             "--routing", routing, "--port", str(port), "--cache-dir", cache_dir,
-             "--data-dir", str(tmp / name)], env=env, stdout=subprocess.DEVNULL,
-        ))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "gateway.cli",
+                    "gateway",
+                    "--redis-url",
+                    store_url,
+                    "--routing",
+                    routing,
+                    "--port",
+                    str(port),
+                    "--cache-dir",
+                    cache_dir,
+                    "--data-dir",
+                    str(tmp / name),
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+            )
+        )
         url = f"http://127.0.0.1:{port}"
 
         def sees_every_worker() -> bool:
@@ -169,8 +216,9 @@ def fleet(
                 if proc.poll() is not None:
                     raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
             try:
-                view = httpx.get(f"{url}/admin/workers/", timeout=2,
-                                 headers={"authorization": f"Bearer {ADMIN}"})  # fmt: skip
+                view = httpx.get(
+                    f"{url}/admin/workers/", timeout=2, headers={"authorization": f"Bearer {ADMIN}"}
+                )
             except httpx.HTTPError:
                 return False
             if view.status_code != 200:
@@ -205,9 +253,11 @@ def new_tenants(url: str, count: int) -> list[str]:
 def worker_figures(url: str) -> dict[str, dict[str, float]]:
     """Each worker's prefix-cache hits (blocks), preemptions and KV blocks in use, from the
     gateway's metrics, by worker."""
-    wanted = {"strata:kv_cache_hit_blocks_total": "hit_blocks",
-              "strata:num_preemptions_total": "preemptions",
-              "strata:kv_blocks_used": "kv_blocks_used"}  # fmt: skip
+    wanted = {
+        "strata:kv_cache_hit_blocks_total": "hit_blocks",
+        "strata:num_preemptions_total": "preemptions",
+        "strata:kv_blocks_used": "kv_blocks_used",
+    }
     out: dict[str, dict[str, float]] = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         name, _, rest = line.partition("{")
@@ -234,14 +284,20 @@ class Outcome:
 async def one(http: httpx.AsyncClient, key: str, item: Item, max_tokens: int) -> Outcome:
     """Stream one chat completion: time to the first content (or the finish, for an empty
     answer), to the end, and the usage chunk's token counts."""
-    body = {"model": "default", "messages": item.messages, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": "default",
+        "messages": item.messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     first: float | None = None
     usage: dict[str, Any] | None = None
-    async with http.stream("POST", "/v1/chat/completions", json=body,
-                           headers={"authorization": f"Bearer {key}"}) as reply:  # fmt: skip
+    async with http.stream(
+        "POST", "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
+    ) as reply:
         if reply.status_code != 200:
             raise RuntimeError(f"{reply.status_code}: {(await reply.aread())!r}")
         async for line in reply.aiter_lines():
@@ -257,8 +313,14 @@ async def one(http: httpx.AsyncClient, key: str, item: Item, max_tokens: int) ->
     end = time.perf_counter()
     assert usage is not None and first is not None, "no usage chunk or no output"
     details = usage.get("prompt_tokens_details") or {}
-    return Outcome(item, first - start, end - start, usage["prompt_tokens"],
-                   details.get("cached_tokens", 0), usage["completion_tokens"])  # fmt: skip
+    return Outcome(
+        item,
+        first - start,
+        end - start,
+        usage["prompt_tokens"],
+        details.get("cached_tokens", 0),
+        usage["completion_tokens"],
+    )
 
 
 async def drive(
@@ -338,28 +400,40 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--doc-tokens", type=int, default=2000)
     ap.add_argument("--requests", type=int, default=160)
     ap.add_argument("--chat-fraction", type=float, default=0.25)
-    ap.add_argument("--zipf", type=float, default=0.6,
-                    help="popularity exponent: a document of rank r is asked in proportion to "
-                    "r^-zipf (0.6: most documents are asked several times)")  # fmt: skip
+    ap.add_argument(
+        "--zipf",
+        type=float,
+        default=0.6,
+        help="popularity exponent: a document of rank r is asked in proportion to "
+        "r^-zipf (0.6: most documents are asked several times)",
+    )
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--worker-docs", type=float, default=10.0,
-                    help="documents one worker's KV pool holds")  # fmt: skip
+    ap.add_argument(
+        "--worker-docs", type=float, default=10.0, help="documents one worker's KV pool holds"
+    )
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--device", default="auto",
-                    help="the workers' device: auto, cpu, cuda (all on one GPU)")  # fmt: skip
+    ap.add_argument(
+        "--device", default="auto", help="the workers' device: auto, cpu, cuda (all on one GPU)"
+    )
     ap.add_argument("--policies", default=",".join(POLICIES))
-    ap.add_argument("--ideal", choices=("measured", "analytic"), default="measured",
-                    help="the reference hit rate: a run through one worker whose host tier "
-                    "holds every document, or the analytic one only")  # fmt: skip
+    ap.add_argument(
+        "--ideal",
+        choices=("measured", "analytic"),
+        default="measured",
+        help="the reference hit rate: a run through one worker whose host tier "
+        "holds every document, or the analytic one only",
+    )
     add_cache_dir_argument(ap)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true",
-                    help="4 tenants x 2 documents of 1,000 tokens, 48 requests")  # fmt: skip
+    ap.add_argument(
+        "--quick", action="store_true", help="4 tenants x 2 documents of 1,000 tokens, 48 requests"
+    )
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    args = parse_args(ap, argv, tenants=4, docs_per_tenant=2, doc_tokens=1000, requests=48,
-                      worker_docs=4.0)  # fmt: skip
+    args = parse_args(
+        ap, argv, tenants=4, docs_per_tenant=2, doc_tokens=1000, requests=48, worker_docs=4.0
+    )
     policies = [p for p in args.policies.split(",") if p]
     assert set(policies) <= set(POLICIES), f"policies are {', '.join(POLICIES)}"
     load_before = [round(x, 2) for x in os.getloadavg()]
@@ -367,23 +441,37 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_tokenizer_for(args.model, args.cache_dir)
     num_docs = args.tenants * args.docs_per_tenant
     docs = documents(tokenizer, num_docs, args.doc_tokens)
-    items = workload(random.Random(args.seed), docs, args.tenants, args.requests,
-                     args.chat_fraction, args.zipf)  # fmt: skip
+    items = workload(
+        random.Random(args.seed), docs, args.tenants, args.requests, args.chat_fraction, args.zipf
+    )
     longest = max(len(tokenizer.encode_chat(it.messages)) for it in items if it.doc is not None)
     doc_blocks = -(-(longest + args.max_tokens) // args.block_size)
     worker_blocks = int(args.worker_docs * doc_blocks)
     ideal_analytic = round(analytic_hit_rate(tokenizer, items, args.block_size), 4)
     device = resolve_device(args.device)
-    common = ["--model", args.model, "--dtype", args.dtype, "--device", str(device),
-              "--threads", str(args.threads), "--block-size", str(args.block_size),
-              "--seed", str(args.seed)]  # fmt: skip
+    common = [
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--device",
+        str(device),
+        "--threads",
+        str(args.threads),
+        "--block-size",
+        str(args.block_size),
+        "--seed",
+        str(args.seed),
+    ]
     fleet_args = [*common, "--num-kv-blocks", str(worker_blocks)]
     asks = Counter(it.doc for it in items if it.doc is not None)
-    print(f"{len(items)} requests: {sum(asks.values())} about {len(asks)} of {num_docs} "
-          f"documents (most asked {max(asks.values())}x), {len(items) - sum(asks.values())} "
-          f"chats; {worker_blocks} KV blocks per worker ({args.worker_docs} documents of "
-          f"{doc_blocks} blocks); analytic ideal hit rate {ideal_analytic}",
-          flush=True)  # fmt: skip
+    print(
+        f"{len(items)} requests: {sum(asks.values())} about {len(asks)} of {num_docs} "
+        f"documents (most asked {max(asks.values())}x), {len(items) - sum(asks.values())} "
+        f"chats; {worker_blocks} KV blocks per worker ({args.worker_docs} documents of "
+        f"{doc_blocks} blocks); analytic ideal hit rate {ideal_analytic}",
+        flush=True,
+    )
 
     runs: dict[str, dict[str, Any]] = {}
     ideal_args: list[str] = []
@@ -406,8 +494,9 @@ def main(argv: list[str] | None = None) -> dict:
                 routing = name if name != "ideal" else "kv_aware"
                 with fleet(tmp, store.url, name, worker_args, routing, args.cache_dir) as url:
                     keys = keys or new_tenants(url, args.tenants + 1)  # the last warms up
-                    outcomes, wall = asyncio.run(drive(url, keys, items, args.concurrency,
-                                                       args.max_tokens))  # fmt: skip
+                    outcomes, wall = asyncio.run(
+                        drive(url, keys, items, args.concurrency, args.max_tokens)
+                    )
                     runs[name] = figures(outcomes, wall)
                     workers = worker_figures(url)
                     runs[name]["workers"] = workers

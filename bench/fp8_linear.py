@@ -106,10 +106,12 @@ def bench_shape(
         point["fp8_of_copy"] = of_copy(point["fp8_ms"], n * k)
         point["16bit_of_copy"] = of_copy(best16, 2 * n * k)
         row["rows"][rows] = point
-        print(f"  [{n} x {k}] {rows:>4} rows: 16-bit {best16 * 1e3:8.1f} us "
-              f"({point['16bit_of_copy']:.0%}), FP8 {point['fp8_ms'] * 1e3:8.1f} us "
-              f"({point['fp8_of_copy']:.0%}, {best}), {point['fp8_vs_16bit']}x",
-              flush=True)  # fmt: skip
+        print(
+            f"  [{n} x {k}] {rows:>4} rows: 16-bit {best16 * 1e3:8.1f} us "
+            f"({point['16bit_of_copy']:.0%}), FP8 {point['fp8_ms'] * 1e3:8.1f} us "
+            f"({point['fp8_of_copy']:.0%}, {best}), {point['fp8_vs_16bit']}x",
+            flush=True,
+        )
     return row
 
 
@@ -131,8 +133,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ops = load_triton_kernels(args.device, "triton_fp8_linear")
     gemv_ops = load_triton_kernels(args.device, "triton_gemv")
     bandwidth = copy_bandwidth(args.device, 1 << 30 if gpu else 64 << 20)
-    print(f"device {machine_info(args.device)['device']}: copy bandwidth "
-          f"{bandwidth / 1e9:.0f} GB/s")  # fmt: skip
+    print(
+        f"device {machine_info(args.device)['device']}: copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+    )
 
     results: dict[str, Any] = {}
     for name, (n, k, per_step) in shapes(args.model).items():

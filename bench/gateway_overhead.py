@@ -228,11 +228,27 @@ def measure(
         procs.append(subprocess.Popen(engine_cmd, env=env))
         _wait((tmp / "engine.sock").exists, 300, "the engine worker")
         port = _port()
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "gateway", "--engine", engine_addr,
-             "--redis-url", store.url, "--port", str(port), "--data-dir", str(tmp / "gateway"),
-             "--workers", str(gateway_workers)], env=env,
-        ))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "gateway.cli",
+                    "gateway",
+                    "--engine",
+                    engine_addr,
+                    "--redis-url",
+                    store.url,
+                    "--port",
+                    str(port),
+                    "--data-dir",
+                    str(tmp / "gateway"),
+                    "--workers",
+                    str(gateway_workers),
+                ],
+                env=env,
+            )
+        )
         url = f"http://127.0.0.1:{port}"
 
         def up() -> bool:  # every process has started
@@ -342,9 +358,11 @@ def main(argv: list[str] | None = None) -> dict:
     latency, cpu = figures["latency"], figures["cpu"]
 
     summary = {
-        "gateway_workers": args.gateway_workers, "overhead_ms": overhead, "e2e_delta_ms": delta,
+        "gateway_workers": args.gateway_workers,
+        "overhead_ms": overhead,
+        "e2e_delta_ms": delta,
         "rps": rps,
-    }  # fmt: skip
+    }
     import torch
 
     record = {

@@ -79,8 +79,10 @@ def sweep_shape(
     fraction of the copy bandwidth, error against cuBLAS, and the best configuration."""
     nbytes = n * k * 2
     copies = max(1, min(16, -(-_L2_MARGIN // nbytes))) if device.type == "cuda" else 1
-    weights = [(torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
-               for _ in range(copies)]  # fmt: skip
+    weights = [
+        (torch.randn(n, k, generator=gen, device=device) * 0.02).to(torch.bfloat16)
+        for _ in range(copies)
+    ]
     x = torch.randn(1, k, generator=gen, device=device).to(torch.bfloat16)
     turn = itertools.count()
     want = F.linear(x, weights[0]).float()
@@ -104,9 +106,14 @@ def sweep_shape(
         error = float((got - want).norm() / want.norm())
         assert error < 2e-2, (n, k, cfg, error)  # bf16 outputs, fp32 sums either way
         ms = median_ms(triton_gemv, device, repeats)
-        points.append({"config": "n{block_n}/k{block_k}/w{num_warps}".format(**cfg),
-                       "ms": round(ms, 4), "of_copy": rate(ms),
-                       "rel_error": round(error, 5)})  # fmt: skip
+        points.append(
+            {
+                "config": "n{block_n}/k{block_k}/w{num_warps}".format(**cfg),
+                "ms": round(ms, 4),
+                "of_copy": rate(ms),
+                "rel_error": round(error, 5),
+            }
+        )
     best = min(points, key=lambda p: p["ms"])
     return {
         "n": n,
@@ -158,10 +165,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             total_ms[point["config"]] = total_ms.get(point["config"], 0.0) + per_step * point["ms"]
         results[name] = row
         best = next(t for t in row["triton"] if t["config"] == row["best"])
-        print(f"{name:>13} [{n} x {k}]: cuBLAS {row['cublas_ms'] * 1e3:8.1f} us "
-              f"({row['cublas_of_copy']:.0%} of copy), best Triton {row['best']} "
-              f"{best['ms'] * 1e3:8.1f} us ({best['of_copy']:.0%}, "
-              f"{row['best_vs_cublas']}x)", flush=True)  # fmt: skip
+        print(
+            f"{name:>13} [{n} x {k}]: cuBLAS {row['cublas_ms'] * 1e3:8.1f} us "
+            f"({row['cublas_of_copy']:.0%} of copy), best Triton {row['best']} "
+            f"{best['ms'] * 1e3:8.1f} us ({best['of_copy']:.0%}, "
+            f"{row['best_vs_cublas']}x)",
+            flush=True,
+        )
 
     cublas_total = total_ms.pop("cublas")
     best_config = min(total_ms, key=lambda key: total_ms[key])

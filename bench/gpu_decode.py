@@ -204,10 +204,13 @@ def kernel_profile(
             rows.append((us, event.count, event.key))
     rows.sort(reverse=True)
     kernels = [
-        {"name": name[:120], "calls_per_step": round(count / steps, 2),
-         "us_per_step": round(us / steps, 1)}
+        {
+            "name": name[:120],
+            "calls_per_step": round(count / steps, 2),
+            "us_per_step": round(us / steps, 1),
+        }
         for us, count, name in rows[:top]
-    ]  # fmt: skip
+    ]
     return {
         "step_ms": round(seconds * 1e3, 3),
         "busy_us_per_step": round(sum(us for us, _, _ in rows) / steps, 1),
@@ -225,9 +228,13 @@ def hf_decode_tok_s(hf, batch: int, context: int, steps: int, device: torch.devi
         start = time.perf_counter()
         with torch.inference_mode():
             hf.generate(
-                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
-                min_new_tokens=new, do_sample=False, pad_token_id=0,
-            )  # fmt: skip
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
         _sync(device)
         return time.perf_counter() - start
 
@@ -380,8 +387,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hf_tok_s: dict[str, float] = {}
     ratio_vs_hf: dict[str, float] = {}
     if not args.skip_hf:
-        config = EngineConfig(model=args.model, dtype=args.dtype, device=str(device),
-                              seed=args.seed)  # fmt: skip
+        config = EngineConfig(
+            model=args.model, dtype=args.dtype, device=str(device), seed=args.seed
+        )
         hf = hf_model_for(config)
         config_used["hf_attention"] = getattr(hf.config, "_attn_implementation", None)
         for context in args.contexts:
@@ -396,8 +404,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         torch.cuda.empty_cache()
                     continue
                 hf_tok_s[shape] = round(peer, 1)
-                best = max((tok_s[kv].get(shape, 0.0) for kv in kv_names if kv in tok_s),
-                           default=0.0)  # fmt: skip
+                best = max(
+                    (tok_s[kv].get(shape, 0.0) for kv in kv_names if kv in tok_s), default=0.0
+                )
                 ratio_vs_hf[shape] = round(best / peer, 2)
                 print(
                     f"transformers {shape:>12}: {peer:9.1f} tok/s  (Strata {ratio_vs_hf[shape]}x)"
@@ -433,10 +442,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _profile_lines(key: str, prof: dict[str, Any], top: int = 8) -> str:
-    head = (f"{key:>18}: profiled step {prof['step_ms']:.2f} ms, "
-            f"busy {prof['busy_us_per_step'] / 1e3:.2f} ms")  # fmt: skip
-    rows = [f"{k['us_per_step']:>12.1f} us {k['calls_per_step']:>7.1f}x  {k['name'][:70]}"
-            for k in prof["kernels"][:top]]  # fmt: skip
+    head = (
+        f"{key:>18}: profiled step {prof['step_ms']:.2f} ms, "
+        f"busy {prof['busy_us_per_step'] / 1e3:.2f} ms"
+    )
+    rows = [
+        f"{k['us_per_step']:>12.1f} us {k['calls_per_step']:>7.1f}x  {k['name'][:70]}"
+        for k in prof["kernels"][:top]
+    ]
     return "\n".join([head, *rows])
 
 

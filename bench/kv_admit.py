@@ -94,9 +94,11 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "host_hits": bm.num_tier_hit_blocks[Tier.HOST],
     }
-    print(f"{args.batch} requests x {pages} pages from host RAM, each evicting a cached page: "
-          f"{summary['us_per_page']['best']} us per page (best of {args.rounds} rounds), "
-          f"{summary['us_per_page']['median']} median")  # fmt: skip
+    print(
+        f"{args.batch} requests x {pages} pages from host RAM, each evicting a cached page: "
+        f"{summary['us_per_page']['best']} us per page (best of {args.rounds} rounds), "
+        f"{summary['us_per_page']['median']} median"
+    )
     record = {
         "benchmark": "kv_admit",
         **machine_info(torch.device("cpu")),

@@ -92,9 +92,13 @@ class PhaseTimers:
 
 
 def timed_step(
-    core, timers: PhaseTimers, prompts: list[list[int]], tag: str,
-    profile: Path | None = None, name: str = "",
-) -> tuple[float, int, int, dict[str, float]]:  # fmt: skip
+    core,
+    timers: PhaseTimers,
+    prompts: list[list[int]],
+    tag: str,
+    profile: Path | None = None,
+    name: str = "",
+) -> tuple[float, int, int, dict[str, float]]:
     """Seconds of the first step of `prompts` (device synchronised), their prompt tokens
     found on the device and in host RAM, and the step's phases (`PhaseTimers`); with
     `profile`, that step is profiled there under `name`."""
@@ -115,8 +119,11 @@ def timed_step(
     while core.has_unfinished():
         outs += core.step()
     host = sum(o.num_cached_host_tokens for o in outs if o.finished)
-    device = sum(o.num_cached_tokens - o.num_cached_host_tokens - o.num_cached_disk_tokens
-                 for o in outs if o.finished)  # fmt: skip
+    device = sum(
+        o.num_cached_tokens - o.num_cached_host_tokens - o.num_cached_disk_tokens
+        for o in outs
+        if o.finished
+    )
     return seconds, device, host, phases
 
 
@@ -132,17 +139,27 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=None,
-                    help="rounds left out of the figures (default 1; 0 with --quick)")  # fmt: skip
-    ap.add_argument("--running", type=int, default=0,
-                    help="requests decoding as the questions arrive (0: none)")  # fmt: skip
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="rounds left out of the figures (default 1; 0 with --quick)",
+    )
+    ap.add_argument(
+        "--running", type=int, default=0, help="requests decoding as the questions arrive (0: none)"
+    )
     ap.add_argument("--kv-load", default="auto", choices=["auto", "sync", "thread", "stream"])
     ap.add_argument("--kv-host-reads", default="auto", choices=["auto", "kernel", "copy"])
     ap.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8_e4m3"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
-                    help="profile one more round's steps into DIR")  # fmt: skip
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="profile one more round's steps into DIR",
+    )
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     if args.quick:
@@ -167,18 +184,23 @@ def main(argv: list[str] | None = None) -> dict:
     growth = args.running * (-(-steps // block) + 1)
     decoder_blocks = args.running * doc_blocks + growth
     config = EngineConfig(
-        model=model, dtype=args.dtype, device=args.device, seed=args.seed,
+        model=model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
         enforce_eager=args.running == 0,
         cache=CacheConfig(
             num_blocks=args.batch * (doc_blocks + 1) + decoder_blocks + 8,
             kv_cache_dtype=kv_dtype,
             # (the filler takes every free block: the documents' and the decoders' growth)
             host_memory_bytes=2 * (args.batch * doc_blocks + growth) * block * per_token,
-            kv_load=args.kv_load, kv_host_reads=args.kv_host_reads,
+            kv_load=args.kv_load,
+            kv_host_reads=args.kv_host_reads,
         ),
-        scheduler=SchedulerConfig(max_num_seqs=2 * args.batch + args.running,
-                                  max_num_batched_tokens=_budget(args)),
-    )  # fmt: skip
+        scheduler=SchedulerConfig(
+            max_num_seqs=2 * args.batch + args.running, max_num_batched_tokens=_budget(args)
+        ),
+    )
     core, _ = create_engine(config, progress=False)
     timers = PhaseTimers(core)
     vocab = core.vocab_size
@@ -203,8 +225,10 @@ def main(argv: list[str] | None = None) -> dict:
         pre = timed_step(core, timers, questions, f"pre{r}", profile, "prefetch")
         if profile is not None or r < args.warmup:
             continue
-        for key, times, (s, dev, host, split) in (("resident", resident, res),
-                                                  ("prefetch", prefetch, pre)):  # fmt: skip
+        for key, times, (s, dev, host, split) in (
+            ("resident", resident, res),
+            ("prefetch", prefetch, pre),
+        ):
             times.append(s)
             found[key][0] += dev
             found[key][1] += host
@@ -226,11 +250,15 @@ def main(argv: list[str] | None = None) -> dict:
         "host_reads": core.pool.loads.host_reads.value,
         "cached_tokens": {k: {"device": v[0], "host": v[1]} for k, v in found.items()},
     }
-    print(f"model {model} ({'random weights' if model.startswith('synthetic:') else 'real'}), "
-          f"batch {args.batch} x context {args.context}, KV {core.pool.spec.dtype}, "
-          f"loads: {summary['loads']}, host rows read by: {summary['host_reads']}")  # fmt: skip
-    print(f"step with resident pages {res_ms:.2f} ms; with pages prefetched from host "
-          f"{pre_ms:.2f} ms ({summary['ratio']}x)")  # fmt: skip
+    print(
+        f"model {model} ({'random weights' if model.startswith('synthetic:') else 'real'}), "
+        f"batch {args.batch} x context {args.context}, KV {core.pool.spec.dtype}, "
+        f"loads: {summary['loads']}, host rows read by: {summary['host_reads']}"
+    )
+    print(
+        f"step with resident pages {res_ms:.2f} ms; with pages prefetched from host "
+        f"{pre_ms:.2f} ms ({summary['ratio']}x)"
+    )
     rounds_ms = {"resident": resident, "prefetch": prefetch}
     publish_run(core, args, model, rounds_ms, summary)
     return summary
@@ -344,13 +372,17 @@ def busy(core, args, model: str, docs, g: torch.Generator) -> dict:
         "cached_tokens": {k: {"device": v[0], "host": v[1]} for k, v in found.items()},
     }
     b = summary["busy"]
-    print(f"model {model}, {args.running} requests decoding over {args.context} tokens each; "
-          f"{args.batch} questions over {args.context}-token documents arrive; "
-          f"KV {core.pool.spec.dtype}, loads: {summary['loads']}")  # fmt: skip
-    print(f"decode step {b['step_ms']['decode']} ms; step the questions join with resident "
-          f"pages {b['step_ms']['resident']} ms; longest step while their pages arrive from "
-          f"host {b['step_ms']['prefetch']} ms ({b['ratio']}x); time to first token "
-          f"{b['ttft_ms']['resident']} -> {b['ttft_ms']['prefetch']} ms")  # fmt: skip
+    print(
+        f"model {model}, {args.running} requests decoding over {args.context} tokens each; "
+        f"{args.batch} questions over {args.context}-token documents arrive; "
+        f"KV {core.pool.spec.dtype}, loads: {summary['loads']}"
+    )
+    print(
+        f"decode step {b['step_ms']['decode']} ms; step the questions join with resident "
+        f"pages {b['step_ms']['resident']} ms; longest step while their pages arrive from "
+        f"host {b['step_ms']['prefetch']} ms ({b['ratio']}x); time to first token "
+        f"{b['ttft_ms']['resident']} -> {b['ttft_ms']['prefetch']} ms"
+    )
     rounds_ms = {k: v for k, v in figures.items() if k != "waited"}
     publish_run(core, args, model, rounds_ms, summary)
     return summary

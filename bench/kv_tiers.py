@@ -74,9 +74,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--pages", type=int, default=256)
     ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "fp8_e4m3"])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--disk-path", default=None,
-                    help="where the run's disk directory goes (removed after the run; "
-                    "default: the temporary directory)")  # fmt: skip
+    ap.add_argument(
+        "--disk-path",
+        default=None,
+        help="where the run's disk directory goes (removed after the run; "
+        "default: the temporary directory)",
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
@@ -128,9 +131,12 @@ def main(argv: list[str] | None = None) -> dict:
 
         def cupy_copy() -> None:
             cupy.cuda.runtime.memcpyAsync(
-                dst.data_ptr(), src.data_ptr(), nbytes, cupy.cuda.runtime.memcpyHostToDevice,
+                dst.data_ptr(),
+                src.data_ptr(),
+                nbytes,
+                cupy.cuda.runtime.memcpyHostToDevice,
                 stream.ptr,
-            )  # fmt: skip
+            )
             stream.synchronize()
 
         seconds["cupy_host_to_device"] = best_seconds(cupy_copy, args.repeats, sync)

@@ -86,21 +86,32 @@ def main(argv: list[str] | None = None) -> dict:
     cache = CacheConfig(kv_cache_memory_bytes=1 << 28, enable_prefix_caching=False)
 
     def engine(lora: LoRAConfig) -> EngineCore:
-        config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                              cache=cache, lora=lora, cache_dir=args.cache_dir)  # fmt: skip
+        config = EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            cache=cache,
+            lora=lora,
+            cache_dir=args.cache_dir,
+        )
         return create_engine(config, progress=False)[0]
 
     base = engine(LoRAConfig())
     vocab = base.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)]
-               for _ in range(args.requests)]  # fmt: skip
+    prompts = [
+        [rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(args.requests)
+    ]
     slots = LoRAConfig(max_loras=max(counts), max_lora_rank=args.rank)
     with scratch_dir("strata-lora-bench-") as root:  # the adapters' files
         adapters = [
-            LoRARequest(name=f"a{i}", path=str(write_random_adapter(
-                root / f"a{i}", base.model_config, rank=args.rank, seed=i)))
+            LoRARequest(
+                name=f"a{i}",
+                path=str(
+                    write_random_adapter(root / f"a{i}", base.model_config, rank=args.rank, seed=i)
+                ),
+            )
             for i in range(max(counts))
-        ]  # fmt: skip
+        ]
         runs: dict[str, tuple[EngineCore, list[LoRARequest | None]]] = {
             "base": (base, [None] * len(prompts)),
             "base_lora_engine": (engine(slots), [None] * len(prompts)),
@@ -112,20 +123,27 @@ def main(argv: list[str] | None = None) -> dict:
         for r in range(args.repeats):
             for name, got in one_round(runs, prompts, args.new_tokens, f"r{r}", r).items():
                 rounds[name].append(got)
-    tok_s = {name: round(sum(t for t, _ in got) / sum(s for _, s in got), 1)
-             for name, got in rounds.items()}  # fmt: skip
+    tok_s = {
+        name: round(sum(t for t, _ in got) / sum(s for _, s in got), 1)
+        for name, got in rounds.items()
+    }
     per_round = {
-        name: [round((t / s) / (bt / bs), 3)
-               for (t, s), (bt, bs) in zip(got, rounds["base"], strict=True)]
-        for name, got in rounds.items() if name != "base"
-    }  # fmt: skip
+        name: [
+            round((t / s) / (bt / bs), 3)
+            for (t, s), (bt, bs) in zip(got, rounds["base"], strict=True)
+        ]
+        for name, got in rounds.items()
+        if name != "base"
+    }
     ratio = {name: round(statistics.median(r), 3) for name, r in per_round.items()}
     for name in runs:
         extra = f"  ({ratio[name]:.2f}x base, rounds {per_round[name]})" if name in ratio else ""
         print(f"{name:>16}: {tok_s[name]:8.1f} decode tok/s" + extra)
     summary = {"tok_s": tok_s, "ratio_vs_base": ratio}
-    rounds_out = {name: [{"tokens": t, "seconds": round(s, 4)} for t, s in got]
-                  for name, got in rounds.items()}  # fmt: skip
+    rounds_out = {
+        name: [{"tokens": t, "seconds": round(s, 4)} for t, s in got]
+        for name, got in rounds.items()
+    }
     record = {
         "benchmark": "lora",
         **machine_info(torch.device(args.device)),

@@ -82,8 +82,9 @@ def with_stream(
     (with tiers: copying its pages in; pages on disk are read while the stream goes on)."""
     core = llm.core
     prompt = llm.tokenizer.encode("Write a long story about the sea.")
-    stream = SamplingParams(max_tokens=core.max_model_len - len(prompt) - 1, ignore_eos=True,
-                            temperature=0.0)  # fmt: skip
+    stream = SamplingParams(
+        max_tokens=core.max_model_len - len(prompt) - 1, ignore_eos=True, temperature=0.0
+    )
     core.add_request("stream", prompt, stream)
     first = SamplingParams(max_tokens=1, temperature=0.0)
     gaps, ttft, last = [], [], None
@@ -142,9 +143,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--host-docs", type=float, default=3.0, help="documents the host tier holds")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=[d.value for d in KVCacheDtype])
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--disk-path", default=None,
-                    help="where the disk tier's run directory goes (removed after the run; "
-                    "default: the temporary directory)")  # fmt: skip
+    ap.add_argument(
+        "--disk-path",
+        default=None,
+        help="where the disk tier's run directory goes (removed after the run; "
+        "default: the temporary directory)",
+    )
     add_cache_dir_argument(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="4 documents of 512 tokens, 2 questions")

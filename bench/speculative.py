@@ -39,9 +39,24 @@ from engine.protocol import SamplingParams
 from engine.tokenizer import Tokenizer
 
 # entries of 2,000 tokens or more, each cut to --doc-tokens
-TOPICS = ["specialnames", "compound", "types", "formatstrings", "string-methods", "typesseq",
-          "debugger", "typesmapping", "attribute-access", "customization", "comparisons",
-          "assignment", "execmodel", "strings", "import", "try"]  # fmt: skip
+TOPICS = [
+    "specialnames",
+    "compound",
+    "types",
+    "formatstrings",
+    "string-methods",
+    "typesseq",
+    "debugger",
+    "typesmapping",
+    "attribute-access",
+    "customization",
+    "comparisons",
+    "assignment",
+    "execmodel",
+    "strings",
+    "import",
+    "try",
+]
 ASKS = [
     "Quote the first sentence of the text above exactly.",
     "Repeat the first paragraph of the text above word for word.",
@@ -49,11 +64,15 @@ ASKS = [
     "Explain what the text above says, quoting it where you can.",
 ]
 QUESTIONS = [
-    "What is the capital of France?", "Write a short poem about the sea.",
-    "Give three tips for learning a language.", "Why is the sky blue?",
-    "Describe a good breakfast.", "What makes a story interesting?",
-    "How do plants grow?", "Name some famous painters.",
-]  # fmt: skip
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Give three tips for learning a language.",
+    "Why is the sky blue?",
+    "Describe a good breakfast.",
+    "What makes a story interesting?",
+    "How do plants grow?",
+    "Name some famous painters.",
+]
 
 
 def rag_prompts(tokenizer: Tokenizer, num: int, doc_tokens: int) -> list[list[int]]:
@@ -95,13 +114,17 @@ def step_ms(core: EngineCore, batch: int, rows: int, context: int, repeats: int 
     return 1e3 * statistics.median(times)
 
 
-def run(core: EngineCore, prompts: list[list[int]], temperature: float, max_tokens: int
-        ) -> tuple[float, list]:  # fmt: skip
+def run(
+    core: EngineCore, prompts: list[list[int]], temperature: float, max_tokens: int
+) -> tuple[float, list]:
     """Tokens/s over the batch, and each request's output token ids (request i seeded with i
     when sampled, so both engines draw the same numbers)."""
-    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature,
-                             seed=i if temperature > 0 else None)
-              for i in range(len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, seed=i if temperature > 0 else None
+        )
+        for i in range(len(prompts))
+    ]
     return generate_all(core, prompts, params)
 
 
@@ -124,9 +147,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(ap, argv, repeats=1, doc_tokens=256, max_tokens=48)
     batches = [int(b) for b in (args.batches or ("1,4" if args.quick else "1,4,8,16")).split(",")]
     base = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        cache_dir=args.cache_dir,
         scheduler=SchedulerConfig(max_num_seqs=max(batches)),
-    )  # fmt: skip
+    )
     spec = SpeculativeConfig(num_speculative_tokens=args.speculative_tokens)
     plain_core, tokenizer = create_engine(base, progress=False)
     spec_core, _ = create_engine(dataclasses.replace(base, speculative=spec), progress=False)
@@ -167,20 +193,28 @@ def main(argv: list[str] | None = None) -> dict:
                 "mean_output_tokens": round(sum(map(len, outputs["plain"])) / n, 1),
             }
             r = results[key]
-            print(f"{workload:>4} concurrency {n:>3}: plain {plain:8.1f} tok/s | speculative "
-                  f"{fast:8.1f} tok/s | x{r['speedup']:.2f} | accepted {r['acceptance']} | "
-                  f"same tokens {same}", flush=True)  # fmt: skip
+            print(
+                f"{workload:>4} concurrency {n:>3}: plain {plain:8.1f} tok/s | speculative "
+                f"{fast:8.1f} tok/s | x{r['speedup']:.2f} | accepted {r['acceptance']} | "
+                f"same tokens {same}",
+                flush=True,
+            )
     # a step's cost by its rows, at the documents' context: 1 sequence with 4 drafts, and
     # 8 sequences with 1 draft each
     context = len(rag_prompts(tokenizer, 1, args.doc_tokens)[0])
     row_cost = {}
     for batch, rows in ((1, 5), (8, 2)):
         plain_ms, drafted_ms = (step_ms(plain_core, batch, r, context) for r in (1, rows))
-        row_cost[f"{batch}x{rows}"] = {"plain_ms": round(plain_ms, 2),
-                                       "drafted_ms": round(drafted_ms, 2),
-                                       "ratio": round(drafted_ms / plain_ms, 3)}  # fmt: skip
-        print(f"step of {batch} sequences at {context} tokens: {rows} rows each "
-              f"{drafted_ms:.1f} ms, 1 row each {plain_ms:.1f} ms", flush=True)  # fmt: skip
+        row_cost[f"{batch}x{rows}"] = {
+            "plain_ms": round(plain_ms, 2),
+            "drafted_ms": round(drafted_ms, 2),
+            "ratio": round(drafted_ms / plain_ms, 3),
+        }
+        print(
+            f"step of {batch} sequences at {context} tokens: {rows} rows each "
+            f"{drafted_ms:.1f} ms, 1 row each {plain_ms:.1f} ms",
+            flush=True,
+        )
     summary = {
         "speedup": {k: r["speedup"] for k, r in results.items()},
         "acceptance": {k: r["acceptance"] for k, r in results.items()},
@@ -188,11 +222,16 @@ def main(argv: list[str] | None = None) -> dict:
     }
     record = {
         **engine_record("speculative", spec_core, args.model),
-        "speculative": dataclasses.asdict(spec), "doc_tokens": args.doc_tokens,
-        "max_tokens": args.max_tokens, "temperature": args.temperature,
-        "repeats": args.repeats, "quick": args.quick,
-        "results": results, "step_cost_by_rows": row_cost, **summary,
-    }  # fmt: skip
+        "speculative": dataclasses.asdict(spec),
+        "doc_tokens": args.doc_tokens,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "repeats": args.repeats,
+        "quick": args.quick,
+        "results": results,
+        "step_cost_by_rows": row_cost,
+        **summary,
+    }
     publish(args.out_dir, "speculative", record, summary)
     return summary
 

@@ -65,51 +65,89 @@ def _pydantic() -> dict[str, Any]:
 
 
 _FUNCTIONS: dict[str, Any] = {
-    "get_weather": {"type": "object", "properties": {
-        "location": {"type": "string", "description": "City and country"},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["location"], "additionalProperties": False},
-    "search_flights": {"type": "object", "properties": {
-        "origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
-        "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
-        "date": {"type": "string", "format": "date"},
-        "passengers": {"type": "integer", "minimum": 1, "maximum": 9},
-        "cabin": {"type": ["string", "null"], "enum": ["economy", "business", None]}},
+    "get_weather": {
+        "type": "object",
+        "properties": {
+            "location": {"type": "string", "description": "City and country"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["location"],
+        "additionalProperties": False,
+    },
+    "search_flights": {
+        "type": "object",
+        "properties": {
+            "origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+            "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
+            "date": {"type": "string", "format": "date"},
+            "passengers": {"type": "integer", "minimum": 1, "maximum": 9},
+            "cabin": {"type": ["string", "null"], "enum": ["economy", "business", None]},
+        },
         "required": ["origin", "destination", "date", "passengers", "cabin"],
-        "additionalProperties": False},
-    "create_event": {"type": "object", "properties": {
-        "title": {"type": "string"}, "start": {"type": "string", "format": "date-time"},
-        "attendees": {"type": "array", "items": {"type": "string", "format": "email"},
-                      "minItems": 1, "maxItems": 5},
-        "reminder_minutes": {"type": "integer", "multipleOf": 5}},
-        "required": ["title", "start", "attendees"]},
-    "run_sql": {"type": "object", "properties": {
-        "query": {"type": "string", "maxLength": 200},
-        "params": {"type": "array", "items": {"type": ["string", "number", "boolean", "null"]}}},
-        "required": ["query"]},
-    "set_thermostat": {"type": "object", "properties": {
-        "target": {"type": "number", "exclusiveMinimum": 5, "exclusiveMaximum": 35},
-        "mode": {"const": "heat"}}, "required": ["target", "mode"]},
-}  # fmt: skip
+        "additionalProperties": False,
+    },
+    "create_event": {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string"},
+            "start": {"type": "string", "format": "date-time"},
+            "attendees": {
+                "type": "array",
+                "items": {"type": "string", "format": "email"},
+                "minItems": 1,
+                "maxItems": 5,
+            },
+            "reminder_minutes": {"type": "integer", "multipleOf": 5},
+        },
+        "required": ["title", "start", "attendees"],
+    },
+    "run_sql": {
+        "type": "object",
+        "properties": {
+            "query": {"type": "string", "maxLength": 200},
+            "params": {"type": "array", "items": {"type": ["string", "number", "boolean", "null"]}},
+        },
+        "required": ["query"],
+    },
+    "set_thermostat": {
+        "type": "object",
+        "properties": {
+            "target": {"type": "number", "exclusiveMinimum": 5, "exclusiveMaximum": 35},
+            "mode": {"const": "heat"},
+        },
+        "required": ["target", "mode"],
+    },
+}
 
 _KEYWORDS: dict[str, Any] = {
     "type_list": {"type": ["string", "integer"]},
     "enum": {"enum": ["a", 1, None, [1, 2]]},
     "const": {"const": {"k": [1, "x"]}},
-    "properties_required": {"type": "object", "properties": {"a": {"type": "integer"}},
-                            "required": ["a"]},
+    "properties_required": {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+    },
     "additionalProperties": {"type": "object", "additionalProperties": {"type": "boolean"}},
-    "patternProperties": {"type": "object", "patternProperties": {"^x_": {"type": "integer"}},
-                          "additionalProperties": False},
+    "patternProperties": {
+        "type": "object",
+        "patternProperties": {"^x_": {"type": "integer"}},
+        "additionalProperties": False,
+    },
     "minProperties": {"type": "object", "minProperties": 2},
     "maxProperties": {"type": "object", "maxProperties": 1},
     "propertyNames": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}},
-    "dependentRequired": {"type": "object", "properties": {"a": {}, "b": {}},
-                          "dependentRequired": {"a": ["b"]}},
-    "items_bounds": {"type": "array", "items": {"type": "integer"}, "minItems": 2,
-                     "maxItems": 4},
-    "prefixItems": {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}],
-                    "items": False},
+    "dependentRequired": {
+        "type": "object",
+        "properties": {"a": {}, "b": {}},
+        "dependentRequired": {"a": ["b"]},
+    },
+    "items_bounds": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4},
+    "prefixItems": {
+        "type": "array",
+        "prefixItems": [{"type": "string"}, {"type": "integer"}],
+        "items": False,
+    },
     "uniqueItems": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
     "contains": {"type": "array", "contains": {"const": 3}},
     "string_lengths": {"type": "string", "minLength": 2, "maxLength": 5},
@@ -129,11 +167,18 @@ _KEYWORDS: dict[str, Any] = {
     "allOf": {"allOf": [{"type": "string"}, {"maxLength": 3}]},
     "not": {"not": {"type": "string"}},
     "if_then_else": {"if": {"type": "integer"}, "then": {"minimum": 0}, "else": {"type": "string"}},
-    "ref_recursive": {"$defs": {"n": {"type": "object", "properties": {
-        "next": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "null"}]}}, "required": ["next"]}},
-        "$ref": "#/$defs/n"},
+    "ref_recursive": {
+        "$defs": {
+            "n": {
+                "type": "object",
+                "properties": {"next": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "null"}]}},
+                "required": ["next"],
+            }
+        },
+        "$ref": "#/$defs/n",
+    },
     "nullable_union": {"type": ["object", "null"], "properties": {"a": {"type": "string"}}},
-}  # fmt: skip
+}
 
 
 def corpus() -> dict[str, Any]:

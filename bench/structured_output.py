@@ -54,13 +54,28 @@ SCHEMA = {
         "population": {"type": "integer", "minimum": 0},
         "rating": {"type": "number", "minimum": 0, "maximum": 5},
         "founded": {"type": "string", "format": "date"},
-        "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 60},
-                      "maxItems": 3},
+        "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 60}, "maxItems": 3},
     },
     "required": ["name", "country", "population", "rating", "founded", "landmarks"],
-}  # fmt: skip
-SUBJECTS = ["Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Cairo", "Quito", "Hanoi", "Perth",
-            "Dublin", "Seoul", "Nairobi", "Havana", "Vienna", "Manila", "Bogota"]  # fmt: skip
+}
+SUBJECTS = [
+    "Paris",
+    "Tokyo",
+    "Lagos",
+    "Lima",
+    "Oslo",
+    "Cairo",
+    "Quito",
+    "Hanoi",
+    "Perth",
+    "Dublin",
+    "Seoul",
+    "Nairobi",
+    "Havana",
+    "Vienna",
+    "Manila",
+    "Bogota",
+]
 STOP = -1  # a stand-in: walks end on the matcher's own final state
 
 
@@ -77,8 +92,9 @@ def prompts_for(tokenizer: Tokenizer, num: int) -> list[list[int]]:
 def throughput(core: Any, tokenizer: Tokenizer, batches: list[int], args: Any) -> dict:
     import jsonschema
 
-    constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
-                                 json_schema=json.dumps(SCHEMA))  # fmt: skip
+    constrained = SamplingParams(
+        max_tokens=args.max_tokens, temperature=0.0, json_schema=json.dumps(SCHEMA)
+    )
     generate_all(core, prompts_for(tokenizer, 2), [constrained] * 2)  # warm up
     results: dict[str, dict] = {}
     for n in batches:
@@ -92,8 +108,9 @@ def throughput(core: Any, tokenizer: Tokenizer, batches: list[int], args: Any) -
             rate, outputs = generate_all(core, prompts, [constrained] * n)
             with_schema.append(rate)
             lengths = [len(tokens) for tokens in outputs]
-            plain = [SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True)
-                     for k in lengths]  # fmt: skip
+            plain = [
+                SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True) for k in lengths
+            ]
             without.append(generate_all(core, prompts, plain)[0])
             for i in range(n):
                 finished += lengths[i] < args.max_tokens
@@ -164,14 +181,22 @@ def adversarial(compilers: dict[str, GrammarCompiler], words: int, stop: int) ->
             entry: dict[str, Any] = {"compile_ms": round(elapsed * 1e3, 2), "outcome": outcome}
             if m is not None:
                 tokens, longest, end = walk(m, words, random.Random(0), 64, stop)
-                entry |= {"max_mask_ms": round(longest * 1e3, 3), "walk": end,
-                          "walk_tokens": len(tokens)}  # fmt: skip
+                entry |= {
+                    "max_mask_ms": round(longest * 1e3, 3),
+                    "walk": end,
+                    "walk_tokens": len(tokens),
+                }
             row[backend] = entry
         out[name] = row
-        print(f"adversarial {name:>16}: " + " | ".join(
-            f"{b} {row[b]['compile_ms']:8.1f} ms {row[b]['outcome'][:20]}"
-            f" mask<={row[b].get('max_mask_ms', 0):.2f} ms" for b in compilers
-        ), flush=True)  # fmt: skip
+        print(
+            f"adversarial {name:>16}: "
+            + " | ".join(
+                f"{b} {row[b]['compile_ms']:8.1f} ms {row[b]['outcome'][:20]}"
+                f" mask<={row[b].get('max_mask_ms', 0):.2f} ms"
+                for b in compilers
+            ),
+            flush=True,
+        )
     return out
 
 
@@ -180,8 +205,10 @@ def coverage(
 ) -> dict:
     import jsonschema
 
-    out: dict[str, Any] = {b: {"compiled": 0, "refused": 0, "silently_wrong": 0,
-                               "refusals": {}, "wrong": []} for b in compilers}  # fmt: skip
+    out: dict[str, Any] = {
+        b: {"compiled": 0, "refused": 0, "silently_wrong": 0, "refusals": {}, "wrong": []}
+        for b in compilers
+    }
     schemas = corpus()
     for name, schema in schemas.items():
         text = json.dumps(schema)
@@ -212,8 +239,10 @@ def coverage(
                     break
     for backend in compilers:
         s = out[backend]
-        print(f"coverage {backend:>10}: {s['compiled']} compiled, {s['refused']} refused, "
-              f"{s['silently_wrong']} let through an invalid text (of {len(schemas)})")  # fmt: skip
+        print(
+            f"coverage {backend:>10}: {s['compiled']} compiled, {s['refused']} refused, "
+            f"{s['silently_wrong']} let through an invalid text (of {len(schemas)})"
+        )
     out["num_schemas"] = len(schemas)
     return out
 
@@ -237,10 +266,13 @@ def main(argv: list[str] | None = None) -> dict:
         args.repeats, args.walks = 1, 1
     batches = [int(b) for b in (args.batches or ("1,4" if args.quick else "1,8,32")).split(",")]
     config = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, cache_dir=args.cache_dir,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        cache_dir=args.cache_dir,
         cache=CacheConfig(enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=max(batches)),
-    )  # fmt: skip
+    )
     core, tokenizer = create_engine(config, progress=False)
     assert core.grammars is not None
     vocabulary = core.grammars.vocabulary
@@ -253,9 +285,12 @@ def main(argv: list[str] | None = None) -> dict:
         core.grammars = compiler
         runs[backend] = throughput(core, tokenizer, batches, args)
         for n, r in runs[backend].items():
-            print(f"{backend:>10} concurrency {n:>3}: with schema {r['with_schema_tok_s']:8.1f} "
-                  f"tok/s | without {r['without_tok_s']:8.1f} tok/s | ratio {r['ratio']:.3f} | "
-                  f"valid {r['valid_outputs']}", flush=True)  # fmt: skip
+            print(
+                f"{backend:>10} concurrency {n:>3}: with schema {r['with_schema_tok_s']:8.1f} "
+                f"tok/s | without {r['without_tok_s']:8.1f} tok/s | ratio {r['ratio']:.3f} | "
+                f"valid {r['valid_outputs']}",
+                flush=True,
+            )
     attacks = adversarial(compilers, words, stop)
     covered = coverage(compilers, tokenizer, words, stop, args.walks)
     summary = {
@@ -272,10 +307,15 @@ def main(argv: list[str] | None = None) -> dict:
     }
     record = {
         **engine_record("structured_output", core, args.model),
-        "schema": SCHEMA, "max_tokens": args.max_tokens,
-        "repeats": args.repeats, "quick": args.quick, "throughput": runs,
-        "adversarial": attacks, "corpus": covered, **summary,
-    }  # fmt: skip
+        "schema": SCHEMA,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "quick": args.quick,
+        "throughput": runs,
+        "adversarial": attacks,
+        "corpus": covered,
+        **summary,
+    }
     publish(args.out_dir, "structured_output", record, summary)
     return summary
 

@@ -79,9 +79,12 @@ class EngineCore:
         if vocabulary is not None:
             self.grammars = make_compiler(config.grammar_backend, vocabulary.padded(mc.vocab_size))
         spec = KVCacheSpec(
-            mc.num_layers, mc.num_kv_heads, mc.head_dim, config.cache.block_size,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            config.cache.block_size,
             config.cache.storage_dtype(self.dtype, self.device),
-        )  # fmt: skip
+        )
         num_blocks = config.cache.num_blocks or spec.num_blocks_for(
             config.cache.kv_cache_memory_bytes
         )
@@ -190,10 +193,17 @@ class EngineCore:
             lora = self.lora.check(lora)
             slot = self.lora.ready_slot(lora)
         request = Request(
-            request_id, prompt_token_ids, params, priority=sched.priority, tenant=sched.tenant,
-            weight=sched.weight, cache_salt=sched.cache_salt, device=self.device,
-            lora_slot=slot or 0, lora_key="" if lora is None else lora.key,
-        )  # fmt: skip
+            request_id,
+            prompt_token_ids,
+            params,
+            priority=sched.priority,
+            tenant=sched.tenant,
+            weight=sched.weight,
+            cache_salt=sched.cache_salt,
+            device=self.device,
+            lora_slot=slot or 0,
+            lora_key="" if lora is None else lora.key,
+        )
         request.matcher = matcher
         if slot is None:  # waits, outside the scheduler, for its adapter's weights
             assert self.lora is not None and lora is not None
@@ -284,8 +294,9 @@ class EngineCore:
                 log.exception("a KV page load failed")
             # pages that never arrived: their blocks must not serve later prompts
             self.block_manager.uncache(self.pool.loads.take_failed())
-            failures = [self._fail(s.request, f"engine step failed: {exc}")
-                        for s in sched.scheduled]  # fmt: skip
+            failures = [
+                self._fail(s.request, f"engine step failed: {exc}") for s in sched.scheduled
+            ]
             return outputs + failures
         self.num_steps += 1
         # each request's new tokens: its sampled one, then any drafts the model agreed with
@@ -308,8 +319,12 @@ class EngineCore:
         if gate is not None and all(
             s.num_new_tokens - len(s.draft_token_ids) == 1 for s in sched.scheduled
         ):  # a decode step: what it cost, with or without drafts, and what it produced
-            gate.record(len(sched.scheduled), seconds, sum(map(len, new_tokens)),
-                        drafted=any(s.draft_token_ids for s in sched.scheduled))  # fmt: skip
+            gate.record(
+                len(sched.scheduled),
+                seconds,
+                sum(map(len, new_tokens)),
+                drafted=any(s.draft_token_ids for s in sched.scheduled),
+            )
         for request, scores in result.prompt_logprobs:
             request.prompt_logprobs.extend(scores)
         for request, tokens, logprob in zip(

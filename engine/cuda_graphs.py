@@ -82,8 +82,7 @@ class GraphInputs:
         self._table_start = self._i64_bytes + 4 * ((4 * n if with_lora else 0) + n)
         nbytes = self._table_start + 4 * n * max_blocks
         self.device_buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        self.host_buffer = torch.zeros(nbytes, dtype=torch.uint8,
-                                       pin_memory=device.type == "cuda")  # fmt: skip
+        self.host_buffer = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.static = self._views(self.device_buffer, n, with_lora)
         host = self._views(self.host_buffer, n, with_lora)
         self.host = {name: view.numpy() for name, view in host.items()}
@@ -149,8 +148,11 @@ class GraphInputs:
         moved = [i for i, s in enumerate(seqs) if rows[i][0] is not s.block_table]
         if moved:
             row_of = {id(m): j for j, (m, _) in enumerate(rows) if m is not None}
-            pairs = [(i, row_of[id(seqs[i].block_table)])
-                     for i in moved if id(seqs[i].block_table) in row_of]  # fmt: skip
+            pairs = [
+                (i, row_of[id(seqs[i].block_table)])
+                for i in moved
+                if id(seqs[i].block_table) in row_of
+            ]
             if pairs:
                 dst, src = [i for i, _ in pairs], [j for _, j in pairs]
                 table[dst] = table[src]  # the right side is read whole first

@@ -1,18 +1,7 @@
-"""A worker's place in the fleet: its record in the store, renewed by a heartbeat, and the
-events that tell gateways which KV blocks it holds in each tier.
-
-Store layout (a Redis-protocol server shared with the gateways):
-
-    strata:w:all             ZSET   worker id -> when its record expires (unix ms)
-    strata:w:rec:<id>        STRING the worker's sealed record, expiring with its heartbeat
-    strata:w:drain           SET    ids of workers an operator drained
-    strata:w:events          pub/sub  "join" / "leave" / "drain" / "undrain" + worker id
-    strata:kv:events         pub/sub  KVEvent deltas of every worker
-    strata:kv:snap:<id>      STRING the worker's latest full KVEvent (a snapshot)
-
-A record is sealed with the fleet secret (HMAC-SHA256): a gateway ignores any record that
-does not verify, so only a holder of the secret can join a fleet. Block events carry a
-per-worker sequence number; a gateway that sees a gap reloads the snapshot.
+"""A worker's place in the fleet: its record in the store (sealed with the fleet secret,
+renewed by a heartbeat) and the events that tell gateways which KV blocks it holds in each
+tier, as deltas with a per-worker sequence number plus periodic snapshots. The store layout
+and how gateways read it: docs/design/fleet.md.
 """
 
 from __future__ import annotations
@@ -139,8 +128,15 @@ def unseal(blob: bytes, secret: str) -> WorkerRecord | None:
 def model_shape(info: ModelInfo) -> str:
     """A short digest of a model's shapes (vocabulary, widths, layers, heads): workers that
     announce one model id must agree on it."""
-    fields = (info.vocab_size, info.hidden_size, info.intermediate_size, info.num_layers,
-              info.num_heads, info.num_kv_heads, info.head_dim)  # fmt: skip
+    fields = (
+        info.vocab_size,
+        info.hidden_size,
+        info.intermediate_size,
+        info.num_layers,
+        info.num_heads,
+        info.num_kv_heads,
+        info.head_dim,
+    )
     return hashlib.sha256(repr(fields).encode()).hexdigest()[:16]
 
 
@@ -184,8 +180,9 @@ class KVTracker:
         events = []
         if added or removed:
             self._seq += 1
-            events.append(KVEvent(worker_id=self.worker_id, seq=self._seq, added=added,
-                                  removed=removed))  # fmt: skip
+            events.append(
+                KVEvent(worker_id=self.worker_id, seq=self._seq, added=added, removed=removed)
+            )
         self._polls += 1
         if self._polls % self.snapshot_every == 1:
             events.append(self.snapshot())
@@ -194,9 +191,11 @@ class KVTracker:
     def snapshot(self) -> KVEvent:
         """Every block held now, by tier, at the latest sequence number."""
         return KVEvent(
-            worker_id=self.worker_id, seq=self._seq, snapshot=True,
+            worker_id=self.worker_id,
+            seq=self._seq,
+            snapshot=True,
             added={t: [block_key(h) for h in hashes] for t, hashes in self._last.items() if hashes},
-        )  # fmt: skip
+        )
 
 
 class Registration:

@@ -1,18 +1,6 @@
-"""The fleet-secret handshake between a worker and its client, run on every connection before
-the first frame, and the TLS contexts of both ends.
-
-Mutual challenge-response over HMAC-SHA256 with fresh random nonces both ways; the secret
-itself never crosses the wire:
-
-    worker -> client   MAGIC | mode (0 open, 1 secret) | worker nonce (32 bytes)
-    client -> worker   MAGIC | client nonce (32) | HMAC(secret, CLIENT | nw | nc)   (mode 1)
-    worker -> client   ACCEPTED | HMAC(secret, WORKER | nw | nc)   or   REFUSED, then close
-
-The two proofs carry different labels, so neither end's proof can be replayed as the other's,
-and both bind both nonces. A worker in mode 0 (a Unix socket and no secret configured: the
-socket's file mode is the protection) asks for nothing; a client holding a secret refuses
-such a worker, since it cannot prove the secret. The handshake authenticates the two ends,
-not the frames after it: on a network an attacker can sit in, add TLS.
+"""The fleet-secret handshake a worker and its client run on every connection before the first
+frame (mutual HMAC-SHA256 challenge-response over fresh nonces; the secret never crosses the
+wire), and the TLS contexts of both ends. Protocol and threat model: docs/design/fleet.md.
 """
 
 from __future__ import annotations

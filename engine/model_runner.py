@@ -162,8 +162,7 @@ class ModelRunner:
         # each draft's row is sampled as its position would be without drafts (a seeded
         # request's next uniform numbers, in order): a draft stands if it is that sample
         drafted = [s.request for s in finishing for _ in s.draft_token_ids]
-        states = {r.request_id: r.generator.get_state()
-                  for r in drafted if r.generator is not None}  # fmt: skip
+        states = {r.request_id: r.generator.get_state() for r in drafted if r.generator is not None}
         after = logits[len(sample_rows) :]
         if all(r.params.is_greedy for r in drafted):
             verified = self.argmax(after) if self.argmax is not None else after.argmax(dim=-1)
@@ -177,8 +176,11 @@ class ModelRunner:
         """Each scored row's logits against the prompt token after its position, a slice of
         rows at a time (`_SCORE_BYTES` of logits)."""
         rows = [r for _, span, _ in scored for r in span]
-        targets = [req.all_token_ids[first + 1 + k]
-                   for req, span, first in scored for k in range(len(span))]  # fmt: skip
+        targets = [
+            req.all_token_ids[first + 1 + k]
+            for req, span, first in scored
+            for k in range(len(span))
+        ]
         top_n = max(req.params.prompt_logprobs or 0 for req, _, _ in scored)
         rows_t = to_device(torch.tensor(rows, dtype=torch.long), self.device)
         targets_t = to_device(torch.tensor(targets, dtype=torch.long), self.device)

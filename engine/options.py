@@ -1,19 +1,7 @@
-"""Engine options: each field of the engine's config (engine/config.py) says how the command
-line sets it, and the `strata` commands are built from what the fields say.
-
-    block_size: int = option(16, "--block-size", "tokens per KV block")
-    seed: int = not_an_option(0, "set by `strata engine --seed` only")
-
-A field's type gives its option's kind: an int, float or str field takes a value (a None
-default leaves it unset), an enum one of its values, a bool is a switch that turns the
-default around (`--enforce-eager`, `--no-prefix-caching`), and a nested config dataclass is
-a section of more fields. `InUnits` sets an integer field in a larger unit (`--kv-cache-gb`
-sets bytes). Every leaf field declares either an option or why it has none.
-
-From the root config class: `add_options` declares the options on a parser or argument group,
-`config_from_args` builds the config from the parsed arguments, and `argv_from_args` gives
-back the options that differ from their defaults, for a process that parses them again
-(`strata serve` starting its worker). Nothing here imports argparse or the engine.
+"""Engine options: each field of the engine's config (engine/config.py) declares how the command
+line sets it (`option(...)`) or why nothing does (`not_an_option(...)`), and the `strata`
+commands' options are built from those declarations: `add_options`, `config_from_args`, and
+`argv_from_args` for a process that parses them again. Imports neither argparse nor the engine.
 """
 
 from __future__ import annotations
@@ -81,7 +69,11 @@ def option(
     choices: tuple[str, ...] | None = None,
     unit: InUnits | None = None,
 ) -> Any:
-    """A config field with its default, set by `flag` and described by `help`."""
+    """A config field with its default, set by `flag` and described by `help`:
+    `block_size: int = option(16, "--block-size", "tokens per KV block")`. The field's type
+    gives the option's kind: an int, float or str takes a value (a None default leaves it
+    unset), an enum one of its values, a bool is a switch that turns the default around
+    (`--enforce-eager`, `--no-prefix-caching`); `unit` sets an int in a larger unit."""
     return dataclasses.field(default=default, metadata={_KEY: Option(flag, help, choices, unit)})
 
 

@@ -130,8 +130,9 @@ class Scheduler:
 
         # each running request's share of the step's drafts
         spec = self.speculative
-        draft_share = min(spec.num_speculative_tokens,
-                          spec.max_step_drafts // max(1, len(self.running)))  # fmt: skip
+        draft_share = min(
+            spec.num_speculative_tokens, spec.max_step_drafts // max(1, len(self.running))
+        )
         if draft_share and self.draft_gate and not self.draft_gate.allow(len(self.running)):
             draft_share = 0
         i = 0
@@ -164,8 +165,7 @@ class Scheduler:
             budget = self._join_loaded(scheduled, budget, busy)
             loaded = 0  # pages admitted from below the device, while busy
             skipped: list[Request] = []  # their pages are still being read from disk
-            while (len(self.waiting) and budget > 0
-                   and self.num_running < self.config.max_num_seqs):  # fmt: skip
+            while len(self.waiting) and budget > 0 and self.num_running < self.config.max_num_seqs:
                 req = self.waiting.peek()
                 assert req.num_computed_tokens == 0, "waiting requests hold no KV"
                 hits, below = self._cache_hits(req)
@@ -182,8 +182,14 @@ class Scheduler:
                     break
                 self.waiting.pop()
                 # a request with pages to load waits outside a busy batch: so can its spills
-                self.block_manager.allocate(req.request_id, target, hits, below, owner=req.tenant,
-                                            background=busy and bool(below))  # fmt: skip
+                self.block_manager.allocate(
+                    req.request_id,
+                    target,
+                    hits,
+                    below,
+                    owner=req.tenant,
+                    background=busy and bool(below),
+                )
                 # pages found below the device (disk pages read ahead by now) are copied into
                 # the new blocks before the step that reads them; a page that fails to load
                 # is computed

@@ -174,19 +174,24 @@ class Worker:
             if listen.tls_cert is not None and listen.tls_key is not None:
                 tls = server_tls_context(listen.tls_cert, listen.tls_key)
             server = await asyncio.start_server(
-                self._handle, host=host, port=port, ssl=tls,
+                self._handle,
+                host=host,
+                port=port,
+                ssl=tls,
                 ssl_handshake_timeout=listen.handshake_timeout_s if tls else None,
-            )  # fmt: skip
+            )
         self._thread = threading.Thread(target=self._engine_loop, name="engine", daemon=True)
         self._thread.start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 self._loop.add_signal_handler(sig, self.stop)
         log.info(
-            "engine worker serving %s on %s (%s%s)", self.core.model_id, address,
+            "engine worker serving %s on %s (%s%s)",
+            self.core.model_id,
+            address,
             "fleet secret required" if listen.secret else "no fleet secret",
             ", TLS" if listen.tls else "",
-        )  # fmt: skip
+        )
         store = None
         if fleet is not None:
             store = connect_store(fleet.redis_url)
@@ -222,15 +227,22 @@ class Worker:
         assert self._fleet is not None
         info, (load, adapters) = self.core.model_info(), self._load
         return WorkerRecord(
-            worker_id=self._fleet.worker_id, address=self._fleet.advertise,
-            model_id=info.model_id, shape=model_shape(info), max_model_len=info.max_model_len,
-            kv_block_size=info.kv_block_size, cache_namespace=info.cache_namespace,
-            role=self._fleet.role, adapters=adapters,
-            max_num_seqs=self.core.config.scheduler.max_num_seqs, started_at=self._started_at,
-            num_running=load.get("num_running", 0), num_waiting=load.get("num_waiting", 0),
+            worker_id=self._fleet.worker_id,
+            address=self._fleet.advertise,
+            model_id=info.model_id,
+            shape=model_shape(info),
+            max_model_len=info.max_model_len,
+            kv_block_size=info.kv_block_size,
+            cache_namespace=info.cache_namespace,
+            role=self._fleet.role,
+            adapters=adapters,
+            max_num_seqs=self.core.config.scheduler.max_num_seqs,
+            started_at=self._started_at,
+            num_running=load.get("num_running", 0),
+            num_waiting=load.get("num_waiting", 0),
             num_kv_blocks_used=load.get("num_kv_blocks_used", 0),
             num_kv_blocks_total=load.get("num_kv_blocks_total", 0),
-        )  # fmt: skip
+        )
 
     def _post_events(self, events: list[KVEvent]) -> None:
         if self._registration is not None:

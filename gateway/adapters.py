@@ -47,26 +47,37 @@ class AdapterResolver:
             adapter = await self.registry.get_adapter(name, int(version) if at else None)
         except (NotFoundError, ValueError):
             raise APIError(
-                404, f"The model '{model}' does not exist or you do not have access to it.",
-                type="not_found_error", code="model_not_found", param="model",
-            ) from None  # fmt: skip
+                404,
+                f"The model '{model}' does not exist or you do not have access to it.",
+                type="not_found_error",
+                code="model_not_found",
+                param="model",
+            ) from None
         if not (tenant_may_use(adapter, tenant.id) and tenant.policy.allows_adapter(name)):
             raise APIError(
-                403, f"your plan does not include the adapter '{name}'",
-                type="permission_error", code="model_not_allowed", param="model",
-            )  # fmt: skip
+                403,
+                f"your plan does not include the adapter '{name}'",
+                type="permission_error",
+                code="model_not_allowed",
+                param="model",
+            )
         group = self.fleet.resolve(adapter.base_model)
         if group is None:
             raise APIError(
-                503, f"no worker serves {adapter.base_model}, the base model of '{name}', now",
-                type="service_unavailable", code="model_unavailable", param="model",
+                503,
+                f"no worker serves {adapter.base_model}, the base model of '{name}', now",
+                type="service_unavailable",
+                code="model_unavailable",
+                param="model",
                 headers={"retry-after": "5"},
-            )  # fmt: skip
+            )
         if not group.info.max_loras:
             raise APIError(
-                400, "this deployment's engine serves no adapters (start it with --max-loras)",
-                code="adapters_disabled", param="model",
-            )  # fmt: skip
+                400,
+                "this deployment's engine serves no adapters (start it with --max-loras)",
+                code="adapters_disabled",
+                param="model",
+            )
         return group, LoRARequest(name=adapter.name, version=adapter.version, path=adapter.path)
 
 
@@ -76,8 +87,12 @@ def base_group(fleet: Fleet, base_model: str | None) -> ModelGroup:
     name = base_model or "default"
     group = fleet.resolve(name)
     if group is None:
-        raise APIError(400, f"no worker serves the base model '{name}'",
-                       code="invalid_adapter", param="base_model")  # fmt: skip
+        raise APIError(
+            400,
+            f"no worker serves the base model '{name}'",
+            code="invalid_adapter",
+            param="base_model",
+        )
     return group
 
 
@@ -93,9 +108,12 @@ def check_model(group: ModelGroup, model: str, policy: Policy) -> None:
     """403 unless the plan includes the model (by the name asked for, or its id)."""
     if not (policy.allows_model(model) or policy.allows_model(group.model_id)):
         raise APIError(
-            403, f"your plan does not include the model '{model}'",
-            type="permission_error", code="model_not_allowed", param="model",
-        )  # fmt: skip
+            403,
+            f"your plan does not include the model '{model}'",
+            type="permission_error",
+            code="model_not_allowed",
+            param="model",
+        )
 
 
 async def check_adapter(path: str, name: str, info: ModelInfo) -> None:
@@ -106,20 +124,26 @@ async def check_adapter(path: str, name: str, info: ModelInfo) -> None:
     from engine.lora.adapter import AdapterError, load_adapter  # noqa: PLC0415
 
     config = ModelConfig(
-        vocab_size=info.vocab_size, hidden_size=info.hidden_size,
-        intermediate_size=info.intermediate_size, num_layers=info.num_layers,
-        num_heads=info.num_heads, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+        vocab_size=info.vocab_size,
+        hidden_size=info.hidden_size,
+        intermediate_size=info.intermediate_size,
+        num_layers=info.num_layers,
+        num_heads=info.num_heads,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
         max_position_embeddings=info.max_model_len,
-    )  # fmt: skip
+    )
     try:
         adapter = await asyncio.to_thread(load_adapter, path, config, name=name)
     except AdapterError as exc:
         raise APIError(400, str(exc), code="invalid_adapter", param="path") from None
     if info.max_lora_rank and adapter.rank > info.max_lora_rank:
         raise APIError(
-            400, f"{name}: rank {adapter.rank} exceeds the engine's max_lora_rank "
-            f"{info.max_lora_rank}", code="invalid_adapter", param="path",
-        )  # fmt: skip
+            400,
+            f"{name}: rank {adapter.rank} exceeds the engine's max_lora_rank {info.max_lora_rank}",
+            code="invalid_adapter",
+            param="path",
+        )
 
 
 MAX_ADAPTER_UPLOAD_BYTES = 4 << 30
@@ -147,16 +171,19 @@ async def register_upload(
         allowed = None
         if upload.allowed_tenants:
             allowed = msgspec.json.decode(upload.allowed_tenants, type=list[str])
-        spec = AdapterCreate(name=upload.name, path="", allowed_tenants=allowed,
-                             base_model=upload.base_model)  # fmt: skip
+        spec = AdapterCreate(
+            name=upload.name, path="", allowed_tenants=allowed, base_model=upload.base_model
+        )
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
         raise bad_request(f"invalid adapter upload: {exc}", code="invalid_adapter") from None
     group = base_group(fleet, spec.base_model)
     directory = root / f"{spec.name}-{secrets.token_hex(8)}"
     try:
         await asyncio.to_thread(directory.mkdir, parents=True)
-        for part, filename in ((upload.adapter_config, "adapter_config.json"),
-                               (upload.adapter_model, "adapter_model.safetensors")):  # fmt: skip
+        for part, filename in (
+            (upload.adapter_config, "adapter_config.json"),
+            (upload.adapter_model, "adapter_model.safetensors"),
+        ):
             async with aiofiles.open(directory / filename, "wb") as out:
                 while chunk := await part.read(_CHUNK):
                     await out.write(chunk)

@@ -46,8 +46,10 @@ def add_admin_commands(sub: Any) -> None:
 
     workers = groups.add_parser("workers").add_subparsers(dest="action", required=True)
     workers.add_parser("list", help="every worker this gateway routes to")
-    for verb, text in (("drain", "take no new requests (running ones finish)"),
-                       ("undrain", "take requests again")):  # fmt: skip
+    for verb, text in (
+        ("drain", "take no new requests (running ones finish)"),
+        ("undrain", "take requests again"),
+    ):
         verb_parser = workers.add_parser(verb, help=text)
         verb_parser.add_argument("worker_id")
 

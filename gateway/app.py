@@ -70,10 +70,14 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
     writer = LedgerWriter(ledger, journal=journal)
     writer.start()
     fleet = Fleet(
-        addresses=settings.engine_addresses, auth=settings.worker_auth, redis=redis,
-        cache_dir=settings.cache_dir, policy=RoutingPolicy(settings.routing),
-        default_model=settings.model, aliases=settings.alias_targets(),
-    )  # fmt: skip
+        addresses=settings.engine_addresses,
+        auth=settings.worker_auth,
+        redis=redis,
+        cache_dir=settings.cache_dir,
+        policy=RoutingPolicy(settings.routing),
+        default_model=settings.model,
+        aliases=settings.alias_targets(),
+    )
     metrics = GatewayMetrics(process_index=settings.process_index, shared_dir=settings.metrics_dir)
     try:
         await fleet.start()
@@ -81,11 +85,19 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
             fleet, Admission(redis, lease_ttl_s=settings.lease_ttl_s), writer, metrics
         )
         app.state.gateway = GatewayState(
-            settings=settings, redis=redis, registry=registry, keys=keys,
-            admission=pipeline.admission, ledger=ledger, ledger_writer=writer, fleet=fleet,
-            adapters=AdapterResolver(registry, fleet), pipeline=pipeline, metrics=metrics,
+            settings=settings,
+            redis=redis,
+            registry=registry,
+            keys=keys,
+            admission=pipeline.admission,
+            ledger=ledger,
+            ledger_writer=writer,
+            fleet=fleet,
+            adapters=AdapterResolver(registry, fleet),
+            pipeline=pipeline,
+            metrics=metrics,
             started_at=time.time(),
-        )  # fmt: skip
+        )
         log.info("gateway ready: serving %s", ", ".join(sorted(fleet.groups)))
         yield
         await pipeline.drain()
@@ -95,8 +107,10 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
         if left:
             log.error(
                 "%d usage records could not be written before shutdown; they are kept in %s "
-                "and written at the next start", left, journal.root,
-            )  # fmt: skip
+                "and written at the next start",
+                left,
+                journal.root,
+            )
         await keys.stop()
         await fleet.close()
         await redis.aclose()
@@ -129,9 +143,11 @@ _FREE_FORM_FIELDS = ("response_format", "tools", "functions", "function_call")
 
 def too_deep_error(what: str, *, param: str | None = None) -> APIError:
     return APIError(
-        400, f"{what} nests JSON more than {MAX_JSON_DEPTH} levels deep",
-        code="json_too_deep", param=param,
-    )  # fmt: skip
+        400,
+        f"{what} nests JSON more than {MAX_JSON_DEPTH} levels deep",
+        code="json_too_deep",
+        param=param,
+    )
 
 
 def create_app(settings: GatewaySettings) -> Litestar:

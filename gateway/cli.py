@@ -35,9 +35,11 @@ class _RepeatableModel:
     def add_argument(self, *flags: str, **kwargs: Any) -> Any:
         if flags == ("--model",):  # read as `models`; `model` stays the field's default
             kwargs |= {
-                "action": "append", "default": None, "dest": "models",
+                "action": "append",
+                "default": None,
+                "dest": "models",
                 "help": f"{kwargs.get('help', '')}; repeatable: one set of workers per model",
-            }  # fmt: skip
+            }
         return self.group.add_argument(*flags, **kwargs)
 
 
@@ -212,9 +214,11 @@ def _engine(args: argparse.Namespace) -> int:
     from engine.worker import ListenConfig, run_worker  # noqa: PLC0415
 
     listen = ListenConfig(  # checked before the model loads
-        address=args.listen, secret=settings.worker_secret(),
-        tls_cert=args.tls_cert, tls_key=args.tls_key,
-    )  # fmt: skip
+        address=args.listen,
+        secret=settings.worker_secret(),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    )
     fleet = _fleet_config(args, listen)
     adapter_dir = os.path.join(settings.data_dir(), "adapters")
     core, tokenizer = create_engine(_engine_config(args, args.seed, adapter_dir), progress=True)
@@ -241,9 +245,12 @@ def _fleet_config(args: argparse.Namespace, listen: ListenConfig) -> FleetConfig
         advertise = f"{kind}://{socket.gethostname()}:{port}" if public else listen.address
     default_id = f"{socket.gethostname()}-{port if kind != 'unix' else os.path.basename(host)}"
     return FleetConfig(
-        redis_url=url, secret=listen.secret, advertise=advertise,
-        worker_id=args.worker_id or default_id, role=args.role,
-    )  # fmt: skip
+        redis_url=url,
+        secret=listen.secret,
+        advertise=advertise,
+        worker_id=args.worker_id or default_id,
+        role=args.role,
+    )
 
 
 def _serve_worker_argv(args: argparse.Namespace, model: str, data_dir: str) -> list[str]:
@@ -268,9 +275,13 @@ def _serve(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ValueError("--workers must be at least 1")
     gateway_settings = settings.GatewaySettings.from_env(
-        model=models[0], host=args.host, port=args.port, data_dir=args.data_dir,
-        cache_dir=args.cache_dir, model_aliases=tuple(args.alias) or None,
-    )  # fmt: skip
+        model=models[0],
+        host=args.host,
+        port=args.port,
+        data_dir=args.data_dir,
+        cache_dir=args.cache_dir,
+        model_aliases=tuple(args.alias) or None,
+    )
     configure_logging(settings.log_level(), json=gateway_settings.json_logs)
     specs = [m or gateway_settings.model for m in models]
     worker_args = [
@@ -289,10 +300,16 @@ def _gateway(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ValueError("--workers must be at least 1")
     gateway_settings = settings.GatewaySettings.from_env(
-        model=args.model, host=args.host, port=args.port, cache_dir=args.cache_dir,
-        data_dir=args.data_dir, redis_url=args.redis_url, routing=args.routing,
-        engine_addresses=tuple(args.engine) or None, model_aliases=tuple(args.alias) or None,
-    )  # fmt: skip
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        cache_dir=args.cache_dir,
+        data_dir=args.data_dir,
+        redis_url=args.redis_url,
+        routing=args.routing,
+        engine_addresses=tuple(args.engine) or None,
+        model_aliases=tuple(args.alias) or None,
+    )
     if gateway_settings.redis_url is None:
         raise ValueError("a gateway replica needs --redis-url (or STRATA_REDIS_URL)")
     if not gateway_settings.engine_addresses and gateway_settings.worker_secret is None:

@@ -19,6 +19,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections import Counter as Tally
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -46,6 +47,7 @@ from engine.handshake import ClientAuth, FleetSecretError
 from engine.protocol import EngineDeadError, EngineStats, ModelInfo
 from engine.tokenizer import Tokenizer
 from gateway.kv_index import KVIndex
+from gateway.metrics import FleetView
 from gateway.prepare import Preparer
 from gateway.router import Candidate, RoutingPolicy, choose, prefill_tokens
 
@@ -85,13 +87,16 @@ class WorkerHandle:
     def candidate(self, index: KVIndex, keys: Sequence[int]) -> Candidate:
         rec = self.record
         return Candidate(
-            worker_id=self.worker_id, num_in_flight=self.client.num_in_flight,
+            worker_id=self.worker_id,
+            num_in_flight=self.client.num_in_flight,
             queued_tokens=self.queued_tokens,
-            num_running=rec.num_running if rec else 0, num_waiting=rec.num_waiting if rec else 0,
+            num_running=rec.num_running if rec else 0,
+            num_waiting=rec.num_waiting if rec else 0,
             kv_usage=rec.num_kv_blocks_used / rec.num_kv_blocks_total
-            if rec and rec.num_kv_blocks_total else 0.0,
+            if rec and rec.num_kv_blocks_total
+            else 0.0,
             hit=index.prefix(self.worker_id, keys),
-        )  # fmt: skip
+        )
 
 
 @dataclass
@@ -190,8 +195,9 @@ class Fleet:
         async with asyncio.timeout(10.0):
             info = await handle.client.connect()
         if handle.record is not None and handle.record.model_id != info.model_id:
-            raise EngineDeadError(f"{handle.worker_id} registered {handle.record.model_id} "
-                                  f"but serves {info.model_id}")  # fmt: skip
+            raise EngineDeadError(
+                f"{handle.worker_id} registered {handle.record.model_id} but serves {info.model_id}"
+            )
         shape = model_shape(info)
         group = self.groups.get(info.model_id)
         if group is not None and group.shape != shape:
@@ -407,19 +413,24 @@ class Fleet:
         worker is back at once). Raises NoWorkerError when none is usable."""
         workers = [w for w in group.available if w.worker_id not in exclude]
         if not workers:
-            down = [w for w in group.workers.values()
-                    if not w.drained and w.worker_id not in exclude]  # fmt: skip
+            down = [
+                w for w in group.workers.values() if not w.drained and w.worker_id not in exclude
+            ]
             await asyncio.gather(*(_try_connect(w.client, 1.0) for w in down))
             workers = [w for w in group.available if w.worker_id not in exclude]
         if not workers:
             raise NoWorkerError(f"no worker of {group.model_id} is available")
-        keys = prompt_keys(group.info.cache_namespace, cache_salt, lora_key, token_ids,
-                           group.info.kv_block_size)  # fmt: skip
+        keys = prompt_keys(
+            group.info.cache_namespace, cache_salt, lora_key, token_ids, group.info.kv_block_size
+        )
         by_id = {w.worker_id: w for w in workers}
         chosen = choose(
-            self.policy, [w.candidate(self.index, keys) for w in workers],
-            prompt_tokens=len(token_ids), block_size=group.info.kv_block_size, turn=self._turn,
-        )  # fmt: skip
+            self.policy,
+            [w.candidate(self.index, keys) for w in workers],
+            prompt_tokens=len(token_ids),
+            block_size=group.info.kv_block_size,
+            turn=self._turn,
+        )
         self._turn += 1
         prefill = prefill_tokens(chosen, len(token_ids), group.info.kv_block_size)
         self.index.expect(chosen.worker_id, keys)
@@ -445,8 +456,13 @@ class Fleet:
     async def ready(self, timeout: float = 1.0) -> bool:
         """Whether some worker is reachable (busy or not); the workers not connected are
         tried together, so a restarted one is picked up."""
-        await asyncio.gather(*(_try_connect(h.client, timeout) for h in self.workers.values()
-                               if not h.client.connected))  # fmt: skip
+        await asyncio.gather(
+            *(
+                _try_connect(h.client, timeout)
+                for h in self.workers.values()
+                if not h.client.connected
+            )
+        )
         return any(h.client.connected for h in self.workers.values())
 
     def errors(self) -> list[str]:
@@ -454,10 +470,27 @@ class Fleet:
         a fleet secret error by name, anything else as 'unreachable'."""
         return [
             h.client.last_error.reason
-            if isinstance(h.client.last_error, FleetSecretError) else "unreachable"
+            if isinstance(h.client.last_error, FleetSecretError)
+            else "unreachable"
             for h in self.workers.values()
             if h.client.last_error is not None
-        ]  # fmt: skip
+        ]
+
+    def view(self) -> FleetView:
+        """This gateway's view of the fleet, for its metrics."""
+        workers: Tally[tuple[str, str]] = Tally()
+        for h in self.workers.values():
+            state = "drained" if h.drained else "serving" if h.client.connected else "down"
+            workers[(h.model_id or "unknown", state)] += 1
+        return FleetView(
+            registry_up=self.registry_ok if self.redis is not None else None,
+            workers=dict(workers),
+            dropped={
+                "invalid_record": self.num_invalid_records,
+                "malformed_event": self.num_bad_events,
+                "unknown_worker": self.index.num_dropped,
+            },
+        )
 
     async def stats(self) -> dict[str, EngineStats]:
         """Each connected worker's figures, by worker id."""

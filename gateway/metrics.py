@@ -1,17 +1,8 @@
-"""Prometheus metrics with per-tenant labels, on a registry owned by the app (no globals).
-
-The replica counts requests, tokens and latencies itself. The engine workers' figures and the
-tenants' names are collected at scrape time from what the scrape handler last handed over
-(`set_engine`, `set_tenant_names`): workers' totals since their start are counters, one
-series per worker, so a worker that restarts or drops out reads as a counter reset, never as
-a burst. `render` leaves out prometheus_client's `_created` series. Names follow vLLM's where
-they overlap, prefixed `strata:` instead of `vllm:`.
-
-The processes of `strata gateway --workers N` share one port, so a scrape reaches any one of
-them: each writes its counters and histograms to files in a directory they share
-(prometheus_client's multiprocess mode, chosen by PROMETHEUS_MULTIPROC_DIR in the process's
-environment before prometheus_client is imported), and `render` reads the sums over all of
-them, those of processes that died and were restarted included.
+"""Prometheus metrics with per-tenant labels, on a registry owned by the app (no globals). The
+replica counts requests, tokens and latencies itself; workers' figures and tenant names are
+collected at scrape time from what was last handed over (`set_engine`, `set_tenant_names`).
+Under `strata gateway --workers N` the processes share counters through prometheus_client's
+multiprocess mode. Names follow vLLM's, prefixed `strata:`: docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -116,8 +107,10 @@ class GatewayMetrics:
         self.starts.inc()
         self.engine = _EngineCollector()
         self.tenant_info = _TenantInfoCollector()
+        self.fleet = _FleetCollector(process)
         r.register(self.engine)
         r.register(self.tenant_info)
+        r.register(self.fleet)
         self._exposed = r if shared_dir is None else self._shared_registry(shared_dir)
 
     def _shared_registry(self, shared_dir: str) -> CollectorRegistry:
@@ -132,6 +125,7 @@ class GatewayMetrics:
         MultiProcessCollector(exposed, path=shared_dir)
         exposed.register(self.engine)
         exposed.register(self.tenant_info)
+        exposed.register(self.fleet)
         return exposed
 
     def responded(self) -> None:
@@ -162,6 +156,10 @@ class GatewayMetrics:
         """The engine workers' latest figures, by worker address (workers that did not answer
         are left out: their series go stale)."""
         self.engine.stats = dict(stats)
+
+    def set_fleet(self, view: FleetView) -> None:
+        """This process's view of the fleet, as of the scrape."""
+        self.fleet.view = view
 
     def tenant_names_due(self, now: float) -> bool:
         """Whether the tenants' names are older than TENANT_NAMES_TTL_S (monotonic clock)."""
@@ -200,8 +198,11 @@ class _EngineFigure:
 
 def _tiers(device: int, host: int, disk: int, *, present: EngineStats) -> dict[str, int]:
     """Values by tier, for the tiers the worker has (a host or disk pool of size 0 is none)."""
-    have = {"device": True, "host": present.num_kv_host_blocks_total > 0,
-            "disk": present.num_kv_disk_blocks_total > 0}  # fmt: skip
+    have = {
+        "device": True,
+        "host": present.num_kv_host_blocks_total > 0,
+        "disk": present.num_kv_disk_blocks_total > 0,
+    }
     values = {"device": device, "host": host, "disk": disk}
     return {tier: n for tier, n in values.items() if have[tier]}
 
@@ -219,65 +220,161 @@ def _engine_figure(
 
 
 ENGINE_FIGURES = (
-    _engine_figure("strata:num_requests_waiting", "gauge", "Requests queued in the worker",
-                   lambda s: s.num_waiting),
-    _engine_figure("strata:num_requests_running", "gauge",
-                   "Requests holding KV blocks in the worker (running, or loading their pages)",
-                   lambda s: s.num_running),
-    _engine_figure("strata:num_requests_loading_kv", "gauge",
-                   "Running requests waiting outside the batch for their pages from host RAM "
-                   "or disk", lambda s: s.num_loading),
-    _engine_figure("strata:num_preemptions", "counter",
-                   "Requests preempted for KV space since the worker started",
-                   lambda s: s.num_preemptions),
-    _engine_figure("strata:kv_blocks_used", "gauge", "KV-cache blocks in use, by tier",
-                   lambda s: _tiers(s.num_kv_blocks_used, s.num_kv_host_blocks_used,
-                                    s.num_kv_disk_blocks_used, present=s), by_tier=True),
-    _engine_figure("strata:kv_blocks_capacity", "gauge", "KV-cache blocks in the pools, by tier",
-                   lambda s: _tiers(s.num_kv_blocks_total, s.num_kv_host_blocks_total,
-                                    s.num_kv_disk_blocks_total, present=s), by_tier=True),
-    _engine_figure("strata:kv_cache_hit_blocks", "counter",
-                   "Prefix-cache hits, in blocks, by the tier each block came from",
-                   lambda s: s.num_cache_hit_blocks, by_tier=True),
-    _engine_figure("strata:kv_spilled_blocks", "counter",
-                   "Cached KV pages moved down, by the tier they went to (host, disk)",
-                   lambda s: s.num_kv_spilled_blocks, by_tier=True),
-    _engine_figure("strata:kv_dropped_blocks", "counter",
-                   "Cached KV pages dropped because no tier below could keep them",
-                   lambda s: s.num_kv_dropped_blocks),
-    _engine_figure("strata:kv_disk_write_errors", "counter",
-                   "KV page writes to disk that failed (those pages were dropped)",
-                   lambda s: s.num_kv_disk_write_errors),
-    _engine_figure("strata:kv_disk_checksum_failures", "counter",
-                   "KV pages on disk that failed their checksum (served as misses)",
-                   lambda s: s.num_kv_disk_checksum_failures),
-    _engine_figure("strata:kv_disk_read_ahead_bytes", "gauge",
-                   "Bytes of KV pages read from disk for waiting requests, held in memory",
-                   lambda s: s.kv_disk_read_ahead_bytes),
-    _engine_figure("strata:spec_decode_num_draft_tokens", "counter",
-                   "Draft tokens proposed by speculative decoding",
-                   lambda s: s.num_draft_tokens),
-    _engine_figure("strata:spec_decode_num_accepted_tokens", "counter",
-                   "Draft tokens the model agreed with (each one a decode step saved)",
-                   lambda s: s.num_accepted_draft_tokens),
-    _engine_figure("strata:kv_cache_bytes_per_token", "gauge",
-                   "KV-cache bytes per token (K and V, every layer, FP8 scales included)",
-                   lambda s: s.kv_bytes_per_token),
-)  # fmt: skip
+    _engine_figure(
+        "strata:num_requests_waiting",
+        "gauge",
+        "Requests queued in the worker",
+        lambda s: s.num_waiting,
+    ),
+    _engine_figure(
+        "strata:num_requests_running",
+        "gauge",
+        "Requests holding KV blocks in the worker (running, or loading their pages)",
+        lambda s: s.num_running,
+    ),
+    _engine_figure(
+        "strata:num_requests_loading_kv",
+        "gauge",
+        "Running requests waiting outside the batch for their pages from host RAM or disk",
+        lambda s: s.num_loading,
+    ),
+    _engine_figure(
+        "strata:num_preemptions",
+        "counter",
+        "Requests preempted for KV space since the worker started",
+        lambda s: s.num_preemptions,
+    ),
+    _engine_figure(
+        "strata:kv_blocks_used",
+        "gauge",
+        "KV-cache blocks in use, by tier",
+        lambda s: _tiers(
+            s.num_kv_blocks_used, s.num_kv_host_blocks_used, s.num_kv_disk_blocks_used, present=s
+        ),
+        by_tier=True,
+    ),
+    _engine_figure(
+        "strata:kv_blocks_capacity",
+        "gauge",
+        "KV-cache blocks in the pools, by tier",
+        lambda s: _tiers(
+            s.num_kv_blocks_total, s.num_kv_host_blocks_total, s.num_kv_disk_blocks_total, present=s
+        ),
+        by_tier=True,
+    ),
+    _engine_figure(
+        "strata:kv_cache_hit_blocks",
+        "counter",
+        "Prefix-cache hits, in blocks, by the tier each block came from",
+        lambda s: s.num_cache_hit_blocks,
+        by_tier=True,
+    ),
+    _engine_figure(
+        "strata:kv_spilled_blocks",
+        "counter",
+        "Cached KV pages moved down, by the tier they went to (host, disk)",
+        lambda s: s.num_kv_spilled_blocks,
+        by_tier=True,
+    ),
+    _engine_figure(
+        "strata:kv_dropped_blocks",
+        "counter",
+        "Cached KV pages dropped because no tier below could keep them",
+        lambda s: s.num_kv_dropped_blocks,
+    ),
+    _engine_figure(
+        "strata:kv_disk_write_errors",
+        "counter",
+        "KV page writes to disk that failed (those pages were dropped)",
+        lambda s: s.num_kv_disk_write_errors,
+    ),
+    _engine_figure(
+        "strata:kv_disk_checksum_failures",
+        "counter",
+        "KV pages on disk that failed their checksum (served as misses)",
+        lambda s: s.num_kv_disk_checksum_failures,
+    ),
+    _engine_figure(
+        "strata:kv_disk_read_ahead_bytes",
+        "gauge",
+        "Bytes of KV pages read from disk for waiting requests, held in memory",
+        lambda s: s.kv_disk_read_ahead_bytes,
+    ),
+    _engine_figure(
+        "strata:spec_decode_num_draft_tokens",
+        "counter",
+        "Draft tokens proposed by speculative decoding",
+        lambda s: s.num_draft_tokens,
+    ),
+    _engine_figure(
+        "strata:spec_decode_num_accepted_tokens",
+        "counter",
+        "Draft tokens the model agreed with (each one a decode step saved)",
+        lambda s: s.num_accepted_draft_tokens,
+    ),
+    _engine_figure(
+        "strata:kv_cache_bytes_per_token",
+        "gauge",
+        "KV-cache bytes per token (K and V, every layer, FP8 scales included)",
+        lambda s: s.kv_bytes_per_token,
+    ),
+)
 
 # per tenant, summed over workers: tenants x tiers x workers would be too many series
 KV_BLOCKS_BY_TENANT = MetricSpec(
-    "strata:kv_blocks", "gauge",
+    "strata:kv_blocks",
+    "gauge",
     "KV-cache blocks per tenant and tier (device, host, disk), held or cached, summed over "
-    "the replica's workers", ("tenant", "tier"),
-)  # fmt: skip
+    "the replica's workers",
+    ("tenant", "tier"),
+)
 
 TENANT_INFO = MetricSpec(
-    "strata:tenant_info", "gauge",
-    "1 for every tenant, naming it: join on `tenant` to show names", ("tenant", "name"),
-)  # fmt: skip
+    "strata:tenant_info",
+    "gauge",
+    "1 for every tenant, naming it: join on `tenant` to show names",
+    ("tenant", "name"),
+)
 
-COLLECTED_METRICS = (*(f.spec for f in ENGINE_FIGURES), KV_BLOCKS_BY_TENANT, TENANT_INFO)
+FLEET_REGISTRY_UP = MetricSpec(
+    "strata:fleet_registry_up",
+    "gauge",
+    "1 while the gateway process reads the fleet registry, 0 while the store is out of reach "
+    "and it routes on its last view (no series without a registry)",
+    ("process",),
+)
+FLEET_WORKERS = MetricSpec(
+    "strata:fleet_workers",
+    "gauge",
+    "Workers in the gateway process's view, by model and state (serving, drained, down)",
+    ("process", "model", "state"),
+)
+FLEET_DROPPED = MetricSpec(
+    "strata:fleet_dropped_messages",
+    "counter",
+    "Fleet messages the gateway process ignored since it started, by reason: "
+    "invalid_record (a registry record that does not verify), malformed_event, "
+    "unknown_worker (KV events of a worker not in its view)",
+    ("process", "reason"),
+)
+
+COLLECTED_METRICS = (
+    *(f.spec for f in ENGINE_FIGURES),
+    KV_BLOCKS_BY_TENANT,
+    TENANT_INFO,
+    FLEET_REGISTRY_UP,
+    FLEET_WORKERS,
+    FLEET_DROPPED,
+)
+
+
+@dataclass(frozen=True)
+class FleetView:
+    """What a gateway process's metrics say of its fleet view."""
+
+    registry_up: bool | None  # None: no registry (only --engine workers)
+    workers: Mapping[tuple[str, str], int]  # (model id, state) -> how many
+    dropped: Mapping[str, int]  # reason -> messages ignored since the process started
 
 
 def _family(spec: MetricSpec) -> CounterMetricFamily | GaugeMetricFamily:
@@ -324,6 +421,32 @@ class _TenantInfoCollector:
         for tenant_id, name in sorted(self.names.items()):
             family.add_metric([tenant_id, name], 1)
         yield family
+
+
+class _FleetCollector:
+    """This process's view of the fleet as of the last `GatewayMetrics.set_fleet`, labelled
+    with the process (each process of a replica has its own view and counts)."""
+
+    def __init__(self, process: str) -> None:
+        self.process = process
+        self.view: FleetView | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.view is None:
+            return
+        p = self.process
+        if self.view.registry_up is not None:
+            up = _family(FLEET_REGISTRY_UP)
+            up.add_metric([p], 1 if self.view.registry_up else 0)
+            yield up
+        workers = _family(FLEET_WORKERS)
+        for (model, state), n in sorted(self.view.workers.items()):
+            workers.add_metric([p, model, state], n)
+        yield workers
+        dropped = _family(FLEET_DROPPED)
+        for reason, n in sorted(self.view.dropped.items()):
+            dropped.add_metric([p, reason], n)
+        yield dropped
 
 
 class _WithoutCreated:

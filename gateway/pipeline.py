@@ -54,9 +54,12 @@ class Route:
             return True  # another choice of the job moved it already
         try:
             self.worker, self.num_prefill_tokens = await fleet.route(
-                self.group, token_ids=job.prompts[0], cache_salt=job.scheduling.cache_salt,
-                lora_key="" if job.lora is None else job.lora.key, exclude=tuple(self.failed),
-            )  # fmt: skip
+                self.group,
+                token_ids=job.prompts[0],
+                cache_salt=job.scheduling.cache_salt,
+                lora_key="" if job.lora is None else job.lora.key,
+                exclude=tuple(self.failed),
+            )
         except NoWorkerError:
             return False
         return True
@@ -116,8 +119,10 @@ class Tally:
         """Count a prompt's prefix-cache hits once, however many choices it has."""
         if out.num_cached_tokens > self.hits.get(prompt, (0, 0, 0))[0]:
             self.hits[prompt] = (
-                out.num_cached_tokens, out.num_cached_host_tokens, out.num_cached_disk_tokens
-            )  # fmt: skip
+                out.num_cached_tokens,
+                out.num_cached_host_tokens,
+                out.num_cached_disk_tokens,
+            )
 
     @property
     def cached_tokens(self) -> int:
@@ -169,24 +174,32 @@ class Pipeline:
             if group is None:
                 raise NoWorkerError(f"no worker serves {job.base_model}")
             worker, num_prefill_tokens = await self.fleet.route(
-                group, token_ids=job.prompts[0], cache_salt=job.scheduling.cache_salt,
+                group,
+                token_ids=job.prompts[0],
+                cache_salt=job.scheduling.cache_salt,
                 lora_key="" if job.lora is None else job.lora.key,
-            )  # fmt: skip
+            )
         except NoWorkerError as exc:
             raise APIError(
-                503, f"the model '{job.model}' has no worker available; retry shortly",
-                type="service_unavailable", code="model_unavailable",
+                503,
+                f"the model '{job.model}' has no worker available; retry shortly",
+                type="service_unavailable",
+                code="model_unavailable",
                 headers={"retry-after": "2"},
-            ) from exc  # fmt: skip
+            ) from exc
         return Route(group, worker, num_prefill_tokens)
 
     async def admit(self, auth: AuthContext, job: Job) -> Ticket:
         """Reserve every limit at once and choose the worker. Raises APIError 429 (denied) or
         503 (no worker up; store down and the tenant's policy says fail_closed)."""
         decision = await self._reserve(
-            auth, job.request_id, job.num_prompt_tokens, job.num_choices * job.max_tokens,
-            job.kv_tokens, job,
-        )  # fmt: skip
+            auth,
+            job.request_id,
+            job.num_prompt_tokens,
+            job.num_choices * job.max_tokens,
+            job.kv_tokens,
+            job,
+        )
         route = await self._route(job)
         if decision is None:
             return Ticket(auth, reserved=False, headers={}, route=route)
@@ -225,9 +238,13 @@ class Pipeline:
         tenant, policy = auth.tenant, auth.tenant.policy
         try:
             decision = await self.admission.reserve(
-                tenant.id, policy, request_id, prompt_tokens=prompt_tokens,
-                max_tokens=max_tokens, kv_tokens=kv_tokens,
-            )  # fmt: skip
+                tenant.id,
+                policy,
+                request_id,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
+                kv_tokens=kv_tokens,
+            )
         except StoreUnavailableError as exc:
             if policy.on_store_unavailable == "fail_open":
                 self.metrics.store_bypassed(tenant.id)
@@ -246,9 +263,12 @@ class Pipeline:
             self.metrics.rejected(tenant.id, reason)
             kind: ErrorType = "insufficient_quota" if decision.hard else "rate_limit_error"
             raise APIError(
-                429, _denial(decision, job, policy), type=kind, code=f"rate_limit_{reason}",
+                429,
+                _denial(decision, job, policy),
+                type=kind,
+                code=f"rate_limit_{reason}",
                 headers=rate_limit_headers(decision),
-            )  # fmt: skip
+            )
         return decision
 
     async def _keep(self, job: Job, ticket: Ticket) -> None:
@@ -274,8 +294,9 @@ class Pipeline:
             try:
                 state = await self.admission.renew(tenant_id, job.request_id)
             except StoreUnavailableError:
-                log.warning("could not renew the lease of %s; retry in %.1fs",
-                            job.request_id, backoff)  # fmt: skip
+                log.warning(
+                    "could not renew the lease of %s; retry in %.1fs", job.request_id, backoff
+                )
                 renew_at, backoff = loop.time() + backoff, min(backoff * 2, interval)
                 continue
             if state is LeaseState.RESTORED:
@@ -315,8 +336,11 @@ class Pipeline:
                 self.metrics.failed_over(job.base_model)
                 log.warning(
                     "%s: worker %s failed before the first output (%s); retrying on %s",
-                    job.request_id, worker.worker_id, exc, route.worker.worker_id,
-                )  # fmt: skip
+                    job.request_id,
+                    worker.worker_id,
+                    exc,
+                    route.worker.worker_id,
+                )
 
     async def _run_on(
         self,
@@ -429,19 +453,27 @@ class Pipeline:
         # that left at once) processed no prompt: nothing to bill for it
         prompt_tokens = job.num_prompt_tokens if tally.engine_started is not None else 0
         record = UsageRecord(
-            request_id=job.request_id, tenant_id=tenant_id, key_id=ticket.auth.key.id,
-            model=job.base_model, adapter=None if job.lora is None else job.lora.name,
+            request_id=job.request_id,
+            tenant_id=tenant_id,
+            key_id=ticket.auth.key.id,
+            model=job.base_model,
+            adapter=None if job.lora is None else job.lora.name,
             adapter_version=None if job.lora is None else job.lora.version,
-            user=job.user, endpoint=job.endpoint,
-            prompt_tokens=prompt_tokens, cached_tokens=tally.cached_tokens,
+            user=job.user,
+            endpoint=job.endpoint,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=tally.cached_tokens,
             cached_host_tokens=tally.cached_host_tokens,
             cached_disk_tokens=tally.cached_disk_tokens,
-            completion_tokens=tally.completion_tokens, status=status,
-            ttft_ms=None if tally.first_token_at is None
+            completion_tokens=tally.completion_tokens,
+            status=status,
+            ttft_ms=None
+            if tally.first_token_at is None
             else round((tally.first_token_at - job.started) * 1e3, 3),
-            e2e_ms=round((now - job.started) * 1e3, 3), started_at=job.started_at,
+            e2e_ms=round((now - job.started) * 1e3, 3),
+            started_at=job.started_at,
             finished_at=time.time(),
-        )  # fmt: skip
+        )
         self.ledger.submit(record)
         self.metrics.finished(record, tally.first_token_at, job.started)
         if ticket.reserved:

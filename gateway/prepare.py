@@ -237,9 +237,19 @@ class Preparer:
             raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
         max_tokens = body.max_completion_tokens or body.max_tokens
         return self._job(
-            body, tenant, request_id, "chat.completions", [prompt_ids], max_tokens, logprobs,
-            json_schema=json_schema, grammar=grammar, lora=lora, tools=tools, started=started,
-        )  # fmt: skip
+            body,
+            tenant,
+            request_id,
+            "chat.completions",
+            [prompt_ids],
+            max_tokens,
+            logprobs,
+            json_schema=json_schema,
+            grammar=grammar,
+            lora=lora,
+            tools=tools,
+            started=started,
+        )
 
     async def completion(
         self,
@@ -262,10 +272,19 @@ class Preparer:
         if body.echo and (body.logprobs is not None or body.max_tokens == 0):
             scoring = body.logprobs or 0
         return self._job(
-            body, tenant, request_id, "completions", prompts, body.max_tokens, body.logprobs,
-            prompt_logprobs=scoring, json_schema=_json_schema(body.response_format), lora=lora,
-            echo_texts=texts, started=started,
-        )  # fmt: skip
+            body,
+            tenant,
+            request_id,
+            "completions",
+            prompts,
+            body.max_tokens,
+            body.logprobs,
+            prompt_logprobs=scoring,
+            json_schema=_json_schema(body.response_format),
+            lora=lora,
+            echo_texts=texts,
+            started=started,
+        )
 
     async def _prompts(
         self, prompt: str | list[int | str | list[int]], echo: bool
@@ -282,8 +301,9 @@ class Preparer:
         else:
             raise bad_request(
                 "prompt must be a string, a list of strings, a list of token ids, or a list of "
-                "lists of token ids", param="prompt",
-            )  # fmt: skip
+                "lists of token ids",
+                param="prompt",
+            )
         if not 1 <= len(items) <= MAX_PROMPTS:
             raise bad_request(f"between 1 and {MAX_PROMPTS} prompts per request", param="prompt")
         ids: list[list[int]] = []
@@ -330,16 +350,17 @@ class Preparer:
         if policy.max_context_tokens is not None and num_prompt > policy.max_context_tokens:
             raise APIError(
                 413,
-                f"the prompt has {num_prompt} tokens; your plan allows "
-                f"{policy.max_context_tokens}",
-                code="context_length_exceeded", param="messages",
-            )  # fmt: skip
+                f"the prompt has {num_prompt} tokens; your plan allows {policy.max_context_tokens}",
+                code="context_length_exceeded",
+                param="messages",
+            )
         room = self.info.max_model_len - num_prompt
         if room < 1:
             raise bad_request(
                 f"the prompt has {num_prompt} tokens; this model's context is "
-                f"{self.info.max_model_len} tokens", code="context_length_exceeded",
-            )  # fmt: skip
+                f"{self.info.max_model_len} tokens",
+                code="context_length_exceeded",
+            )
         if max_tokens is not None:
             if max_tokens < (0 if prompt_logprobs is not None else 1):
                 rule = (
@@ -356,8 +377,9 @@ class Preparer:
                 raise bad_request(
                     f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds this "
                     f"model's context of {self.info.max_model_len} tokens",
-                    param="max_tokens", code="context_length_exceeded",
-                )  # fmt: skip
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
         else:
             max_tokens = min(room, policy.max_tokens or room)
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -397,19 +419,31 @@ class Preparer:
             and max(len(p) for p in prompts) > self.info.kv_block_size
         )
         return Job(
-            request_id=request_id, endpoint=endpoint,
-            model=self.info.model_id if lora is None else body.model, lora=lora,
-            base_model=self.info.model_id, prompts=prompts,
-            params=params, n=body.n, stream=body.stream, include_usage=include_usage,
-            user=body.user, kv_block_size=self.info.kv_block_size, staggered=staggered,
+            request_id=request_id,
+            endpoint=endpoint,
+            model=self.info.model_id if lora is None else body.model,
+            lora=lora,
+            base_model=self.info.model_id,
+            prompts=prompts,
+            params=params,
+            n=body.n,
+            stream=body.stream,
+            include_usage=include_usage,
+            user=body.user,
+            kv_block_size=self.info.kv_block_size,
+            staggered=staggered,
             scheduling=Scheduling(
-                priority=policy.priority, tenant=tenant.id, weight=policy.weight,
-                cache_salt=cache_salt(tenant), kv_host_tokens=policy.kv_host_tokens,
+                priority=policy.priority,
+                tenant=tenant.id,
+                weight=policy.weight,
+                cache_salt=cache_salt(tenant),
+                kv_host_tokens=policy.kv_host_tokens,
                 kv_disk_tokens=policy.kv_disk_tokens,
             ),
-            tools=tools, echo_texts=echo_texts,
+            tools=tools,
+            echo_texts=echo_texts,
             started=time.perf_counter() if started is None else started,
-        )  # fmt: skip
+        )
 
 
 def _tool_format(tokenizer: Tokenizer) -> ToolFormat | None:

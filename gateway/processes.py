@@ -1,15 +1,7 @@
-"""`strata gateway`: one replica as one process, or with `--workers N` as N processes on one
-port, each a whole replica (its own store connections, fleet view and ledger journal
-directory), under a parent that restarts a process that dies and forwards SIGTERM/SIGINT so
-that each drains (open streams, then the pending usage records) and exits 0.
-
-Each process binds its own listening socket to the port with SO_REUSEPORT: the kernel keeps
-an accept queue per socket and spreads new connections over them by a hash of their
-addresses, so the N event loops get even shares. One socket inherited by all would wake
-every loop at each connection (a thundering herd) and leave it to whichever wakes first,
-which on Linux piles connections on a few processes. A process that dies takes its socket
-out of the group: new connections go to the others until it is back (the few queued on its
-socket and not yet accepted are reset).
+"""`strata gateway`: one replica as one process, or with `--workers N` as N whole replicas on
+one port (each binds its own SO_REUSEPORT socket), under a parent that restarts a process
+that dies and forwards SIGTERM/SIGINT so that each drains and exits 0. Why SO_REUSEPORT and
+not a shared socket: docs/design/fleet.md, "Gateway processes".
 """
 
 from __future__ import annotations
@@ -84,10 +76,16 @@ def serve_one(
     """Serve until SIGINT/SIGTERM, then drain; on `sockets` (already bound) if given, else
     on settings.host:port. Raises SystemExit when the app fails to start."""
     config = uvicorn.Config(
-        create_app(settings), host=settings.host, port=settings.port, loop="uvloop",
-        http="httptools", lifespan="on", log_config=None, access_log=False,
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        log_config=None,
+        access_log=False,
         timeout_graceful_shutdown=30,
-    )  # fmt: skip
+    )
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(_Server(config, on_started).serve(sockets))
 
@@ -197,8 +195,12 @@ class GatewayProcesses:
             if self._stopping.is_set():
                 pass
             elif all(ready):
-                log.info("%d gateway processes serving at http://%s:%d", len(self.children),
-                         self.settings.host, self.settings.port)  # fmt: skip
+                log.info(
+                    "%d gateway processes serving at http://%s:%d",
+                    len(self.children),
+                    self.settings.host,
+                    self.settings.port,
+                )
             else:
                 log.error("a gateway process exited before it served; stopping the others")
                 failed = True
@@ -230,8 +232,11 @@ class GatewayProcesses:
     def _kill_all(self) -> None:
         for child in self.children:
             if child.proc is not None and child.proc.returncode is None:
-                log.error("gateway process %d did not stop in %.0f s: killing it",
-                          child.index, self.stop_timeout_s)  # fmt: skip
+                log.error(
+                    "gateway process %d did not stop in %.0f s: killing it",
+                    child.index,
+                    self.stop_timeout_s,
+                )
                 child.proc.kill()
 
     async def _start(self, child: _Child) -> bool:
@@ -243,12 +248,17 @@ class GatewayProcesses:
         read_fd, write_fd = os.pipe()
         try:
             child.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "gateway.processes", "--ready-fd", str(write_fd),
-                stdin=asyncio.subprocess.PIPE, pass_fds=(write_fd,),
+                sys.executable,
+                "-m",
+                "gateway.processes",
+                "--ready-fd",
+                str(write_fd),
+                stdin=asyncio.subprocess.PIPE,
+                pass_fds=(write_fd,),
                 env=dict(os.environ, PROMETHEUS_MULTIPROC_DIR=self.metrics_dir),
                 start_new_session=True,  # a terminal's Ctrl-C reaches the parent only
                 preexec_fn=_child_preexec,
-            )  # fmt: skip
+            )
         finally:
             os.close(write_fd)
         child.started_at = asyncio.get_running_loop().time()
@@ -278,8 +288,9 @@ class GatewayProcesses:
                 child.restart_delay_s, loop.time() - child.started_at, self.healthy_after_s
             )
             child.restart_delay_s = delay
-            log.error("gateway process %d exited with %s; restarting in %.0fs",
-                      child.index, code, delay)  # fmt: skip
+            log.error(
+                "gateway process %d exited with %s; restarting in %.0fs", child.index, code, delay
+            )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), delay)
             if self._stopping.is_set():

@@ -65,10 +65,15 @@ def provide_started_at(state: State) -> float:
 DEPENDENCIES = {
     name: Provide(fn, sync_to_thread=False)
     for name, fn in (
-        ("registry", provide_registry), ("keys", provide_keys), ("fleet", provide_fleet),
-        ("pipeline", provide_pipeline), ("adapters", provide_adapters),
-        ("ledger", provide_ledger), ("metrics", provide_metrics),
-        ("settings", provide_settings), ("store", provide_store),
+        ("registry", provide_registry),
+        ("keys", provide_keys),
+        ("fleet", provide_fleet),
+        ("pipeline", provide_pipeline),
+        ("adapters", provide_adapters),
+        ("ledger", provide_ledger),
+        ("metrics", provide_metrics),
+        ("settings", provide_settings),
+        ("store", provide_store),
         ("started_at", provide_started_at),
     )
-}  # fmt: skip
+}

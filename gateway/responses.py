@@ -219,14 +219,19 @@ class Renderer:
         if message.tool_calls is None:
             delta = ChatDelta(content=message.content)
         else:
-            calls = [ToolCallDelta(index=k, id=c.id, function=c.function)
-                     for k, c in enumerate(message.tool_calls)]  # fmt: skip
+            calls = [
+                ToolCallDelta(index=k, id=c.id, function=c.function)
+                for k, c in enumerate(message.tool_calls)
+            ]
             delta = ChatDelta(content=message.content, tool_calls=calls)
         logprobs = [lp for d in deltas for lp in d.logprobs or ()]
         choice = ChatChunkChoice(
-            index=index, delta=delta, finish_reason=finish, stop_reason=last.stop_reason,
+            index=index,
+            delta=delta,
+            finish_reason=finish,
+            stop_reason=last.stop_reason,
             logprobs=self.chat_logprobs(logprobs) if logprobs else None,
-        )  # fmt: skip
+        )
         return ChatCompletionChunk(
             id=job.request_id, created=job.created, model=job.model, choices=[choice]
         )
@@ -266,9 +271,13 @@ class Renderer:
                     if text is not None:  # a text answer: its characters as they come
                         deltas = held.pop(index)
                         delta = TextDelta(
-                            text, [], [lp for d in deltas for lp in d.logprobs or ()],
-                            delta.finish_reason, delta.stop_reason, delta.num_output_tokens,
-                        )  # fmt: skip
+                            text,
+                            [],
+                            [lp for d in deltas for lp in d.logprobs or ()],
+                            delta.finish_reason,
+                            delta.stop_reason,
+                            delta.num_output_tokens,
+                        )
                     elif delta.finish_reason is not None:  # only whole calls can be read
                         yield sse(self._reply_chunk(job, index, held.pop(index), reader.unreleased))
                         continue

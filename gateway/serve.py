@@ -164,8 +164,9 @@ class StoreSupervisor:
             if proc is None or proc.poll() is None:
                 continue
             delay = restart_delay(delay, loop.time() - started, self.healthy_after_s)
-            log.error("the embedded store exited with %s; restarting in %.0fs",
-                      proc.returncode, delay)  # fmt: skip
+            log.error(
+                "the embedded store exited with %s; restarting in %.0fs", proc.returncode, delay
+            )
             await asyncio.sleep(delay)
             try:
                 await asyncio.to_thread(self.store.start)
@@ -279,10 +280,16 @@ async def serve(settings: GatewaySettings, worker_args: list[list[str]], *, demo
                 flush=True,
             )
         config = uvicorn.Config(
-            create_app(settings), host=settings.host, port=settings.port, loop="uvloop",
-            http="httptools", lifespan="on", log_config=None, access_log=False,
+            create_app(settings),
+            host=settings.host,
+            port=settings.port,
+            loop="uvloop",
+            http="httptools",
+            lifespan="on",
+            log_config=None,
+            access_log=False,
             timeout_graceful_shutdown=30,
-        )  # fmt: skip
+        )
         server = _Server(config)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

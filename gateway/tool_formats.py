@@ -28,9 +28,12 @@ class ToolFormat(enum.Enum):
 
 _PROBE = {
     "type": "function",
-    "function": {"name": "strata_probe_tool", "description": "",
-                 "parameters": {"type": "object", "properties": {}}},
-}  # fmt: skip
+    "function": {
+        "name": "strata_probe_tool",
+        "description": "",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
 _PYTHON_TAG = "<|python_tag|>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 # free text of a reply that may also call (llguidance regexes: `&` and `~` are and / not)
@@ -61,17 +64,23 @@ def call_schema(tools: list[dict[str, Any]], fmt: ToolFormat) -> dict[str, Any]:
     writes it."""
     key = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
     options = [
-        {"type": "object", "properties": {"name": {"const": t["name"]}, key: t["parameters"]},
-         "required": ["name", key]}
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["name"]}, key: t["parameters"]},
+            "required": ["name", key],
+        }
         for t in tools
-    ]  # fmt: skip
+    ]
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
 def call_grammar(
-    tools: list[dict[str, Any]], fmt: ToolFormat, parallel: bool, answer: bool,
+    tools: list[dict[str, Any]],
+    fmt: ToolFormat,
+    parallel: bool,
+    answer: bool,
     mistral_token: int | None,
-) -> str:  # fmt: skip
+) -> str:
     """The Lark grammar of a reply that calls `tools` in `fmt` (one call unless `parallel`),
     or with `answer`, that may also be text (before the calls, in hermes)."""
     body = f"%json {json.dumps(call_schema(tools, fmt), ensure_ascii=False)}"
@@ -200,8 +209,7 @@ class NativeReplyStream:
             self.calls = True
             return self._release(found)
         # hold back a tail that could be the start of the marker
-        keep = next((k for k in range(len(marker) - 1, 0, -1)
-                     if self.text.endswith(marker[:k])), 0)  # fmt: skip
+        keep = next((k for k in range(len(marker) - 1, 0, -1) if self.text.endswith(marker[:k])), 0)
         return self._release(len(self.text) - keep)
 
     def _release(self, end: int) -> str:

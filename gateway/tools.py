@@ -1,17 +1,7 @@
-"""Tool calling (OpenAI's `tools` and `tool_choice`) for any model, through structured output.
-
-Where the model's chat template renders `tools` in a syntax gateway/tool_formats.py knows
-(hermes, llama3_json, mistral), the template describes the tools and the reply is
-constrained to the model's own call syntax. Otherwise the tools are described to the model
-in a system message, and its reply is constrained to one JSON object:
-`{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}` to call tools, or, with
-`tool_choice: "auto"`, `{"content": "..."}` to answer in text. Either way `"required"` allows
-calls only; a named tool_choice, calls of that tool only; `parallel_tool_calls: false`, one
-call; and each call's arguments must match its tool's `parameters` schema.
-
-The reply comes back in OpenAI's shape: `tool_calls` with fresh ids and the arguments as JSON
-text, and finish_reason "tool_calls"; or plain `content`. Earlier turns' calls are shown to
-the model as it writes them, and tool results as `tool` turns.
+"""Tool calling (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`) for any model, through
+structured output: in the model's own call syntax where its chat template has one that
+gateway/tool_formats.py knows, else as one constrained JSON object described in a system
+message. Replies come back in OpenAI's shape. Details: docs/structured-output.md.
 """
 
 from __future__ import annotations
@@ -130,8 +120,11 @@ def _tool_table(tools: list[Tool]) -> dict[str, dict[str, Any]]:
         if fn.name in table:
             raise bad_request(f"two tools are named '{fn.name}'", param=f"tools[{i}]")
         parameters = fn.parameters if fn.parameters is not None else _EMPTY_ARGUMENTS
-        table[fn.name] = {"name": fn.name, "description": fn.description or "",
-                          "parameters": parameters}  # fmt: skip
+        table[fn.name] = {
+            "name": fn.name,
+            "description": fn.description or "",
+            "parameters": parameters,
+        }
     return table
 
 
@@ -143,19 +136,30 @@ def _reply_schema(tools: list[dict[str, Any]], parallel: bool, answer: bool) -> 
     for i, tool in enumerate(tools):
         parameters, own = _hoisted(tool["parameters"], f"tool{i}.")
         definitions |= own
-        options.append({
-            "type": "object",
-            "properties": {"name": {"const": tool["name"]}, "arguments": parameters},
-            "required": ["name", "arguments"],
-        })  # fmt: skip
-    calls = {"type": "array", "items": {"anyOf": options}, "minItems": 1,
-             **({} if parallel else {"maxItems": 1})}  # fmt: skip
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool["name"]}, "arguments": parameters},
+                "required": ["name", "arguments"],
+            }
+        )
+    calls = {
+        "type": "array",
+        "items": {"anyOf": options},
+        "minItems": 1,
+        **({} if parallel else {"maxItems": 1}),
+    }
     reply: dict[str, Any] = {
-        "type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
-    }  # fmt: skip
+        "type": "object",
+        "properties": {"tool_calls": calls},
+        "required": ["tool_calls"],
+    }
     if answer:
-        text = {"type": "object", "properties": {"content": {"type": "string"}},
-                "required": ["content"]}  # fmt: skip
+        text = {
+            "type": "object",
+            "properties": {"content": {"type": "string"}},
+            "required": ["content"],
+        }
         reply = {"anyOf": [reply, text]}
     return reply | ({"$defs": definitions} if definitions else {})
 
@@ -206,8 +210,10 @@ def render_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> list[
     for m in messages:
         content = m.text()
         if m.tool_calls:
-            calls = [{"name": c.function.name, "arguments": _arguments(c.function.arguments)}
-                     for c in m.tool_calls]  # fmt: skip
+            calls = [
+                {"name": c.function.name, "arguments": _arguments(c.function.arguments)}
+                for c in m.tool_calls
+            ]
             content = json.dumps({"tool_calls": calls}, ensure_ascii=False)
         rendered.append({"role": m.role, "content": content})
     if plan is not None and plan.instructions is not None:
@@ -225,10 +231,16 @@ def _native_turn(m: ChatMessage) -> dict[str, Any]:
     turn: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.tool_calls:
         turn["tool_calls"] = [
-            {"id": c.id, "type": "function",
-             "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {
+                    "name": c.function.name,
+                    "arguments": _arguments(c.function.arguments),
+                },
+            }
             for c in m.tool_calls
-        ]  # fmt: skip
+        ]
     if m.tool_call_id is not None:
         turn["tool_call_id"] = m.tool_call_id
     if m.name is not None:

@@ -84,8 +84,9 @@ class DeviceKVPool:
     def read_pages(self, blocks: Sequence[int]) -> torch.Tensor:
         """The pages of `blocks` as bytes, [n, spec.bytes_per_block] uint8 on the pool's
         device: every layer's K and V values, then (FP8) their scales."""
-        out = torch.empty(len(blocks), self.spec.bytes_per_block, dtype=torch.uint8,
-                          device=self.device)  # fmt: skip
+        out = torch.empty(
+            len(blocks), self.spec.bytes_per_block, dtype=torch.uint8, device=self.device
+        )
         self.read_pages_into(blocks, list(out))
         return out
 

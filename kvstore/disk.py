@@ -52,8 +52,14 @@ class DiskPrefetch:
 
     Built by `DiskKVPool.prefetch`; `DiskKVPool.settle` turns failed reads into misses."""
 
-    def __init__(self, keys: list[bytes], slots: list[int], checksums: list[int | None],
-                 page_nbytes: int, slot_nbytes: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        keys: list[bytes],
+        slots: list[int],
+        checksums: list[int | None],
+        page_nbytes: int,
+        slot_nbytes: int,
+    ) -> None:
         self.keys = keys
         self.slots = slots
         self.checksums = checksums
@@ -80,8 +86,9 @@ class DiskPrefetch:
         if key not in self.good:
             return None
         offset = self.rows[key] * self.slot_nbytes
-        return torch.frombuffer(self.buffer, dtype=torch.uint8, count=self.page_nbytes,
-                                offset=offset)  # fmt: skip
+        return torch.frombuffer(
+            self.buffer, dtype=torch.uint8, count=self.page_nbytes, offset=offset
+        )
 
 
 class DiskKVPool:
@@ -205,8 +212,9 @@ class DiskKVPool:
         self.slots.move_to_end(key)
         pending = self._pending.get(slot)
         if pending is not None:  # moving: its staging buffer holds it (and goes back on reap)
-            return torch.frombuffer(pending.staging, dtype=torch.uint8,
-                                    count=self.page_nbytes).clone()  # fmt: skip
+            return torch.frombuffer(
+                pending.staging, dtype=torch.uint8, count=self.page_nbytes
+            ).clone()
         buf = mmap.mmap(-1, self.slot_nbytes)  # page aligned, as O_DIRECT needs
         try:
             got = os.preadv(self.fd, [buf], slot * self.slot_nbytes)
@@ -276,8 +284,9 @@ class DiskKVPool:
         if not keys or (used and used + len(keys) * self.slot_nbytes > PREFETCH_BYTES):
             return None
         slots = [self.slots[k] for k in keys]
-        fetch = DiskPrefetch(keys, slots, [self._checksums.get(s) for s in slots],
-                             self.page_nbytes, self.slot_nbytes)  # fmt: skip
+        fetch = DiskPrefetch(
+            keys, slots, [self._checksums.get(s) for s in slots], self.page_nbytes, self.slot_nbytes
+        )
         for row, (key, slot) in enumerate(zip(keys, slots, strict=True)):
             self.slots.move_to_end(key)
             pending = self._pending.get(slot)

@@ -140,8 +140,11 @@ class _Staged:
         self.rows = buffer[: n * offset].view(n, offset)
         shares = max(1, min(n, _GATHER_THREADS))
         bounds = [n * i // shares for i in range(shares + 1)]
-        copies = [workers.submit(torch.stack, list(pages[lo:hi]), out=self.rows[lo:hi])
-                  for lo, hi in itertools.pairwise(bounds) if hi > lo]  # fmt: skip
+        copies = [
+            workers.submit(torch.stack, list(pages[lo:hi]), out=self.rows[lo:hi])
+            for lo, hi in itertools.pairwise(bounds)
+            if hi > lo
+        ]
         for copy in copies:
             copy.result()
 
@@ -164,8 +167,12 @@ def _words(*views: torch.Tensor) -> tuple[torch.Tensor, ...]:
     element at a time."""
     for dtype in (torch.int64, torch.int32, torch.int16):
         size = dtype.itemsize
-        if all(v.shape[-1] % size == 0 and v.storage_offset() % size == 0
-               and all(st % size == 0 for st in v.stride()[:-1]) for v in views):  # fmt: skip
+        if all(
+            v.shape[-1] % size == 0
+            and v.storage_offset() % size == 0
+            and all(st % size == 0 for st in v.stride()[:-1])
+            for v in views
+        ):
             return tuple(v.view(dtype) for v in views)
     return views
 
@@ -497,10 +504,17 @@ class PageLoads:
         indexes = [torch.tensor(b, dtype=torch.long) for _, b in queued]
         newest = queued[-1][0].ticket  # it goes after the saves started before this
         if self.mode is LoadMode.THREAD:
-            staged = [(src, index) for (src, _), index in zip(queued, indexes, strict=True)
-                      if isinstance(src, _Staged)]  # fmt: skip
-            rows = [(s, b) for src, blocks in queued if isinstance(src, _HostRows)
-                    for s, b in zip(src.slots, blocks, strict=True)]  # fmt: skip
+            staged = [
+                (src, index)
+                for (src, _), index in zip(queued, indexes, strict=True)
+                if isinstance(src, _Staged)
+            ]
+            rows = [
+                (s, b)
+                for src, blocks in queued
+                if isinstance(src, _HostRows)
+                for s, b in zip(src.slots, blocks, strict=True)
+            ]
             load: Any = self._issue_thread(staged, rows, newest)
         elif self._cupy is None:
             load = self._issue_stream([src for src, _ in queued], indexes, newest)
@@ -544,8 +558,9 @@ class PageLoads:
                     for first, count, index in runs:
                         assert host is not None
                         span = host[first : first + count]  # this layer's K and V rows
-                        rows = [span[:, o + 2 * layer * w : o + 2 * (layer + 1) * w]
-                                for o, w in layout]  # fmt: skip
+                        rows = [
+                            span[:, o + 2 * layer * w : o + 2 * (layer + 1) * w] for o, w in layout
+                        ]
                         _scatter(parts[layer], rows, index)
                     load.done[layer].set()
 
@@ -568,16 +583,25 @@ class PageLoads:
         assert stream is not None
         cp = self._cupy
         # the loads read in place go as one: per layer, one kernel per part for all of them
-        in_place = [(src, index) for src, index in zip(loads, indexes, strict=True)
-                    if isinstance(src, _HostRows)]  # fmt: skip
-        staged = [(src, index) for src, index in zip(loads, indexes, strict=True)
-                  if isinstance(src, _Staged)]  # fmt: skip
+        in_place = [
+            (src, index)
+            for src, index in zip(loads, indexes, strict=True)
+            if isinstance(src, _HostRows)
+        ]
+        staged = [
+            (src, index)
+            for src, index in zip(loads, indexes, strict=True)
+            if isinstance(src, _Staged)
+        ]
         # on the compute stream: waited for below
         host_rows = host_blocks = None
         runs: list[tuple[int, int]] = []  # with 2-D copies: the host rows by runs of slots
         if in_place and self.host_reads is HostReads.COPY and cp is not None:
-            pairs = [(s, b) for src, index in in_place
-                     for s, b in zip(src.slots, index.tolist(), strict=True)]  # fmt: skip
+            pairs = [
+                (s, b)
+                for src, index in in_place
+                for s, b in zip(src.slots, index.tolist(), strict=True)
+            ]
             runs, blocks = _row_runs(pairs)
             if len(runs) <= _MAX_RUN_COPIES:
                 host_blocks = torch.tensor(blocks).to(device, non_blocking=True)
@@ -607,8 +631,14 @@ class PageLoads:
                 load.indexes = on_device
                 # 2-D copies land here, a page's K and V rows side by side, then scatter
                 n_rows = sum(count for _, count in runs)
-                landing = [torch.empty(n_rows, 2 * width, dtype=torch.uint8, device=device)
-                           for _, width in layout] if runs else []  # fmt: skip
+                landing = (
+                    [
+                        torch.empty(n_rows, 2 * width, dtype=torch.uint8, device=device)
+                        for _, width in layout
+                    ]
+                    if runs
+                    else []
+                )
                 load.indexes += landing
                 for layer in range(self.num_layers):
                     dst = self.pool.layer_parts(layer) if runs or staged else []
@@ -624,10 +654,15 @@ class PageLoads:
                         for d, r in zip(dev, rows, strict=True):
                             if cp is not None:  # a CuPy async copy: rows a page apart
                                 cp.cuda.runtime.memcpy2DAsync(
-                                    d.data_ptr(), d.stride(0), r.data_ptr(), r.stride(0),
-                                    r.shape[1], r.shape[0], cp.cuda.runtime.memcpyHostToDevice,
+                                    d.data_ptr(),
+                                    d.stride(0),
+                                    r.data_ptr(),
+                                    r.stride(0),
+                                    r.shape[1],
+                                    r.shape[0],
+                                    cp.cuda.runtime.memcpyHostToDevice,
                                     self._stream.ptr,
-                                )  # fmt: skip
+                                )
                             else:
                                 d.copy_(r, non_blocking=True)
                         _scatter(dst, dev, index)
@@ -653,9 +688,15 @@ class PageLoads:
             at = out.data_ptr()
             for first, count in runs:
                 runtime.memcpy2DAsync(
-                    at, 2 * width, host + first * page + offset + 2 * layer * width, page,
-                    2 * width, count, runtime.memcpyHostToDevice, self._stream.ptr,
-                )  # fmt: skip
+                    at,
+                    2 * width,
+                    host + first * page + offset + 2 * layer * width,
+                    page,
+                    2 * width,
+                    count,
+                    runtime.memcpyHostToDevice,
+                    self._stream.ptr,
+                )
                 at += count * 2 * width
 
     # -- waiting --------------------------------------------------------------------------------

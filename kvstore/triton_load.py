@@ -18,9 +18,19 @@ _WORD_TYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 @triton.jit
 def _copy_rows_kernel(
-    src, dst, src_index, dst_index, src_offset, src_stride, src_stride_j, dst_offset,
-    dst_stride, dst_stride_j, width, WORDS: tl.constexpr,
-):  # fmt: skip
+    src,
+    dst,
+    src_index,
+    dst_index,
+    src_offset,
+    src_stride,
+    src_stride_j,
+    dst_offset,
+    dst_stride,
+    dst_stride_j,
+    width,
+    WORDS: tl.constexpr,
+):
     """dst[dst_offset + dst_index[i] * dst_stride + j * dst_stride_j + w] =
     src[src_offset + src_index[i] * src_stride + j * src_stride_j + w], for program (i, j)
     and w < width, in words."""
@@ -46,9 +56,22 @@ def _check(host: torch.Tensor, parts: list[torch.Tensor]) -> None:
 
 @triton.jit
 def _copy_two_parts_kernel(
-    host, dst_a, dst_b, src_index, dst_index, host_stride, start_a, start_b, width_a, width_b,
-    stride_a, stride_a_j, stride_b, stride_b_j, WORDS: tl.constexpr,
-):  # fmt: skip
+    host,
+    dst_a,
+    dst_b,
+    src_index,
+    dst_index,
+    host_stride,
+    start_a,
+    start_b,
+    width_a,
+    width_b,
+    stride_a,
+    stride_a_j,
+    stride_b,
+    stride_b_j,
+    WORDS: tl.constexpr,
+):
     """`_copy_rows_kernel` of two parts in one launch, in words of one size: program (i, j)
     copies the K (j even) or V row of part a (j < 2) or b of host row src_index[i] into
     block dst_index[i]."""
@@ -61,13 +84,15 @@ def _copy_two_parts_kernel(
     if j < 2:
         ok = w < width_a
         s = row + start_a + kv * width_a
-        tl.store(dst_a + block * stride_a + kv * stride_a_j + w, tl.load(host + s + w, mask=ok),
-                 mask=ok)  # fmt: skip
+        tl.store(
+            dst_a + block * stride_a + kv * stride_a_j + w, tl.load(host + s + w, mask=ok), mask=ok
+        )
     else:
         ok = w < width_b
         s = row + start_b + kv * width_b
-        tl.store(dst_b + block * stride_b + kv * stride_b_j + w, tl.load(host + s + w, mask=ok),
-                 mask=ok)  # fmt: skip
+        tl.store(
+            dst_b + block * stride_b + kv * stride_b_j + w, tl.load(host + s + w, mask=ok), mask=ok
+        )
 
 
 class _Part(NamedTuple):
@@ -100,11 +125,28 @@ class HostRowReader:
             parts = []
             for (offset, width), out in zip(layout, dst, strict=True):
                 start = offset + 2 * layer * width
-                size = _word(host.stride(0), start, width, out.stride(0), out.stride(1),
-                             host.data_ptr(), out.data_ptr())  # fmt: skip
+                size = _word(
+                    host.stride(0),
+                    start,
+                    width,
+                    out.stride(0),
+                    out.stride(1),
+                    host.data_ptr(),
+                    out.data_ptr(),
+                )
                 src, to = host.view(_WORD_TYPES[size]), out.view(_WORD_TYPES[size])
-                parts.append(_Part(size, src, to, start // size, width // size,
-                                   src.stride(0), to.stride(1), to.stride(0)))  # fmt: skip
+                parts.append(
+                    _Part(
+                        size,
+                        src,
+                        to,
+                        start // size,
+                        width // size,
+                        src.stride(0),
+                        to.stride(1),
+                        to.stride(0),
+                    )
+                )
             self._layers.append(parts)
 
     def load_layer(self, layer: int, slots: torch.Tensor, blocks: torch.Tensor) -> None:
@@ -117,16 +159,38 @@ class HostRowReader:
         if len(parts) == 2 and parts[0].size == parts[1].size:
             a, b = parts
             _copy_two_parts_kernel[(n, 4, triton.cdiv(max(a.width, b.width), _WORDS))](
-                a.host, a.dst, b.dst, slots, blocks, a.host_stride, a.start, b.start,
-                a.width, b.width, a.block_stride, a.kv_stride, b.block_stride, b.kv_stride,
+                a.host,
+                a.dst,
+                b.dst,
+                slots,
+                blocks,
+                a.host_stride,
+                a.start,
+                b.start,
+                a.width,
+                b.width,
+                a.block_stride,
+                a.kv_stride,
+                b.block_stride,
+                b.kv_stride,
                 WORDS=_WORDS,
-            )  # fmt: skip
+            )
             return
         for p in parts:
             _copy_rows_kernel[(n, 2, triton.cdiv(p.width, _WORDS))](
-                p.host, p.dst, slots, blocks, p.start, p.host_stride, p.width,
-                0, p.block_stride, p.kv_stride, p.width, WORDS=_WORDS,
-            )  # fmt: skip
+                p.host,
+                p.dst,
+                slots,
+                blocks,
+                p.start,
+                p.host_stride,
+                p.width,
+                0,
+                p.block_stride,
+                p.kv_stride,
+                p.width,
+                WORDS=_WORDS,
+            )
 
 
 def save_pages(
@@ -144,12 +208,28 @@ def save_pages(
     if n == 0:
         return
     for (offset, width), part in zip(layout, src, strict=True):
-        size = _word(host.stride(0), offset, width, part.stride(0), part.stride(1),
-                     host.data_ptr(), part.data_ptr())  # fmt: skip
+        size = _word(
+            host.stride(0),
+            offset,
+            width,
+            part.stride(0),
+            part.stride(1),
+            host.data_ptr(),
+            part.data_ptr(),
+        )
         words = width // size
         kind = _WORD_TYPES[size]
         _copy_rows_kernel[(n, part.shape[0], triton.cdiv(words, _WORDS))](
-            part.view(kind), host.view(kind), blocks, slots,
-            0, part.stride(1) // size, part.stride(0) // size,
-            offset // size, host.stride(0) // size, words, words, WORDS=_WORDS,
-        )  # fmt: skip
+            part.view(kind),
+            host.view(kind),
+            blocks,
+            slots,
+            0,
+            part.stride(1) // size,
+            part.stride(0) // size,
+            offset // size,
+            host.stride(0) // size,
+            words,
+            words,
+            WORDS=_WORDS,
+        )

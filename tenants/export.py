@@ -27,9 +27,17 @@ Granularity = Literal["request", "hour", "day"]
 COST_COLUMNS = ("cost_prompt", "cost_cached", "cost_completion", "cost_total")
 REQUEST_COLUMNS = (*UsageRecord.__struct_fields__, *COST_COLUMNS, "priced")
 PERIOD_COLUMNS = (
-    "period_start", "tenant_id", "model", "adapter",
-    "requests", "prompt_tokens", "cached_tokens", "completion_tokens", *COST_COLUMNS, "priced",
-)  # fmt: skip
+    "period_start",
+    "tenant_id",
+    "model",
+    "adapter",
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    *COST_COLUMNS,
+    "priced",
+)
 
 _PERIOD_SECONDS = {"hour": 3600, "day": 86400}
 _CSV_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
@@ -73,9 +81,12 @@ class PriceBook:
             self._cache[name] = (
                 None
                 if price is None
-                else (_exact(price.prompt_per_m), _exact(price.cached_per_m),
-                      _exact(price.completion_per_m))
-            )  # fmt: skip
+                else (
+                    _exact(price.prompt_per_m),
+                    _exact(price.cached_per_m),
+                    _exact(price.completion_per_m),
+                )
+            )
         return self._cache[name]
 
     def rates_for(
@@ -171,9 +182,13 @@ async def _request_rows(
 ) -> AsyncIterator[Sequence[object]]:
     async for rec in records:
         costs, priced = book.costs(
-            rec.model, rec.adapter, rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens,
+            rec.model,
+            rec.adapter,
+            rec.prompt_tokens,
+            rec.cached_tokens,
+            rec.completion_tokens,
             rec.adapter_version,
-        )  # fmt: skip
+        )
         yield (*msgspec.structs.astuple(rec), *costs, priced)
 
 
@@ -191,8 +206,20 @@ def _bucket_rows(
         costs, priced = book.costs(
             model, adapter, prompt, cached, completion, num_requests=num_requests
         )
-        rows.append((period, tenant_id, model, adapter, num_requests, prompt, cached,
-                     completion, *costs, priced))  # fmt: skip
+        rows.append(
+            (
+                period,
+                tenant_id,
+                model,
+                adapter,
+                num_requests,
+                prompt,
+                cached,
+                completion,
+                *costs,
+                priced,
+            )
+        )
     return rows
 
 

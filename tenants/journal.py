@@ -1,13 +1,7 @@
-"""The ledger's local journal: usage records not yet confirmed by the store, kept in
-append-only segment files so that a gateway killed with records pending (OOM, SIGKILL, a
-store down past the shutdown drain) writes them after it restarts.
-
-Layout: `<root>/<owner>/<seq>.seg`, one `<owner>` directory per running gateway process,
-held with an exclusive `flock` on `<owner>/lock`. A process that starts claims every owner
-directory whose lock is free (its process is gone) and replays those records. Processes
-that share a root and start together (`strata gateway --workers N`) split the orphans: each
-is claimed by exactly one of them. A frame is
-`len:u32 crc32:u32 msgpack(UsageRecord)`; a torn or corrupt tail ends a segment's reading.
+"""The ledger's local journal: usage records not yet confirmed by the store, in append-only
+segment files (`<root>/<owner>/<seq>.seg`, frames `len:u32 crc32:u32 msgpack(UsageRecord)`)
+under an owner directory each process holds with `flock`, so a gateway killed with records
+pending writes them after it restarts. See docs/design/admission-and-ledger.md.
 """
 
 from __future__ import annotations

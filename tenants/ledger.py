@@ -222,8 +222,11 @@ class LedgerWriter:
                 segment = self.journal.append(rec)
             except OSError as exc:
                 self.num_journal_errors += 1
-                log.error("usage ledger journal write failed (%s); %s kept in memory only",
-                          exc.strerror, rec.request_id)  # fmt: skip
+                log.error(
+                    "usage ledger journal write failed (%s); %s kept in memory only",
+                    exc.strerror,
+                    rec.request_id,
+                )
         self._queue.append((rec, segment))
         self._wake.set()
 
@@ -286,8 +289,10 @@ class LedgerWriter:
             except (RedisError, OSError) as exc:
                 log.warning(
                     "usage ledger store unreachable (%s); %d records pending, retry in %.2fs",
-                    exc, len(self._queue), delay,
-                )  # fmt: skip
+                    exc,
+                    len(self._queue),
+                    delay,
+                )
             except Exception:
                 log.exception("usage ledger write failed; %d records pending", len(self._queue))
             else:

@@ -160,8 +160,13 @@ class TenantView(Base):
 
     @classmethod
     def of(cls, tenant: Tenant) -> TenantView:
-        return cls(id=tenant.id, name=tenant.name, created_at=tenant.created_at,
-                   policy=tenant.policy, disabled=tenant.disabled)  # fmt: skip
+        return cls(
+            id=tenant.id,
+            name=tenant.name,
+            created_at=tenant.created_at,
+            policy=tenant.policy,
+            disabled=tenant.disabled,
+        )
 
 
 class TenantCreate(Base):
@@ -270,8 +275,9 @@ class Price(Base):
         check_name(name, "model")
         if at and not (version.isdigit() and version.isascii() and int(version) >= 1):
             raise RecordError("model: an adapter version is written name@N, N from 1")
-        if not all(map(math.isfinite, (self.prompt_per_m, self.cached_per_m,
-                                       self.completion_per_m))):  # fmt: skip
+        if not all(
+            map(math.isfinite, (self.prompt_per_m, self.cached_per_m, self.completion_per_m))
+        ):
             raise RecordError("prices must be finite numbers")
         if min(self.prompt_per_m, self.cached_per_m, self.completion_per_m) < 0:
             raise RecordError("prices must not be negative")

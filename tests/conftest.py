@@ -107,9 +107,14 @@ def make_core(smollm2_fp32, smollm2_fp32_torch, smollm2_vocabulary, strata_cache
         model, tokenizer, model_id = smollm2_fp32_torch if torch_model else smollm2_fp32
         kernels = native_kernels(cfg, torch.float32)
         return EngineCore(
-            model, cfg, model_id=model_id, eos_token_ids=tokenizer.eos_token_ids,
-            kernels=kernels, triton=use_triton(cfg), vocabulary=smollm2_vocabulary,
-        )  # fmt: skip
+            model,
+            cfg,
+            model_id=model_id,
+            eos_token_ids=tokenizer.eos_token_ids,
+            kernels=kernels,
+            triton=use_triton(cfg),
+            vocabulary=smollm2_vocabulary,
+        )
 
     return make
 

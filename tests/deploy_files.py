@@ -26,9 +26,21 @@ _TOKENS = re.compile(
     re.VERBOSE,
 )
 _AGGREGATIONS = {
-    "sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values",
-    "bottomk", "topk", "quantile", "limitk", "limit_ratio",
-}  # fmt: skip
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "group",
+    "stddev",
+    "stdvar",
+    "count",
+    "count_values",
+    "bottomk",
+    "topk",
+    "quantile",
+    "limitk",
+    "limit_ratio",
+}
 _GROUPING = {"by", "without", "on", "ignoring", "group_left", "group_right"}
 _KEYWORDS = {"and", "or", "unless", "bool", "offset", "atan2", "inf", "nan", *_GROUPING}
 

@@ -13,9 +13,15 @@ from engine.model_config import ModelConfig
 
 # SmolLM2-135M's shapes, for adapters of the default model
 SMOLLM2 = ModelConfig(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-    num_kv_heads=3, head_dim=64, max_position_embeddings=8192,
-)  # fmt: skip
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+)
 
 
 def write_adapter(

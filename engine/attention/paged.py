@@ -176,9 +176,16 @@ class PagedAttention(PoolAttention):
         k_pages, v_pages = self.pool.layer(layer_idx)
         k_scales, v_scales = self.pool.layer_scales(layer_idx) or (None, None)
         return LayerPages(
-            k_pages, v_pages, ctx.slot_mapping, ctx.rows.block_table, ctx.rows.seq_lens,
-            self.scale, k_scales, v_scales, self.rotate_keys,
-        )  # fmt: skip
+            k_pages,
+            v_pages,
+            ctx.slot_mapping,
+            ctx.rows.block_table,
+            ctx.rows.seq_lens,
+            self.scale,
+            k_scales,
+            v_scales,
+            self.rotate_keys,
+        )
 
     def forward(
         self,
@@ -197,18 +204,31 @@ class PagedAttention(PoolAttention):
         k_scales, v_scales = self.pool.layer_scales(layer_idx) or (None, None)
         if self.kernels is not None:
             self.kernels.kv_write(
-                k, v, k_pages, v_pages, ctx.slot_mapping, k_scales=k_scales, v_scales=v_scales,
+                k,
+                v,
+                k_pages,
+                v_pages,
+                ctx.slot_mapping,
+                k_scales=k_scales,
+                v_scales=v_scales,
                 rotate_keys=self.rotate_keys,
-            )  # fmt: skip
+            )
         else:
             self._write(k, k_pages, k_scales, ctx.slot_mapping, rotate=self.rotate_keys)
             self._write(v, v_pages, v_scales, ctx.slot_mapping)
         if ctx.rows is not None:
             assert self.kernels is not None
             return self.kernels.paged_decode(
-                q, k_pages, v_pages, ctx.rows.block_table, ctx.rows.seq_lens, self.scale,
-                k_scales=k_scales, v_scales=v_scales, rotated_keys=self.rotate_keys,
-            )  # fmt: skip
+                q,
+                k_pages,
+                v_pages,
+                ctx.rows.block_table,
+                ctx.rows.seq_lens,
+                self.scale,
+                k_scales=k_scales,
+                v_scales=v_scales,
+                rotated_keys=self.rotate_keys,
+            )
         outs = []
         nd = ctx.num_decode_tokens
         if ctx.decode is not None:
@@ -273,11 +293,14 @@ class PagedAttention(PoolAttention):
         step = max(1, ATTEND_TEMP_BYTES // per_seq)
         if b <= step:
             return self._attend_seqs(q, layer_idx, g.block_table, g.mask)
-        return torch.cat([
-            self._attend_seqs(q[i : i + step], layer_idx, g.block_table[i : i + step],
-                              g.mask[i : i + step])
-            for i in range(0, b, step)
-        ])  # fmt: skip
+        return torch.cat(
+            [
+                self._attend_seqs(
+                    q[i : i + step], layer_idx, g.block_table[i : i + step], g.mask[i : i + step]
+                )
+                for i in range(0, b, step)
+            ]
+        )
 
     def _attend_seqs(
         self, q: torch.Tensor, layer_idx: int, table: torch.Tensor, mask: torch.Tensor

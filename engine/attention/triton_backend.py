@@ -162,22 +162,44 @@ class TritonPagedAttention(PoolAttention):
         k_scales, v_scales = self.pool.layer_scales(layer_idx) or (None, None)
         kern = self.kernels
         kern.kv_write(
-            k, v, k_pages, v_pages, ctx.slot_mapping, k_scales, v_scales,
+            k,
+            v,
+            k_pages,
+            v_pages,
+            ctx.slot_mapping,
+            k_scales,
+            v_scales,
             rotate_keys=self.rotate_keys,
-        )  # fmt: skip
+        )
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         common = {"k_scales": k_scales, "v_scales": v_scales, "rotated_keys": self.rotate_keys}
         if ctx.seq_lens is not None:
             nd = ctx.num_decode
             kern.paged_attention(
-                q[:nd], k_pages, v_pages, out[:nd], ctx.block_table, self.scale,
-                seq_lens=ctx.seq_lens, num_splits=ctx.num_splits, block_n=self.decode_block_n,
+                q[:nd],
+                k_pages,
+                v_pages,
+                out[:nd],
+                ctx.block_table,
+                self.scale,
+                seq_lens=ctx.seq_lens,
+                num_splits=ctx.num_splits,
+                block_n=self.decode_block_n,
                 **common,
-            )  # fmt: skip
+            )
         if ctx.tiles is not None:
             kern.paged_attention(
-                q, k_pages, v_pages, out, ctx.block_table, self.scale,
-                tiles=ctx.tiles, tokens_per_tile=self.tokens_per_tile, block_n=self.block_n,
-                num_splits=ctx.tile_splits, first_row=ctx.num_decode, **common,
-            )  # fmt: skip
+                q,
+                k_pages,
+                v_pages,
+                out,
+                ctx.block_table,
+                self.scale,
+                tiles=ctx.tiles,
+                tokens_per_tile=self.tokens_per_tile,
+                block_n=self.block_n,
+                num_splits=ctx.tile_splits,
+                first_row=ctx.num_decode,
+                **common,
+            )
         return out

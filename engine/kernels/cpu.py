@@ -187,9 +187,22 @@ class CpuKernels:
         # 4 page arrays, rotated | slots, tables, lens | 8 sizes | scale, workspace, 2 outs |
         # LoRA, as for one layer, with every layer's arrays concatenated
         self._stack.argtypes = [
-            _I, _P, _P, _P, _P, _F, *[_P] * 5, *[_P] * 3, *[_P] * 4, _C, *[_P] * 3,
-            *[_I] * 8, _F, *[_P] * 3, *[_P] * 7,
-        ]  # fmt: skip
+            _I,
+            _P,
+            _P,
+            _P,
+            _P,
+            _F,
+            *[_P] * 5,
+            *[_P] * 3,
+            *[_P] * 4,
+            _C,
+            *[_P] * 3,
+            *[_I] * 8,
+            _F,
+            *[_P] * 3,
+            *[_P] * 7,
+        ]
         self._stack.restype = ctypes.c_int
         self._lora = lib.strata_lora_bf16
         self._lora.argtypes = [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P]
@@ -217,9 +230,15 @@ class CpuKernels:
         if residual is not None:
             assert residual.is_contiguous() and residual.shape == x.shape
         self._fns["strata_rms_norm", x.dtype](
-            x.data_ptr(), _ptr(residual), weight.data_ptr(), out.data_ptr(),
-            x.shape[0], x.shape[1], eps, residual is not None,
-        )  # fmt: skip
+            x.data_ptr(),
+            _ptr(residual),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            eps,
+            residual is not None,
+        )
         return out, (x if residual is None else residual)
 
     def rope_(
@@ -236,9 +255,18 @@ class CpuKernels:
         assert positions.dtype == torch.int64 and positions.is_contiguous()
         assert cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
         self._fns["strata_rope", q.dtype](
-            q.data_ptr(), k.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.stride(0), k.stride(0),
-        )  # fmt: skip
+            q.data_ptr(),
+            k.data_ptr(),
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            q.shape[0],
+            q.shape[1],
+            k.shape[1],
+            q.shape[2],
+            q.stride(0),
+            k.stride(0),
+        )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: [T, 2I] -> silu(gate) * up, [T, I]."""
@@ -272,18 +300,35 @@ class CpuKernels:
         if k_pages.dtype in _PAGE_SUFFIX:
             _check_scales(k_pages, k_scales, v_scales)
             rc = self._fns["strata_kv_write_fp8", k.dtype](
-                k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_pages.data_ptr(),
-                v_pages.data_ptr(), _ptr(k_scales), _ptr(v_scales), slots.data_ptr(),
-                k.shape[0], k.shape[1], k.shape[2], rotate_keys,
-            )  # fmt: skip
+                k.data_ptr(),
+                v.data_ptr(),
+                k.stride(0),
+                v.stride(0),
+                k_pages.data_ptr(),
+                v_pages.data_ptr(),
+                _ptr(k_scales),
+                _ptr(v_scales),
+                slots.data_ptr(),
+                k.shape[0],
+                k.shape[1],
+                k.shape[2],
+                rotate_keys,
+            )
             if rc != 0:
                 raise KernelError(f"FP8 page write rejected head_dim {k.shape[2]}")
             return
         assert k_pages.dtype == k.dtype and not rotate_keys
         self._fns["strata_kv_write", k.dtype](
-            k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_pages.data_ptr(),
-            v_pages.data_ptr(), slots.data_ptr(), k.shape[0], k.shape[1] * k.shape[2],
-        )  # fmt: skip
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride(0),
+            v.stride(0),
+            k_pages.data_ptr(),
+            v_pages.data_ptr(),
+            slots.data_ptr(),
+            k.shape[0],
+            k.shape[1] * k.shape[2],
+        )
 
     def paged_decode(
         self,
@@ -316,10 +361,24 @@ class CpuKernels:
             assert k_pages.dtype == q.dtype and k_scales is None
             fn = self._fns["strata_paged_decode", q.dtype]
         rc = fn(
-            q.data_ptr(), q.stride(0), k_pages.data_ptr(), v_pages.data_ptr(), _ptr(k_scales),
-            _ptr(v_scales), out.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), b, h,
-            hkv, d, block_size, block_tables.shape[1], scale, rotated_keys,
-        )  # fmt: skip
+            q.data_ptr(),
+            q.stride(0),
+            k_pages.data_ptr(),
+            v_pages.data_ptr(),
+            _ptr(k_scales),
+            _ptr(v_scales),
+            out.data_ptr(),
+            block_tables.data_ptr(),
+            seq_lens.data_ptr(),
+            b,
+            h,
+            hkv,
+            d,
+            block_size,
+            block_tables.shape[1],
+            scale,
+            rotated_keys,
+        )
         if rc != 0:
             raise KernelError(f"paged decode kernel rejected its inputs (code {rc})")
         return out
@@ -388,10 +447,21 @@ class CpuKernels:
         Mutates y."""
         ends, h = _lora_checks(x, a, bt, slots, y, part_ends)
         rc = self._lora(
-            x.data_ptr(), x.stride(0), a.data_ptr(), bt.data_ptr(), slots.data_ptr(),
-            y.data_ptr(), y.stride(0), x.shape[0], x.shape[1], y.shape[1], a.shape[1], ends,
-            len(ends), h.data_ptr(),
-        )  # fmt: skip
+            x.data_ptr(),
+            x.stride(0),
+            a.data_ptr(),
+            bt.data_ptr(),
+            slots.data_ptr(),
+            y.data_ptr(),
+            y.stride(0),
+            x.shape[0],
+            x.shape[1],
+            y.shape[1],
+            a.shape[1],
+            ends,
+            len(ends),
+            h.data_ptr(),
+        )
         if rc != 0:
             raise KernelError(f"LoRA update failed ({rc}): out of memory")
 
@@ -414,9 +484,21 @@ class CpuKernels:
         y = x.new_empty(m, n)
         ends, h = _lora_checks(x, a, bt, slots, y, part_ends)
         rc = self._linear_lora(
-            x.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(), m, n, k, a.data_ptr(),
-            bt.data_ptr(), slots.data_ptr(), a.shape[1], ends, len(ends), h.data_ptr(),
-        )  # fmt: skip
+            x.data_ptr(),
+            packed.data_ptr(),
+            _ptr(bias),
+            y.data_ptr(),
+            m,
+            n,
+            k,
+            a.data_ptr(),
+            bt.data_ptr(),
+            slots.data_ptr(),
+            a.shape[1],
+            ends,
+            len(ends),
+            h.data_ptr(),
+        )
         if rc != 0:
             raise KernelError(f"linear with LoRA update failed ({rc})")
         return y
@@ -449,15 +531,41 @@ class CpuKernels:
         out = torch.empty_like(x)
         lora_args, _scratch = _lora_args(lora, lora_slots, t)
         rc = self._layer(
-            x.data_ptr(), residual.data_ptr(), first, w.in_norm.data_ptr(),
-            w.post_norm.data_ptr(), w.eps, w.qkv.data_ptr(), _ptr(w.qkv_bias), w.o.data_ptr(),
-            w.gate_up.data_ptr(), w.down.data_ptr(), positions.data_ptr(), w.cos.data_ptr(),
-            w.sin.data_ptr(), pages.k.data_ptr(), pages.v.data_ptr(), _ptr(pages.k_scales),
-            _ptr(pages.v_scales), pages.rotated_keys, pages.slots.data_ptr(),
-            pages.block_tables.data_ptr(), pages.seq_lens.data_ptr(), pages.block_tables.shape[1],
-            t, hidden, w.num_heads, w.num_kv_heads, w.head_dim, w.intermediate,
-            pages.k.shape[1], pages.scale, ws.data_ptr(), out.data_ptr(), *lora_args,
-        )  # fmt: skip
+            x.data_ptr(),
+            residual.data_ptr(),
+            first,
+            w.in_norm.data_ptr(),
+            w.post_norm.data_ptr(),
+            w.eps,
+            w.qkv.data_ptr(),
+            _ptr(w.qkv_bias),
+            w.o.data_ptr(),
+            w.gate_up.data_ptr(),
+            w.down.data_ptr(),
+            positions.data_ptr(),
+            w.cos.data_ptr(),
+            w.sin.data_ptr(),
+            pages.k.data_ptr(),
+            pages.v.data_ptr(),
+            _ptr(pages.k_scales),
+            _ptr(pages.v_scales),
+            pages.rotated_keys,
+            pages.slots.data_ptr(),
+            pages.block_tables.data_ptr(),
+            pages.seq_lens.data_ptr(),
+            pages.block_tables.shape[1],
+            t,
+            hidden,
+            w.num_heads,
+            w.num_kv_heads,
+            w.head_dim,
+            w.intermediate,
+            pages.k.shape[1],
+            pages.scale,
+            ws.data_ptr(),
+            out.data_ptr(),
+            *lora_args,
+        )
         if rc != 0:
             raise KernelError(f"decoder layer kernel failed (code {rc})")
         return out
@@ -483,15 +591,42 @@ class CpuKernels:
         residual, out0, out1 = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
         lora_args, _scratch = _lora_args(lora, lora_slots, t)
         rc = self._stack(
-            len(stack.layers), x.data_ptr(), residual.data_ptr(), stack.in_norm,
-            stack.post_norm, w.eps, stack.qkv, stack.qkv_bias, stack.o, stack.gate_up,
-            stack.down, positions.data_ptr(), w.cos.data_ptr(), w.sin.data_ptr(), pool.k,
-            pool.v, pool.k_scales, pool.v_scales, pages.rotated_keys, pages.slots.data_ptr(),
-            pages.block_tables.data_ptr(), pages.seq_lens.data_ptr(),
-            pages.block_tables.shape[1], t, hidden, w.num_heads, w.num_kv_heads, w.head_dim,
-            w.intermediate, pages.k.shape[1], pages.scale, ws.data_ptr(), out0.data_ptr(),
-            out1.data_ptr(), *lora_args,
-        )  # fmt: skip
+            len(stack.layers),
+            x.data_ptr(),
+            residual.data_ptr(),
+            stack.in_norm,
+            stack.post_norm,
+            w.eps,
+            stack.qkv,
+            stack.qkv_bias,
+            stack.o,
+            stack.gate_up,
+            stack.down,
+            positions.data_ptr(),
+            w.cos.data_ptr(),
+            w.sin.data_ptr(),
+            pool.k,
+            pool.v,
+            pool.k_scales,
+            pool.v_scales,
+            pages.rotated_keys,
+            pages.slots.data_ptr(),
+            pages.block_tables.data_ptr(),
+            pages.seq_lens.data_ptr(),
+            pages.block_tables.shape[1],
+            t,
+            hidden,
+            w.num_heads,
+            w.num_kv_heads,
+            w.head_dim,
+            w.intermediate,
+            pages.k.shape[1],
+            pages.scale,
+            ws.data_ptr(),
+            out0.data_ptr(),
+            out1.data_ptr(),
+            *lora_args,
+        )
         if rc != 0:
             raise KernelError(f"decoder stack kernel failed (code {rc})")
         return (out0 if len(stack.layers) % 2 else out1), residual
@@ -603,10 +738,14 @@ def _lora_args(
     assert slots.dtype == torch.int32 and slots.shape == (tokens,)
     scratch = torch.empty(tokens * lora.max_rows, dtype=torch.float32)
     args: list[int | None] = [
-        ctypes.addressof(lora.a_ptrs), ctypes.addressof(lora.b_ptrs),
-        ctypes.addressof(lora.rows_arr), ctypes.addressof(lora.part_ends),
-        ctypes.addressof(lora.parts), slots.data_ptr(), scratch.data_ptr(),
-    ]  # fmt: skip
+        ctypes.addressof(lora.a_ptrs),
+        ctypes.addressof(lora.b_ptrs),
+        ctypes.addressof(lora.rows_arr),
+        ctypes.addressof(lora.part_ends),
+        ctypes.addressof(lora.parts),
+        slots.data_ptr(),
+        scratch.data_ptr(),
+    ]
     return args, scratch
 
 

@@ -67,12 +67,31 @@ def _store_fp8_rows(x, pages, scales, page_off, scale_off, mask, row_ok, d):
 
 @triton.jit(do_not_specialize=["num_tokens"])  # varies by step: no recompiles
 def _kv_write_kernel(
-    k_ptr, v_ptr, k_pages, v_pages, k_scales, v_scales, slots_ptr, num_tokens,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_pb, stride_pt, stride_ph, stride_sb, stride_st,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr, LOG_D: tl.constexpr,
-):  # fmt: skip
+    k_ptr,
+    v_ptr,
+    k_pages,
+    v_pages,
+    k_scales,
+    v_scales,
+    slots_ptr,
+    num_tokens,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_pb,
+    stride_pt,
+    stride_ph,
+    stride_sb,
+    stride_st,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    FP8: tl.constexpr,
+    ROTATE: tl.constexpr,
+    LOG_D: tl.constexpr,
+):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     d = tl.arange(0, D_PAD)
@@ -101,17 +120,47 @@ def _kv_write_kernel(
 
 @triton.jit(do_not_specialize=["num_rows", "stride_bt"])  # vary by step
 def _paged_attention_kernel(
-    q_ptr, k_pages, v_pages, k_scales, v_scales, out_ptr, part_acc, part_ml,
-    block_table, seq_lens, tile_seq, tile_row, tile_len, tile_pos,
-    sm_scale, num_rows,
-    stride_qt, stride_qh, stride_ot, stride_bt,
-    stride_pb, stride_pt, stride_ph, stride_sb, stride_st,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DECODE: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr, LOG_D: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_pages,
+    v_pages,
+    k_scales,
+    v_scales,
+    out_ptr,
+    part_acc,
+    part_ml,
+    block_table,
+    seq_lens,
+    tile_seq,
+    tile_row,
+    tile_len,
+    tile_pos,
+    sm_scale,
+    num_rows,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_bt,
+    stride_pb,
+    stride_pt,
+    stride_ph,
+    stride_sb,
+    stride_st,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DECODE: tl.constexpr,
+    FP8: tl.constexpr,
+    ROTATE: tl.constexpr,
+    LOG_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -197,10 +246,17 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_rows", "first_row"])
 def _merge_splits_kernel(
-    part_acc, part_ml, out_ptr, num_rows, first_row, stride_ot,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    part_acc,
+    part_ml,
+    out_ptr,
+    num_rows,
+    first_row,
+    stride_ot,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-):  # fmt: skip
+):
     row = first_row + tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
@@ -257,15 +313,31 @@ def kv_write(
     fp8 = k_scales is not None
     scale_strides = (0, 0) if k_scales is None else (k_scales.stride(0), k_scales.stride(1))
     _kv_write_kernel[(triton.cdiv(num_tokens, block_t), num_kv_heads)](
-        k, v, k_pages, v_pages,
-        k_scales if fp8 else k_pages, v_scales if fp8 else v_pages,
-        slots, num_tokens,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), *scale_strides,
-        BLOCK_SIZE=k_pages.shape[1], HEAD_DIM=head_dim, D_PAD=_pad(head_dim),
-        BLOCK_T=block_t, FP8=fp8, ROTATE=fp8 and rotate_keys, LOG_D=_log_d(head_dim),
+        k,
+        v,
+        k_pages,
+        v_pages,
+        k_scales if fp8 else k_pages,
+        v_scales if fp8 else v_pages,
+        slots,
+        num_tokens,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_pages.stride(0),
+        k_pages.stride(1),
+        k_pages.stride(2),
+        *scale_strides,
+        BLOCK_SIZE=k_pages.shape[1],
+        HEAD_DIM=head_dim,
+        D_PAD=_pad(head_dim),
+        BLOCK_T=block_t,
+        FP8=fp8,
+        ROTATE=fp8 and rotate_keys,
+        LOG_D=_log_d(head_dim),
         num_warps=num_warps,
-    )  # fmt: skip
+    )
 
 
 def paged_attention(
@@ -321,28 +393,61 @@ def paged_attention(
     scale_strides = (0, 0) if k_scales is None else (k_scales.stride(0), k_scales.stride(1))
     part_acc = part_ml = out
     if num_splits > 1:
-        part_acc = torch.empty(num_splits * num_rows * num_heads, d_pad, dtype=torch.float32,
-                               device=q.device)  # fmt: skip
-        part_ml = torch.empty(num_splits * num_rows * num_heads, 2, dtype=torch.float32,
-                              device=q.device)  # fmt: skip
+        part_acc = torch.empty(
+            num_splits * num_rows * num_heads, d_pad, dtype=torch.float32, device=q.device
+        )
+        part_ml = torch.empty(
+            num_splits * num_rows * num_heads, 2, dtype=torch.float32, device=q.device
+        )
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
-        q, k_pages, v_pages,
-        k_scales if fp8 else k_pages, v_scales if fp8 else v_pages,
-        out, part_acc, part_ml, block_table, *tile_args,
-        scale, num_rows,
-        q.stride(0), q.stride(1), out.stride(0), block_table.stride(0),
-        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2), *scale_strides,
-        NUM_HEADS=num_heads, GROUP=group, G_PAD=g_pad,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=k_pages.shape[1],
-        HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
-        DECODE=decode, FP8=fp8, ROTATE=fp8 and rotated_keys, LOG_D=_log_d(head_dim),
+        q,
+        k_pages,
+        v_pages,
+        k_scales if fp8 else k_pages,
+        v_scales if fp8 else v_pages,
+        out,
+        part_acc,
+        part_ml,
+        block_table,
+        *tile_args,
+        scale,
+        num_rows,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        block_table.stride(0),
+        k_pages.stride(0),
+        k_pages.stride(1),
+        k_pages.stride(2),
+        *scale_strides,
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        G_PAD=g_pad,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=k_pages.shape[1],
+        HEAD_DIM=head_dim,
+        D_PAD=d_pad,
+        NUM_SPLITS=num_splits,
+        DECODE=decode,
+        FP8=fp8,
+        ROTATE=fp8 and rotated_keys,
+        LOG_D=_log_d(head_dim),
         DOT_DTYPE=tl.float32 if _INTERPRETED else tl.float16 if fp8 else _TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or _INTERPRETED else "tf32",
         **(launch or {}),
-    )  # fmt: skip
+    )
     if num_splits > 1:
         first_row = 0 if decode else first_row
         _merge_splits_kernel[(num_rows - first_row, num_heads)](
-            part_acc, part_ml, out, num_rows, first_row, out.stride(0),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_PAD=d_pad, NUM_SPLITS=num_splits,
-        )  # fmt: skip
+            part_acc,
+            part_ml,
+            out,
+            num_rows,
+            first_row,
+            out.stride(0),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            D_PAD=d_pad,
+            NUM_SPLITS=num_splits,
+        )

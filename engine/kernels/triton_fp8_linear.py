@@ -1,27 +1,8 @@
-"""Triton products with FP8 weights: y = (x W8^T) * s (+ b) for x [M, K] in the compute
-dtype, W8 float8_e4m3fn [N, K] (an nn.Linear weight's layout) and s float32 [N], one scale
-per output row (engine/model/fp8_weights.py quantizes them). Two kernels, by M:
-
-- one-row products (a decode step of one sequence): a matrix-vector product laid
-  out like engine/kernels/triton_gemv.py. Each program reads BLOCK_N consecutive weight rows,
-  BLOCK_K columns at a time, widens them to fp32 in registers and multiplies them by every
-  row of x, so the weights are streamed once whatever M; one fp32 sum per (row of x, weight
-  row), no split, so sums are deterministic. Such a step's time is the time to stream the
-  weights: half the bytes of 16-bit ones.
-- more rows (decode batches, drafted steps, prefill chunks): a tiled matmul. A program computes a
-  BLOCK_N x BLOCK_M tile of y^T over K: the weight tile is the left operand of `tl.dot`,
-  widened in registers to the activations' dtype (every e4m3 value is exact in bf16 and
-  fp16), x^T the right one, fp32 accumulation. Weights on the left fill the tensor cores'
-  wide side when M is a decode batch. Programs walk GROUP_M row tiles of x per weight tile,
-  so a weight tile read from memory serves them from L2.
-
-Both multiply the fp32 sum by the row's scale (sum of x w8 s = s times sum of x w8), add
-the bias and round to x's dtype once. A launch depends only on shapes (no host sync, no
-allocation but the output), so CUDA graphs capture it. Which kernel and tiles run a product
-of M rows is an `Fp8Plan`; on CUDA the engine times `GEMV_CANDIDATES` and each row
-bucket's `GEMM_CANDIDATES` on every weight shape at start and keeps the fastest
-(engine/model/fp8_weights.py); bench/fp8_linear.py sweeps them. Interpreted on CPU for
-tests, with the dot in fp32.
+"""Triton products with FP8 weights: y = (x W8^T) * s (+ b) for x [M, K] in the compute dtype,
+W8 float8_e4m3fn [N, K] and s float32 [N], one scale per output row. A GEMV for one-row
+products and a tiled matmul for more rows; which kernel and tiles serve M rows is an
+`Fp8Plan`. Launches depend only on shapes, so CUDA graphs capture them; interpreted on CPU
+for tests. Layout and choices: docs/design/kernels.md, "FP8 weights".
 """
 
 from __future__ import annotations
@@ -36,10 +17,23 @@ from triton.runtime.interpreter import InterpretedFunction
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows: columns of y
     row_ok = rows < N
     toks = tl.arange(0, BLOCK_M)  # rows of x
@@ -72,11 +66,26 @@ def _fp8_gemv_kernel(
 
 @triton.jit
 def _fp8_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     # program -> (row tile of x, weight tile): GROUP_M row tiles in a row share a weight tile
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -159,8 +168,9 @@ class GemmTiles:
 
     @property
     def name(self) -> str:
-        return (f"m{self.block_m}/n{self.block_n}/k{self.block_k}/w{self.num_warps}"
-                f"/s{self.num_stages}")  # fmt: skip
+        return (
+            f"m{self.block_m}/n{self.block_n}/k{self.block_k}/w{self.num_warps}/s{self.num_stages}"
+        )
 
 
 # Row buckets of the matmul: a product of M rows takes the tiles chosen for the first bucket
@@ -169,22 +179,32 @@ class GemmTiles:
 ROW_BUCKETS: tuple[int | None, ...] = (16, 64, 256, None)
 GEMM_CANDIDATES: dict[int | None, tuple[GemmTiles, ...]] = {
     16: (
-        GemmTiles(16, 16, 256, 4, 4), GemmTiles(16, 32, 256, 4, 4), GemmTiles(16, 16, 512, 4, 3),
-        GemmTiles(16, 64, 128, 4, 4), GemmTiles(16, 32, 128, 4, 5),
+        GemmTiles(16, 16, 256, 4, 4),
+        GemmTiles(16, 32, 256, 4, 4),
+        GemmTiles(16, 16, 512, 4, 3),
+        GemmTiles(16, 64, 128, 4, 4),
+        GemmTiles(16, 32, 128, 4, 5),
     ),
     64: (
-        GemmTiles(64, 16, 256, 4, 4), GemmTiles(64, 32, 256, 4, 3), GemmTiles(64, 32, 128, 4, 4),
-        GemmTiles(64, 64, 128, 4, 4), GemmTiles(32, 32, 256, 4, 4),
+        GemmTiles(64, 16, 256, 4, 4),
+        GemmTiles(64, 32, 256, 4, 3),
+        GemmTiles(64, 32, 128, 4, 4),
+        GemmTiles(64, 64, 128, 4, 4),
+        GemmTiles(32, 32, 256, 4, 4),
     ),
     256: (
-        GemmTiles(64, 64, 128, 4, 4), GemmTiles(128, 64, 64, 4, 4), GemmTiles(64, 128, 64, 4, 4),
+        GemmTiles(64, 64, 128, 4, 4),
+        GemmTiles(128, 64, 64, 4, 4),
+        GemmTiles(64, 128, 64, 4, 4),
         GemmTiles(128, 128, 64, 8, 3),
     ),
     None: (
-        GemmTiles(128, 128, 64, 8, 3), GemmTiles(128, 256, 64, 8, 3),
-        GemmTiles(64, 128, 64, 4, 4), GemmTiles(128, 128, 128, 8, 3),
+        GemmTiles(128, 128, 64, 8, 3),
+        GemmTiles(128, 256, 64, 8, 3),
+        GemmTiles(64, 128, 64, 4, 4),
+        GemmTiles(128, 128, 128, 8, 3),
     ),
-}  # fmt: skip
+}
 
 
 def gemm_tiles(num_rows: int) -> GemmTiles:
@@ -248,10 +268,24 @@ def fp8_gemv(
     block_m = triton.next_power_of_2(m)
     block_k = min(max(128, tiles.block_k // block_m), triton.next_power_of_2(k))
     _fp8_gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
-        x, weight, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, num_warps=tiles.num_warps,
-    )  # fmt: skip
+        x,
+        weight,
+        scale,
+        bias if bias is not None else scale,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % block_k == 0,
+        BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=block_k,
+        num_warps=tiles.num_warps,
+    )
     return out
 
 
@@ -275,13 +309,28 @@ def fp8_gemm(
     block_k = min(t.block_k, max(16, triton.next_power_of_2(k)))
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
     _fp8_gemm_kernel[grid](
-        x, weight, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=block_k, GROUP_M=t.group_m,
+        x,
+        weight,
+        scale,
+        bias if bias is not None else scale,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % block_k == 0,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        BLOCK_K=block_k,
+        GROUP_M=t.group_m,
         DOT_DTYPE=tl.float32 if wide else _TL_DTYPES[x.dtype],
-        DOT_PRECISION="ieee" if wide else "tf32", num_warps=t.num_warps,
+        DOT_PRECISION="ieee" if wide else "tf32",
+        num_warps=t.num_warps,
         num_stages=t.num_stages,
-    )  # fmt: skip
+    )
     return out
 
 

@@ -19,9 +19,18 @@ def _round(x, dtype: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_rows"])  # varies by step: no recompiles
 def _add_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, num_rows, num_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    num_rows,
+    num_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
@@ -40,10 +49,20 @@ def _add_rms_norm_kernel(
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _rope_kernel(
-    x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, num_tokens, stride_xt, stride_xh,
-    NUM_HEADS: tl.constexpr, HALF: tl.constexpr, H_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_tokens,
+    stride_xt,
+    stride_xh,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    H_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
-):  # fmt: skip
+):
     """Neox rotation of x [T, H, 2 * HALF] (strided rows) into a contiguous out."""
     for i in range(BLOCK_T):
         t = tl.program_id(0) * BLOCK_T + i
@@ -102,11 +121,18 @@ def add_rms_norm(
     res_out = torch.empty_like(x) if residual is not None else x
     block_rows = _rows_per_program(cols)
     _add_rms_norm_kernel[(triton.cdiv(rows, block_rows),)](
-        x, residual.contiguous() if residual is not None else x, weight, out, res_out,
-        rows, cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows,
+        x,
+        residual.contiguous() if residual is not None else x,
+        weight,
+        out,
+        res_out,
+        rows,
+        cols,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_ROWS=block_rows,
         BLOCK_COLS=triton.next_power_of_2(cols),
-    )  # fmt: skip
+    )
     return out, res_out
 
 
@@ -122,10 +148,20 @@ def rope(
         return out
     block_t = 1 if tokens < 512 else 4  # a program per token while that leaves SMs idle
     _rope_kernel[(triton.cdiv(tokens, block_t),)](
-        x, out, positions, cos, sin, tokens, x.stride(0), x.stride(1),
-        NUM_HEADS=heads, HALF=dim // 2, H_PAD=triton.next_power_of_2(heads),
-        HALF_PAD=triton.next_power_of_2(dim // 2), BLOCK_T=block_t,
-    )  # fmt: skip
+        x,
+        out,
+        positions,
+        cos,
+        sin,
+        tokens,
+        x.stride(0),
+        x.stride(1),
+        NUM_HEADS=heads,
+        HALF=dim // 2,
+        H_PAD=triton.next_power_of_2(heads),
+        HALF_PAD=triton.next_power_of_2(dim // 2),
+        BLOCK_T=block_t,
+    )
     return out
 
 

@@ -12,9 +12,17 @@ import triton.language as tl
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_wn,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     cols = tl.arange(0, BLOCK_K)
@@ -47,8 +55,16 @@ def gemv(
     x = x.contiguous()
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(k)),
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        n,
+        k,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=min(block_k, triton.next_power_of_2(k)),
         **(launch or {}),
-    )  # fmt: skip
+    )
     return out

@@ -27,11 +27,24 @@ def _tile(order_ptr, tile_slot, tile_start, num_rows, BLOCK_T: tl.constexpr):
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, h_ptr, order_ptr, tile_slot, tile_start, tile_len,
-    in_features, rank_rows, stride_xt, stride_as, stride_ar,
-    BLOCK_T: tl.constexpr, R_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    a_ptr,
+    h_ptr,
+    order_ptr,
+    tile_slot,
+    tile_start,
+    tile_len,
+    in_features,
+    rank_rows,
+    stride_xt,
+    stride_as,
+    stride_ar,
+    BLOCK_T: tl.constexpr,
+    R_PAD: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     num_rows = tl.load(tile_len + tl.program_id(0))
     if num_rows == 0:  # a padding tile
         return
@@ -42,21 +55,40 @@ def _shrink_kernel(
     for k0 in range(0, in_features, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < in_features
-        x = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :],
-                    mask=t_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        a = tl.load(a_ptr + slot * stride_as + r[:, None] * stride_ar + k[None, :],
-                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xt + k[None, :],
+            mask=t_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        a = tl.load(
+            a_ptr + slot * stride_as + r[:, None] * stride_ar + k[None, :],
+            mask=r_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
         acc += tl.dot(x.to(DOT_DTYPE), tl.trans(a.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
     tl.store(h_ptr + h_rows[:, None] * R_PAD + r[None, :], acc, mask=t_ok[:, None])
 
 
 @triton.jit
 def _expand_kernel(
-    h_ptr, b_ptr, y_ptr, order_ptr, tile_slot, tile_start, tile_len,
-    out_features, rank_rows, stride_yt, stride_bs, stride_bn,
-    BLOCK_T: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
+    h_ptr,
+    b_ptr,
+    y_ptr,
+    order_ptr,
+    tile_slot,
+    tile_start,
+    tile_len,
+    out_features,
+    rank_rows,
+    stride_yt,
+    stride_bs,
+    stride_bn,
+    BLOCK_T: tl.constexpr,
+    R_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     num_rows = tl.load(tile_len + tl.program_id(0))
     if num_rows == 0:  # a padding tile
         return
@@ -69,8 +101,11 @@ def _expand_kernel(
     y_mask = t_ok[:, None] & n_ok[None, :]
     y = tl.load(y_ptrs, mask=y_mask, other=0.0)
     h = h.to(y.dtype).to(DOT_DTYPE)  # the rounding point of the torch path
-    b = tl.load(b_ptr + slot * stride_bs + n[:, None] * stride_bn + r[None, :],
-                mask=n_ok[:, None] & (r < rank_rows)[None, :], other=0.0)  # fmt: skip
+    b = tl.load(
+        b_ptr + slot * stride_bs + n[:, None] * stride_bn + r[None, :],
+        mask=n_ok[:, None] & (r < rank_rows)[None, :],
+        other=0.0,
+    )
     delta = tl.dot(h, tl.trans(b.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
     out = (y.to(tl.float32) + delta.to(y.dtype).to(tl.float32)).to(y.dtype)
     tl.store(y_ptrs, out, mask=y_mask)
@@ -113,13 +148,38 @@ def lora_apply(
     precision = "ieee" if wide else "tf32"
     h = torch.empty(order.shape[0], r_pad, dtype=torch.float32, device=x.device)  # [N, R_PAD]
     _shrink_kernel[(num_tiles,)](
-        x, a, h, order, *tiles, in_features, rank_rows, x.stride(0), a.stride(0), a.stride(1),
-        BLOCK_T=BLOCK_T, R_PAD=r_pad, BLOCK_K=64, DOT_DTYPE=dot, DOT_PRECISION=precision,
-    )  # fmt: skip
+        x,
+        a,
+        h,
+        order,
+        *tiles,
+        in_features,
+        rank_rows,
+        x.stride(0),
+        a.stride(0),
+        a.stride(1),
+        BLOCK_T=BLOCK_T,
+        R_PAD=r_pad,
+        BLOCK_K=64,
+        DOT_DTYPE=dot,
+        DOT_PRECISION=precision,
+    )
     block_n = 64
     _expand_kernel[(num_tiles, triton.cdiv(out_features, block_n))](
-        h, b, y, order, *tiles, out_features, rank_rows, y.stride(0), b.stride(0), b.stride(1),
-        BLOCK_T=BLOCK_T, R_PAD=r_pad, BLOCK_N=block_n, DOT_DTYPE=dot,
+        h,
+        b,
+        y,
+        order,
+        *tiles,
+        out_features,
+        rank_rows,
+        y.stride(0),
+        b.stride(0),
+        b.stride(1),
+        BLOCK_T=BLOCK_T,
+        R_PAD=r_pad,
+        BLOCK_N=block_n,
+        DOT_DTYPE=dot,
         DOT_PRECISION=precision,
-    )  # fmt: skip
+    )
     return y

@@ -109,8 +109,9 @@ def load_adapter(
     for key, tensor in tensors.items():
         match = _TENSOR.search(key)
         if match is None:
-            raise AdapterError(f"{name}: unsupported tensor {key!r} (only LoRA A/B of "
-                               f"{', '.join(TARGET_MODULES)})")  # fmt: skip
+            raise AdapterError(
+                f"{name}: unsupported tensor {key!r} (only LoRA A/B of {', '.join(TARGET_MODULES)})"
+            )
         layer, module, which = int(match[1]), match[2], match[3]
         if module not in TARGET_MODULES:
             raise AdapterError(f"{name}: module {module!r} in {key!r} is not supported")
@@ -191,9 +192,10 @@ def _targets(name: str, value: Any) -> frozenset[str]:
     if isinstance(value, str):
         pattern = re.compile(value)
         targets = frozenset(
-            m for m in TARGET_MODULES
+            m
+            for m in TARGET_MODULES
             if pattern.fullmatch(f"model.layers.0.{'mlp' if m in _MLP else 'self_attn'}.{m}")
-        )  # fmt: skip
+        )
     elif isinstance(value, list) and all(isinstance(m, str) for m in value):
         targets = frozenset(m.rsplit(".", 1)[-1] for m in value)
         unknown = sorted(targets - set(TARGET_MODULES))

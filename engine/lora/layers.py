@@ -235,8 +235,7 @@ class LoRALinear(nn.Module):
             return y
         if batch.ops is not None:  # SGMV-style Triton kernels for every step size
             assert batch.order is not None and batch.tiles is not None
-            out: torch.Tensor = batch.ops.lora_apply(y, x, self.a, self.b, batch.order,
-                                                     batch.tiles)  # fmt: skip
+            out: torch.Tensor = batch.ops.lora_apply(y, x, self.a, self.b, batch.order, batch.tiles)
             return out
         if x.shape[0] <= _GATHER_MAX_TOKENS:  # BGMV: every token its own adapter
             h = torch.bmm(self.a[slots], x.unsqueeze(-1))  # [T, R, 1]

@@ -27,9 +27,13 @@ def write_random_adapter(
     N(0, scale^2) (B non-zero, unlike a fresh PEFT init), lora_alpha 16."""
     root.mkdir(parents=True, exist_ok=True)
     adapter_config = {
-        "peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": list(modules),
-        "bias": "none", "use_rslora": False,
-    } | (settings or {})  # fmt: skip
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 16,
+        "target_modules": list(modules),
+        "bias": "none",
+        "use_rslora": False,
+    } | (settings or {})
     (root / CONFIG_FILE).write_text(json.dumps(adapter_config))
     g = torch.Generator().manual_seed(seed)
     tensors = {}

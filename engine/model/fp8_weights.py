@@ -1,24 +1,8 @@
-"""FP8 weights (`WeightFormat.FP8`): the decoder's projections in float8_e4m3fn with a float32
-scale per output row, their products on the Triton kernels of
-engine/kernels/triton_fp8_linear.py. Applied from outside the model, as
-engine/model/triton_layers.py is: the model code does not change.
-
-A weight row w becomes round(w / s) with s = max|w| / 448 (kvstore/fp8.py's rounding: the
-row's largest magnitude lands on e4m3's largest finite value, an all-zero row gets s = 1);
-the product is x W8^T times s, s applied to the fp32 sums. Every step uses them: one-token
-and few-token steps through the FP8 GEMV, prefill chunks and larger batches through the
-tiled matmul, so the 16-bit weights are not kept (each is released once quantized; CUDA's
-cached blocks are returned at the end). On CUDA, `choose_plans` then times the kernels'
-candidate tiles on each weight shape, by rows, as `GemvKernel.AUTO` times the 16-bit GEMV.
-
-Which products: qkv_proj, o_proj, gate_up_proj and down_proj of every layer, and the LM
-head unless it is tied to the embedding table (7% of Llama-3-8B's weight bytes read per
-step, 1 GB of 16). A tied LM head stays 16-bit: its rows are also the embeddings looked
-up every step, so an FP8 copy would add bytes instead of saving them. The embedding table
-and the norms stay 16-bit.
-
-Adapters compose as with 16-bit weights: engine/lora/layers.py wraps an `Fp8Linear` like
-any projection and adds each token's update, in the compute dtype, to the FP8 product.
+"""FP8 weights (`WeightFormat.FP8`): the decoder's projections quantized to float8_e4m3fn with
+a float32 scale per output row, their products run by engine/kernels/triton_fp8_linear.py.
+Applied from outside the model, as engine/model/triton_layers.py is; on CUDA `choose_plans`
+times the kernels' candidate tiles per weight shape at start. Which weights and why:
+docs/design/kernels.md, "FP8 weights".
 """
 
 from __future__ import annotations

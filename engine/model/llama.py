@@ -60,8 +60,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float64,
-                                 device="cpu")  # fmt: skip
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float64, device="cpu")
         freqs = torch.outer(positions, inv_freq)  # [max_pos, D/2]
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)

@@ -126,12 +126,21 @@ class NativeDecoderLayer(nn.Module):
         in_norm, post_norm = layer.input_norm, layer.post_attn_norm
         assert isinstance(in_norm, NativeRMSNorm) and isinstance(post_norm, NativeRMSNorm)
         self.weights = LayerWeights(
-            in_norm=in_norm.weight.data, post_norm=post_norm.weight.data, eps=in_norm.eps,
-            qkv=qkv.packed, qkv_bias=None if qkv.bias is None else qkv.bias.data, o=o.packed,
-            gate_up=gate_up.packed, down=down.packed, cos=rope.cos, sin=rope.sin,
-            num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
-            head_dim=layer.head_dim, intermediate=down.packed.numel() // down.out_features,
-        )  # fmt: skip
+            in_norm=in_norm.weight.data,
+            post_norm=post_norm.weight.data,
+            eps=in_norm.eps,
+            qkv=qkv.packed,
+            qkv_bias=None if qkv.bias is None else qkv.bias.data,
+            o=o.packed,
+            gate_up=gate_up.packed,
+            down=down.packed,
+            cos=rope.cos,
+            sin=rope.sin,
+            num_heads=layer.num_heads,
+            num_kv_heads=layer.num_kv_heads,
+            head_dim=layer.head_dim,
+            intermediate=down.packed.numel() // down.out_features,
+        )
         self.lora: LayerLoRA | None = None
         self.lora_batch: LoRABatch | None = None
 
@@ -155,9 +164,15 @@ class NativeDecoderLayer(nn.Module):
         batch = self.lora_batch
         slots = None if batch is None or batch.slots is None else batch.slots_i32
         out = self.kernels.decoder_layer(
-            x.contiguous(), res, first, self.weights, positions,
-            attn.layer_pages(self.layer_idx, ctx), self.lora, slots,
-        )  # fmt: skip
+            x.contiguous(),
+            res,
+            first,
+            self.weights,
+            positions,
+            attn.layer_pages(self.layer_idx, ctx),
+            self.lora,
+            slots,
+        )
         return out, res
 
 

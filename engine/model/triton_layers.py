@@ -154,6 +154,5 @@ def _triton_is_faster(linears: list[nn.Linear], gemv_ops: ModuleType, name: str)
     x = torch.randn(1, w0.shape[1], dtype=w0.dtype, device=w0.device)
     cublas = graph_ms_per_call([partial(F.linear, x, w, b) for w, b in weights])
     triton = graph_ms_per_call([partial(gemv_ops.gemv, x, w, b) for w, b in weights])
-    log.info("one-token %s: cuBLAS %.1f us, Triton GEMV %.1f us", name, cublas * 1e3,
-             triton * 1e3)  # fmt: skip
+    log.info("one-token %s: cuBLAS %.1f us, Triton GEMV %.1f us", name, cublas * 1e3, triton * 1e3)
     return triton < _AUTO_MARGIN * cublas

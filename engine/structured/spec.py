@@ -50,8 +50,13 @@ class GrammarLimits:
     def __post_init__(self) -> None:
         if not 0.0 < self.compile_cpu_s <= 60.0:
             raise ValueError("compile_cpu_s must be in (0, 60]")
-        for name in ("initial_lexer_fuel", "step_lexer_fuel", "step_max_items",
-                     "max_lexer_states", "max_grammar_size"):  # fmt: skip
+        for name in (
+            "initial_lexer_fuel",
+            "step_lexer_fuel",
+            "step_max_items",
+            "max_lexer_states",
+            "max_grammar_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive")
 
@@ -100,8 +105,18 @@ def grammar_text(json_schema: str | None, grammar: str | None) -> str:
 
 
 # where a schema's values are schemas (one, a list, or a map of them)
-_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains",
-        "propertyNames", "unevaluatedProperties", "unevaluatedItems")  # fmt: skip
+_ONE = (
+    "additionalProperties",
+    "items",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
 _LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 

@@ -46,8 +46,11 @@ async def usage_export(
     book = PriceBook(prices)
     body = export_usage(
         ledger.iter_records(tenant_id, start, end),
-        fmt=fmt, granularity=granularity, prices=book, names=names,
-    )  # fmt: skip
+        fmt=fmt,
+        granularity=granularity,
+        prices=book,
+        names=names,
+    )
     return _report_unpriced(body, book, metrics)
 
 
@@ -60,8 +63,9 @@ async def _report_unpriced(
         metrics.unpriced.labels(name).inc(num_requests)
         log.warning(
             "usage export: %d requests of %r have no price (set one with PUT /admin/prices/)",
-            num_requests, name,
-        )  # fmt: skip
+            num_requests,
+            name,
+        )
 
 
 def time_window(

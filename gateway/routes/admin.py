@@ -246,9 +246,16 @@ class UsageController(Controller):
         if tenant is not None:
             await registry.get_tenant(tenant)  # 404 for an unknown tenant
         body = await usage_export(
-            registry, ledger, fleet, metrics, tenant, begin, stop, fmt=format,
+            registry,
+            ledger,
+            fleet,
+            metrics,
+            tenant,
+            begin,
+            stop,
+            fmt=format,
             granularity=granularity,
-        )  # fmt: skip
+        )
         filename = f"usage-{tenant or 'all'}.{format}"
         return Stream(
             body,
@@ -280,14 +287,18 @@ class WorkerRef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def _worker_view(handle: WorkerHandle) -> WorkerView:
     rec = handle.record
     return WorkerView(
-        worker_id=handle.worker_id, address=handle.address, model=handle.model_id,
-        static=handle.static, drained=handle.drained, connected=handle.client.connected,
+        worker_id=handle.worker_id,
+        address=handle.address,
+        model=handle.model_id,
+        static=handle.static,
+        drained=handle.drained,
+        connected=handle.client.connected,
         num_running=rec.num_running if rec else None,
         num_waiting=rec.num_waiting if rec else None,
         kv_blocks_used=rec.num_kv_blocks_used if rec else None,
         kv_blocks_total=rec.num_kv_blocks_total if rec else None,
         heartbeat_at=rec.heartbeat_at if rec else None,
-    )  # fmt: skip
+    )
 
 
 class WorkerController(Controller):

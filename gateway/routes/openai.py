@@ -163,8 +163,10 @@ class OpenAIController(Controller):
         raise APIError(
             404,
             f"The model '{model_id}' does not exist or you do not have access to it.",
-            type="not_found_error", code="model_not_found", param="model",
-        )  # fmt: skip
+            type="not_found_error",
+            code="model_not_found",
+            param="model",
+        )
 
     @get("/usage")
     async def usage(
@@ -183,9 +185,16 @@ class OpenAIController(Controller):
         tenant = auth_of(request).tenant
         start_s, end_s = time_window(start, end, span_s=30 * 86400)
         body = await usage_export(
-            registry, ledger, fleet, metrics, tenant.id, start_s, end_s, fmt="json",
+            registry,
+            ledger,
+            fleet,
+            metrics,
+            tenant.id,
+            start_s,
+            end_s,
+            fmt="json",
             granularity=granularity,
-        )  # fmt: skip
+        )
         return Stream(body, media_type=MediaType.JSON)
 
 

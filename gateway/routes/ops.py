@@ -33,15 +33,20 @@ async def health() -> dict[str, str]:
 async def ready(
     store: NamedDependency[Any], fleet: NamedDependency[Fleet]
 ) -> Response[dict[str, Any]]:
-    """The store answers and some engine worker is reachable (busy or not)."""
+    """200 while some engine worker is reachable (busy or not), else 503. With the store out
+    of reach the status is "degraded": the replica routes on its last view of the fleet and
+    admits the tenants whose policy is fail_open, so it stays in rotation."""
     store_ok = await ping(store)
     engine_ok = await fleet.ready()
-    ok = store_ok and engine_ok
+    status = "not ready" if not engine_ok else "ready" if store_ok else "degraded"
     body = {
-        "status": "ready" if ok else "not ready", "store": store_ok, "engine": engine_ok,
+        "status": status,
+        "store": store_ok,
+        "registry": fleet.registry_ok if fleet.redis is not None else None,
+        "engine": engine_ok,
         "engine_errors": fleet.errors(),
-    }  # fmt: skip
-    return Response(body, status_code=200 if ok else 503)
+    }
+    return Response(body, status_code=200 if engine_ok else 503)
 
 
 @get("/metrics", tags=["ops"], media_type="text/plain; version=0.0.4")
@@ -57,9 +62,14 @@ async def metrics(
     if expected is not None:
         presented = (bearer_token(request) or "").encode()
         if not hmac.compare_digest(presented, expected.encode()):
-            raise APIError(401, "invalid metrics token", type="authentication_error",
-                           code="invalid_metrics_token")  # fmt: skip
+            raise APIError(
+                401,
+                "invalid metrics token",
+                type="authentication_error",
+                code="invalid_metrics_token",
+            )
     metrics.set_engine(await fleet.stats())
+    metrics.set_fleet(fleet.view())
     await _refresh_tenant_names(registry, metrics)
     return metrics.render()
 

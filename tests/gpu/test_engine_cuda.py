@@ -57,9 +57,12 @@ def test_fp8_pages_on_cuda_follow_the_cpu_torch_path(strata_cache_dir):
     runs = {}
     for device in ("cpu", "cuda"):
         cfg = EngineConfig(
-            dtype="float32", device=device, cache_dir=str(strata_cache_dir), cache=fp8,
+            dtype="float32",
+            device=device,
+            cache_dir=str(strata_cache_dir),
+            cache=fp8,
             backend=KernelBackend.TORCH,
-        )  # fmt: skip
+        )
         llm = LLM(cfg)
         assert llm.core.pool.kv.dtype.is_floating_point and llm.core.pool.scales is not None
         runs[device] = llm.generate(PROMPTS, params)
@@ -100,8 +103,9 @@ def test_seeded_sampling_on_cuda_is_reproducible(strata_cache_dir, gemv):
     it also repeats whatever it is batched with; with Triton's GEMV for batch 1 (auto, where
     it is faster) a step of one sequence rounds its sums apart from a step of two, which
     may change a sampled token."""
-    llm = LLM(EngineConfig(dtype="bfloat16", device="cuda", cache_dir=str(strata_cache_dir),
-                           gemv=gemv))  # fmt: skip
+    llm = LLM(
+        EngineConfig(dtype="bfloat16", device="cuda", cache_dir=str(strata_cache_dir), gemv=gemv)
+    )
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=3)
     first = llm.generate([PROMPTS[0]], params)[0].token_ids
     assert llm.generate([PROMPTS[0]], params)[0].token_ids == first
@@ -117,18 +121,26 @@ def test_structured_and_seeded_sampling_on_cuda(strata_cache_dir):
     CPU, and seeded draws that repeat and stay valid."""
     import json
 
-    schema = json.dumps({
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 30},
-                       "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
-        "required": ["city", "population"],
-    })  # fmt: skip
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "population": {"type": "integer", "minimum": 0, "maximum": 10**8},
+            },
+            "required": ["city", "population"],
+        }
+    )
     ask = ["Describe Paris as JSON."]
     greedy = SamplingParams(max_tokens=60, temperature=0.0, json_schema=schema)
     texts = {}
     for device in ("cpu", "cuda"):
-        cfg = EngineConfig(dtype="float32", device=device, cache_dir=str(strata_cache_dir),
-                           cache=CacheConfig(kv_cache_dtype=KVCacheDtype.AUTO))  # fmt: skip
+        cfg = EngineConfig(
+            dtype="float32",
+            device=device,
+            cache_dir=str(strata_cache_dir),
+            cache=CacheConfig(kv_cache_dtype=KVCacheDtype.AUTO),
+        )
         llm = LLM(cfg)
         texts[device] = llm.generate(ask, greedy, chat=True)[0].text
     # greedily, SmolLM2 writes 1s up to the maximum's 9 digits: a bounded, finished answer

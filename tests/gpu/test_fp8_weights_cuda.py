@@ -66,9 +66,16 @@ def test_fp8_kernels_match_the_dequantized_product_at_llama3_8b_shapes(ops, n, k
 def test_fp8_weights_leave_half_the_bytes_of_the_16bit_ones(ops):
     """A 4-layer Llama-3-8B stack: the projections and the LM head, once quantized, hold
     half their bytes (plus a scale per row), and the 16-bit ones are freed."""
-    cfg = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                      num_layers=4, num_heads=32, num_kv_heads=8, head_dim=128,
-                      max_position_embeddings=8192)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=4,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=8192,
+    )
     with torch.device(CUDA):
         model = LlamaForCausalLM(cfg).to(CUDA, torch.bfloat16)
     model.requires_grad_(False)
@@ -90,11 +97,14 @@ def fp8_llm(tmp_path_factory):
     """synthetic:llama3.2-1b with FP8 weights, decode graphs up to batch 8, two adapter
     slots, and one adapter loaded (its slot is the engine's `adapter_slot`)."""
     cfg = EngineConfig(
-        model="synthetic:llama3.2-1b", device="cuda", weights=WeightFormat.FP8,
-        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024), cuda_graph_max_batch=8,
+        model="synthetic:llama3.2-1b",
+        device="cuda",
+        weights=WeightFormat.FP8,
+        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024),
+        cuda_graph_max_batch=8,
         cache=CacheConfig(kv_cache_memory_bytes=1 << 30),
         lora=LoRAConfig(max_loras=2, max_lora_rank=8),
-    )  # fmt: skip
+    )
     llm = LLM(cfg)
     path = write_random_adapter(
         tmp_path_factory.mktemp("adapter"), llm.core.model_config, rank=8, scale=0.05

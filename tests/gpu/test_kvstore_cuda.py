@@ -129,8 +129,9 @@ def test_host_tier_rows_are_read_in_place_bit_for_bit(name, reads, monkeypatch):
     blocks = [60, 2, 17, 33, 34, 35, 9, 48]
     kernel_reads = []
     load_layer = pool.loads._reader.load_layer
-    monkeypatch.setattr(pool.loads._reader, "load_layer",
-                        lambda *a: kernel_reads.append(a[0]) or load_layer(*a))  # fmt: skip
+    monkeypatch.setattr(
+        pool.loads._reader, "load_layer", lambda *a: kernel_reads.append(a[0]) or load_layer(*a)
+    )
     if reads == "copy-too-many-runs":
         monkeypatch.setattr(transfer, "_MAX_RUN_COPIES", 5)
     others = pinned_pages(spec, 3)  # not host rows: staged
@@ -194,8 +195,9 @@ def test_a_spill_writes_host_rows_in_place_and_a_page_it_pushes_to_disk_is_whole
     pool.load_pages(list(range(6)), pinned_pages(spec, 6))
     pool.loads.finish()
     want = pool.read_pages(list(range(6))).cpu()
-    store = TieredKVStore(spec.bytes_per_block, host_blocks=4, disk_blocks=8,
-                          disk_dir=tmp_path, pin=True)  # fmt: skip
+    store = TieredKVStore(
+        spec.bytes_per_block, host_blocks=4, disk_blocks=8, disk_dir=tmp_path, pin=True
+    )
     offloader = KVOffloader(pool, store)
     assert offloader.in_place
     keys = [bytes([i]) * 16 for i in range(6)]
@@ -277,11 +279,15 @@ def test_the_engine_gives_the_same_tokens_with_pages_loading_on_a_stream(strata_
     runs = {}
     for load in ("sync", "stream", "stream-copy"):
         cache = CacheConfig(
-            num_blocks=12, kv_cache_dtype=KVCacheDtype.AUTO, host_memory_bytes=256 << 20,
-            kv_load=load.split("-")[0], kv_host_reads="copy" if "copy" in load else "auto",
-        )  # fmt: skip
-        cfg = EngineConfig(dtype="float32", device="cuda", cache=cache,
-                           cache_dir=str(strata_cache_dir))  # fmt: skip
+            num_blocks=12,
+            kv_cache_dtype=KVCacheDtype.AUTO,
+            host_memory_bytes=256 << 20,
+            kv_load=load.split("-")[0],
+            kv_host_reads="copy" if "copy" in load else "auto",
+        )
+        cfg = EngineConfig(
+            dtype="float32", device="cuda", cache=cache, cache_dir=str(strata_cache_dir)
+        )
         llm = LLM(cfg)
         filler = "Filler text that pushes the document's pages out of the device pool. " * 10
         outs = []
@@ -311,10 +317,15 @@ def test_a_request_loading_on_the_stream_waits_outside_the_running_batch(strata_
     tokens: dict[str, dict[str, list[int]]] = {}
     for load in ("sync", "stream"):
         # 14 blocks: the filler evicts 5 of the document's 8 cached pages to host RAM
-        cache = CacheConfig(num_blocks=14, kv_cache_dtype=KVCacheDtype.AUTO,
-                            host_memory_bytes=256 << 20, kv_load=load)  # fmt: skip
-        cfg = EngineConfig(dtype="float32", device="cuda", cache=cache,
-                           cache_dir=str(strata_cache_dir))  # fmt: skip
+        cache = CacheConfig(
+            num_blocks=14,
+            kv_cache_dtype=KVCacheDtype.AUTO,
+            host_memory_bytes=256 << 20,
+            kv_load=load,
+        )
+        cfg = EngineConfig(
+            dtype="float32", device="cuda", cache=cache, cache_dir=str(strata_cache_dir)
+        )
         llm = LLM(cfg)
         core = llm.core
         llm.generate([doc], params)

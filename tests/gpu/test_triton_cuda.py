@@ -55,9 +55,12 @@ def _pools(page_dtype, num_blocks=2048):
 
 @pytest.mark.parametrize(
     ("dtype", "page_dtype"),
-    [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn),
-     (torch.float32, torch.float32)],
-)  # fmt: skip
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float8_e4m3fn),
+        (torch.float32, torch.float32),
+    ],
+)
 def test_attention_and_write_match_the_torch_backend(dtype, page_dtype):
     gen = torch.Generator().manual_seed(0)
     pools = _pools(page_dtype)
@@ -97,18 +100,27 @@ def test_fused_layers_match_the_torch_modules(tokens):
     assert torch.equal(got_res, want_res)
     torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
     gate_up = torch.randn(tokens, 2 * 14336, generator=gen).to(CUDA, bf16)
-    torch.testing.assert_close(TritonSiluMul(ops)(gate_up), SiluAndMul()(gate_up),
-                               atol=3e-2, rtol=3e-2)  # fmt: skip
+    torch.testing.assert_close(
+        TritonSiluMul(ops)(gate_up), SiluAndMul()(gate_up), atol=3e-2, rtol=3e-2
+    )
     # q and k as the model passes them: views into the fused QKV output, rotated in one launch
-    cfg = ModelConfig(vocab_size=16, hidden_size=H * D, intermediate_size=8, num_layers=1,
-                      num_heads=H, num_kv_heads=HKV, head_dim=D,
-                      max_position_embeddings=8192)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=16,
+        hidden_size=H * D,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=H,
+        num_kv_heads=HKV,
+        head_dim=D,
+        max_position_embeddings=8192,
+    )
     rope = RotaryEmbedding(cfg).to(CUDA)
     qkv = torch.randn(tokens, (H + 2 * HKV) * D, generator=gen).to(CUDA, bf16)
     q, k = qkv[:, : H * D].view(tokens, H, D), qkv[:, H * D : (H + HKV) * D].view(tokens, HKV, D)
     positions = torch.randint(0, 8192, (tokens,), generator=gen).to(CUDA)
-    for got, want in zip(TritonRotary(rope, ops)(positions, q, k), rope(positions, q, k),
-                         strict=True):  # fmt: skip
+    for got, want in zip(
+        TritonRotary(rope, ops)(positions, q, k), rope(positions, q, k), strict=True
+    ):
         torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
 
 
@@ -146,9 +158,14 @@ def test_the_gemv_engine_follows_the_cublas_engine_at_batch_one(strata_cache_dir
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     runs = {}
     for gemv in (GemvKernel.CUBLAS, GemvKernel.TRITON):
-        cfg = EngineConfig(dtype="float32", device="cuda", cache_dir=str(strata_cache_dir),
-                           backend=KernelBackend.TRITON, gemv=gemv,
-                           cache=CacheConfig(kv_cache_dtype=KVCacheDtype.AUTO))  # fmt: skip
+        cfg = EngineConfig(
+            dtype="float32",
+            device="cuda",
+            cache_dir=str(strata_cache_dir),
+            backend=KernelBackend.TRITON,
+            gemv=gemv,
+            cache=CacheConfig(kv_cache_dtype=KVCacheDtype.AUTO),
+        )
         llm = LLM(cfg)
         runs[gemv] = llm.generate([prompt], params)[0].token_ids
     assert runs[GemvKernel.TRITON] == runs[GemvKernel.CUBLAS]
@@ -157,9 +174,16 @@ def test_the_gemv_engine_follows_the_cublas_engine_at_batch_one(strata_cache_dir
 def test_auto_gemv_times_each_shape_and_keeps_cublas_unless_triton_wins():
     """A synthetic Llama-3-8B layer stack (4 layers): each projection and the LM head gets
     the kernel that ran faster, and the swapped modules answer like cuBLAS."""
-    cfg = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                      num_layers=4, num_heads=H, num_kv_heads=HKV, head_dim=D,
-                      max_position_embeddings=8192)  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=4,
+        num_heads=H,
+        num_kv_heads=HKV,
+        head_dim=D,
+        max_position_embeddings=8192,
+    )
     torch.manual_seed(0)
     with torch.device(CUDA):
         model = LlamaForCausalLM(cfg).to(CUDA, torch.bfloat16)
@@ -181,8 +205,13 @@ def test_graph_replay_follows_eager_decode(strata_cache_dir):
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     runs = {}
     for eager in (False, True):
-        cfg = EngineConfig(dtype="bfloat16", device="cuda", cache_dir=str(strata_cache_dir),
-                           backend=KernelBackend.TRITON, enforce_eager=eager)  # fmt: skip
+        cfg = EngineConfig(
+            dtype="bfloat16",
+            device="cuda",
+            cache_dir=str(strata_cache_dir),
+            backend=KernelBackend.TRITON,
+            enforce_eager=eager,
+        )
         llm = LLM(cfg)
         graphs = llm.core.runner.graphs
         if eager:
@@ -198,14 +227,23 @@ def test_graph_replay_follows_eager_decode(strata_cache_dir):
 def test_lora_graph_replay_follows_eager_decode(strata_cache_dir, tmp_path):
     """Base and adapter requests in one batch (8 requests: the graph of size 8 runs without
     padding rows); the LoRA kernels are captured in the decode graphs."""
-    prompts = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4, 5,",
-               "Once upon a time"] * 2  # fmt: skip
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):\n    ",
+        "1, 2, 3, 4, 5,",
+        "Once upon a time",
+    ] * 2
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     runs = {}
     for eager in (False, True):
-        cfg = EngineConfig(dtype="bfloat16", device="cuda", cache_dir=str(strata_cache_dir),
-                           backend=KernelBackend.TRITON, enforce_eager=eager,
-                           lora=LoRAConfig(max_loras=4, max_lora_rank=16))  # fmt: skip
+        cfg = EngineConfig(
+            dtype="bfloat16",
+            device="cuda",
+            cache_dir=str(strata_cache_dir),
+            backend=KernelBackend.TRITON,
+            enforce_eager=eager,
+            lora=LoRAConfig(max_loras=4, max_lora_rank=16),
+        )
         llm = LLM(cfg)
         graphs = llm.core.runner.graphs
         if eager:
@@ -214,10 +252,14 @@ def test_lora_graph_replay_follows_eager_decode(strata_cache_dir, tmp_path):
             assert graphs is not None and graphs.lora is not None
             assert sorted(graphs.graphs) == batch_ladder(graphs.max_batch)
         adapters = [
-            LoRARequest(name=f"a{i}", path=str(write_random_adapter(
-                tmp_path / f"a{i}", llm.core.model_config, rank=16, seed=i)))
+            LoRARequest(
+                name=f"a{i}",
+                path=str(
+                    write_random_adapter(tmp_path / f"a{i}", llm.core.model_config, rank=16, seed=i)
+                ),
+            )
             for i in range(4)
-        ]  # fmt: skip
+        ]
         # the adapters loaded first: the batch is the same at every step of both runs
         llm.generate(prompts[:4], SamplingParams(max_tokens=1), lora=adapters)
         loras = [None] * 4 + adapters  # each prompt through the base model and an adapter

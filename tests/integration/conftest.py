@@ -235,14 +235,28 @@ class GatewayProcess:
     ) -> None:
         self.port = _free_port()
         self.args = [
-            sys.executable, "-m", "gateway.cli", "gateway", "--engine", worker.address,
-            "--redis-url", store_url, "--port", str(self.port), "--cache-dir", str(cache_dir),
-            "--data-dir", str(data_dir), *extra,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "gateway",
+            "--engine",
+            worker.address,
+            "--redis-url",
+            store_url,
+            "--port",
+            str(self.port),
+            "--cache-dir",
+            str(cache_dir),
+            "--data-dir",
+            str(data_dir),
+            *extra,
+        ]
         self.env = dict(
-            os.environ, STRATA_ADMIN_TOKEN=ADMIN_TOKEN, STRATA_LOG_LEVEL="WARNING",
+            os.environ,
+            STRATA_ADMIN_TOKEN=ADMIN_TOKEN,
+            STRATA_LOG_LEVEL="WARNING",
             STRATA_LOG_FORMAT="console",
-        )  # fmt: skip
+        )
         self.env.pop("STRATA_WORKER_SECRET", None)  # its workers ask for none
         self.proc: subprocess.Popen[bytes] | None = None
 

@@ -37,11 +37,27 @@ def published(name: str, summary: dict, out: str, out_dir: Path) -> dict[str, An
 def test_engine_throughput_quick_run_measures_both_engines(
     tmp_path, capsys, strata_cache_dir, empty_tempdir
 ):
-    summary = engine_throughput.main([
-        "--quick", "--model", "synthetic:tiny", "--device", "cpu", "--batches", "1,2",
-        "--prompt-len", "16", "--new-tokens", "8", "--kv-cache-gb", "0.01",
-        "--cache-dir", str(strata_cache_dir), "--out-dir", str(tmp_path),
-    ])  # fmt: skip
+    summary = engine_throughput.main(
+        [
+            "--quick",
+            "--model",
+            "synthetic:tiny",
+            "--device",
+            "cpu",
+            "--batches",
+            "1,2",
+            "--prompt-len",
+            "16",
+            "--new-tokens",
+            "8",
+            "--kv-cache-gb",
+            "0.01",
+            "--cache-dir",
+            str(strata_cache_dir),
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     record = published("engine_throughput", summary, capsys.readouterr().out, tmp_path)
     assert set(summary["strata_tok_s"]) == set(summary["hf_tok_s"]) == {"1", "2"}
     assert min(summary["strata_tok_s"].values()) > 0 and min(summary["hf_tok_s"].values()) > 0
@@ -52,11 +68,25 @@ def test_engine_throughput_quick_run_measures_both_engines(
 def test_prompt_scoring_quick_run_scores_like_transformers(
     tmp_path, capsys, strata_cache_dir, empty_tempdir
 ):
-    summary = prompt_scoring.main([
-        "--quick", "--model", "synthetic:tiny", "--device", "cpu", "--dtype", "float32",
-        "--prompts", "2", "--prompt-len", "16",
-        "--cache-dir", str(strata_cache_dir), "--out-dir", str(tmp_path),
-    ])  # fmt: skip
+    summary = prompt_scoring.main(
+        [
+            "--quick",
+            "--model",
+            "synthetic:tiny",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--prompts",
+            "2",
+            "--prompt-len",
+            "16",
+            "--cache-dir",
+            str(strata_cache_dir),
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     record = published("prompt_scoring", summary, capsys.readouterr().out, tmp_path)
     assert summary["strata_tok_s"] > 0 and summary["hf_tok_s"] > 0
     assert summary["max_abs_logprob_diff"] < 1e-3  # fp32: the same scores
@@ -67,11 +97,27 @@ def test_prompt_scoring_quick_run_scores_like_transformers(
 def test_speculative_quick_run_gives_the_same_tokens(
     tmp_path, capsys, strata_cache_dir, empty_tempdir
 ):
-    summary = speculative.main([
-        "--quick", "--model", "synthetic:tiny", "--device", "cpu", "--dtype", "float32",
-        "--batches", "1", "--doc-tokens", "64", "--max-tokens", "8",
-        "--cache-dir", str(strata_cache_dir), "--out-dir", str(tmp_path),
-    ])  # fmt: skip
+    summary = speculative.main(
+        [
+            "--quick",
+            "--model",
+            "synthetic:tiny",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--batches",
+            "1",
+            "--doc-tokens",
+            "64",
+            "--max-tokens",
+            "8",
+            "--cache-dir",
+            str(strata_cache_dir),
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     record = published("speculative", summary, capsys.readouterr().out, tmp_path)
     assert set(summary["speedup"]) == {"rag/1", "chat/1"}
     assert summary["identical_outputs"], "greedy speculative decoding changes no token (fp32)"
@@ -82,11 +128,25 @@ def test_speculative_quick_run_gives_the_same_tokens(
 def test_lora_quick_run_serves_every_adapter_count_and_removes_the_adapters(
     tmp_path, capsys, strata_cache_dir, empty_tempdir
 ):
-    summary = lora.main([
-        "--quick", "--model", "synthetic:tiny", "--requests", "4", "--prompt-tokens", "8",
-        "--new-tokens", "4", "--rank", "4",
-        "--cache-dir", str(strata_cache_dir), "--out-dir", str(tmp_path),
-    ])  # fmt: skip
+    summary = lora.main(
+        [
+            "--quick",
+            "--model",
+            "synthetic:tiny",
+            "--requests",
+            "4",
+            "--prompt-tokens",
+            "8",
+            "--new-tokens",
+            "4",
+            "--rank",
+            "4",
+            "--cache-dir",
+            str(strata_cache_dir),
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     record = published("lora", summary, capsys.readouterr().out, tmp_path)
     names = {"base", "base_lora_engine", "1", "8", "32"}
     assert set(summary["tok_s"]) == names and min(summary["tok_s"].values()) > 0
@@ -98,10 +158,25 @@ def test_lora_quick_run_serves_every_adapter_count_and_removes_the_adapters(
 def test_kv_fp8_quality_quick_run_scores_both_page_formats(
     tmp_path, capsys, strata_cache_dir, empty_tempdir
 ):
-    summary = kv_fp8_quality.main([
-        "--quick", "--tokens", "64", "--prompts", "1", "--max-tokens", "4", "--window", "64",
-        "--chunk", "32", "--cache-dir", str(strata_cache_dir), "--out-dir", str(tmp_path),
-    ])  # fmt: skip
+    summary = kv_fp8_quality.main(
+        [
+            "--quick",
+            "--tokens",
+            "64",
+            "--prompts",
+            "1",
+            "--max-tokens",
+            "4",
+            "--window",
+            "64",
+            "--chunk",
+            "32",
+            "--cache-dir",
+            str(strata_cache_dir),
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     record = published("kv_fp8_quality", summary, capsys.readouterr().out, tmp_path)
     assert summary["perplexity"]["16bit"] > 1 and summary["perplexity"]["fp8"] > 1
     assert summary["kv_bytes_ratio"] < 1  # FP8 pages are smaller, scales included
@@ -113,10 +188,21 @@ def test_gateway_overhead_quick_run_removes_the_store_and_socket(
     tmp_path, capsys, strata_cache_dir, empty_tempdir, monkeypatch
 ):
     monkeypatch.setenv("STRATA_CACHE_DIR", str(strata_cache_dir))  # the worker's weights
-    summary = gateway_overhead.main([
-        "--quick", "--concurrency", "1", "--requests", "4", "--model", "synthetic:tiny",
-        "--gateway-workers", "2", "--out-dir", str(tmp_path),
-    ])  # fmt: skip
+    summary = gateway_overhead.main(
+        [
+            "--quick",
+            "--concurrency",
+            "1",
+            "--requests",
+            "4",
+            "--model",
+            "synthetic:tiny",
+            "--gateway-workers",
+            "2",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     record = published("gateway_overhead", summary, capsys.readouterr().out, tmp_path)
     assert set(summary["overhead_ms"]) == set(summary["rps"]) == {"1"}
     assert summary["overhead_ms"]["1"]["p50"] > 0
@@ -133,12 +219,37 @@ def test_gateway_overhead_quick_run_removes_the_store_and_socket(
 def test_fleet_quick_run_sends_one_stream_through_every_policy(
     tmp_path, capsys, strata_cache_dir, empty_tempdir
 ):
-    summary = fleet.main([
-        "--quick", "--model", "synthetic:tiny", "--dtype", "float32", "--workers", "2",
-        "--tenants", "2", "--docs-per-tenant", "2", "--doc-tokens", "64", "--requests", "8",
-        "--worker-docs", "2", "--concurrency", "2", "--max-tokens", "2", "--ideal", "analytic",
-        "--cache-dir", str(strata_cache_dir), "--out-dir", str(tmp_path),
-    ])  # fmt: skip
+    summary = fleet.main(
+        [
+            "--quick",
+            "--model",
+            "synthetic:tiny",
+            "--dtype",
+            "float32",
+            "--workers",
+            "2",
+            "--tenants",
+            "2",
+            "--docs-per-tenant",
+            "2",
+            "--doc-tokens",
+            "64",
+            "--requests",
+            "8",
+            "--worker-docs",
+            "2",
+            "--concurrency",
+            "2",
+            "--max-tokens",
+            "2",
+            "--ideal",
+            "analytic",
+            "--cache-dir",
+            str(strata_cache_dir),
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     record = published("fleet", summary, capsys.readouterr().out, tmp_path)
     policies = {"kv_aware", "least_loaded", "round_robin"}
     assert set(summary["ttft_p50_ms"]) == policies

@@ -114,8 +114,13 @@ def test_commands_that_load_no_model_start_without_torch(strata_cache_dir, tmp_p
     env.pop("STRATA_ADMIN_TOKEN", None)
     done = subprocess.run(  # elsewhere than the checkout: `make serve` leaves .strata/ there
         [sys.executable, "-c", probe.format(argvs=argvs)],
-        env=env, capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "False", done.stdout
     assert "no admin token" in done.stderr

@@ -34,12 +34,20 @@ def fleet_worker(tmp_path_factory, strata_cache_dir) -> Iterator[WorkerProcess]:
     """A tiny worker on TCP, as in the manifests: it asks for the fleet secret."""
     worker = WorkerProcess(
         tmp_path_factory.mktemp("worker") / "unused.sock",
-        ["--model", "synthetic:tiny", "--num-kv-blocks", "64", "--block-size", "4",
-         "--dtype", "float32"],
+        [
+            "--model",
+            "synthetic:tiny",
+            "--num-kv-blocks",
+            "64",
+            "--block-size",
+            "4",
+            "--dtype",
+            "float32",
+        ],
         strata_cache_dir,
         address=f"tcp://127.0.0.1:{_free_port()}",
         env={"STRATA_WORKER_SECRET": FLEET_SECRET},
-    )  # fmt: skip
+    )
     worker.start()
     yield worker
     worker.stop()
@@ -50,9 +58,13 @@ def scraped(store_server, fleet_worker, strata_cache_dir) -> tuple[str, str, str
     """A gateway that served a success, a 429 and a 401; returns its tenant's id and name,
     and its /metrics text."""
     settings = gateway_settings(
-        store_server.url, fleet_worker, strata_cache_dir, model="synthetic:tiny",
-        worker_secret=FLEET_SECRET, metrics_token=METRICS_TOKEN,
-    )  # fmt: skip
+        store_server.url,
+        fleet_worker,
+        strata_cache_dir,
+        model="synthetic:tiny",
+        worker_secret=FLEET_SECRET,
+        metrics_token=METRICS_TOKEN,
+    )
     server = GatewayServer(settings)
     server.start()
     try:
@@ -65,8 +77,9 @@ def scraped(store_server, fleet_worker, strata_cache_dir) -> tuple[str, str, str
             auth = {"authorization": f"Bearer {key.json()['secret']}"}
         with httpx.Client(base_url=server.url, timeout=60) as http:
             body = {"model": "default", "prompt": "hi", "max_tokens": 4, "temperature": 0}
-            codes = [http.post("/v1/completions", json=body, headers=auth).status_code
-                     for _ in range(3)]  # fmt: skip
+            codes = [
+                http.post("/v1/completions", json=body, headers=auth).status_code for _ in range(3)
+            ]
             assert codes == [200, 200, 429]
             stranger = {"authorization": "Bearer sk-strata-" + "x" * 43}
             assert http.post("/v1/completions", json=body, headers=stranger).status_code == 401
@@ -93,12 +106,18 @@ def test_every_metric_of_the_dashboards_and_rules_is_exported(scraped):
     # what the requests above touched has samples, not only a TYPE line
     sampled = {s.name for family in families.values() for s in family.samples}
     assert {
-        "strata:request_success_total", "strata:request_rejected_total",
-        "strata:prompt_tokens_total", "strata:generation_tokens_total",
-        "strata:time_to_first_token_seconds_bucket", "strata:e2e_request_latency_seconds_bucket",
-        "strata:num_requests_running", "strata:kv_blocks_capacity", "strata:num_preemptions_total",
-        "strata:kv_cache_hit_blocks_total", "strata:tenant_info",
-    } <= sampled  # fmt: skip
+        "strata:request_success_total",
+        "strata:request_rejected_total",
+        "strata:prompt_tokens_total",
+        "strata:generation_tokens_total",
+        "strata:time_to_first_token_seconds_bucket",
+        "strata:e2e_request_latency_seconds_bucket",
+        "strata:num_requests_running",
+        "strata:kv_blocks_capacity",
+        "strata:num_preemptions_total",
+        "strata:kv_cache_hit_blocks_total",
+        "strata:tenant_info",
+    } <= sampled
     rejected = families["strata:request_rejected"].samples
     assert {(s.labels["tenant"], s.labels["reason"]) for s in rejected} == {(tenant_id, "rpm")}
     assert "_created" not in text

@@ -406,8 +406,9 @@ def test_bf16_native_path_answers_and_tracks_fp32(bf16_engines, llm):
             got = all_position_logits(engine, ids)
             stats[name][0] += (got.argmax(-1) == ref.argmax(-1)).sum().item()
             stats[name][1] = max(stats[name][1], (got - ref).abs().max().item())
-            kl = F.kl_div(got.log_softmax(-1), ref.log_softmax(-1), log_target=True,
-                          reduction="none").sum(-1)  # fmt: skip
+            kl = F.kl_div(
+                got.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none"
+            ).sum(-1)
             stats[name][2] += kl.sum().item()
     top1 = {k: v[0] / positions for k, v in stats.items()}
     kl_mean = {k: v[2] / positions for k, v in stats.items()}

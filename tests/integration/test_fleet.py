@@ -6,6 +6,7 @@ when a worker is killed, and workers without the fleet secret kept out."""
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import time
 from pathlib import Path
@@ -25,18 +26,31 @@ from tests.integration.conftest import (
 )
 
 SECRET = secrets.token_urlsafe(32)
-TINY = ["--model", "synthetic:tiny", "--num-kv-blocks", "512", "--block-size", "4",
-        "--dtype", "float32", "--max-num-seqs", "4"]  # fmt: skip
+TINY = [
+    "--model",
+    "synthetic:tiny",
+    "--num-kv-blocks",
+    "512",
+    "--block-size",
+    "4",
+    "--dtype",
+    "float32",
+    "--max-num-seqs",
+    "4",
+]
 DOC = " ".join(f"Paragraph {i}: the tide comes in and the tide goes out." for i in range(12))
 
 
-def fleet_worker(root: Path, name: str, args: list[str], cache_dir: Path, store_url: str,
-                 secret: str = SECRET) -> WorkerProcess:  # fmt: skip
+def fleet_worker(
+    root: Path, name: str, args: list[str], cache_dir: Path, store_url: str, secret: str = SECRET
+) -> WorkerProcess:
     return WorkerProcess(
-        root / f"{name}.sock", [*args, "--registry-url", store_url, "--worker-id", name],
-        cache_dir, address=f"tcp://127.0.0.1:{_free_port()}",
+        root / f"{name}.sock",
+        [*args, "--registry-url", store_url, "--worker-id", name],
+        cache_dir,
+        address=f"tcp://127.0.0.1:{_free_port()}",
         env={"STRATA_WORKER_SECRET": secret},
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,18 +70,25 @@ def fleet(tmp_path_factory, strata_cache_dir, store_server):
     for worker in workers.values():
         worker.start()
     # a worker with another secret registers a record no gateway can verify
-    impostor = fleet_worker(root, "impostor", TINY, strata_cache_dir, store_server.url,
-                            secret=secrets.token_urlsafe(32))  # fmt: skip
+    impostor = fleet_worker(
+        root, "impostor", TINY, strata_cache_dir, store_server.url, secret=secrets.token_urlsafe(32)
+    )
     impostor.start()
     gateways = []
     for _ in range(2):
-        settings = gateway_settings(store_server.url, None, strata_cache_dir,
-                                    worker_secret=SECRET, model="synthetic:tiny")  # fmt: skip
+        settings = gateway_settings(
+            store_server.url, None, strata_cache_dir, worker_secret=SECRET, model="synthetic:tiny"
+        )
         gw = GatewayServer(settings)
         gw.start()
         gateways.append(gw)
-    yield {"workers": workers, "gateways": gateways, "root": root, "cache": strata_cache_dir,
-           "store": store_server.url}  # fmt: skip
+    yield {
+        "workers": workers,
+        "gateways": gateways,
+        "root": root,
+        "cache": strata_cache_dir,
+        "store": store_server.url,
+    }
     for gw in gateways:
         gw.stop()
     for worker in [*workers.values(), impostor]:
@@ -99,9 +120,11 @@ async def generated(workers: dict[str, WorkerProcess]) -> dict[str, int]:
 
 def complete(gateway, key: str, prompt: str, *, model: str = "synthetic:tiny", **extra) -> dict:
     with httpx.Client(base_url=gateway.url, timeout=120) as http:
-        r = http.post("/v1/completions", headers={"authorization": f"Bearer {key}"},
-                      json={"model": model, "prompt": prompt, "max_tokens": 2,
-                            "temperature": 0, **extra})  # fmt: skip
+        r = http.post(
+            "/v1/completions",
+            headers={"authorization": f"Bearer {key}"},
+            json={"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, **extra},
+        )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -122,6 +145,12 @@ async def test_every_gateway_sees_the_registered_workers_and_not_the_impostor(fl
         assert view["tiny-a"]["model"] == view["tiny-b"]["model"]
         assert "impostor" not in view  # its record does not verify with the fleet secret
         assert not any(w["drained"] for w in view.values())
+        async with httpx.AsyncClient(base_url=gw.url, timeout=30) as http:
+            text = (await http.get("/metrics")).text
+        ignored = re.search(
+            r'strata:fleet_dropped_messages_total{process="0",reason="invalid_record"} (\S+)', text
+        )
+        assert ignored and float(ignored.group(1)) >= 1  # the impostor's record, counted
 
 
 async def test_a_tenants_document_lands_where_its_kv_is_and_another_tenant_gets_no_hit(fleet):
@@ -164,8 +193,9 @@ async def test_models_are_kept_apart(fleet):
     async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
         models = (await http.get("/v1/models", headers=headers)).json()
         assert {m["id"] for m in models["data"]} >= {"SmolLM2-135M-Instruct"}
-        unknown = await http.post("/v1/completions", headers=headers,
-                                  json={"model": "no-such", "prompt": "x"})  # fmt: skip
+        unknown = await http.post(
+            "/v1/completions", headers=headers, json={"model": "no-such", "prompt": "x"}
+        )
         assert unknown.status_code == 404
 
 
@@ -203,10 +233,16 @@ async def test_a_killed_worker_fails_over_leaves_the_view_and_returns(fleet):
     async def ask(i: int) -> httpx.Response:
         async with httpx.AsyncClient(base_url=first.url, timeout=120) as http:
             return await http.post(
-                "/v1/completions", headers={"authorization": f"Bearer {key}"},
-                json={"model": "synthetic:tiny", "prompt": DOC + f" q{i}", "max_tokens": 64,
-                      "temperature": 0, "min_tokens": 64},
-            )  # fmt: skip
+                "/v1/completions",
+                headers={"authorization": f"Bearer {key}"},
+                json={
+                    "model": "synthetic:tiny",
+                    "prompt": DOC + f" q{i}",
+                    "max_tokens": 64,
+                    "temperature": 0,
+                    "min_tokens": 64,
+                },
+            )
 
     asks = [asyncio.create_task(ask(i)) for i in range(8)]  # more than the worker runs at once
     await asyncio.sleep(0.3)

@@ -5,6 +5,7 @@ from the prompt with the tenant's salt. A real worker process and a real store."
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import time
 
@@ -28,8 +29,16 @@ from engine.protocol import SamplingParams, Scheduling
 from tests.integration.conftest import WorkerProcess, _free_port
 
 SECRET = secrets.token_urlsafe(32)
-TINY = ["--model", "synthetic:tiny", "--num-kv-blocks", "64", "--block-size", "4",
-        "--dtype", "float32"]  # fmt: skip
+TINY = [
+    "--model",
+    "synthetic:tiny",
+    "--num-kv-blocks",
+    "64",
+    "--block-size",
+    "4",
+    "--dtype",
+    "float32",
+]
 
 
 async def wait_for(predicate, timeout: float = 20.0):
@@ -44,11 +53,12 @@ async def wait_for(predicate, timeout: float = 20.0):
 def fleet_worker(tmp_path, strata_cache_dir, store_server):
     port = _free_port()
     worker = WorkerProcess(
-        tmp_path / "unused.sock", [*TINY, "--registry-url", store_server.url,
-                                   "--worker-id", "w-test"],
-        strata_cache_dir, address=f"tcp://127.0.0.1:{port}",
+        tmp_path / "unused.sock",
+        [*TINY, "--registry-url", store_server.url, "--worker-id", "w-test"],
+        strata_cache_dir,
+        address=f"tcp://127.0.0.1:{port}",
         env={"STRATA_WORKER_SECRET": SECRET},
-    )  # fmt: skip
+    )
     worker.start()
     yield worker
     worker.stop()
@@ -74,8 +84,9 @@ async def test_a_worker_registers_reports_its_blocks_and_leaves(fleet_worker, re
     client = EngineClient(fleet_worker.address, auth=ClientAuth(secret=SECRET))
     prompt = list(range(1, 14))  # three full blocks of 4
     scheduling = Scheduling(tenant="acme", cache_salt="tenant:salt-a")
-    async for _ in client.generate("r1", prompt, SamplingParams(max_tokens=1),
-                                   scheduling=scheduling):  # fmt: skip
+    async for _ in client.generate(
+        "r1", prompt, SamplingParams(max_tokens=1), scheduling=scheduling
+    ):
         pass
     await client.close()
     want = prompt_keys(rec.cache_namespace, "tenant:salt-a", "", prompt, 4)
@@ -122,9 +133,77 @@ async def _later(redis_client, beat: float):
     return rec if rec and rec.heartbeat_at > beat else None
 
 
-def test_a_worker_without_the_fleet_secret_does_not_register(tmp_path, strata_cache_dir,
-                                                             store_server):  # fmt: skip
-    worker = WorkerProcess(tmp_path / "w.sock", [*TINY, "--registry-url", store_server.url],
-                           strata_cache_dir)  # fmt: skip
+def test_a_worker_without_the_fleet_secret_does_not_register(
+    tmp_path, strata_cache_dir, store_server
+):
+    worker = WorkerProcess(
+        tmp_path / "w.sock", [*TINY, "--registry-url", store_server.url], strata_cache_dir
+    )
     with pytest.raises(RuntimeError, match="exited with 2"):
         worker.start()
+
+
+async def test_with_the_store_down_a_gateway_routes_on_its_last_view_and_says_so(
+    tmp_path, strata_cache_dir, private_store
+):
+    """The registry is out of reach: a fail_open tenant is still served by the registered
+    worker, /ready stays 200 as "degraded" and /metrics shows the registry down, until the
+    store is back."""
+    import httpx
+
+    from tests.integration.conftest import GatewayServer, gateway_settings
+
+    worker = WorkerProcess(
+        tmp_path / "unused.sock",
+        [*TINY, "--registry-url", private_store.url, "--worker-id", "w-down"],
+        strata_cache_dir,
+        address=f"tcp://127.0.0.1:{_free_port()}",
+        env={"STRATA_WORKER_SECRET": SECRET},
+    )
+    worker.start()
+    settings = gateway_settings(
+        private_store.url, None, strata_cache_dir, worker_secret=SECRET, model="synthetic:tiny"
+    )
+    gateway = GatewayServer(settings)
+    gateway.start()
+    try:
+        _, key = gateway.new_tenant(on_store_unavailable="fail_open")
+        body = {"model": "synthetic:tiny", "prompt": "one two three", "max_tokens": 2}
+        auth = {"authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
+
+            async def scrape() -> str:
+                return (await http.get("/metrics")).text
+
+            async def registry_up(value: int) -> bool:
+                return f'strata:fleet_registry_up{{process="0"}} {value}.0' in await scrape()
+
+            await wait_for(lambda: registry_up(1))
+            assert (await http.post("/v1/completions", json=body, headers=auth)).status_code == 200
+            text = await scrape()
+            assert re.search(
+                r'strata:fleet_workers{model="[^"]+",process="0",state="serving"} 1.0', text
+            )
+            ready = await http.get("/ready")
+            assert ready.status_code == 200 and ready.json()["status"] == "ready"
+
+            private_store.kill()
+            await wait_for(lambda: registry_up(0))
+            served = await http.post("/v1/completions", json=body, headers=auth)
+            assert served.status_code == 200, served.text
+            ready = await http.get("/ready")
+            assert ready.status_code == 200
+            assert ready.json() | {"engine_errors": []} == {
+                "status": "degraded",
+                "store": False,
+                "registry": False,
+                "engine": True,
+                "engine_errors": [],
+            }
+
+            private_store.start()
+            await wait_for(lambda: registry_up(1))
+            assert (await http.get("/ready")).json()["status"] == "ready"
+    finally:
+        gateway.stop()
+        worker.stop()

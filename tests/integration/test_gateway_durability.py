@@ -24,8 +24,13 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 def chat_body(max_tokens: int = 2, **extra) -> dict:
-    return {"model": "default", "max_tokens": max_tokens, "temperature": 0,
-            "messages": [{"role": "user", "content": "Hi"}], **extra}  # fmt: skip
+    return {
+        "model": "default",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Hi"}],
+        **extra,
+    }
 
 
 async def post(url: str, key: str, body: dict) -> httpx.Response:
@@ -39,8 +44,7 @@ async def test_a_stream_longer_than_its_lease_keeps_its_slot_to_the_end(
     store_server, smollm2_worker, strata_cache_dir, redis_client
 ):
     ttl = 0.5
-    settings = gateway_settings(store_server.url, smollm2_worker, strata_cache_dir,
-                                lease_ttl_s=ttl)  # fmt: skip
+    settings = gateway_settings(store_server.url, smollm2_worker, strata_cache_dir, lease_ttl_s=ttl)
     server = GatewayServer(settings)
     server.start()
     try:
@@ -48,9 +52,11 @@ async def test_a_stream_longer_than_its_lease_keeps_its_slot_to_the_end(
         body = chat_body(max_tokens=400, min_tokens=400, stream=True)
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             request = client.build_request(
-                "POST", "/v1/chat/completions", json=body,
+                "POST",
+                "/v1/chat/completions",
+                json=body,
                 headers={"authorization": f"Bearer {key}"},
-            )  # fmt: skip
+            )
             response = await client.send(request, stream=True)
             rid = response.headers["x-request-id"]
             started, checked = time.monotonic(), 0

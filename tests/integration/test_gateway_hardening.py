@@ -24,8 +24,11 @@ def tenant(gateway):
 def post(gateway, key: str, path: str, body: object) -> httpx.Response:
     with httpx.Client(base_url=gateway.url, timeout=120) as http:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return http.post(path, content=content, headers={
-            "authorization": f"Bearer {key}", "content-type": "application/json"})  # fmt: skip
+        return http.post(
+            path,
+            content=content,
+            headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
+        )
 
 
 def error_of(response: httpx.Response) -> dict:
@@ -78,19 +81,51 @@ def test_a_long_user_field_is_refused(gateway, tenant):
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/chat/completions", b'{"model": "default", "messages": [], "extra": '
-         + b"[" * 5000 + b"]" * 5000 + b"}", None),
-        ("/v1/chat/completions", {"model": "default", "messages": HELLO, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(
-                '{"a":' * 100 + "1" + "}" * 100)}}}, "response_format"),
-        ("/v1/chat/completions", {"model": "default", "messages": HELLO, "tools": [{
-            "type": "function", "function": {"name": "f", "parameters": json.loads(
-                '{"a":' * 100 + "[]" + "}" * 100)}}]}, "tools"),
-        ("/tokenize", b'{"model": "default", "prompt": "hi", "extra": ' + b"[" * 5000
-         + b"]" * 5000 + b"}", None),
+        (
+            "/v1/chat/completions",
+            b'{"model": "default", "messages": [], "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": "default",
+                "messages": HELLO,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "schema": json.loads('{"a":' * 100 + "1" + "}" * 100),
+                    },
+                },
+            },
+            "response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "model": "default",
+                "messages": HELLO,
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": json.loads('{"a":' * 100 + "[]" + "}" * 100),
+                        },
+                    }
+                ],
+            },
+            "tools",
+        ),
+        (
+            "/tokenize",
+            b'{"model": "default", "prompt": "hi", "extra": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+            None,
+        ),
     ],
     ids=["body", "response_format", "tool_parameters", "tokenize"],
-)  # fmt: skip
+)
 def test_deeply_nested_json_is_a_400(gateway, tenant, path, body, param):
     r = post(gateway, tenant[1], path, body)
     assert r.status_code == 400, r.text
@@ -101,10 +136,15 @@ def test_deeply_nested_tool_call_arguments_are_read_as_text(gateway, tenant):
     deep = "[" * 3000 + "]" * 3000
     messages = [
         {"role": "user", "content": "Call f."},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1",
-         "type": "function", "function": {"name": "f", "arguments": deep}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": deep}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "done"},
-    ]  # fmt: skip
+    ]
     r = post(gateway, tenant[1], "/tokenize", {"model": "default", "messages": messages})
     assert r.status_code == 200, r.text
 
@@ -112,8 +152,9 @@ def test_deeply_nested_tool_call_arguments_are_read_as_text(gateway, tenant):
 @pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf"])
 def test_non_finite_times_are_a_400(gateway, tenant, value):
     with httpx.Client(base_url=gateway.url, timeout=30) as http:
-        usage = http.get("/v1/usage", params={"start": value},
-                         headers={"authorization": f"Bearer {tenant[1]}"})  # fmt: skip
+        usage = http.get(
+            "/v1/usage", params={"start": value}, headers={"authorization": f"Bearer {tenant[1]}"}
+        )
     with gateway.admin() as admin:
         export = admin.get("/admin/usage/export", params={"end": value})
     for r in (usage, export):
@@ -138,8 +179,10 @@ def test_a_deleted_tenants_id_is_never_given_out_again(gateway):
 
 def test_tokenize_is_counted_against_the_request_rate(gateway):
     _, key = gateway.new_tenant(rpm=2)
-    codes = [post(gateway, key, "/tokenize", {"model": "default", "prompt": "hi"}).status_code
-             for _ in range(3)]  # fmt: skip
+    codes = [
+        post(gateway, key, "/tokenize", {"model": "default", "prompt": "hi"}).status_code
+        for _ in range(3)
+    ]
     assert codes == [200, 200, 429]
 
 
@@ -172,8 +215,9 @@ async def test_a_huge_conversation_does_not_hold_other_requests(gateway, tenant)
 
 
 def test_metrics_can_require_a_token(store_server, smollm2_worker, strata_cache_dir):
-    settings = gateway_settings(store_server.url, smollm2_worker, strata_cache_dir,
-                                metrics_token="metrics-secret-0123")  # fmt: skip
+    settings = gateway_settings(
+        store_server.url, smollm2_worker, strata_cache_dir, metrics_token="metrics-secret-0123"
+    )
     server = GatewayServer(settings)
     server.start()
     try:
@@ -208,12 +252,20 @@ async def test_keys_salts_and_prompts_stay_out_of_logs_and_errors(gateway, caplo
     with caplog.at_level("DEBUG"):
         async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as http:
             for secret, body in cases:
-                answers.append(await http.post("/v1/chat/completions", json=body,
-                               headers={"authorization": f"Bearer {secret}"}))  # fmt: skip
-            answers.append(await http.post(
-                "/v1/completions", content=b'{"prompt": "' + secret_prompt.encode() + b'",',
-                headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
-            ))  # fmt: skip
+                answers.append(
+                    await http.post(
+                        "/v1/chat/completions",
+                        json=body,
+                        headers={"authorization": f"Bearer {secret}"},
+                    )
+                )
+            answers.append(
+                await http.post(
+                    "/v1/completions",
+                    content=b'{"prompt": "' + secret_prompt.encode() + b'",',
+                    headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
+                )
+            )
         await asyncio.sleep(0.5)  # the ledger writer and releases log after the responses
     assert [a.status_code for a in answers] == [200, 429, 404, 400, 400, 401, 400]
     logged = "\n".join(f"{r.getMessage()} {r.exc_text or ''}" for r in caplog.records)

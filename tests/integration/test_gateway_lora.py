@@ -16,9 +16,15 @@ from tests.integration.test_gateway_usage import ledger_record
 from tests.lora_files import SMOLLM2, write_adapter
 
 TINY = ModelConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=8, max_position_embeddings=128,
-)  # fmt: skip
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+)
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +56,12 @@ def lora_gateway(store_server, strata_cache_dir, tmp_path_factory):
 
 
 def chat(server, key: str, model: str, max_tokens: int = 12) -> httpx.Response:
-    body = {"model": model, "max_tokens": max_tokens, "temperature": 0,
-            "messages": [{"role": "user", "content": "Name three colors."}]}  # fmt: skip
+    body = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Name three colors."}],
+    }
     with httpx.Client(base_url=server.url, timeout=120) as http:
         return http.post(
             "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
@@ -66,13 +76,16 @@ async def test_adapters_end_to_end(lora_gateway):
     acl = [allowed_id, twin_id]
     good = write_adapter(root / "colors", SMOLLM2, rank=8, scale=0.05)
     with server.admin() as admin:
-        bad = admin.post("/admin/adapters/", json={
-            "name": "broken", "path": str(write_adapter(root / "tiny", TINY))})  # fmt: skip
+        bad = admin.post(
+            "/admin/adapters/",
+            json={"name": "broken", "path": str(write_adapter(root / "tiny", TINY))},
+        )
         assert bad.status_code == 400
         assert bad.json()["error"]["code"] == "invalid_adapter"
         assert "this base model needs" in bad.json()["error"]["message"]
-        created = admin.post("/admin/adapters/", json={
-            "name": "colors", "path": str(good), "allowed_tenants": acl})  # fmt: skip
+        created = admin.post(
+            "/admin/adapters/", json={"name": "colors", "path": str(good), "allowed_tenants": acl}
+        )
         assert created.status_code == 201, created.text
         assert created.json()["version"] == 1
 
@@ -112,8 +125,13 @@ async def test_adapters_end_to_end(lora_gateway):
         assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "model_not_found"
 
     # a new version while a stream on version 1 is running: that stream is unaffected
-    body = {"model": "colors@1", "max_tokens": 40, "temperature": 0, "stream": True,
-            "messages": [{"role": "user", "content": "Name three colors."}]}  # fmt: skip
+    body = {
+        "model": "colors@1",
+        "max_tokens": 40,
+        "temperature": 0,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Name three colors."}],
+    }
     reference = chat(server, twin, "colors@1", max_tokens=40)  # no cache shared with the stream
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
         headers = {"authorization": f"Bearer {allowed}"}
@@ -124,10 +142,16 @@ async def test_adapters_end_to_end(lora_gateway):
             first = await anext(lines)
             with server.admin() as admin:
                 v2 = await asyncio.to_thread(
-                    admin.post, "/admin/adapters/", json={
-                        "name": "colors", "path": str(write_adapter(
-                            root / "colors-v2", SMOLLM2, rank=8, scale=0.05, seed=1)),
-                        "allowed_tenants": acl})  # fmt: skip
+                    admin.post,
+                    "/admin/adapters/",
+                    json={
+                        "name": "colors",
+                        "path": str(
+                            write_adapter(root / "colors-v2", SMOLLM2, rank=8, scale=0.05, seed=1)
+                        ),
+                        "allowed_tenants": acl,
+                    },
+                )
                 assert v2.json()["version"] == 2
             for line in [first, *[x async for x in lines]]:
                 if line.startswith("data: {"):
@@ -176,8 +200,10 @@ def test_adapters_registered_by_upload(lora_gateway):
         ).read_bytes()
     # served like any registered adapter: the same tokens as registering its source path
     with server.admin() as admin:
-        same = admin.post("/admin/adapters/", json={
-            "name": "up-path", "path": str(source), "allowed_tenants": [tenant_id]})  # fmt: skip
+        same = admin.post(
+            "/admin/adapters/",
+            json={"name": "up-path", "path": str(source), "allowed_tenants": [tenant_id]},
+        )
         assert same.status_code == 201
     by_upload = chat(server, key, "up")
     by_path = chat(server, key, "up-path")

@@ -30,8 +30,12 @@ NUM_SPREAD = 24
 
 
 def chat_body() -> dict:
-    return {"model": "default", "max_tokens": 2, "temperature": 0,
-            "messages": [{"role": "user", "content": "Hi"}]}  # fmt: skip
+    return {
+        "model": "default",
+        "max_tokens": 2,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Hi"}],
+    }
 
 
 async def post_fresh(url: str, key: str) -> httpx.Response:
@@ -116,9 +120,13 @@ def journal_owners(data_dir: Path) -> set[Path]:
 def gateway_group(private_store, tiny_worker, strata_cache_dir, tmp_path, empty_tempdir):
     """`strata gateway --workers 2` on a port of its own (killed at the end if still up)."""
     gw = GatewayProcess(
-        private_store.url, tiny_worker, strata_cache_dir, tmp_path / "gw",
-        "--workers", str(NUM_PROCESSES),
-    )  # fmt: skip
+        private_store.url,
+        tiny_worker,
+        strata_cache_dir,
+        tmp_path / "gw",
+        "--workers",
+        str(NUM_PROCESSES),
+    )
     gw.start()
     yield gw
     if gw.proc is not None and gw.proc.poll() is None:
@@ -140,8 +148,11 @@ async def test_connections_reach_every_process_and_a_scrape_sums_them(gateway_gr
     assert set(served) == {str(i) for i in range(NUM_PROCESSES)}
     assert all(n > 0 for n in served.values())
     for metrics in (first, second):
-        mine = [v for labels, v in metrics["strata:request_success_total"].items()
-                if dict(labels)["tenant"] == tid]  # fmt: skip
+        mine = [
+            v
+            for labels, v in metrics["strata:request_success_total"].items()
+            if dict(labels)["tenant"] == tid
+        ]
         assert sum(mine) == NUM_SPREAD  # each process counted its own: the sums
         starts = by_process(metrics["strata:gateway_process_starts_total"])
         assert starts == {str(i): 1.0 for i in range(NUM_PROCESSES)}
@@ -215,8 +226,12 @@ def run_gateway(*args: str, timeout: float = 120) -> subprocess.CompletedProcess
     env = dict(os.environ, STRATA_LOG_LEVEL="WARNING", STRATA_LOG_FORMAT="console")
     return subprocess.run(
         [sys.executable, "-m", "gateway.cli", "gateway", *args],
-        env=env, capture_output=True, text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def test_a_port_another_group_listens_on_is_refused(store_server):
@@ -226,15 +241,32 @@ def test_a_port_another_group_listens_on_is_refused(store_server):
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
-        done = run_gateway("--workers", "2", "--port", str(port), "--redis-url",
-                           store_server.url, "--engine", "unix:///nonexistent.sock")  # fmt: skip
+        done = run_gateway(
+            "--workers",
+            "2",
+            "--port",
+            str(port),
+            "--redis-url",
+            store_server.url,
+            "--engine",
+            "unix:///nonexistent.sock",
+        )
     assert done.returncode == 2, done.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
 
 
 def test_a_process_that_cannot_start_stops_the_group(store_server, tmp_path):
-    done = run_gateway("--workers", "2", "--port", str(_free_port()), "--redis-url",
-                       store_server.url, "--engine", "bogus://address",
-                       "--data-dir", str(tmp_path))  # fmt: skip
+    done = run_gateway(
+        "--workers",
+        "2",
+        "--port",
+        str(_free_port()),
+        "--redis-url",
+        store_server.url,
+        "--engine",
+        "bogus://address",
+        "--data-dir",
+        str(tmp_path),
+    )
     assert done.returncode == 1, done.stderr
     assert "a gateway process exited before it served" in done.stderr

@@ -30,10 +30,14 @@ def body(max_tokens: int = 1, **extra) -> dict:
 async def post_all(url: str, key: str, bodies: list[dict]) -> list[httpx.Response]:
     limits = httpx.Limits(max_connections=300, max_keepalive_connections=300)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
-        return await asyncio.gather(*(
-            client.post("/v1/chat/completions", json=b,
-                        headers={"authorization": f"Bearer {key}"}) for b in bodies
-        ))  # fmt: skip
+        return await asyncio.gather(
+            *(
+                client.post(
+                    "/v1/chat/completions", json=b, headers={"authorization": f"Bearer {key}"}
+                )
+                for b in bodies
+            )
+        )
 
 
 async def wait_for(predicate, timeout: float = 15.0, interval: float = 0.05):
@@ -246,9 +250,13 @@ async def test_a_busy_worker_is_ready(store_server, strata_cache_dir, tmp_path):
         _, key = server.new_tenant()
         long_prompt = " ".join(topics[name] for name in sorted(topics))[:24_000]
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
-            busy = asyncio.create_task(http.post(
-                "/v1/completions", headers={"authorization": f"Bearer {key}"},
-                json={"model": MODEL, "prompt": long_prompt, "max_tokens": 1}))  # fmt: skip
+            busy = asyncio.create_task(
+                http.post(
+                    "/v1/completions",
+                    headers={"authorization": f"Bearer {key}"},
+                    json={"model": MODEL, "prompt": long_prompt, "max_tokens": 1},
+                )
+            )
             codes = []
             while not busy.done():
                 codes.append((await http.get("/ready")).status_code)

@@ -42,10 +42,15 @@ def chat(key: str, gateway, *, max_tokens: int, user: str | None = None) -> dict
     with httpx.Client(base_url=gateway.url, timeout=120) as http:
         r = http.post(
             "/v1/chat/completions",
-            json={"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "user": user,
-                  "messages": [{"role": "user", "content": "Tell me about the sea."}]},
+            json={
+                "model": MODEL,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "user": user,
+                "messages": [{"role": "user", "content": "Tell me about the sea."}],
+            },
             headers={"authorization": f"Bearer {key}"},
-        )  # fmt: skip
+        )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -140,10 +145,14 @@ async def test_a_request_sent_as_default_is_billed_at_the_served_models_price(
     async with httpx.AsyncClient(base_url=gateway.url, timeout=120) as http:
         r = await http.post(
             "/v1/chat/completions",
-            json={"model": "default", "max_tokens": 4, "temperature": 0,
-                  "messages": [{"role": "user", "content": "Tell me about the sea."}]},
+            json={
+                "model": "default",
+                "max_tokens": 4,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": "Tell me about the sea."}],
+            },
             headers={"authorization": f"Bearer {key}"},
-        )  # fmt: skip
+        )
         assert r.status_code == 200, r.text
         assert r.json()["model"] == MODEL
         record = await ledger_record(store_server.url, r.json()["id"])
@@ -171,9 +180,16 @@ async def test_unpriced_usage_is_flagged_counted_and_logged(gateway, store_serve
     tenant, _ = gateway.new_tenant()
     client = connect(store_server.url)
     try:
-        await Ledger(client).record(UsageRecord(
-            request_id=f"cmpl-old-{tenant}", tenant_id=tenant, key_id="key_x",
-            model="never-priced", prompt_tokens=10, finished_at=time.time() - 60))  # fmt: skip
+        await Ledger(client).record(
+            UsageRecord(
+                request_id=f"cmpl-old-{tenant}",
+                tenant_id=tenant,
+                key_id="key_x",
+                model="never-priced",
+                prompt_tokens=10,
+                finished_at=time.time() - 60,
+            )
+        )
     finally:
         await client.aclose()
     with gateway.admin() as admin, caplog.at_level("WARNING"):
@@ -181,8 +197,9 @@ async def test_unpriced_usage_is_flagged_counted_and_logged(gateway, store_serve
         assert (row["priced"], row["cost_total"]) == (False, 0)
         metrics = admin.get("/metrics").text
     assert 'strata:usage_unpriced_requests_total{model="never-priced"}' in metrics
-    assert any("never-priced" in r.getMessage() and "no price" in r.getMessage()
-               for r in caplog.records)  # fmt: skip
+    assert any(
+        "never-priced" in r.getMessage() and "no price" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_export_windows_take_iso_dates(gateway, billed):
@@ -303,21 +320,37 @@ async def test_cached_tokens_are_broken_down_by_tier(store_server, strata_cache_
 
     worker = WorkerProcess(
         tmp_path / "engine.sock",
-        ["--model", "default", "--num-kv-blocks", "24", "--kv-host-gb", "0.006",
-         "--kv-disk-gb", "0.05", "--kv-disk-path", str(tmp_path / "kv")],
+        [
+            "--model",
+            "default",
+            "--num-kv-blocks",
+            "24",
+            "--kv-host-gb",
+            "0.006",
+            "--kv-disk-gb",
+            "0.05",
+            "--kv-disk-path",
+            str(tmp_path / "kv"),
+        ],
         strata_cache_dir,
-    )  # fmt: skip
+    )
     worker.start()
     server = GatewayServer(gateway_settings(store_server.url, worker, strata_cache_dir))
     server.start()
     try:
         tenant_id, key = server.new_tenant()
-        docs = [f"Document {d}: " + f"fact {d} about the ocean, the wind and the tide. " * 20
-                for d in range(3)]  # fmt: skip
+        docs = [
+            f"Document {d}: " + f"fact {d} about the ocean, the wind and the tide. " * 20
+            for d in range(3)
+        ]
 
         async def ask(doc: str) -> dict:
-            body = {"model": "default", "max_tokens": 1, "temperature": 0,
-                    "messages": [{"role": "user", "content": doc + "Summarize."}]}  # fmt: skip
+            body = {
+                "model": "default",
+                "max_tokens": 1,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": doc + "Summarize."}],
+            }
             async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
                 r = await http.post(
                     "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}

@@ -43,8 +43,20 @@ def test_quick_run_reports_every_shape(tmp_path, capsys):
 def test_fp8_weights_run_beside_16bit_ones_and_report_their_step_ratio(tmp_path, capsys):
     """`--weights 16bit,fp8`: one engine of each in the run (FP8 weights interpreted here),
     their points under their own names, and FP8's step time over 16-bit's per point."""
-    argv = ["--quick", "--weights", "16bit,fp8", "--kv", "fp8", "--batches", "1", "--steps",
-            "2", "--skip-hf", "--out-dir", str(tmp_path)]  # fmt: skip
+    argv = [
+        "--quick",
+        "--weights",
+        "16bit,fp8",
+        "--kv",
+        "fp8",
+        "--batches",
+        "1",
+        "--steps",
+        "2",
+        "--skip-hf",
+        "--out-dir",
+        str(tmp_path),
+    ]
     record = main(argv)
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(summary["tok_s"]) == {"fp8", "fp8w-fp8"}

@@ -78,8 +78,9 @@ def test_fp8_chat_answer_names_paris(make_core, smollm2_fp32):
 def test_fp8_prefix_cache_hits_give_the_same_tokens_as_recompute(make_core, smollm2_fp32):
     document = " ".join(PROMPTS) * 4
     prompts = [f"{document}\nQuestion {i}: {q}" for i, q in enumerate(PROMPTS)]
-    cold_cfg = EngineConfig(cache=CacheConfig(kv_cache_dtype=KVCacheDtype.FP8_E4M3,
-                                              enable_prefix_caching=False))  # fmt: skip
+    cold_cfg = EngineConfig(
+        cache=CacheConfig(kv_cache_dtype=KVCacheDtype.FP8_E4M3, enable_prefix_caching=False)
+    )
     cold = LLM(core=make_core(cold_cfg), tokenizer=smollm2_fp32[1])
     reference = [c.token_ids for c in cold.generate(prompts, GREEDY)]
     warm = LLM(core=make_core(EngineConfig(cache=FP8)), tokenizer=smollm2_fp32[1])

@@ -28,11 +28,23 @@ def test_kv_tiers_quick_run_times_every_path(tmp_path, capsys):
 def test_rag_longdoc_small_run_hits_every_tier_and_leaves_nothing(
     tmp_path, capsys, strata_cache_dir, empty_tempdir
 ):
-    shape = ["--quick", "--docs", "4", "--doc-tokens", "128", "--questions", "2",
-             "--device-docs", "1.5", "--host-docs", "1"]  # fmt: skip
+    shape = [
+        "--quick",
+        "--docs",
+        "4",
+        "--doc-tokens",
+        "128",
+        "--questions",
+        "2",
+        "--device-docs",
+        "1.5",
+        "--host-docs",
+        "1",
+    ]
     # no --disk-path: the disk tier's directory goes in the temporary directory
-    summary = rag_longdoc.main([*shape, "--cache-dir", str(strata_cache_dir),
-                                "--out-dir", str(tmp_path)])  # fmt: skip
+    summary = rag_longdoc.main(
+        [*shape, "--cache-dir", str(strata_cache_dir), "--out-dir", str(tmp_path)]
+    )
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
     assert not list(empty_tempdir.iterdir()), "the disk tier's directory is gone"
     assert min(summary["hit_rate"].values()) > 0, "the device, host and disk tiers all served"

@@ -27,9 +27,12 @@ def tiny_tiers(tmp_path, kv: KVCacheDtype, **overrides) -> CacheConfig:
     a disk: every document's pages leave the device between its questions."""
     page = 16 * 2 * 30 * 3 * (68 if kv is KVCacheDtype.FP8_E4M3 else 256)
     tiers = CacheConfig(
-        num_blocks=14, kv_cache_dtype=kv, host_memory_bytes=6 * page,
-        disk_bytes=64 * 4096 * -(-page // 4096), disk_path=str(tmp_path),
-    )  # fmt: skip
+        num_blocks=14,
+        kv_cache_dtype=kv,
+        host_memory_bytes=6 * page,
+        disk_bytes=64 * 4096 * -(-page // 4096),
+        disk_path=str(tmp_path),
+    )
     return dataclasses.replace(tiers, **overrides)
 
 
@@ -45,8 +48,10 @@ def test_pages_back_from_host_and_disk_give_the_tokens_of_a_recompute(
     cold = LLM(core=make_core(EngineConfig(cache=recompute)), tokenizer=smollm2_fp32[1])
     reference = [cold.generate([p], GREEDY)[0].token_ids for p in prompts]
 
-    tiered = LLM(core=make_core(EngineConfig(cache=tiny_tiers(tmp_path, kv, kv_load=load))),
-                 tokenizer=smollm2_fp32[1])  # fmt: skip
+    tiered = LLM(
+        core=make_core(EngineConfig(cache=tiny_tiers(tmp_path, kv, kv_load=load))),
+        tokenizer=smollm2_fp32[1],
+    )
     assert tiered.core.pool.loads.backend == load
     offloader = tiered.core.block_manager.offloader
     assert offloader is not None and offloader.in_place == (load == "thread")  # host rows
@@ -92,8 +97,10 @@ def test_blocks_are_accounted_per_tenant_and_tier_allowances_hold(
 ):
     from engine.protocol import Scheduling
 
-    llm = LLM(core=make_core(EngineConfig(cache=tiny_tiers(tmp_path, KVCacheDtype.AUTO))),
-              tokenizer=smollm2_fp32[1])  # fmt: skip
+    llm = LLM(
+        core=make_core(EngineConfig(cache=tiny_tiers(tmp_path, KVCacheDtype.AUTO))),
+        tokenizer=smollm2_fp32[1],
+    )
     acme = Scheduling(tenant="acme", cache_salt="a")
     beta = Scheduling(tenant="beta", cache_salt="b", kv_host_tokens=0, kv_disk_tokens=32)
     for doc in DOCS:  # acme reads every document; beta's cache may not use host RAM
@@ -113,8 +120,13 @@ def test_blocks_are_accounted_per_tenant_and_tier_allowances_hold(
 def test_spill_ahead_saves_pages_before_their_blocks_are_reused(make_core, smollm2_fp32, tmp_path):
     """With --kv-spill-ahead the engine saves cooling pages between steps: allocations that
     reuse their blocks copy nothing more, and the document comes back from host RAM."""
-    cache = CacheConfig(num_blocks=24, host_memory_bytes=64 << 20, disk_bytes=0,
-                        disk_path=str(tmp_path), spill_ahead=True)  # fmt: skip
+    cache = CacheConfig(
+        num_blocks=24,
+        host_memory_bytes=64 << 20,
+        disk_bytes=0,
+        disk_path=str(tmp_path),
+        spill_ahead=True,
+    )
     llm = LLM(core=make_core(EngineConfig(cache=cache)), tokenizer=smollm2_fp32[1])
     assert llm.core.spill_watermark == 24
     bm, tiers = llm.core.block_manager, llm.core.tiers
@@ -222,8 +234,9 @@ def test_a_request_whose_pages_are_on_disk_waits_without_stalling_the_batch(
 
     from kvstore.disk import _READ_THREADS
 
-    core = make_core(EngineConfig(cache=tiny_tiers(tmp_path, KVCacheDtype.AUTO,
-                                                   host_memory_bytes=0)))  # fmt: skip
+    core = make_core(
+        EngineConfig(cache=tiny_tiers(tmp_path, KVCacheDtype.AUTO, host_memory_bytes=0))
+    )
     llm = LLM(core=core, tokenizer=smollm2_fp32[1])
     for doc in DOCS:  # the first document's pages end up on disk only
         llm.generate([f"{doc}\n{QUESTIONS[0]}"], GREEDY)
@@ -274,8 +287,13 @@ def _running_beside_a_host_load(make_core, smollm2_fp32, tmp_path, monkeypatch):
     """A core whose first document is in host RAM, a request decoding, and `reader` over
     that document admitted while its page copies are held (the returned event); and the
     running request's first token."""
-    cache = tiny_tiers(tmp_path, KVCacheDtype.AUTO, kv_load="thread", disk_bytes=0,
-                       host_memory_bytes=40 * 16 * 2 * 30 * 3 * 256)  # fmt: skip
+    cache = tiny_tiers(
+        tmp_path,
+        KVCacheDtype.AUTO,
+        kv_load="thread",
+        disk_bytes=0,
+        host_memory_bytes=40 * 16 * 2 * 30 * 3 * 256,
+    )
     core = make_core(EngineConfig(cache=cache))
     llm = LLM(core=core, tokenizer=smollm2_fp32[1])
     for doc in DOCS:  # the first document's pages leave the device
@@ -295,8 +313,7 @@ def test_a_request_loading_from_host_waits_outside_the_running_batch(
     """While its page copies are held, the request over a document in host RAM waits
     outside the batch, its blocks held, and the running request decodes a token per step
     without waiting for them; released, it joins and gives the tokens of a fresh engine."""
-    core, gate, first = _running_beside_a_host_load(make_core, smollm2_fp32, tmp_path,
-                                                    monkeypatch)  # fmt: skip
+    core, gate, first = _running_beside_a_host_load(make_core, smollm2_fp32, tmp_path, monkeypatch)
     tokens: dict[str, list[int]] = {"running": first, "reader": []}
     for _ in range(4):
         outs = {o.request_id: o for o in core.step()}

@@ -45,9 +45,13 @@ def peft_adapters(hf_smollm2, tmp_path_factory) -> dict[str, tuple[Path, torch.n
     for i, (name, (rank, rslora, modules)) in enumerate(ADAPTERS.items()):
         torch.manual_seed(100 + i)
         config = LoraConfig(
-            r=rank, lora_alpha=rank * 2, target_modules=modules, use_rslora=rslora,
-            init_lora_weights=False, lora_dropout=0.0,
-        )  # fmt: skip
+            r=rank,
+            lora_alpha=rank * 2,
+            target_modules=modules,
+            use_rslora=rslora,
+            init_lora_weights=False,
+            lora_dropout=0.0,
+        )
         peft_model = get_peft_model(copy.deepcopy(hf_smollm2), config)
         for module in peft_model.modules():  # PEFT's random init is large; keep it gentle
             for attr in ("lora_A", "lora_B"):
@@ -73,16 +77,20 @@ def lora_llm(smollm2_checkpoint, smollm2_tokenizer, strata_cache_dir) -> LLM:
     """An engine of its own (adapters wrap the model's projections in place)."""
     model = build_model(smollm2_checkpoint, torch.float32, torch.device("cpu"))
     cfg = EngineConfig(
-        cache_dir=str(strata_cache_dir), cache=CacheConfig(kv_cache_memory_bytes=1 << 28),
+        cache_dir=str(strata_cache_dir),
+        cache=CacheConfig(kv_cache_memory_bytes=1 << 28),
         lora=LoRAConfig(max_loras=4, max_lora_rank=16),
-    )  # fmt: skip
+    )
     kernels = native_kernels(cfg, torch.float32)
     assert kernels is not None
     apply_native_cpu(model, kernels, fuse_layers=False)
     core = EngineCore(
-        model, cfg, model_id=smollm2_checkpoint.model_id,
-        eos_token_ids=smollm2_tokenizer.eos_token_ids, kernels=kernels,
-    )  # fmt: skip
+        model,
+        cfg,
+        model_id=smollm2_checkpoint.model_id,
+        eos_token_ids=smollm2_tokenizer.eos_token_ids,
+        kernels=kernels,
+    )
     return LLM(core=core, tokenizer=smollm2_tokenizer)
 
 
@@ -104,8 +112,10 @@ def test_a_batch_mixing_adapters_gives_each_request_its_tokens_alone(lora_llm, p
     names = [*ADAPTERS, None]  # four adapters and the base model
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
     loras = [None if n is None else request(n, peft_adapters) for n in names]
-    alone = [lora_llm.generate([p], GREEDY, lora=[lo])[0].token_ids
-             for p, lo in zip(prompts, loras, strict=True)]  # fmt: skip
+    alone = [
+        lora_llm.generate([p], GREEDY, lora=[lo])[0].token_ids
+        for p, lo in zip(prompts, loras, strict=True)
+    ]
     together = lora_llm.generate(prompts, GREEDY, lora=loras)
     assert [c.token_ids for c in together] == alone
     long_prompt = " ".join(PROMPTS) * 8  # a prefill long enough for the per-adapter path
@@ -230,17 +240,20 @@ def test_whole_layer_kernels_apply_adapters_like_the_per_module_path(
     make near-ties common, so free-running greedy paths part early; the comparison is made on
     the same tokens instead: the per-module path scores the fused path's continuations."""
     cfg = EngineConfig(
-        dtype="bfloat16", cache_dir=str(strata_cache_dir),
+        dtype="bfloat16",
+        cache_dir=str(strata_cache_dir),
         cache=CacheConfig(kv_cache_memory_bytes=1 << 27),
         lora=LoRAConfig(max_loras=3, max_lora_rank=16),
-    )  # fmt: skip
+    )
     kernels = native_kernels(cfg, torch.bfloat16)
     assert kernels is not None
     adapters = [
-        LoRARequest(name=f"w{i}", path=str(write_adapter(
-            tmp_path / f"w{i}", SMOLLM2, rank=rank, scale=0.15, seed=i)))
+        LoRARequest(
+            name=f"w{i}",
+            path=str(write_adapter(tmp_path / f"w{i}", SMOLLM2, rank=rank, scale=0.15, seed=i)),
+        )
         for i, rank in enumerate((8, 16, 4))
-    ]  # fmt: skip
+    ]
     loras = [adapters[0], None, adapters[1], adapters[2]]
     prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], " ".join(PROMPTS) * 6]  # and a long prefill
     runs: dict[str, list[list[int]]] = {}
@@ -251,9 +264,12 @@ def test_whole_layer_kernels_apply_adapters_like_the_per_module_path(
         if mode == "layers":
             model.layer_stack = None  # one kernel call per layer instead of one for all
         core = EngineCore(
-            model, cfg, model_id=smollm2_checkpoint.model_id,
-            eos_token_ids=smollm2_tokenizer.eos_token_ids, kernels=kernels,
-        )  # fmt: skip
+            model,
+            cfg,
+            model_id=smollm2_checkpoint.model_id,
+            eos_token_ids=smollm2_tokenizer.eos_token_ids,
+            kernels=kernels,
+        )
         # without AVX512-BF16 nothing is packed and no layer fuses: every mode is per module
         fused_layers = fuse and kernels.has_bf16_linear
         assert core.lora is not None and core.lora.b_transposed is fused_layers

@@ -42,10 +42,23 @@ def _start_serve(tmp_path, strata_cache_dir, *extra: str) -> tuple[subprocess.Po
     env.pop("STRATA_REDIS_URL", None)
     env.pop("STRATA_WORKER_SECRET", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--demo", "--port", str(port),
-         "--kv-cache-gb", "0.25", *extra],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--demo",
+            "--port",
+            str(port),
+            "--kv-cache-gb",
+            "0.25",
+            *extra,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     assert proc.stdout is not None
     key = url = None
     deadline = time.monotonic() + 180
@@ -117,8 +130,11 @@ def test_serve_demo_end_to_end(tmp_path, strata_cache_dir):
 
         # the operator prices the model /v1/models lists; the request above, sent as
         # `default`, is billed at that price
-        admin = httpx.Client(base_url=url.removesuffix("/v1"), timeout=30,
-                             headers={"authorization": f"Bearer {token}"})  # fmt: skip
+        admin = httpx.Client(
+            base_url=url.removesuffix("/v1"),
+            timeout=30,
+            headers={"authorization": f"Bearer {token}"},
+        )
         (listed,) = client.models.list().data
         price = {"model": listed.id, "prompt_per_m": 2.0, "completion_per_m": 8.0}
         assert admin.put("/admin/prices/", json=price).status_code == 200
@@ -150,8 +166,12 @@ def test_serve_demo_end_to_end(tmp_path, strata_cache_dir):
         body = {"model": "default", "messages": question, "max_tokens": 2}
         deadline = time.monotonic() + 30
         while True:
-            r = httpx.post(f"{url}/chat/completions", json=body, timeout=60,
-                           headers={"authorization": f"Bearer {key}"})  # fmt: skip
+            r = httpx.post(
+                f"{url}/chat/completions",
+                json=body,
+                timeout=60,
+                headers={"authorization": f"Bearer {key}"},
+            )
             if r.status_code == 200:
                 break
             assert r.status_code == 503, r.text  # only while the store is down
@@ -169,8 +189,11 @@ def test_serve_demo_end_to_end(tmp_path, strata_cache_dir):
     try:
         assert same_key == key
         token = (tmp_path / "data" / "admin_token").read_text().strip()
-        with httpx.Client(base_url=url.removesuffix("/v1"), timeout=30,
-                          headers={"authorization": f"Bearer {token}"}) as admin:  # fmt: skip
+        with httpx.Client(
+            base_url=url.removesuffix("/v1"),
+            timeout=30,
+            headers={"authorization": f"Bearer {token}"},
+        ) as admin:
             (tenant,) = admin.get("/admin/tenants/").json()
             assert len(admin.get(f"/admin/tenants/{tenant['id']}/keys").json()) == 1
     finally:
@@ -191,15 +214,21 @@ def test_serve_runs_a_worker_per_model_and_routes_by_model(tmp_path, strata_cach
         with httpx.Client(base_url=url, headers=headers, timeout=120) as http:
             ids = {m["id"] for m in http.get("/models").json()["data"]}
             assert ids == {"synthetic:tiny", "SmolLM2-135M-Instruct"}
-            for model, served in (("default", "synthetic:tiny"),  # the first --model
-                                  ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct")):  # fmt: skip
-                r = http.post("/completions", json={"model": model, "prompt": "Hi",
-                                                    "max_tokens": 2})  # fmt: skip
+            for model, served in (
+                ("default", "synthetic:tiny"),  # the first --model
+                ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
+            ):
+                r = http.post(
+                    "/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2}
+                )
                 assert r.status_code == 200, r.text
                 assert r.json()["model"] == served
         token = (tmp_path / "data" / "admin_token").read_text().strip()
-        admin = httpx.get(url.removesuffix("/v1") + "/admin/workers/", timeout=30,
-                          headers={"authorization": f"Bearer {token}"}).json()  # fmt: skip
+        admin = httpx.get(
+            url.removesuffix("/v1") + "/admin/workers/",
+            timeout=30,
+            headers={"authorization": f"Bearer {token}"},
+        ).json()
         assert sorted((w["worker_id"], w["model"]) for w in admin) == [
             ("local-0", "synthetic:tiny"),
             ("local-1", "SmolLM2-135M-Instruct"),

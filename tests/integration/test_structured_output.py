@@ -21,12 +21,11 @@ CITY = {
         "city": {"type": "string", "maxLength": 40},
         "country": {"type": "string", "maxLength": 40},
         "population": {"type": "integer"},
-        "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 40},
-                      "maxItems": 3},
+        "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3},
         "capital": {"type": "boolean"},
     },
     "required": ["city", "country", "population", "landmarks", "capital"],
-}  # fmt: skip
+}
 PROMPTS = [
     "Describe Paris as JSON.",
     "Give me a JSON object about Tokyo.",
@@ -107,8 +106,9 @@ def test_preempted_constrained_requests_resume_their_grammar(make_core, smollm2_
     from engine.config import CacheConfig, EngineConfig
 
     roomy = llm.generate(PROMPTS, city_params(), chat=True)
-    tiny = LLM(core=make_core(EngineConfig(cache=CacheConfig(num_blocks=16))),
-               tokenizer=smollm2_fp32[1])  # fmt: skip
+    tiny = LLM(
+        core=make_core(EngineConfig(cache=CacheConfig(num_blocks=16))), tokenizer=smollm2_fp32[1]
+    )
     squeezed = tiny.generate(PROMPTS, city_params(), chat=True)
     assert tiny.core.stats().num_preemptions > 0
     assert [c.token_ids for c in squeezed] == [c.token_ids for c in roomy]
@@ -187,8 +187,13 @@ def test_json_mode_streams_an_object(client):
 
 
 def test_a_keyword_the_engine_cannot_enforce_is_a_400_naming_it(client):
-    bad = {"type": "json_schema", "json_schema": {"name": "tags", "schema": {
-        "type": "array", "items": {"type": "string"}, "uniqueItems": True}}}  # fmt: skip
+    bad = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "tags",
+            "schema": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+        },
+    }
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], response_format=bad
@@ -229,9 +234,12 @@ def test_adversarial_patterns_hold_up_no_other_tenant(gateway, client):
 
     fields = {f"f{i}": {"type": "string", "pattern": NESTED} for i in range(4)}
     schema = {"type": "object", "properties": fields, "required": list(fields)}
-    attack = {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "max_tokens": 4,
-              "response_format": {"type": "json_schema",
-                                  "json_schema": {"name": "n", "schema": schema}}}  # fmt: skip
+    attack = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "a"}],
+        "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    }
     _, other_key = gateway.new_tenant(rpm=1000, tpm=1_000_000, max_concurrent=4)
     small = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -246,9 +254,12 @@ def test_adversarial_patterns_hold_up_no_other_tenant(gateway, client):
         theirs = {"authorization": f"Bearer {other_key}"}
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
             alone = await timed(http, "POST", "/v1/chat/completions", json=small, headers=theirs)
-            attacks = [asyncio.create_task(timed(http, "POST", "/v1/chat/completions",
-                                                 json=attack, headers=mine))
-                       for _ in range(4)]  # fmt: skip
+            attacks = [
+                asyncio.create_task(
+                    timed(http, "POST", "/v1/chat/completions", json=attack, headers=mine)
+                )
+                for _ in range(4)
+            ]
             health = [await timed(http, "GET", "/health") for _ in range(5)]
             other = await timed(http, "POST", "/v1/chat/completions", json=small, headers=theirs)
             await asyncio.gather(*attacks)
@@ -260,8 +271,10 @@ def test_adversarial_patterns_hold_up_no_other_tenant(gateway, client):
 
 
 def test_an_unsupported_schema_is_a_400_and_the_gateway_serves_on(client):
-    bad = {"type": "json_schema", "json_schema": {
-        "name": "ref", "schema": {"type": "string", "format": "uri-reference"}}}  # fmt: skip
+    bad = {
+        "type": "json_schema",
+        "json_schema": {"name": "ref", "schema": {"type": "string", "format": "uri-reference"}},
+    }
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], response_format=bad
@@ -277,10 +290,21 @@ def test_an_unsupported_schema_is_a_400_and_the_gateway_serves_on(client):
 def test_the_benchmark_runs_both_ways_and_checks_every_output(tmp_path, capsys, strata_cache_dir):
     from bench import structured_output
 
-    summary = structured_output.main(["--quick", "--batches", "2", "--max-tokens", "80",
-                                      "--backends", "llguidance",
-                                      "--cache-dir", str(strata_cache_dir),
-                                      "--out-dir", str(tmp_path)])  # fmt: skip
+    summary = structured_output.main(
+        [
+            "--quick",
+            "--batches",
+            "2",
+            "--max-tokens",
+            "80",
+            "--backends",
+            "llguidance",
+            "--cache-dir",
+            str(strata_cache_dir),
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
     assert summary["ratio"]["llguidance"]["2"] > 0
     (written,) = tmp_path.glob("structured_output-cpu-*.json")

@@ -20,15 +20,27 @@ WEATHER_ARGS = {
     "required": ["city", "unit"],
 }
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Current weather in a city.",
-        "parameters": WEATHER_ARGS}},
-    {"type": "function", "function": {
-        "name": "get_time", "description": "Current time in a time zone.",
-        "parameters": {"type": "object", "properties": {"zone": {"type": "string",
-                                                                  "maxLength": 30}},
-                       "required": ["zone"]}}},
-]  # fmt: skip
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city.",
+            "parameters": WEATHER_ARGS,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Current time in a time zone.",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string", "maxLength": 30}},
+                "required": ["zone"],
+            },
+        },
+    },
+]
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
@@ -39,8 +51,7 @@ def client(gateway):
 
 
 def create(client, **kw):
-    kw = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 120,
-          "temperature": 0} | kw  # fmt: skip
+    kw = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 120, "temperature": 0} | kw
     return client.chat.completions.create(**kw)
 
 
@@ -51,8 +62,11 @@ def test_required_tool_choice_returns_calls_whose_arguments_match_their_schema(c
     assert choice.message.content is None and choice.message.tool_calls
     for call in choice.message.tool_calls:
         assert call.type == "function" and call.id.startswith("call_")
-        schema = next(t["function"]["parameters"] for t in TOOLS
-                      if t["function"]["name"] == call.function.name)  # fmt: skip
+        schema = next(
+            t["function"]["parameters"]
+            for t in TOOLS
+            if t["function"]["name"] == call.function.name
+        )
         jsonschema.validate(json.loads(call.function.arguments), schema)
 
 
@@ -84,12 +98,22 @@ def test_auto_answers_in_text_or_calls_and_a_conversation_with_results_goes_on(c
         assert first.message.content  # text it chose to write instead
     history = [
         *ASK,
-        {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_abc", "type": "function",
-            "function": {"name": "get_weather",
-                         "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_abc",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "unit": "celsius"}',
+                    },
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_abc", "content": "18 degrees and sunny"},
-    ]  # fmt: skip
+    ]
     after = create(client, messages=history, tool_choice="auto").choices[0]
     assert after.finish_reason in ("stop", "tool_calls", "length")
     assert after.message.content or after.message.tool_calls
@@ -100,15 +124,31 @@ def test_auto_answers_in_text_or_calls_and_a_conversation_with_results_goes_on(c
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
-         "tools[0].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+            "tools[0].function.name",
+        ),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}]},
-         "tools[0].function.parameters"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"x": {"type": "array", "uniqueItems": True}},
+                            },
+                        },
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_tool_requests_are_a_400_naming_the_field(client, extra, param):
     kw = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 4} | extra
     with pytest.raises(openai.BadRequestError) as err:
@@ -166,9 +206,16 @@ def hermes(smollm2_tokenizer, smollm2_fp32):
     from gateway.prepare import Preparer
 
     tokenizer = smollm2_tokenizer.with_chat_template(HERMES_TEMPLATE)
-    info = ModelInfo(model_id=MODEL, vocab_size=tokenizer.vocab_size, max_model_len=2048,
-                     eos_token_ids=sorted(tokenizer.eos_token_ids), kv_block_size=16,
-                     kv_bytes_per_token=1, dtype="float32", device="cpu")  # fmt: skip
+    info = ModelInfo(
+        model_id=MODEL,
+        vocab_size=tokenizer.vocab_size,
+        max_model_len=2048,
+        eos_token_ids=sorted(tokenizer.eos_token_ids),
+        kv_block_size=16,
+        kv_bytes_per_token=1,
+        dtype="float32",
+        device="cpu",
+    )
     preparer = Preparer(tokenizer, info)
     yield preparer, asyncio.run, tokenizer
     preparer.close()
@@ -185,9 +232,17 @@ def test_a_template_with_tools_gets_calls_in_its_own_syntax(hermes, make_core):
     preparer, run, tokenizer = hermes
     assert preparer.tool_format is ToolFormat.HERMES
     tenant = msgspec.convert({"id": "t", "name": "t", "created_at": 0.0, "policy": {}}, Tenant)
-    body = msgspec.convert({"model": MODEL, "messages": ASK, "tools": TOOLS,
-                            "tool_choice": "required", "max_tokens": 120, "temperature": 0},
-                           ChatCompletionRequest)  # fmt: skip
+    body = msgspec.convert(
+        {
+            "model": MODEL,
+            "messages": ASK,
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "max_tokens": 120,
+            "temperature": 0,
+        },
+        ChatCompletionRequest,
+    )
     job = run(preparer.chat(body, tenant, "chatcmpl-1"))
     run(preparer.check_grammar(job))
     assert job.tools is not None and job.params.grammar is not None
@@ -200,6 +255,9 @@ def test_a_template_with_tools_gets_calls_in_its_own_syntax(hermes, make_core):
     message, finish = job.tools.parse_reply(out.text, "stop")
     assert finish == "tool_calls" and message.tool_calls
     for call in message.tool_calls:
-        schema = next(t["function"]["parameters"] for t in TOOLS
-                      if t["function"]["name"] == call.function.name)  # fmt: skip
+        schema = next(
+            t["function"]["parameters"]
+            for t in TOOLS
+            if t["function"]["name"] == call.function.name
+        )
         jsonschema.validate(json.loads(call.function.arguments), schema)

@@ -36,8 +36,16 @@ SMALL_STEPS = SchedulerConfig(max_num_batched_tokens=16)
 
 
 def tiny_engine(backend: KernelBackend, **options) -> LLM:
-    return LLM(EngineConfig(model="synthetic:tiny", dtype="float32", seed=4, backend=backend,
-                            scheduler=SMALL_STEPS, **options))  # fmt: skip
+    return LLM(
+        EngineConfig(
+            model="synthetic:tiny",
+            dtype="float32",
+            seed=4,
+            backend=backend,
+            scheduler=SMALL_STEPS,
+            **options,
+        )
+    )
 
 
 @pytest.mark.parametrize("kv_dtype", [KVCacheDtype.AUTO, KVCacheDtype.FP8_E4M3])
@@ -77,10 +85,12 @@ def test_triton_backend_serves_adapters_like_the_torch_backend(tmp_path):
     included, give the torch path's tokens."""
     tiny = PRESETS["tiny"]
     adapters = [
-        LoRARequest(name=f"a{i}", path=str(write_random_adapter(
-            tmp_path / f"a{i}", tiny, rank=8, scale=0.2, seed=i)))
+        LoRARequest(
+            name=f"a{i}",
+            path=str(write_random_adapter(tmp_path / f"a{i}", tiny, rank=8, scale=0.2, seed=i)),
+        )
         for i in range(3)
-    ]  # fmt: skip
+    ]
     loras = [None, adapters[0], adapters[1], adapters[2], adapters[0]]
     prompts = [[5 + i, 17, 33 + 2 * i, 9, 101, 7 * i + 1] * (i + 1) for i in range(4)]
     prompts.append(prompts[0])  # the base request's prompt again, through an adapter
@@ -103,8 +113,9 @@ def test_triton_backend_checks_drafts_like_plain_decoding():
     prompts = [[3, 14, 15, 92, 65] * 5, [27, 18, 28] * 6 + [1, 2], [5, 7, 7, 13, 21, 34, 7]]
     cache = CacheConfig(kv_cache_dtype=KVCacheDtype.FP8_E4M3)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    want = [c.token_ids for c in tiny_engine(KernelBackend.TORCH, cache=cache).generate(
-        prompts, params)]  # fmt: skip
+    want = [
+        c.token_ids for c in tiny_engine(KernelBackend.TORCH, cache=cache).generate(prompts, params)
+    ]
     spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, adaptive=False)
     triton_llm = tiny_engine(KernelBackend.TRITON, cache=cache, speculative=spec)
     assert [c.token_ids for c in triton_llm.generate(prompts, params)] == want
@@ -116,8 +127,9 @@ def _dequantized_twin(fp8_llm: LLM, **options) -> LLM:
     """A torch-backend engine of the same model whose projections hold the FP8 engine's
     weights dequantized (float32: exactly the values its kernels multiply by)."""
     twin = tiny_engine(KernelBackend.TORCH, **options)
-    for fp8_layer, layer in zip(fp8_llm.core.runner.model.layers, twin.core.runner.model.layers,
-                                strict=True):  # fmt: skip
+    for fp8_layer, layer in zip(
+        fp8_llm.core.runner.model.layers, twin.core.runner.model.layers, strict=True
+    ):
         for name in PROJECTIONS:
             module = getattr(fp8_layer, name)
             module = getattr(module, "base", module)  # under an adapter's wrapper
@@ -143,8 +155,10 @@ def test_fp8_weights_generate_the_tokens_of_their_dequantized_weights():
     tokens = {name: [c.token_ids for c in run] for name, run in runs.items()}
     assert tokens["fp8"] == tokens["dequantized"]
     assert len({tuple(t) for t in tokens["fp8"]}) == 3
-    logprobs = {name: torch.tensor([[lp.top_logprobs for lp in c.logprobs] for c in run])
-                for name, run in runs.items()}  # fmt: skip
+    logprobs = {
+        name: torch.tensor([[lp.top_logprobs for lp in c.logprobs] for c in run])
+        for name, run in runs.items()
+    }
     torch.testing.assert_close(logprobs["fp8"], logprobs["dequantized"], atol=1e-4, rtol=0)
     assert (logprobs["fp8"] - logprobs["32-bit"]).abs().max() > 1e-3
 
@@ -154,10 +168,12 @@ def test_fp8_weights_serve_adapters_and_drafts_like_their_dequantized_weights(tm
     updates add to the FP8 products as to 16-bit ones, and drafts change no token."""
     tiny = PRESETS["tiny"]
     adapters = [
-        LoRARequest(name=f"a{i}", path=str(write_random_adapter(
-            tmp_path / f"a{i}", tiny, rank=8, scale=0.2, seed=i)))
+        LoRARequest(
+            name=f"a{i}",
+            path=str(write_random_adapter(tmp_path / f"a{i}", tiny, rank=8, scale=0.2, seed=i)),
+        )
         for i in range(2)
-    ]  # fmt: skip
+    ]
     prompts = [[3, 14, 15, 92, 65] * 5, [27, 18, 28] * 6 + [1, 2], [3, 14, 15, 92, 65] * 5]
     loras = [None, adapters[0], adapters[1]]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -165,8 +181,9 @@ def test_fp8_weights_serve_adapters_and_drafts_like_their_dequantized_weights(tm
     spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, adaptive=False)
     fp8 = tiny_engine(KernelBackend.TRITON, weights=WeightFormat.FP8, lora=lora, speculative=spec)
     got = [c.token_ids for c in fp8.generate(prompts, params, lora=loras)]
-    want = [c.token_ids for c in _dequantized_twin(fp8, lora=lora).generate(
-        prompts, params, lora=loras)]  # fmt: skip
+    want = [
+        c.token_ids for c in _dequantized_twin(fp8, lora=lora).generate(prompts, params, lora=loras)
+    ]
     assert got == want
     assert want[2] != want[0], "the adapter changes the tokens"
     assert fp8.core.stats().num_accepted_draft_tokens > 0

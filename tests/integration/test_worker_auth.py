@@ -38,8 +38,16 @@ from tests.lora_files import write_adapter
 
 FLEET_SECRET = secrets.token_urlsafe(32)
 FLEET = ClientAuth(secret=FLEET_SECRET)
-TINY = ["--model", "synthetic:tiny", "--num-kv-blocks", "64", "--block-size", "4",
-        "--dtype", "float32"]  # fmt: skip
+TINY = [
+    "--model",
+    "synthetic:tiny",
+    "--num-kv-blocks",
+    "64",
+    "--block-size",
+    "4",
+    "--dtype",
+    "float32",
+]
 SHORT = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
@@ -59,12 +67,19 @@ def fleet_worker(tmp_path_factory, strata_cache_dir, adapter_root):
     """A worker on loopback TCP that asks for the fleet secret and serves adapters."""
     worker = WorkerProcess(
         tmp_path_factory.mktemp("fleet") / "unused.sock",
-        [*TINY, "--max-loras", "1", "--max-lora-rank", "8",
-         "--adapter-dir", str(adapter_root / "adapters")],
+        [
+            *TINY,
+            "--max-loras",
+            "1",
+            "--max-lora-rank",
+            "8",
+            "--adapter-dir",
+            str(adapter_root / "adapters"),
+        ],
         strata_cache_dir,
         address=f"tcp://127.0.0.1:{_free_port()}",
         env={"STRATA_WORKER_SECRET": FLEET_SECRET},
-    )  # fmt: skip
+    )
     worker.start()
     yield worker
     worker.stop()
@@ -81,8 +96,11 @@ def open_worker(tmp_path_factory, strata_cache_dir):
 
 
 async def tokens(client: EngineClient, rid: str, lora: LoRARequest | None = None) -> list[int]:
-    return [t async for out in client.generate(rid, [1, 2, 3], SHORT, lora=lora)
-            for t in out.new_token_ids]  # fmt: skip
+    return [
+        t
+        async for out in client.generate(rid, [1, 2, 3], SHORT, lora=lora)
+        for t in out.new_token_ids
+    ]
 
 
 def read_until_closed(sock: socket.socket, timeout: float) -> tuple[bytes, float]:
@@ -176,8 +194,12 @@ def start_engine(listen: str, cache_dir: Path, *extra: str, secret: str | None =
         env["STRATA_WORKER_SECRET"] = secret
     return subprocess.run(
         [sys.executable, "-m", "gateway.cli", "engine", "--listen", listen, *TINY, *extra],
-        env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 @pytest.mark.parametrize(
@@ -209,11 +231,30 @@ def tls_worker(tmp_path, strata_cache_dir):
         pytest.skip("the openssl binary is needed to make a test certificate")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-days", "1", "-subj", "/CN=strata-worker", "-keyout", str(key),
-         "-out", str(cert), "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True, timeout=30,
-    )  # fmt: skip
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=strata-worker",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
     worker = WorkerProcess(
         tmp_path / "unused.sock",
         [*TINY, "--tls-cert", str(cert), "--tls-key", str(key)],
@@ -259,10 +300,15 @@ def test_the_gateway_reports_a_worker_that_fails_the_secret_and_serves_through_t
     store_server, strata_cache_dir, fleet_worker, open_worker, adapter_root, caplog
 ):
     settings = dataclasses.replace(
-        gateway_settings(store_server.url, fleet_worker, strata_cache_dir, model="synthetic:tiny",
-                         worker_secret=FLEET_SECRET),
+        gateway_settings(
+            store_server.url,
+            fleet_worker,
+            strata_cache_dir,
+            model="synthetic:tiny",
+            worker_secret=FLEET_SECRET,
+        ),
         engine_addresses=(fleet_worker.address, open_worker.address),
-    )  # fmt: skip
+    )
     server = GatewayServer(settings)
     with caplog.at_level(logging.WARNING, logger="engine.client"):
         server.start()

@@ -134,8 +134,9 @@ def _check_fleet(docs: list[dict]) -> None:
     assert port == str(service["spec"]["ports"][0]["port"])
     assert _arg(args, "--advertise") == f"tcp://$(POD_NAME).{service['metadata']['name']}:{port}"
     store_policy = _by_kind(docs, "NetworkPolicy", "strata-valkey")
-    peers = [p["podSelector"]["matchLabels"] for r in store_policy["spec"]["ingress"]
-             for p in r["from"]]  # fmt: skip
+    peers = [
+        p["podSelector"]["matchLabels"] for r in store_policy["spec"]["ingress"] for p in r["from"]
+    ]
     for labels in (worker_labels, pod["metadata"]["labels"]):
         assert any(_selects(peer, labels) for peer in peers)
     requests = container["resources"]["requests"]

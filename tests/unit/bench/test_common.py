@@ -66,8 +66,11 @@ def test_quick_defaults_yield_to_given_options():
     ap.add_argument("--docs", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--quick", action="store_true")
-    assert vars(parse_args(ap, [], docs=4, tokens=512)) == {"docs": 8, "tokens": 2048,
-                                                            "quick": False}  # fmt: skip
+    assert vars(parse_args(ap, [], docs=4, tokens=512)) == {
+        "docs": 8,
+        "tokens": 2048,
+        "quick": False,
+    }
     args = parse_args(ap, ["--quick", "--docs", "2"], docs=4, tokens=512)
     assert (args.docs, args.tokens) == (2, 512)
 

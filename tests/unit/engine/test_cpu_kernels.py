@@ -181,9 +181,15 @@ def test_paged_decode_reads_every_fp8_value_exactly(kernels):
     scales = torch.ones(2, 1, 16, 2)
     q = torch.randn(1, 2, 128, generator=gen())
     out = kernels.paged_decode(
-        q, pages[0], pages[1], torch.zeros(1, 1, dtype=torch.int64),
-        torch.ones(1, dtype=torch.int32), 0.1, k_scales=scales[0], v_scales=scales[1],
-    )  # fmt: skip
+        q,
+        pages[0],
+        pages[1],
+        torch.zeros(1, 1, dtype=torch.int64),
+        torch.ones(1, dtype=torch.int32),
+        0.1,
+        k_scales=scales[0],
+        v_scales=scales[1],
+    )
     want = values.view(torch.float8_e4m3fn).float()
     assert torch.equal(out.view(-1), want)  # -0.0 comes out +0.0: a sum that starts at 0
 
@@ -400,9 +406,16 @@ def test_fp8_paged_decode_matches_torch(kernels, dtype, heads, kv_heads, head_di
     k_scales, v_scales = pool.layer_scales(0)  # type: ignore[misc]
     assert attn.rotate_keys == (head_dim != 48)
     got = kernels.paged_decode(
-        q, k_pages, v_pages, ctx.decode.block_table, ctx.decode.seq_lens, head_dim**-0.5,
-        k_scales=k_scales, v_scales=v_scales, rotated_keys=attn.rotate_keys,
-    )  # fmt: skip
+        q,
+        k_pages,
+        v_pages,
+        ctx.decode.block_table,
+        ctx.decode.seq_lens,
+        head_dim**-0.5,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        rotated_keys=attn.rotate_keys,
+    )
     torch.testing.assert_close(got.float(), expected.float(), atol=ATOL[dtype], rtol=2e-2)
 
 

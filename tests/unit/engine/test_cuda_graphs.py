@@ -81,17 +81,20 @@ def test_padded_decode_matches_eager_decode(tiny_model, page_dtype):
     assert graphs.slot_mapping[3:].eq(-1).all(), "rows past the batch are padding"
     for pool in pools:
         pool_rows = pool.kv.flatten(2, 3)[:, :, slots].float()
-        torch.testing.assert_close(pool_rows, pools[0].kv.flatten(2, 3)[:, :, slots].float(),
-                                   atol=1e-4, rtol=1e-2)  # fmt: skip
+        torch.testing.assert_close(
+            pool_rows, pools[0].kv.flatten(2, 3)[:, :, slots].float(), atol=1e-4, rtol=1e-2
+        )
 
 
 def _lora_model(root, num_adapters):
     """synthetic:tiny on the Triton LoRA kernels, with `num_adapters` random adapters in
     slots 1..num_adapters; returns the model and its LoRA batch."""
-    model = build_model(load_checkpoint("synthetic:tiny", None, progress=False, seed=3),
-                        torch.float32, CPU)  # fmt: skip
-    manager = LoRAManager(LoRAConfig(max_loras=num_adapters, max_lora_rank=8),
-                          model.config, torch.float32, CPU)  # fmt: skip
+    model = build_model(
+        load_checkpoint("synthetic:tiny", None, progress=False, seed=3), torch.float32, CPU
+    )
+    manager = LoRAManager(
+        LoRAConfig(max_loras=num_adapters, max_lora_rank=8), model.config, torch.float32, CPU
+    )
     batch = apply_lora(model, manager, load_triton_kernels(CPU, "triton_lora"))
     for i in range(num_adapters):
         path = write_random_adapter(root / f"a{i}", PRESETS["tiny"], rank=8, scale=0.2, seed=i)
@@ -113,8 +116,9 @@ def test_lora_decode_over_the_graph_buffers_matches_eager_decode(tmp_path):
     attns = [TritonPagedAttention(pool, cfg.num_heads, block_n=16) for pool in pools]
     prompt_lens = [3, 6, 2, 5, 4, 7]
     tables = [[2 * i, 2 * i + 1, 2 * i + 12] for i in range(len(prompt_lens))]  # 12 tokens
-    prompts = [[(11 * i + 5 * j) % cfg.vocab_size for j in range(n)]
-               for i, n in enumerate(prompt_lens)]  # fmt: skip
+    prompts = [
+        [(11 * i + 5 * j) % cfg.vocab_size for j in range(n)] for i, n in enumerate(prompt_lens)
+    ]
     prefill = [SeqSlice(n, 0, t) for n, t in zip(prompt_lens, tables, strict=True)]
     positions = [p for n in prompt_lens for p in range(n)]
     graphs = DecodeGraphs(model, attns[1], max_batch=8, max_model_len=12, lora=lora)

@@ -277,9 +277,11 @@ def test_a_multi_token_output_without_a_stop_string_is_read_whole(smollm2: Token
     for stop in ((), ("never",)):
         stream = TextStream(smollm2, [1], SamplingParams(stop=stop, max_tokens=16))
         out = RequestOutput(
-            request_id="r", new_token_ids=ids, num_output_tokens=len(ids),
+            request_id="r",
+            new_token_ids=ids,
+            num_output_tokens=len(ids),
             finish_reason=FinishReason.LENGTH,
-        )  # fmt: skip
+        )
         delta = stream.process(out)
         assert delta.text == " one two three" and delta.token_ids == ids
         assert delta.finish_reason is FinishReason.LENGTH and delta.num_output_tokens == len(ids)

@@ -14,9 +14,15 @@ from engine.model_config import ModelConfig
 from tests.lora_files import write_adapter as write_files
 
 CONFIG = ModelConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=8, max_position_embeddings=128,
-)  # fmt: skip
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    max_position_embeddings=128,
+)
 
 
 def write_adapter(root: Path, **kw) -> Path:
@@ -46,9 +52,10 @@ def test_rslora_scales_by_the_square_root_of_the_rank(tmp_path):
 
 def test_target_modules_may_be_a_regex(tmp_path):
     root = write_adapter(
-        tmp_path / "attn", modules=("q_proj", "v_proj"),
+        tmp_path / "attn",
+        modules=("q_proj", "v_proj"),
         settings={"target_modules": r".*\.(q_proj|v_proj)"},
-    )  # fmt: skip
+    )
     assert load_adapter(root, CONFIG).target_modules == {"q_proj", "v_proj"}
 
 
@@ -69,21 +76,21 @@ def test_invalid_adapters_are_rejected_with_one_clear_line(tmp_path):
         "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(8, 31),
         "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.ones(32, 8),
     }
-    assert "needs A (8, 32)" in bad(tmp_path, modules=("q_proj",), tensors=wrong)  # fmt: skip
+    assert "needs A (8, 32)" in bad(tmp_path, modules=("q_proj",), tensors=wrong)
     lonely = {"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": torch.ones(8, 32)}
     assert "not its pair" in bad(tmp_path, modules=("up_proj",), tensors=lonely)
     deep = {
         "base_model.model.model.layers.7.mlp.up_proj.lora_A.weight": torch.ones(8, 32),
         "base_model.model.model.layers.7.mlp.up_proj.lora_B.weight": torch.ones(48, 8),
     }
-    assert "layer 7" in bad(tmp_path, modules=("up_proj",), tensors=deep)  # fmt: skip
+    assert "layer 7" in bad(tmp_path, modules=("up_proj",), tensors=deep)
     head = {"base_model.model.lm_head.lora_A.weight": torch.ones(8, 32)}
     assert "unsupported tensor" in bad(tmp_path, tensors=head)
     nan = {
         "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": torch.full((8, 32), math.nan),
         "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight": torch.ones(48, 8),
     }
-    assert "non-finite" in bad(tmp_path, modules=("up_proj",), tensors=nan)  # fmt: skip
+    assert "non-finite" in bad(tmp_path, modules=("up_proj",), tensors=nan)
 
 
 def test_missing_or_corrupt_files_are_rejected(tmp_path):

@@ -228,8 +228,9 @@ def test_a_sampled_row_draws_from_its_distribution_restricted_to_allowed_tokens(
     probs = torch.full((JV,), 1e-9)
     probs[PARIS], probs[ord("1")], probs[ord("2")] = 0.7, 0.2, 0.1
     logits = probs.log().expand(3000, JV)
-    rows = [constrained(grammars, {"type": "integer"}, temperature=1.0, seed=i)
-            for i in range(3000)]  # fmt: skip
+    rows = [
+        constrained(grammars, {"type": "integer"}, temperature=1.0, seed=i) for i in range(3000)
+    ]
     tokens = run_constrained(rows, logits).token_ids.tolist()
     assert set(tokens) <= {ord(c) for c in "0123456789-"}
     share = tokens.count(ord("1")) / len(tokens)
@@ -247,9 +248,11 @@ def test_a_seeded_constrained_row_repeats_whatever_its_batch(grammars):
     logits = torch.randn(4, JV, generator=torch.Generator().manual_seed(0))
     params = {"temperature": 1.0, "seed": 11}
     alone = run_constrained([constrained(grammars, {"type": "object"}, **params)], logits[:1])
-    mates = [constrained(grammars, {"type": "object"}, **params),
-             *reqs(SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)),
-             constrained(grammars, {"type": "integer"}, temperature=0.5)]  # fmt: skip
+    mates = [
+        constrained(grammars, {"type": "object"}, **params),
+        *reqs(SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)),
+        constrained(grammars, {"type": "integer"}, temperature=0.5),
+    ]
     batch = run_constrained(mates, logits)
     assert batch.token_ids[0] == alone.token_ids[0]
 

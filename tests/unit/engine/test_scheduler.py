@@ -16,9 +16,11 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 def make(num_blocks=64, block_size=4, cache_namespace="", **cfg):
     bm = BlockManager(num_blocks, block_size)
     return Scheduler(
-        SchedulerConfig(**cfg), bm, max_model_len=num_blocks * block_size,
+        SchedulerConfig(**cfg),
+        bm,
+        max_model_len=num_blocks * block_size,
         cache_namespace=cache_namespace,
-    )  # fmt: skip
+    )
 
 
 def run_step(s: Scheduler, token=7):
@@ -184,10 +186,14 @@ def _flood(s: Scheduler, tenant: str, n: int, weight: float = 1.0, t0: float = 0
     for i in range(n):
         s.add_request(
             Request(
-                f"{tenant}{i}", [1, 2, 3, 4], SamplingParams(max_tokens=8), tenant=tenant,
-                weight=weight, arrival_time=t0 + i,
+                f"{tenant}{i}",
+                [1, 2, 3, 4],
+                SamplingParams(max_tokens=8),
+                tenant=tenant,
+                weight=weight,
+                arrival_time=t0 + i,
             )
-        )  # fmt: skip
+        )
 
 
 def test_fair_policy_shares_the_engine_by_weight():
@@ -292,8 +298,9 @@ def _disk_backed(tmp_path, **cfg):
     from kvstore.tiers import KVOffloader, TieredKVStore
 
     pool = DeviceKVPool(KVCacheSpec(1, 1, 16, 4, torch.float32), 8, torch.device("cpu"))
-    store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=0, disk_blocks=16,
-                          disk_dir=tmp_path)  # fmt: skip
+    store = TieredKVStore(
+        pool.spec.bytes_per_block, host_blocks=0, disk_blocks=16, disk_dir=tmp_path
+    )
     bm = BlockManager(8, 4, offloader=KVOffloader(pool, store))
     return Scheduler(SchedulerConfig(**cfg), bm, max_model_len=32, cache_namespace="m"), store
 

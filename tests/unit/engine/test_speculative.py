@@ -107,9 +107,11 @@ def test_options_are_checked():
 def make(k=4, num_blocks=64, block_size=4, max_model_len=None, **cfg):
     bm = BlockManager(num_blocks, block_size)
     return Scheduler(
-        SchedulerConfig(**cfg), bm, max_model_len=max_model_len or num_blocks * block_size,
+        SchedulerConfig(**cfg),
+        bm,
+        max_model_len=max_model_len or num_blocks * block_size,
         speculative=SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1),
-    )  # fmt: skip
+    )
 
 
 def step(s: Scheduler, model: dict[int, int]):

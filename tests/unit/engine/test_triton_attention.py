@@ -50,8 +50,9 @@ def fill_contexts(ref: PagedAttention, pools, seqs, dtype, gen):
     hkv, d = ref.num_kv_heads, ref.head_dim
     k = torch.randn(total, hkv, d, generator=gen).to(dtype)
     v = torch.randn(total, hkv, d, generator=gen).to(dtype)
-    ref.forward(0, torch.zeros(total, ref.num_heads, d, dtype=dtype), k, v,
-                ref.build_context(cached))  # fmt: skip
+    ref.forward(
+        0, torch.zeros(total, ref.num_heads, d, dtype=dtype), k, v, ref.build_context(cached)
+    )
     pools[1].kv.copy_(pools[0].kv)
     if pools[0].scales is not None:
         pools[1].scales.copy_(pools[0].scales)

@@ -48,9 +48,15 @@ def test_rope_on_strided_views(ops, dtype, adjacent, tokens):
     after q's: one launch, outputs in one buffer), also for one token, whose views' row
     strides differ; or as unrelated tensors (two launches)."""
     cfg = ModelConfig(
-        vocab_size=16, hidden_size=96, intermediate_size=8, num_layers=1, num_heads=6,
-        num_kv_heads=2, head_dim=16, max_position_embeddings=512,
-    )  # fmt: skip
+        vocab_size=16,
+        hidden_size=96,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
     rope = RotaryEmbedding(cfg)
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(tokens, (6 + 2 + 2) * 16, generator=gen).to(dtype)

@@ -59,8 +59,12 @@ def test_static_rows_pad_with_zero_length_tiles():
     order, tile_slot, tile_start, tile_len = batch.static_rows([0, 3, 1, 3, 0])
     assert order == [2, 1, 3, 0, 0]
     assert list(zip(tile_slot, tile_start, tile_len, strict=True)) == [
-        (1, 0, 1), (3, 1, 2), (0, 0, 0), (0, 0, 0), (0, 0, 0)
-    ]  # fmt: skip
+        (1, 0, 1),
+        (3, 1, 2),
+        (0, 0, 0),
+        (0, 0, 0),
+        (0, 0, 0),
+    ]
     assert batch.static_rows([0, 0]) == [[0, 0]] * 4
 
 
@@ -79,8 +83,9 @@ def test_padding_tiles_leave_the_dynamic_result(dtype):
     token_slots = [2, 0, 1, 2, 3, 0, 2, 1] + [0] * 4  # the last 4 rows: padding
     order, tiles = group_by_slot(token_slots, ops.BLOCK_T)
     dynamic_tiles = torch.tensor(tiles, dtype=torch.int32).t().contiguous()
-    want = ops.lora_apply(y.clone(), x, a, b, torch.tensor(order, dtype=torch.int32),
-                          tuple(dynamic_tiles))  # fmt: skip
+    want = ops.lora_apply(
+        y.clone(), x, a, b, torch.tensor(order, dtype=torch.int32), tuple(dynamic_tiles)
+    )
     assert not torch.equal(want, y), "the adapters change the output"
     static = torch.randint(0, slots, (4, num_rows), generator=gen, dtype=torch.int32)
     static[0, : len(order)] = torch.tensor(order)

@@ -17,10 +17,16 @@ A, B = "tcp://worker-0:7000", "tcp://worker-1:7000"
 def _stats(**fields: object) -> EngineStats:
     """An idle worker's figures, with `fields` in place of its own."""
     idle = EngineStats(
-        num_waiting=0, num_running=0, num_kv_blocks_total=100, num_kv_blocks_used=0,
-        num_kv_blocks_free=100, kv_block_size=16, num_preemptions=0, num_steps=0,
+        num_waiting=0,
+        num_running=0,
+        num_kv_blocks_total=100,
+        num_kv_blocks_used=0,
+        num_kv_blocks_free=100,
+        kv_block_size=16,
+        num_preemptions=0,
+        num_steps=0,
         num_generated_tokens=0,
-    )  # fmt: skip
+    )
     return msgspec.structs.replace(idle, **fields)
 
 
@@ -37,12 +43,18 @@ def _types(metrics: GatewayMetrics) -> dict[str, str]:
 def test_each_workers_figures_carry_its_address() -> None:
     metrics = GatewayMetrics()
     a = _stats(
-        num_running=3, num_loading=1, num_preemptions=2, kv_bytes_per_token=18_432,
+        num_running=3,
+        num_loading=1,
+        num_preemptions=2,
+        kv_bytes_per_token=18_432,
         num_cache_hit_blocks={"device": 5, "host": 4, "disk": 0},
-        num_kv_spilled_blocks={"host": 10, "disk": 3}, num_kv_dropped_blocks=1,
-        num_kv_host_blocks_total=50, num_kv_host_blocks_used=7,
-        num_draft_tokens=40, num_accepted_draft_tokens=31,
-    )  # fmt: skip
+        num_kv_spilled_blocks={"host": 10, "disk": 3},
+        num_kv_dropped_blocks=1,
+        num_kv_host_blocks_total=50,
+        num_kv_host_blocks_used=7,
+        num_draft_tokens=40,
+        num_accepted_draft_tokens=31,
+    )
     b = _stats(num_running=1, num_kv_disk_write_errors=2, num_kv_disk_checksum_failures=3)
     metrics.set_engine({A: a, B: b})
     v = _values(metrics)
@@ -70,15 +82,26 @@ def test_totals_since_start_are_counters_and_no_created_series() -> None:
     metrics = GatewayMetrics()
     metrics.set_engine({A: _stats(num_preemptions=1)})
     record = UsageRecord(
-        request_id="r1", tenant_id="t1", key_id="k1", model="m", prompt_tokens=3,
-        completion_tokens=2, status="stop", e2e_ms=5.0,
-    )  # fmt: skip
+        request_id="r1",
+        tenant_id="t1",
+        key_id="k1",
+        model="m",
+        prompt_tokens=3,
+        completion_tokens=2,
+        status="stop",
+        e2e_ms=5.0,
+    )
     metrics.finished(record, first_token_at=None, started=0.0)
     metrics.rejected("t1", "rpm")
     types = _types(metrics)
-    for name in ("strata:num_preemptions", "strata:kv_cache_hit_blocks",
-                 "strata:kv_disk_write_errors", "strata:spec_decode_num_draft_tokens",
-                 "strata:request_success", "strata:request_rejected"):  # fmt: skip
+    for name in (
+        "strata:num_preemptions",
+        "strata:kv_cache_hit_blocks",
+        "strata:kv_disk_write_errors",
+        "strata:spec_decode_num_draft_tokens",
+        "strata:request_success",
+        "strata:request_rejected",
+    ):
         assert types[name] == "counter", name
     assert types["strata:num_requests_running"] == "gauge"
     assert types["strata:e2e_request_latency_seconds"] == "histogram"
@@ -138,3 +161,24 @@ def test_metrics_shared_between_processes_need_their_mode_chosen_before_import(t
     scrape would read one process's share as if it were the replica's."""
     with pytest.raises(RuntimeError, match="PROMETHEUS_MULTIPROC_DIR"):
         GatewayMetrics(shared_dir=str(tmp_path))
+
+
+def test_the_fleet_view_by_model_and_state_and_the_registry_only_where_there_is_one() -> None:
+    from gateway.metrics import FleetView
+
+    metrics = GatewayMetrics(process_index=1)
+    assert not any(name.startswith("strata:fleet") for name in _values(metrics))  # no view yet
+    view = FleetView(
+        registry_up=False,
+        workers={("m", "serving"): 2, ("m", "drained"): 1},
+        dropped={"invalid_record": 3, "unknown_worker": 0},
+    )
+    metrics.set_fleet(view)
+    values = _values(metrics)
+    assert values['strata:fleet_registry_up{process="1"}'] == 0
+    assert values['strata:fleet_workers{model="m",process="1",state="serving"}'] == 2
+    assert values['strata:fleet_workers{model="m",process="1",state="drained"}'] == 1
+    assert values['strata:fleet_dropped_messages_total{process="1",reason="invalid_record"}'] == 3
+    assert _types(metrics)["strata:fleet_dropped_messages"] == "counter"
+    metrics.set_fleet(FleetView(registry_up=None, workers={}, dropped={}))
+    assert not any(name.startswith("strata:fleet_registry_up") for name in _values(metrics))

@@ -17,9 +17,15 @@ from gateway.prepare import Preparer
 from tenants.records import Policy, Tenant
 
 INFO = ModelInfo(
-    model_id="smollm2", vocab_size=49152, max_model_len=2048, eos_token_ids=[2],
-    kv_block_size=16, kv_bytes_per_token=23040, dtype="bfloat16", device="cpu",
-)  # fmt: skip
+    model_id="smollm2",
+    vocab_size=49152,
+    max_model_len=2048,
+    eos_token_ids=[2],
+    kv_block_size=16,
+    kv_bytes_per_token=23040,
+    dtype="bfloat16",
+    device="cpu",
+)
 
 
 @pytest.fixture
@@ -31,9 +37,12 @@ def preparer(smollm2_tokenizer) -> Iterator[Preparer]:
 
 def tenant(tenant_id: str = "acme", **policy) -> Tenant:
     return Tenant(
-        id=tenant_id, name="Acme", created_at=0.0, policy=Policy(**policy),
+        id=tenant_id,
+        name="Acme",
+        created_at=0.0,
+        policy=Policy(**policy),
         cache_salt=f"secret-of-{tenant_id}",
-    )  # fmt: skip
+    )
 
 
 async def test_job_carries_the_tenants_priority_and_weight(preparer):
@@ -173,15 +182,20 @@ async def test_parameters_strata_does_not_implement_are_refused_not_ignored(prep
     with pytest.raises(APIError) as err:
         await prepare(body, tenant(), "r-1")
     assert (err.value.status, err.value.param, err.value.code) == (
-        400, param, "unsupported_parameter",
-    )  # fmt: skip
+        400,
+        param,
+        "unsupported_parameter",
+    )
 
 
 async def test_neutral_values_of_those_parameters_are_accepted(preparer):
     neutral = chat_with(
-        tools=[], tool_choice="none", function_call="none", response_format={"type": "text"},
+        tools=[],
+        tool_choice="none",
+        function_call="none",
+        response_format={"type": "text"},
         logit_bias={},
-    )  # fmt: skip
+    )
     assert (await preparer.chat(neutral, tenant(), "r-1")).prompts[0]
     completion = CompletionRequest(model="default", prompt="hi", best_of=2, n=2, suffix="")
     assert (await preparer.completion(completion, tenant(), "r-2")).prompts[0]
@@ -192,10 +206,12 @@ async def test_response_formats_reach_the_engine_as_json_schemas(preparer):
     formats = {
         "text": ({"type": "text"}, None),
         "json_object": ({"type": "json_object"}, {"type": "object"}),
-        "json_schema": ({"type": "json_schema", "json_schema": {"name": "A", "schema": schema,
-                                                                "strict": True}}, schema),
+        "json_schema": (
+            {"type": "json_schema", "json_schema": {"name": "A", "schema": schema, "strict": True}},
+            schema,
+        ),
         "no schema": ({"type": "json_schema", "json_schema": {"name": "any"}}, True),
-    }  # fmt: skip
+    }
     for response_format, expected in formats.values():
         job = await preparer.chat(chat_with(response_format=response_format), tenant(), "r-1")
         given = job.params.json_schema
@@ -212,7 +228,7 @@ async def test_response_formats_reach_the_engine_as_json_schemas(preparer):
         ({"type": "json_schema", "json_schema": {"schema": {}}}, "name must be"),
         ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}, "name must be"),
     ],
-)  # fmt: skip
+)
 async def test_bad_response_formats_are_a_400_naming_the_problem(
     preparer, response_format, message
 ):

@@ -12,8 +12,12 @@ def test_delay_doubles_while_the_child_dies_young_and_is_capped():
     for _ in range(8):
         delay = restart_delay(delay, ran_for_s=2.0, healthy_after_s=60.0)
         seen.append(delay)
-    assert seen[:4] == [RESTART_FIRST_S, 2 * RESTART_FIRST_S, 4 * RESTART_FIRST_S,
-                        8 * RESTART_FIRST_S]  # fmt: skip
+    assert seen[:4] == [
+        RESTART_FIRST_S,
+        2 * RESTART_FIRST_S,
+        4 * RESTART_FIRST_S,
+        8 * RESTART_FIRST_S,
+    ]
     assert seen[-1] == RESTART_MAX_S
 
 

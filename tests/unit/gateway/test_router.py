@@ -9,8 +9,9 @@ KV, LEAST, RR = RoutingPolicy.KV_AWARE, RoutingPolicy.LEAST_LOADED, RoutingPolic
 
 
 def pick(policy, candidates, prompt_tokens=2048, turn=0) -> str:
-    return choose(policy, candidates, prompt_tokens=prompt_tokens, block_size=16,
-                  turn=turn).worker_id  # fmt: skip
+    return choose(
+        policy, candidates, prompt_tokens=prompt_tokens, block_size=16, turn=turn
+    ).worker_id
 
 
 def test_kv_aware_goes_where_the_document_is_cached():

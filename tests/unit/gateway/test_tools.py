@@ -78,10 +78,14 @@ ANSWER = {"content": "It is sunny."}
         ("auto", True, [CALL, ANSWER], []),
         ("required", True, [CALL, TWO_CALLS], [ANSWER]),
         ("required", False, [CALL], [TWO_CALLS, ANSWER]),
-        (named("get_time"), True, [{"tool_calls": [{"name": "get_time", "arguments": {}}]}],
-         [CALL, ANSWER]),
+        (
+            named("get_time"),
+            True,
+            [{"tool_calls": [{"name": "get_time", "arguments": {}}]}],
+            [CALL, ANSWER],
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_reply_schema_allows_what_the_tool_choice_allows(choice, parallel, allowed, refused):
     plan = plan_tools(tools(WEATHER, CLOCK), choice, parallel)
     assert plan is not None
@@ -103,13 +107,17 @@ def test_no_plan_without_tools_or_with_tool_choice_none():
 @pytest.mark.parametrize(
     ("specs", "choice", "param", "message"),
     [
-        ([{"type": "function", "function": {"name": "get weather"}}], None,
-         "tools[0].function.name", "tool names must be"),
+        (
+            [{"type": "function", "function": {"name": "get weather"}}],
+            None,
+            "tools[0].function.name",
+            "tool names must be",
+        ),
         ([CLOCK, CLOCK], None, "tools[1]", "two tools are named 'get_time'"),
         ([CLOCK], named("get_weather"), "tool_choice", "not in tools"),
         ([], "required", "tool_choice", "tool_choice needs tools"),
     ],
-)  # fmt: skip
+)
 def test_bad_tools_are_a_400_naming_the_field(specs, choice, param, message):
     with pytest.raises(APIError, match=message) as err:
         plan_tools(tools(*specs), choice, True)
@@ -122,13 +130,21 @@ def test_calls_in_the_conversation_are_shown_as_the_model_writes_them():
     messages = msgspec.convert(
         [
             {"role": "user", "content": "Weather in Oslo?"},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1",
-             "type": "function", "function": {"name": "get_weather",
-                                              "arguments": '{"city": "Oslo"}'}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": "call_1", "content": "12 C, sunny"},
         ],
         list[ChatMessage],
-    )  # fmt: skip
+    )
     rendered = render_messages(messages, plan)
     assert rendered[0] == {"role": "system", "content": plan.instructions}
     assert json.loads(rendered[2]["content"]) == {
@@ -179,12 +195,17 @@ def test_tools_with_their_own_definitions_keep_them_apart():
         "properties": {"at": {"$ref": "#/$defs/P"}},
         "required": ["at"],
     }
-    label = {"$defs": {"P": {"type": "string", "maxLength": 3}},
-             "type": "object", "properties": {"text": {"$ref": "#/$defs/P"}},
-             "required": ["text"]}  # fmt: skip
+    label = {
+        "$defs": {"P": {"type": "string", "maxLength": 3}},
+        "type": "object",
+        "properties": {"text": {"$ref": "#/$defs/P"}},
+        "required": ["text"],
+    }
     tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
-    specs = [{"type": "function", "function": {"name": n, "parameters": p}}
-             for n, p in (("move", point), ("say", label), ("grow", tree))]  # fmt: skip
+    specs = [
+        {"type": "function", "function": {"name": n, "parameters": p}}
+        for n, p in (("move", point), ("say", label), ("grow", tree))
+    ]
     plan = plan_tools(tools(*specs), "required", True)
     assert plan is not None
     call = lambda name, args: {"tool_calls": [{"name": name, "arguments": args}]}  # noqa: E731
@@ -218,24 +239,39 @@ MISTRAL_CALL = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo
 @pytest.mark.parametrize(
     ("fmt", "choice", "parallel", "allowed", "refused"),
     [
-        (ToolFormat.HERMES, "required", True,
-         [HERMES_CALL, HERMES_CALL + "\n" + HERMES_CALL.replace("Oslo", "Rome")],
-         ["Sure.", HERMES_CALL.replace('"city": "Oslo"', '"town": "Oslo"')]),
-        (ToolFormat.HERMES, "auto", False, ["It is sunny.", "Let me check.\n" + HERMES_CALL],
-         [HERMES_CALL + "\n" + HERMES_CALL]),
-        (ToolFormat.LLAMA3_JSON, "required", True, [LLAMA_CALL, f"{LLAMA_CALL}; {LLAMA_CALL}"],
-         ['{"name": "get_weather", "arguments": {"city": "Oslo"}}']),
+        (
+            ToolFormat.HERMES,
+            "required",
+            True,
+            [HERMES_CALL, HERMES_CALL + "\n" + HERMES_CALL.replace("Oslo", "Rome")],
+            ["Sure.", HERMES_CALL.replace('"city": "Oslo"', '"town": "Oslo"')],
+        ),
+        (
+            ToolFormat.HERMES,
+            "auto",
+            False,
+            ["It is sunny.", "Let me check.\n" + HERMES_CALL],
+            [HERMES_CALL + "\n" + HERMES_CALL],
+        ),
+        (
+            ToolFormat.LLAMA3_JSON,
+            "required",
+            True,
+            [LLAMA_CALL, f"{LLAMA_CALL}; {LLAMA_CALL}"],
+            ['{"name": "get_weather", "arguments": {"city": "Oslo"}}'],
+        ),
         (ToolFormat.LLAMA3_JSON, "auto", True, ["Hello there.", LLAMA_CALL], ["{oops"]),
         (ToolFormat.MISTRAL, "required", False, [MISTRAL_CALL], ["Hi", "[TOOL_CALLS][]"]),
         (named("get_time"), None, True, [], []),
     ],
-)  # fmt: skip
+)
 def test_native_grammars_allow_the_models_own_syntax(fmt, choice, parallel, allowed, refused):
     if not isinstance(fmt, ToolFormat):
         plan = plan_tools(tools(WEATHER, CLOCK), fmt, True, ToolFormat.HERMES)
         assert plan is not None and plan.grammar is not None
-        assert allows_text('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
-                           grammar=plan.grammar)  # fmt: skip
+        assert allows_text(
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', grammar=plan.grammar
+        )
         assert not allows_text(HERMES_CALL, grammar=plan.grammar)
         return
     plan = plan_tools(tools(WEATHER, CLOCK), choice, parallel, fmt)
@@ -251,23 +287,33 @@ def test_native_grammars_allow_the_models_own_syntax(fmt, choice, parallel, allo
     ("fmt", "text", "content", "calls"),
     [
         (ToolFormat.HERMES, "Checking.\n" + HERMES_CALL, "Checking.", [("get_weather", "Oslo")]),
-        (ToolFormat.LLAMA3_JSON, f"<|python_tag|>{LLAMA_CALL}; {LLAMA_CALL}", None,
-         [("get_weather", "Oslo")] * 2),
+        (
+            ToolFormat.LLAMA3_JSON,
+            f"<|python_tag|>{LLAMA_CALL}; {LLAMA_CALL}",
+            None,
+            [("get_weather", "Oslo")] * 2,
+        ),
         (ToolFormat.MISTRAL, MISTRAL_CALL, None, [("get_weather", "Oslo")]),
-        (ToolFormat.MISTRAL, MISTRAL_CALL.removeprefix("[TOOL_CALLS]"), None,
-         [("get_weather", "Oslo")]),
-        (ToolFormat.HERMES, "<tool_call>\n{\"name\": \"get_wea", None, []),
+        (
+            ToolFormat.MISTRAL,
+            MISTRAL_CALL.removeprefix("[TOOL_CALLS]"),
+            None,
+            [("get_weather", "Oslo")],
+        ),
+        (ToolFormat.HERMES, '<tool_call>\n{"name": "get_wea', None, []),
         (ToolFormat.LLAMA3_JSON, "Just text.", None, []),
     ],
-)  # fmt: skip
+)
 def test_native_replies_become_openai_messages(fmt, text, content, calls):
     message, finish = parse_native(text, "stop", fmt)
     if not calls:
         assert (message.content, message.tool_calls, finish) == (text, None, "stop")
         return
     assert finish == "tool_calls" and message.content == content
-    got = [(c.function.name, json.loads(c.function.arguments)["city"])
-           for c in message.tool_calls or []]  # fmt: skip
+    got = [
+        (c.function.name, json.loads(c.function.arguments)["city"])
+        for c in message.tool_calls or []
+    ]
     assert got == calls
 
 
@@ -288,18 +334,27 @@ def test_native_turns_keep_calls_and_results_as_templates_read_them():
     messages = msgspec.convert(
         [
             {"role": "user", "content": "Weather in Oslo?"},
-            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1",
-             "type": "function", "function": {"name": "get_weather",
-                                              "arguments": '{"city": "Oslo"}'}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": "call_1", "content": "12 C, sunny"},
         ],
         list[ChatMessage],
-    )  # fmt: skip
+    )
     rendered = render_messages(messages, plan)
     assert len(rendered) == 3 and rendered[0] == {"role": "user", "content": "Weather in Oslo?"}
     assert rendered[1]["tool_calls"][0]["function"] == {
-        "name": "get_weather", "arguments": {"city": "Oslo"}
-    }  # fmt: skip
+        "name": "get_weather",
+        "arguments": {"city": "Oslo"},
+    }
     assert rendered[2] == {"role": "tool", "content": "12 C, sunny", "tool_call_id": "call_1"}
 
 

@@ -19,8 +19,9 @@ from tests.unit.kvstore.test_tiers import HeldReaders, HeldWriters, filled_pool,
 def on_disk(tmp_path, num_pages: int = 4, disk_blocks: int = 8):
     """A pool whose first `num_pages` pages are written to a disk-only store."""
     pool = filled_pool(torch.float8_e4m3fn, num_blocks=16)
-    store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=0, disk_blocks=disk_blocks,
-                          disk_dir=tmp_path)  # fmt: skip
+    store = TieredKVStore(
+        pool.spec.bytes_per_block, host_blocks=0, disk_blocks=disk_blocks, disk_dir=tmp_path
+    )
     offloader = KVOffloader(pool, store)
     offloader.spill([(b, key(b), "t") for b in range(num_pages)])
     assert store.disk is not None
@@ -155,8 +156,9 @@ def test_a_page_evicted_while_being_read_is_a_miss_and_its_slot_is_untouched(tmp
 @pytest.mark.parametrize("num_pages", [1, 8])
 def test_pages_still_being_written_are_read_ahead_from_their_staging(tmp_path, num_pages):
     pool = filled_pool(torch.bfloat16)
-    store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=0, disk_blocks=8,
-                          disk_dir=tmp_path)  # fmt: skip
+    store = TieredKVStore(
+        pool.spec.bytes_per_block, host_blocks=0, disk_blocks=8, disk_dir=tmp_path
+    )
     offloader = KVOffloader(pool, store)
     assert store.disk is not None
     writers = HeldWriters(store)

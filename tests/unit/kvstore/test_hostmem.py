@@ -16,8 +16,13 @@ from tests.huge_pages import THP_MODE, huge_kib, needs_thp
 
 
 def test_arena_hands_out_zeroed_aligned_disjoint_tensors() -> None:
-    shapes = [((3, 5), torch.bfloat16), ((7,), torch.float32), ((1000,), torch.uint8),
-              ((HUGE_PAGE,), torch.uint8), ((2, 3, 4), torch.int64)]  # fmt: skip
+    shapes = [
+        ((3, 5), torch.bfloat16),
+        ((7,), torch.float32),
+        ((1000,), torch.uint8),
+        ((HUGE_PAGE,), torch.uint8),
+        ((2, 3, 4), torch.int64),
+    ]
     arena = HostArena(HostArena.size_of(shapes))
     assert arena.huge
     taken = [arena.take(shape, dtype) for shape, dtype in shapes]
@@ -65,8 +70,9 @@ def test_refused_advice_leaves_a_working_arena_in_small_pages(
 
 @needs_thp
 def test_host_kv_pool_lives_in_huge_pages() -> None:
-    spec = KVCacheSpec(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16,
-                       dtype=torch.bfloat16)  # fmt: skip
+    spec = KVCacheSpec(
+        num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16
+    )
     pool = DeviceKVPool(spec, num_blocks=256, device=torch.device("cpu"))
     assert pool.kv.numel() * 2 == 8 << 20 and not pool.kv.any()
     assert huge_kib(pool.kv) >= 8 << 10

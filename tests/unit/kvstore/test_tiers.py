@@ -101,8 +101,9 @@ def test_device_host_disk_device_round_trip_is_bit_exact(tmp_path, dtype):
 
 def test_a_page_still_being_written_reads_from_its_staging_buffer(tmp_path):
     pool = filled_pool(torch.bfloat16)
-    store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=0, disk_blocks=2,
-                          disk_dir=tmp_path)  # fmt: skip
+    store = TieredKVStore(
+        pool.spec.bytes_per_block, host_blocks=0, disk_blocks=2, disk_dir=tmp_path
+    )
     page = pool.read_pages([3])[0]
     assert store.disk is not None
     store.disk._io.submit(time.sleep, 0.3)  # hold the writer back
@@ -114,8 +115,9 @@ def test_a_page_still_being_written_reads_from_its_staging_buffer(tmp_path):
 
 def test_corrupt_or_truncated_disk_pages_are_misses(tmp_path, caplog):
     pool = filled_pool(torch.float8_e4m3fn)
-    store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=0, disk_blocks=4,
-                          disk_dir=tmp_path)  # fmt: skip
+    store = TieredKVStore(
+        pool.spec.bytes_per_block, host_blocks=0, disk_blocks=4, disk_dir=tmp_path
+    )
     disk = store.disk
     assert disk is not None
     for b in range(3):
@@ -231,8 +233,9 @@ def test_block_manager_stress_keeps_every_tier_consistent(tmp_path, load):
     tiny tiers: every block ever loaded back holds exactly the page its hash was computed
     with. `thread`: host rows are read in place by a worker thread while the tiers churn."""
     pool = DeviceKVPool(KVCacheSpec(1, 1, 16, 4, torch.float32), 6, CPU, load)
-    store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=3, disk_blocks=5,
-                          disk_dir=tmp_path)  # fmt: skip
+    store = TieredKVStore(
+        pool.spec.bytes_per_block, host_blocks=3, disk_blocks=5, disk_dir=tmp_path
+    )
     bm = BlockManager(6, 4, offloader=KVOffloader(pool, store))
     rng = random.Random(7)
     docs = [[rng.randrange(50) for _ in range(12)] for _ in range(6)]
@@ -312,8 +315,10 @@ def test_host_slots_taken_at_once_match_one_at_a_time(tmp_path):
     """A spill's slots taken in one pass push out the same least recently used pages (not
     the kept ones) as taking them one by one; where the pages there cannot make room for
     the whole batch, or an owner has an allowance, nothing is taken at once."""
-    stores = [TieredKVStore(4096, host_blocks=6, disk_blocks=8, disk_dir=tmp_path / d)
-              for d in ("once", "each")]  # fmt: skip
+    stores = [
+        TieredKVStore(4096, host_blocks=6, disk_blocks=8, disk_dir=tmp_path / d)
+        for d in ("once", "each")
+    ]
     for store in stores:
         for i in range(6):
             store.put(key(i), torch.full((4096,), i, dtype=torch.uint8), owner="a")
@@ -376,8 +381,9 @@ def test_block_manager_counts_blocks_per_tenant():
 
 def test_spill_ahead_saves_the_next_reused_pages_so_allocation_copies_nothing(tmp_path):
     pool = filled_pool(torch.float32, num_blocks=8)
-    store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=8, disk_blocks=0,
-                          disk_dir=tmp_path)  # fmt: skip
+    store = TieredKVStore(
+        pool.spec.bytes_per_block, host_blocks=8, disk_blocks=0, disk_dir=tmp_path
+    )
     bm = BlockManager(8, 4, offloader=KVOffloader(pool, store))
     docs = {f"r{i}": [10 * i + j for j in range(8)] for i in range(3)}  # two blocks each
     hashes = {rid: chain_hashes(root_hash("t"), toks, 4, 0) for rid, toks in docs.items()}

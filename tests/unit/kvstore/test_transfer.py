@@ -160,8 +160,13 @@ def test_host_slots_group_into_runs_of_neighbours_in_slot_order():
     """The 2-D copies of host rows (kvstore/transfer.py, `copy` reads) go one per run."""
     assert transfer.slot_runs([]) == []
     assert transfer.slot_runs([7, 3, 39, 0, 21, 22, 23, 5]) == [
-        (0, 1), (3, 1), (5, 1), (7, 1), (21, 3), (39, 1)
-    ]  # fmt: skip
+        (0, 1),
+        (3, 1),
+        (5, 1),
+        (7, 1),
+        (21, 3),
+        (39, 1),
+    ]
     assert transfer.slot_runs(list(range(100, 0, -1))) == [(1, 100)]
 
 

@@ -45,14 +45,24 @@ def sample_records(n: int = 120) -> list[UsageRecord]:
     recs = []
     for i in range(n):
         model = "unpriced" if i % 11 == 0 else "smollm2"
-        recs.append(UsageRecord(
-            request_id=f"chatcmpl-{i:04d}", tenant_id=("tenant-a", "tenant-b")[i % 2],
-            key_id="key-1", model=model, adapter=(None, "lora-x", "lora-free")[i % 3],
-            user=("alice", None, 'bob, "the" builder\n')[i % 3], prompt_tokens=1000 + 37 * i,
-            cached_tokens=(i % 4) * 100, completion_tokens=50 + i, status="stop",
-            ttft_ms=None if i % 5 == 0 else 12.5 + i, e2e_ms=100.25 + i,
-            started_at=T0 + 137 * i - 1.5, finished_at=T0 + 137 * i,
-        ))  # fmt: skip
+        recs.append(
+            UsageRecord(
+                request_id=f"chatcmpl-{i:04d}",
+                tenant_id=("tenant-a", "tenant-b")[i % 2],
+                key_id="key-1",
+                model=model,
+                adapter=(None, "lora-x", "lora-free")[i % 3],
+                user=("alice", None, 'bob, "the" builder\n')[i % 3],
+                prompt_tokens=1000 + 37 * i,
+                cached_tokens=(i % 4) * 100,
+                completion_tokens=50 + i,
+                status="stop",
+                ttft_ms=None if i % 5 == 0 else 12.5 + i,
+                e2e_ms=100.25 + i,
+                started_at=T0 + 137 * i - 1.5,
+                finished_at=T0 + 137 * i,
+            )
+        )
     return recs
 
 
@@ -98,8 +108,9 @@ def expected_costs(model: str, adapter: str | None, prompt: int, cached: int, co
     price = PRICES.get(adapter or "") or PRICES.get(model)
     if price is None:
         return (Fraction(0),) * 4
-    rates = [Fraction(repr(p)) for p in (price.prompt_per_m, price.cached_per_m,
-                                          price.completion_per_m)]  # fmt: skip
+    rates = [
+        Fraction(repr(p)) for p in (price.prompt_per_m, price.cached_per_m, price.completion_per_m)
+    ]
     costs = [(prompt - cached) * rates[0], cached * rates[1], completion * rates[2]]
     costs = [c / 1_000_000 for c in costs]
     return (*costs, sum(costs))
@@ -143,8 +154,9 @@ async def test_period_rows_aggregate_per_utc_bucket(redis_client, fmt, granulari
 
     expected: dict[tuple, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
     for rec in recs:
-        acc = expected[(bucket(rec.finished_at, granularity), rec.tenant_id, rec.model,
-                        rec.adapter)]  # fmt: skip
+        acc = expected[
+            (bucket(rec.finished_at, granularity), rec.tenant_id, rec.model, rec.adapter)
+        ]
         for j, n in enumerate((1, rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens)):
             acc[j] += n
     got = {}
@@ -165,9 +177,10 @@ async def test_period_rows_aggregate_per_utc_bucket(redis_client, fmt, granulari
 
     # totals of the export equal totals over the ledger, costs exactly
     total_cost = sum(row_costs(row)[3] for row in rows)
-    assert total_cost == sum(expected_costs(r.model, r.adapter, r.prompt_tokens,
-                                            r.cached_tokens, r.completion_tokens)[3]
-                             for r in recs)  # fmt: skip
+    assert total_cost == sum(
+        expected_costs(r.model, r.adapter, r.prompt_tokens, r.cached_tokens, r.completion_tokens)[3]
+        for r in recs
+    )
     assert total_cost > 0
     assert sum(int(row["prompt_tokens"]) for row in rows) == sum(r.prompt_tokens for r in recs)
     assert sum(int(row["requests"]) for row in rows) == await ledger.count(None, 0, math.inf)
@@ -182,16 +195,27 @@ async def test_request_and_day_costs_reconcile_exactly():
 
 
 async def test_price_lookup_adapter_then_model_then_zero():
-    base: dict[str, Any] = {"tenant_id": "t", "key_id": "k", "prompt_tokens": 1_000_000,
-            "cached_tokens": 200_000, "completion_tokens": 500_000}  # fmt: skip
+    base: dict[str, Any] = {
+        "tenant_id": "t",
+        "key_id": "k",
+        "prompt_tokens": 1_000_000,
+        "cached_tokens": 200_000,
+        "completion_tokens": 500_000,
+    }
     recs = [
         UsageRecord(request_id="adapter-priced", model="smollm2", adapter="lora-x", **base),
         UsageRecord(request_id="adapter-unpriced", model="smollm2", adapter="lora-free", **base),
         UsageRecord(request_id="model-unpriced", model="other", **base),
     ]
     book = PriceBook(PRICES)
-    data = b"".join([c async for c in export_usage(
-        aiter_of(recs), fmt="csv", granularity="request", prices=book)])  # fmt: skip
+    data = b"".join(
+        [
+            c
+            async for c in export_usage(
+                aiter_of(recs), fmt="csv", granularity="request", prices=book
+            )
+        ]
+    )
     rows = parse_rows("csv", data)
     assert [tuple(row[c] for c in COST_COLUMNS) for row in rows] == [
         ("0.8", "0.1", "1", "1.9"),
@@ -204,21 +228,39 @@ async def test_price_lookup_adapter_then_model_then_zero():
 
 async def test_an_adapter_versions_price_comes_before_its_names():
     prices = {**PRICES, "lora-x@2": Price(model="lora-x@2", prompt_per_m=10.0)}
-    base: dict[str, Any] = {"tenant_id": "t", "key_id": "k", "model": "smollm2",
-                            "adapter": "lora-x", "prompt_tokens": 1_000_000}  # fmt: skip
-    recs = [UsageRecord(request_id="v2", adapter_version=2, **base),
-            UsageRecord(request_id="v3", adapter_version=3, **base)]  # fmt: skip
-    data = b"".join([c async for c in export_usage(
-        aiter_of(recs), fmt="json", granularity="request", prices=prices)])  # fmt: skip
+    base: dict[str, Any] = {
+        "tenant_id": "t",
+        "key_id": "k",
+        "model": "smollm2",
+        "adapter": "lora-x",
+        "prompt_tokens": 1_000_000,
+    }
+    recs = [
+        UsageRecord(request_id="v2", adapter_version=2, **base),
+        UsageRecord(request_id="v3", adapter_version=3, **base),
+    ]
+    data = b"".join(
+        [
+            c
+            async for c in export_usage(
+                aiter_of(recs), fmt="json", granularity="request", prices=prices
+            )
+        ]
+    )
     assert [row["cost_prompt"] for row in parse_rows("json", data)] == [10, 1]
 
 
 async def test_period_rows_count_unpriced_requests():
-    recs = [UsageRecord(request_id=f"r{i}", tenant_id="t", key_id="k", model="other",
-                        finished_at=T0 + i) for i in range(3)]  # fmt: skip
+    recs = [
+        UsageRecord(
+            request_id=f"r{i}", tenant_id="t", key_id="k", model="other", finished_at=T0 + i
+        )
+        for i in range(3)
+    ]
     book = PriceBook(PRICES)
-    data = b"".join([c async for c in export_usage(
-        aiter_of(recs), fmt="json", granularity="day", prices=book)])  # fmt: skip
+    data = b"".join(
+        [c async for c in export_usage(aiter_of(recs), fmt="json", granularity="day", prices=book)]
+    )
     (row,) = parse_rows("json", data)
     assert row["priced"] is False and row["requests"] == 3
     assert book.unpriced == {"other": 3}
@@ -232,16 +274,29 @@ async def test_records_written_under_an_alias_or_an_adapters_name_read_as_the_ba
         UsageRecord(request_id="old-adapter", model="lora-x", adapter="lora-x", **base),
         UsageRecord(request_id="old-version", model="lora-x@4", adapter="lora-x", **base),
         UsageRecord(request_id="deleted", model="gone", adapter="gone", **base),
-        UsageRecord(request_id="canonical", model="smollm2", adapter="lora-x",
-                    adapter_version=4, **base),
-    ]  # fmt: skip
-    data = b"".join([c async for c in export_usage(aiter_of(recs), fmt="json",
-                     granularity="request", prices=PRICES, names=names)])  # fmt: skip
+        UsageRecord(
+            request_id="canonical", model="smollm2", adapter="lora-x", adapter_version=4, **base
+        ),
+    ]
+    data = b"".join(
+        [
+            c
+            async for c in export_usage(
+                aiter_of(recs), fmt="json", granularity="request", prices=PRICES, names=names
+            )
+        ]
+    )
     rows = parse_rows("json", data)
     assert [row["model"] for row in rows] == ["smollm2"] * 5
     assert [row["cost_prompt"] for row in rows] == [Decimal("0.15"), 1, 1, Decimal("0.15"), 1]
-    day = b"".join([c async for c in export_usage(
-        aiter_of(recs), fmt="json", granularity="day", prices=PRICES, names=names)])  # fmt: skip
+    day = b"".join(
+        [
+            c
+            async for c in export_usage(
+                aiter_of(recs), fmt="json", granularity="day", prices=PRICES, names=names
+            )
+        ]
+    )
     assert {(r["model"], r["adapter"]) for r in parse_rows("json", day)} == {
         ("smollm2", None),
         ("smollm2", "lora-x"),

@@ -145,8 +145,9 @@ def test_processes_starting_together_split_the_orphans(tmp_path):
     by exactly one of them, and the empty directories crashed processes left behind (which
     another process may remove while this one is reading the root) are no error."""
     ctx = multiprocessing.get_context("spawn")
-    with_records = [ctx.Process(target=_leave_pending, args=(str(tmp_path), f"req-{i}"))
-                    for i in range(6)]  # fmt: skip
+    with_records = [
+        ctx.Process(target=_leave_pending, args=(str(tmp_path), f"req-{i}")) for i in range(6)
+    ]
     for proc in with_records:  # one after another: each leaves its own directory
         proc.start()
         proc.join(60)
@@ -156,8 +157,10 @@ def test_processes_starting_together_split_the_orphans(tmp_path):
         (tmp_path / f"crashed-{i:03d}" / "lock").touch()
     num_processes = 4
     barrier, results = ctx.Barrier(num_processes), ctx.Queue()
-    procs = [ctx.Process(target=_open_journal, args=(str(tmp_path), barrier, results))
-             for _ in range(num_processes)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_open_journal, args=(str(tmp_path), barrier, results))
+        for _ in range(num_processes)
+    ]
     for proc in procs:
         proc.start()
     outcomes = [results.get(timeout=120) for _ in procs]

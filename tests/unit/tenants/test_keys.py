@@ -163,8 +163,13 @@ async def test_each_failure_reason(redis_client, tenant):
     good = await keys.create_key("acme", KeyCreate())
     assert await auth_reason(keys, None) == "missing"
     assert await auth_reason(keys, "") == "missing"
-    for bad in ("sk-strata-short", "Bearer " + good.secret, good.secret + "x",
-                "sk-other-" + good.secret[9:], good.secret[:-1] + "!"):  # fmt: skip
+    for bad in (
+        "sk-strata-short",
+        "Bearer " + good.secret,
+        good.secret + "x",
+        "sk-other-" + good.secret[9:],
+        good.secret[:-1] + "!",
+    ):
         assert await auth_reason(keys, bad) == "malformed"
     assert await auth_reason(keys, new_secret()) == "unknown"
 
@@ -248,8 +253,9 @@ def test_auth_cache_refuses_entries_read_before_an_invalidation():
     now = [0.0]
     cache = AuthCache(ttl_s=10.0, monotonic=lambda: now[0])
     tenant = Tenant(id="t", name="t", created_at=0.0, policy=Policy())
-    ctx = AuthContext(tenant=tenant, key=ApiKey(id="k", tenant_id="t", prefix="p", name="n",
-                                                created_at=0.0))  # fmt: skip
+    ctx = AuthContext(
+        tenant=tenant, key=ApiKey(id="k", tenant_id="t", prefix="p", name="n", created_at=0.0)
+    )
     generation = cache.generation
     cache.drop_key("unrelated")  # any invalidation while the store read was in flight
     assert not cache.put("h", ctx, generation)

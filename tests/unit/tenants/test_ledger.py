@@ -104,10 +104,13 @@ async def test_pagination_returns_every_record_once_in_time_order(redis_client, 
     rng = random.Random(7)
     # coarse times: many ties, some tie groups straddle page boundaries
     recs = [
-        make_record(f"req-{i:05d}", tenant_id=rng.choice(["tenant-a", "tenant-b"]),
-                    finished_at=T0 + rng.randrange(400))
+        make_record(
+            f"req-{i:05d}",
+            tenant_id=rng.choice(["tenant-a", "tenant-b"]),
+            finished_at=T0 + rng.randrange(400),
+        )
         for i in range(1234)
-    ]  # fmt: skip
+    ]
     rng.shuffle(recs)
     assert all(await ledger.record_many(recs))
 

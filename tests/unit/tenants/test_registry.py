@@ -135,9 +135,13 @@ async def test_put_and_patch_policy(registry):
 
 @pytest.mark.parametrize(
     "patch",
-    [PolicyPatch(rpm=0), PolicyPatch(weight=0.0), PolicyPatch(priority=5000),
-     PolicyPatch(allowed_adapters=["bad name"])],
-)  # fmt: skip
+    [
+        PolicyPatch(rpm=0),
+        PolicyPatch(weight=0.0),
+        PolicyPatch(priority=5000),
+        PolicyPatch(allowed_adapters=["bad name"]),
+    ],
+)
 async def test_invalid_patch_writes_nothing(registry, redis_client, patch):
     await registry.create_tenant(TenantCreate(name="acme", id="acme", policy=Policy(rpm=10)))
     before = await dump_store(redis_client)
@@ -163,12 +167,18 @@ async def test_concurrent_writers_do_not_lose_updates(registry, store_server):
     other_client = connect(store_server.url)
     other = TenantRegistry(other_client)
     patches = [
-        PolicyPatch(rpm=11), PolicyPatch(tpm=22), PolicyPatch(max_concurrent=3),
-        PolicyPatch(max_tokens=44), PolicyPatch(max_context_tokens=55),
-        PolicyPatch(kv_budget_tokens=66), PolicyPatch(allowed_models=["m7"]),
-        PolicyPatch(allowed_adapters=["a8"]), PolicyPatch(priority=-9),
-        PolicyPatch(weight=10.5), PolicyPatch(on_store_unavailable="fail_open"),
-    ]  # fmt: skip
+        PolicyPatch(rpm=11),
+        PolicyPatch(tpm=22),
+        PolicyPatch(max_concurrent=3),
+        PolicyPatch(max_tokens=44),
+        PolicyPatch(max_context_tokens=55),
+        PolicyPatch(kv_budget_tokens=66),
+        PolicyPatch(allowed_models=["m7"]),
+        PolicyPatch(allowed_adapters=["a8"]),
+        PolicyPatch(priority=-9),
+        PolicyPatch(weight=10.5),
+        PolicyPatch(on_store_unavailable="fail_open"),
+    ]
     names = [f"name-{i}" for i in range(9)]
     try:
         writes = [
@@ -182,10 +192,18 @@ async def test_concurrent_writers_do_not_lose_updates(registry, store_server):
         await other_client.aclose()
     tenant = await registry.get_tenant("acme")
     assert tenant.policy == Policy(
-        rpm=11, tpm=22, max_concurrent=3, max_tokens=44, max_context_tokens=55,
-        kv_budget_tokens=66, allowed_models=["m7"], allowed_adapters=["a8"], priority=-9,
-        weight=10.5, on_store_unavailable="fail_open",
-    )  # fmt: skip
+        rpm=11,
+        tpm=22,
+        max_concurrent=3,
+        max_tokens=44,
+        max_context_tokens=55,
+        kv_budget_tokens=66,
+        allowed_models=["m7"],
+        allowed_adapters=["a8"],
+        priority=-9,
+        weight=10.5,
+        on_store_unavailable="fail_open",
+    )
     assert tenant.name in names
 
 
@@ -255,9 +273,7 @@ async def test_list_adapters_latest_and_acl(registry):
     )
 
     everything = await registry.list_adapters()
-    assert [(a.name, a.version) for a in everything] == [
-        ("moved", 2), ("open", 2), ("private", 1)
-    ]  # fmt: skip
+    assert [(a.name, a.version) for a in everything] == [("moved", 2), ("open", 2), ("private", 1)]
     assert [a.name for a in await registry.list_adapters("t1")] == ["open", "private"]
     assert [a.name for a in await registry.list_adapters("t2")] == ["moved", "open"]
     assert [a.name for a in await registry.list_adapters("t3")] == ["open"]
