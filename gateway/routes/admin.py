@@ -21,6 +21,7 @@ from gateway.adapters import (
 )
 from gateway.auth import requires_admin_token
 from gateway.fleet import Fleet, WorkerHandle
+from gateway.kv_index import KVIndex
 from gateway.metrics import GatewayMetrics
 from gateway.routes import time_window, usage_export
 from gateway.settings import GatewaySettings
@@ -278,13 +279,15 @@ class WorkerView(msgspec.Struct, kw_only=True):
     kv_blocks_used: int | None = None
     kv_blocks_total: int | None = None
     heartbeat_at: float | None = None
+    # the blocks this gateway's KV index holds for the worker, by tier (from its events)
+    indexed_blocks: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class WorkerRef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     worker_id: str
 
 
-def _worker_view(handle: WorkerHandle) -> WorkerView:
+def _worker_view(handle: WorkerHandle, index: KVIndex) -> WorkerView:
     rec = handle.record
     return WorkerView(
         worker_id=handle.worker_id,
@@ -298,6 +301,7 @@ def _worker_view(handle: WorkerHandle) -> WorkerView:
         kv_blocks_used=rec.num_kv_blocks_used if rec else None,
         kv_blocks_total=rec.num_kv_blocks_total if rec else None,
         heartbeat_at=rec.heartbeat_at if rec else None,
+        indexed_blocks=index.num_blocks(handle.worker_id),
     )
 
 
@@ -308,16 +312,16 @@ class WorkerController(Controller):
 
     @get("/")
     async def list_all(self, fleet: NamedDependency[Fleet]) -> list[WorkerView]:
-        return [_worker_view(h) for _, h in sorted(fleet.workers.items())]
+        return [_worker_view(h, fleet.index) for _, h in sorted(fleet.workers.items())]
 
     @post("/drain", status_code=200)
     async def drain(self, fleet: NamedDependency[Fleet], data: JSONBody[WorkerRef]) -> WorkerView:
         """The worker takes no new requests, on every gateway; its running ones finish."""
-        return _worker_view(await _set_drained(fleet, data.worker_id, True))
+        return _worker_view(await _set_drained(fleet, data.worker_id, True), fleet.index)
 
     @post("/undrain", status_code=200)
     async def undrain(self, fleet: NamedDependency[Fleet], data: JSONBody[WorkerRef]) -> WorkerView:
-        return _worker_view(await _set_drained(fleet, data.worker_id, False))
+        return _worker_view(await _set_drained(fleet, data.worker_id, False), fleet.index)
 
 
 async def _set_drained(fleet: Fleet, worker_id: str, drained: bool) -> WorkerHandle:

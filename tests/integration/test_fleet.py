@@ -161,6 +161,12 @@ async def test_a_tenants_document_lands_where_its_kv_is_and_another_tenant_gets_
     assert cached(complete(first, alice, DOC)) == 0
     after_first = await generated(fleet["workers"])
     (holder,) = [w for w in before if after_first[w] > before[w]]
+    num_doc_blocks = len(DOC) // 4 - 1  # synthetic:tiny: a token per byte, 4 per block
+
+    def indexed(gw) -> bool:  # the worker's KV events have reached that replica
+        return listed(gw)[holder]["indexed_blocks"].get("device", 0) >= num_doc_blocks
+
+    await wait_for(lambda: asyncio.to_thread(indexed, second))
     for gw in (first, second, first, second):  # both replicas, again and again
         reply = complete(gw, alice, DOC + " Question?")
         assert cached(reply) >= len(DOC) // 4 * 4 - 4  # the document's blocks hit
