@@ -27,7 +27,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -326,12 +326,21 @@ async def one(http: httpx.AsyncClient, key: str, item: Item, max_tokens: int) ->
 async def drive(
     url: str, keys: list[str], items: list[Item], concurrency: int, max_tokens: int
 ) -> tuple[list[Outcome], float]:
-    """The stream in order with `concurrency` requests in flight, after one warm-up chat
-    per worker slot (not counted); every outcome, and the wall time of the stream."""
+    """The stream in order with `concurrency` requests in flight, after a warm-up (not
+    counted): a chat and a prompt as long as the longest request, `concurrency` of each, so
+    that every worker has run its kernels at both sizes (a fresh GPU compiles them on first
+    use); every outcome, and the wall time of the stream."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
-        warm = Item(-1, None, "Hello!")  # a tenant of its own: its cache is no one else's
-        await asyncio.gather(*(one(http, keys[-1], warm, 1) for _ in range(concurrency)))
+        longest = max(items, key=lambda item: len(item.content)).content
+        for warm in (Item(-1, None, "Hello!"), Item(-1, None, longest)):
+            # a tenant of its own, so its cache is no one else's; distinct prompts spread
+            await asyncio.gather(
+                *(
+                    one(http, keys[-1], replace(warm, content=f"{i} {warm.content}"), 1)
+                    for i in range(concurrency)
+                )
+            )
         outcomes: list[Outcome | None] = [None] * len(items)
         queue = iter(enumerate(items))
 

@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_info, publish
-from engine.block_manager import BlockManager, chain_hashes, root_hash
+from engine.block_hash import chain_hashes, root_hash
+from engine.block_manager import BlockManager
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
 from kvstore.tiers import KVOffloader, Tier, TieredKVStore
