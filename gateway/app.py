@@ -24,9 +24,10 @@ from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.openai_types import MAX_JSON_DEPTH, too_deep
 from gateway.pipeline import Pipeline
+from gateway.prices import PriceCache
 from gateway.providers import DEPENDENCIES
 from gateway.router import RoutingPolicy
-from gateway.routes import admin, ops
+from gateway.routes import admin, ops, spend
 from gateway.routes.openai import OpenAIController, TokenizerController
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
@@ -81,9 +82,8 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
     metrics = GatewayMetrics(process_index=settings.process_index, shared_dir=settings.metrics_dir)
     try:
         await fleet.start()
-        pipeline = Pipeline(
-            fleet, Admission(redis, lease_ttl_s=settings.lease_ttl_s), writer, metrics
-        )
+        admission = Admission(redis, lease_ttl_s=settings.lease_ttl_s)
+        pipeline = Pipeline(fleet, admission, writer, metrics, prices=PriceCache(registry))
         app.state.gateway = GatewayState(
             settings=settings,
             redis=redis,
@@ -161,6 +161,10 @@ def create_app(settings: GatewaySettings) -> Litestar:
             admin.PriceController,
             admin.UsageController,
             admin.WorkerController,
+            spend.TenantBudgetController,
+            spend.KeyBudgetController,
+            spend.TenantSpendController,
+            spend.budget_events,
             ops.health,
             ops.ready,
             ops.metrics,

@@ -9,6 +9,7 @@ client ever sees a framework-specific error body or a traceback.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -56,7 +57,14 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
 def invalid_field(exc: msgspec.ValidationError) -> APIError:
     """A 400 naming the field a strict decode rejected: msgspec reports `... - at `$.a[0].b``."""
     message, _, where = str(exc).partition(" - at `$")
-    return _invalid(where.rstrip("`").lstrip("."), message)
+    field = where.rstrip("`").lstrip(".")
+    if not field and (named := _NAMED.match(message)):  # a record's own check names it
+        field = named.group(1)
+    return _invalid(field, message)
+
+
+# a validation message that starts with the field it is about: `limit_usd must be ...`
+_NAMED = re.compile(r"([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)(?: must |: )")
 
 
 def invalid_json(detail: object) -> APIError:
@@ -125,7 +133,11 @@ def _handle_invalid(request: Request[Any, Any, Any], exc: InvalidRequestError) -
 
 
 def _handle_record(request: Request[Any, Any, Any], exc: ValueError) -> Response:
-    return error_response(APIError(400, str(exc), code="invalid_value"), _request_headers(request))
+    named = _NAMED.match(str(exc))
+    param = named.group(1) if named else None
+    return error_response(
+        APIError(400, str(exc), param=param, code="invalid_value"), _request_headers(request)
+    )
 
 
 def _handle_engine_dead(request: Request[Any, Any, Any], exc: EngineDeadError) -> Response:

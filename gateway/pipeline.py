@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
+from redis.exceptions import RedisError
 
 from engine.output_processor import TextDelta, TextStream
 from engine.protocol import EngineDeadError, FinishReason, InvalidRequestError, RequestOutput
@@ -21,11 +22,21 @@ from gateway.fleet import Fleet, ModelGroup, NoWorkerError, WorkerHandle
 from gateway.metrics import GatewayMetrics
 from gateway.openai_types import ErrorType
 from gateway.prepare import Job
-from policies.admission import Admission, Decision, LeaseState, StoreUnavailableError
+from gateway.prices import PriceCache
+from policies.admission import (
+    Admission,
+    Charge,
+    Decision,
+    DenyReason,
+    LeaseState,
+    StoreUnavailableError,
+)
+from policies.budgets import BudgetHold
 from policies.headers import rate_limit_headers
 from tenants.keys import AuthContext
 from tenants.ledger import LedgerWriter
-from tenants.records import Policy, UsageRecord, UsageStatus
+from tenants.pricing import Rates, with_costs
+from tenants.records import Policy, UsageRecord, UsageStatus, micros_to_usd
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +90,8 @@ class Ticket:
     reserved: bool
     headers: dict[str, str]
     route: Route | None = None  # the worker it runs on
+    rates: Rates | None = None  # the prices in force at admission (None: unpriced)
+    charge: Charge | None = None  # what it holds against budgets
     begun: bool = False
     settled: bool = False
     keeper: asyncio.Task[None] | None = None
@@ -156,11 +169,13 @@ class Pipeline:
         admission: Admission,
         ledger: LedgerWriter,
         metrics: GatewayMetrics,
+        prices: PriceCache | None = None,
     ) -> None:
         self.fleet = fleet
         self.admission = admission
         self.ledger = ledger
         self.metrics = metrics
+        self.prices = prices
         self._settling: set[asyncio.Task[None]] = set()
         self._keepers: set[asyncio.Task[None]] = set()
 
@@ -189,9 +204,48 @@ class Pipeline:
             ) from exc
         return Route(group, worker, num_prefill_tokens)
 
+    async def _rates(self, job: Job) -> Rates | None:
+        """The prices in force now for the job's model (its adapter's, when priced)."""
+        if self.prices is None:
+            return None
+        try:
+            history = await self.prices.history()
+        except (RedisError, OSError):
+            return None  # the store is down: admission decides what happens next
+        lora = job.lora
+        return history.rates_at(
+            time.time(),
+            job.base_model,
+            None if lora is None else lora.name,
+            None if lora is None else lora.version,
+        )
+
+    def _charge(self, auth: AuthContext, job: Job, rates: Rates | None) -> Charge:
+        """The job's worst-case cost and the budgets it is held against."""
+        cost = 0
+        if rates is not None:
+            cost = rates.worst_case_micros(job.num_prompt_tokens, job.num_choices * job.max_tokens)
+        now, tenant, key = time.time(), auth.tenant, auth.key
+        tenant_budget = tenant.policy.budget
+        key_budget = key.budget
+        return Charge(
+            cost_micros=cost,
+            tenant_budget=None
+            if tenant_budget is None
+            else BudgetHold.of(tenant.id, "tenant", tenant_budget, now),
+            key_budget=None
+            if key_budget is None
+            else BudgetHold.of(tenant.id, f"key:{key.id}", key_budget, now),
+        )
+
     async def admit(self, auth: AuthContext, job: Job) -> Ticket:
-        """Reserve every limit at once and choose the worker. Raises APIError 429 (denied) or
-        503 (no worker up; store down and the tenant's policy says fail_closed)."""
+        """Check the key's model list, reserve every limit and the job's worst-case cost at
+        once, and choose the worker. Raises APIError 403 (the key may not use the model),
+        429 (denied) or 503 (no worker up; store down and the tenant's policy says
+        fail_closed)."""
+        check_key_model(auth, job)
+        rates = await self._rates(job)
+        charge = self._charge(auth, job, rates)
         decision = await self._reserve(
             auth,
             job.request_id,
@@ -199,11 +253,19 @@ class Pipeline:
             job.num_choices * job.max_tokens,
             job.kv_tokens,
             job,
+            charge,
         )
         route = await self._route(job)
         if decision is None:
-            return Ticket(auth, reserved=False, headers={}, route=route)
-        ticket = Ticket(auth, reserved=True, headers=rate_limit_headers(decision), route=route)
+            return Ticket(auth, reserved=False, headers={}, route=route, rates=rates)
+        ticket = Ticket(
+            auth,
+            reserved=True,
+            headers=rate_limit_headers(decision),
+            route=route,
+            rates=rates,
+            charge=charge,
+        )
         ticket.keeper = asyncio.get_running_loop().create_task(
             self._keep(job, ticket), name=f"lease-{job.request_id}"
         )
@@ -216,13 +278,15 @@ class Pipeline:
         """Admission for a request that generates nothing (tokenize): one request from the
         tenant's request bucket and a concurrency slot while it runs; no tokens, no KV and
         no ledger record. Yields the rate-limit headers; raises APIError as `admit`."""
-        decision = await self._reserve(auth, request_id, 0, 0, 0, None)
+        decision = await self._reserve(auth, request_id, 0, 0, 0, None, None)
         try:
             yield {} if decision is None else rate_limit_headers(decision)
         finally:
             if decision is not None:
                 with contextlib.suppress(StoreUnavailableError):  # the lease expires
-                    await self.admission.release(auth.tenant.id, request_id, used_tokens=0)
+                    await self.admission.release(
+                        auth.tenant.id, request_id, used_tokens=0, key_id=auth.key.id
+                    )
 
     async def _reserve(
         self,
@@ -232,6 +296,7 @@ class Pipeline:
         max_tokens: int,
         kv_tokens: int,
         job: Job | None,
+        charge: Charge | None,
     ) -> Decision | None:
         """The allowing decision, or None when the store is down and the tenant fails open;
         raises APIError 429 (denied) or 503 (store down, fail_closed)."""
@@ -244,6 +309,9 @@ class Pipeline:
                 prompt_tokens=prompt_tokens,
                 max_tokens=max_tokens,
                 kv_tokens=kv_tokens,
+                key_id=auth.key.id,
+                key_limits=auth.key.limits,
+                charge=charge,
             )
         except StoreUnavailableError as exc:
             if policy.on_store_unavailable == "fail_open":
@@ -262,11 +330,14 @@ class Pipeline:
             reason = decision.reason or "rate_limit"
             self.metrics.rejected(tenant.id, reason)
             kind: ErrorType = "insufficient_quota" if decision.hard else "rate_limit_error"
+            code = f"rate_limit_{reason}"
+            if reason in (DenyReason.TENANT_BUDGET, DenyReason.KEY_BUDGET):
+                code = f"{reason}_exceeded"
             raise APIError(
                 429,
-                _denial(decision, job, policy),
+                _denial(decision, job, policy, charge),
                 type=kind,
-                code=f"rate_limit_{reason}",
+                code=code,
                 headers=rate_limit_headers(decision),
             )
         return decision
@@ -292,7 +363,7 @@ class Pipeline:
             if loop.time() < renew_at:
                 continue
             try:
-                state = await self.admission.renew(tenant_id, job.request_id)
+                state = await self.admission.renew(tenant_id, job.request_id, ticket.auth.key.id)
             except StoreUnavailableError:
                 log.warning(
                     "could not renew the lease of %s; retry in %.1fs", job.request_id, backoff
@@ -474,25 +545,35 @@ class Pipeline:
             started_at=job.started_at,
             finished_at=time.time(),
         )
+        record = with_costs(record, ticket.rates)
         self.ledger.submit(record)
         self.metrics.finished(record, tally.first_token_at, job.started)
         if ticket.reserved:
             used = prompt_tokens + tally.completion_tokens
-            task = asyncio.get_running_loop().create_task(self._release(ticket, job, used))
+            cost = record.cost_micros or 0
+            task = asyncio.get_running_loop().create_task(self._release(ticket, job, used, cost))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
 
-    async def _release(self, ticket: Ticket, job: Job, used: int) -> None:
+    async def _release(self, ticket: Ticket, job: Job, used: int, cost_micros: int) -> None:
         """Release once the keeper has stopped (a renewal never lands after the release),
         retrying while the store is out of reach: a release is idempotent, and one that
-        comes after the lease expired still credits the unused tokens."""
+        comes after the lease expired still credits the unused tokens and counts the cost
+        as spend."""
         keeper = ticket.keeper
         if keeper is not None and keeper is not asyncio.current_task():
             await asyncio.wait([keeper])
         tenant_id, delay = ticket.auth.tenant.id, 0.5
         while True:
             try:
-                await self.admission.release(tenant_id, job.request_id, used_tokens=used)
+                await self.admission.release(
+                    tenant_id,
+                    job.request_id,
+                    used_tokens=used,
+                    key_id=ticket.auth.key.id,
+                    cost_micros=cost_micros,
+                    charge=ticket.charge,
+                )
                 return
             except StoreUnavailableError:
                 log.warning("could not release %s; retry in %.1fs", job.request_id, delay)
@@ -600,10 +681,62 @@ class JobStream:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _denial(decision: Decision, job: Job | None, policy: Policy) -> str:
+def check_key_model(auth: AuthContext, job: Job) -> None:
+    """403 unless the key's own limits include the job's model (by the name asked for or
+    the served id) and adapter."""
+    limits = auth.key.limits
+    if limits is None:
+        return
+    if job.lora is not None:
+        if not limits.allows_adapter(job.lora.name):
+            raise APIError(
+                403,
+                f"this API key may not use the adapter '{job.lora.name}'",
+                type="permission_error",
+                code="model_not_allowed",
+                param="model",
+            )
+    elif not (limits.allows_model(job.model) or limits.allows_model(job.base_model)):
+        raise APIError(
+            403,
+            f"this API key may not use the model '{job.model}'",
+            type="permission_error",
+            code="model_not_allowed",
+            param="model",
+        )
+
+
+def _budget_denial(decision: Decision, job: Job | None, charge: Charge | None) -> str:
+    is_key = decision.reason is DenyReason.KEY_BUDGET
+    hold = None if charge is None else (charge.key_budget if is_key else charge.tenant_budget)
+    owner = "this API key's" if is_key else "this tenant's"
+    left = micros_to_usd(decision.budget_left_micros or 0)
+    cost = micros_to_usd(0 if charge is None else charge.cost_micros)
+    what = ""
+    if job is not None:
+        what = (
+            f" ({job.num_prompt_tokens} prompt tokens + {job.num_choices} x {job.max_tokens} "
+            f"max_tokens at the prices of '{job.model}')"
+        )
+    limit = "" if hold is None else f" of ${micros_to_usd(hold.limit_micros)}"
+    period = "" if hold is None else f" for {_PERIOD_NAMES.get(hold.label[0], 'its period')}"
+    return (
+        f"This request may cost up to ${cost}{what}, but {owner} budget{limit}{period} "
+        f"has ${left} left; lower max_tokens, or ask for a higher budget."
+    )
+
+
+_PERIOD_NAMES = {"d": "today (UTC)", "m": "this month (UTC)", "l": "its lifetime"}
+
+
+def _denial(
+    decision: Decision, job: Job | None, policy: Policy, charge: Charge | None = None
+) -> str:
     """Why a request was refused, and what it asked for against the limit when it can
     never fit (so no retry would help)."""
     reason = decision.reason.value if decision.reason is not None else "rate_limit"
+    if reason in ("tenant_budget", "key_budget"):
+        return _budget_denial(decision, job, charge)
     if decision.hard and job is not None and reason == "tpm" and decision.tokens:
         return (
             f"This request needs {job.num_prompt_tokens + job.num_choices * job.max_tokens} "
@@ -624,6 +757,12 @@ _DENIAL = {
     "rpm": "Rate limit reached for requests per minute; retry after the indicated time.",
     "tpm": "Rate limit reached for tokens per minute; retry after the indicated time.",
     "concurrency": "Too many concurrent requests for this tenant; retry after the indicated time.",
+    "key_rpm": "Rate limit reached for this API key's requests per minute; retry after the "
+    "indicated time.",
+    "key_tpm": "Rate limit reached for this API key's tokens per minute; retry after the "
+    "indicated time.",
+    "key_concurrency": "Too many concurrent requests for this API key; retry after the "
+    "indicated time.",
     "kv_budget": "This tenant's KV-cache budget is in use by other requests; retry after the "
     "indicated time.",
     "rate_limit": "Rate limit reached.",

@@ -1,7 +1,8 @@
 """Admission control shared by every gateway replica: one atomic Lua script reserves a
-request's rate, token, concurrency and KV-budget allowances as a lease, renewals keep a long
-request's lease alive, and a release returns what it did not use. Key layout and semantics
-are in docs/design/admission-and-ledger.md.
+request's rate, token, concurrency and KV-budget allowances, its key's own limits and its
+worst-case cost against the tenant's and the key's budgets as a lease; renewals keep a long
+request's lease alive, and a release returns what it did not use and turns the real cost
+into spend. Key layout and semantics are in docs/design/admission-and-ledger.md.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
-from tenants.records import Policy
+from policies.admission_scripts import RELEASE, RENEW, RESERVE
+from policies.budgets import BudgetHold
+from tenants.records import KeyLimits, Policy
 
 
 class StoreUnavailableError(RuntimeError):
@@ -40,6 +43,11 @@ class DenyReason(enum.StrEnum):
     TPM = "tpm"
     CONCURRENCY = "concurrency"
     KV_BUDGET = "kv_budget"
+    KEY_RPM = "key_rpm"
+    KEY_TPM = "key_tpm"
+    KEY_CONCURRENCY = "key_concurrency"
+    TENANT_BUDGET = "tenant_budget"
+    KEY_BUDGET = "key_budget"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +63,9 @@ class BucketState:
 @dataclass(frozen=True, slots=True)
 class Decision:
     """An admission verdict. `retry_after_s` is None when allowed or when `hard` (the
-    request can never fit the policy); `requests`/`tokens` are None when unlimited."""
+    request does not fit the policy or what is left of a budget); `requests`/`tokens` are
+    the tenant's, None when unlimited; `budget_left_micros` is what the refusing budget
+    had left."""
 
     allowed: bool
     reason: DenyReason | None
@@ -63,173 +73,17 @@ class Decision:
     hard: bool
     requests: BucketState | None
     tokens: BucketState | None
+    budget_left_micros: int | None = None
 
 
-# -- Lua -----------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """What a reservation holds against budgets: the worst-case cost in micro-dollars and
+    the tenant's and the key's budget for the current period (None: no budget)."""
 
-_PRELUDE = """
-if redis.replicate_commands then redis.replicate_commands() end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local now_us = string.format('%.0f', now)
-
-local function parse_res(r)
-  local sp = string.find(r, ' ', 1, true)
-  return tonumber(string.sub(r, 1, sp - 1)), tonumber(string.sub(r, sp + 1))
-end
-
-local function add_kv(kv_key, delta)
-  if redis.call('INCRBY', kv_key, delta) <= 0 then redis.call('DEL', kv_key) end
-end
-
-local LAPSED_KEEP_MS = 86400000
-
-local function purge(lease_key, res_key, kv_key, lapsed)
-  local expired = redis.call('ZRANGEBYSCORE', lease_key, '-inf', now_us)
-  if #expired == 0 then return end
-  local kv = 0
-  for _, id in ipairs(expired) do
-    local r = redis.call('HGET', res_key, id)
-    if r then
-      local _, k = parse_res(r)
-      kv = kv + k
-      redis.call('HDEL', res_key, id)
-      redis.call('HSET', lapsed, id, r)
-    end
-  end
-  redis.call('PEXPIRE', lapsed, LAPSED_KEEP_MS)
-  redis.call('ZREMRANGEBYSCORE', lease_key, '-inf', now_us)
-  add_kv(kv_key, -kv)
-end
-
-local function expire_leases(lease_key, res_key, kv_key)
-  local last = redis.call('ZRANGE', lease_key, -1, -1, 'WITHSCORES')
-  if #last == 0 then return end
-  local at_ms = string.format('%.0f', math.floor(tonumber(last[2]) / 1000) + 1000)
-  redis.call('PEXPIREAT', lease_key, at_ms)
-  redis.call('PEXPIREAT', res_key, at_ms)
-  redis.call('PEXPIREAT', kv_key, at_ms)
-end
-
--- tokens in the bucket now (a missing bucket is full)
-local function level(key, cap)
-  local v = redis.call('HMGET', key, 'tokens', 'ts')
-  local tokens, ts = tonumber(v[1]), tonumber(v[2])
-  if tokens == nil or ts == nil then return cap end
-  local elapsed = math.max(now - ts, 0)
-  return math.min(cap, tokens + elapsed * cap / 60000000)
-end
-
-local function store(key, cap, tokens)
-  redis.call('HSET', key, 'tokens', string.format('%.17g', tokens),
-             'ts', now_us, 'cap', cap)
-  local to_full_ms = (cap - tokens) * 60000 / cap
-  redis.call('PEXPIRE', key, string.format('%.0f', math.ceil(to_full_ms) + 1000))
-end
-
-local function seconds_to_fill(cap, tokens, target)
-  return string.format('%.6f', math.max(target - tokens, 0) * 60 / cap)
-end
-"""
-
-_RESERVE = (
-    _PRELUDE
-    + """
-local req_key, tok_key, lease_key, res_key, kv_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local lapsed = KEYS[6]
-local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
-local max_conc, kv_budget = tonumber(ARGV[3]), tonumber(ARGV[4])
-local id, cost, kv_tokens = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
-local lease_us, busy_retry = tonumber(ARGV[8]), ARGV[9]
-local eps = 1e-9
-
-purge(lease_key, res_key, kv_key, lapsed)
-local req = rpm and level(req_key, rpm)
-local tok = tpm and level(tok_key, tpm)
-
-local function verdict(ok, reason, retry, hard, r, k)
-  local out = {ok, reason, retry, hard, false, false, false, false}
-  if rpm then out[5], out[6] = math.floor(r + eps), seconds_to_fill(rpm, r, rpm) end
-  if tpm then out[7], out[8] = math.floor(k + eps), seconds_to_fill(tpm, k, tpm) end
-  return out
-end
-
-if redis.call('ZSCORE', lease_key, id) then
-  return verdict(1, '', '', 0, req, tok)
-end
-if tpm and cost > tpm then return verdict(0, 'tpm', '', 1, req, tok) end
-if kv_budget and kv_tokens > kv_budget then return verdict(0, 'kv_budget', '', 1, req, tok) end
-if rpm and req + eps < 1 then
-  return verdict(0, 'rpm', seconds_to_fill(rpm, req, 1), 0, req, tok)
-end
-if tpm and tok + eps < cost then
-  return verdict(0, 'tpm', seconds_to_fill(tpm, tok, cost), 0, req, tok)
-end
-if max_conc and redis.call('ZCARD', lease_key) >= max_conc then
-  return verdict(0, 'concurrency', busy_retry, 0, req, tok)
-end
-if kv_budget and (tonumber(redis.call('GET', kv_key)) or 0) + kv_tokens > kv_budget then
-  return verdict(0, 'kv_budget', busy_retry, 0, req, tok)
-end
-
-local charged = 0
-if rpm then req = math.max(req - 1, 0); store(req_key, rpm, req) end
-if tpm then tok = math.max(tok - cost, 0); store(tok_key, tpm, tok); charged = cost end
-redis.call('ZADD', lease_key, string.format('%.0f', now + lease_us), id)
-redis.call('HSET', res_key, id, charged .. ' ' .. kv_tokens)
-add_kv(kv_key, kv_tokens)
-expire_leases(lease_key, res_key, kv_key)
-return verdict(1, '', '', 0, req, tok)
-"""
-)
-
-_RELEASE = (
-    _PRELUDE
-    + """
-local tok_key, lease_key, res_key, kv_key, lapsed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local id, used = ARGV[1], tonumber(ARGV[2])
-purge(lease_key, res_key, kv_key, lapsed)
-local r = redis.call('HGET', res_key, id)
-redis.call('ZREM', lease_key, id)
-local charged, kv
-if r then
-  redis.call('HDEL', res_key, id)
-  charged, kv = parse_res(r)
-  add_kv(kv_key, -kv)
-else
-  r = redis.call('HGET', lapsed, id)
-  if not r then return 0 end
-  redis.call('HDEL', lapsed, id)
-  charged, kv = parse_res(r)
-end
-local credit = charged - used
-local cap = tonumber(redis.call('HGET', tok_key, 'cap'))
-if credit > 0 and cap then store(tok_key, cap, math.min(cap, level(tok_key, cap) + credit)) end
-return 1
-"""
-)
-
-_RENEW = (
-    _PRELUDE
-    + """
-local lease_key, res_key, kv_key, lapsed = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local id, deadline = ARGV[1], string.format('%.0f', now + tonumber(ARGV[2]))
-purge(lease_key, res_key, kv_key, lapsed)
-local state = 1
-if not redis.call('ZSCORE', lease_key, id) then
-  local r = redis.call('HGET', lapsed, id)
-  if not r then return 0 end
-  redis.call('HDEL', lapsed, id)
-  redis.call('HSET', res_key, id, r)
-  local _, kv = parse_res(r)
-  add_kv(kv_key, kv)
-  state = 2
-end
-redis.call('ZADD', lease_key, deadline, id)
-expire_leases(lease_key, res_key, kv_key)
-return state
-"""
-)
+    cost_micros: int = 0
+    tenant_budget: BudgetHold | None = None
+    key_budget: BudgetHold | None = None
 
 
 class _Script:
@@ -312,6 +166,23 @@ def tenant_keys(tenant_id: str) -> dict[str, str]:
     return {role: base + role for role in ("req", "tok", "leases", "res", "kv", "lapsed")}
 
 
+def key_scope_keys(tenant_id: str, key_id: str | None) -> dict[str, str]:
+    """The store keys of one API key's own buckets and leases (in its tenant's hash slot),
+    and the tenant's hash of its keys' last-use times (unix microseconds)."""
+    base = f"strata:rl:{{{tenant_id}}}:"
+    scope = f"{base}key:{key_id or '-'}:"
+    keys = {role: scope + role for role in ("req", "tok", "leases")}
+    keys["used"] = base + "keyused"
+    return keys
+
+
+BUDGET_EVENTS = "strata:events:budget"
+
+
+def _marks(hold: BudgetHold | None) -> str:
+    return "" if hold is None else ",".join(map(str, hold.thresholds))
+
+
 def _num(value: int | None) -> str:
     return "" if value is None else str(value)
 
@@ -348,9 +219,9 @@ class Admission:
         self.lease_ttl_us = round(lease_ttl_s * 1_000_000)
         self.busy_retry_after_s = busy_retry_after_s
         self._run = _ScriptRunner(redis)
-        self._reserve = _Script(_RESERVE)
-        self._release = _Script(_RELEASE)
-        self._renew = _Script(_RENEW)
+        self._reserve = _Script(RESERVE)
+        self._release = _Script(RELEASE)
+        self._renew = _Script(RENEW)
 
     async def reserve(
         self,
@@ -361,18 +232,30 @@ class Admission:
         prompt_tokens: int,
         max_tokens: int,
         kv_tokens: int,
+        key_id: str | None = None,
+        key_limits: KeyLimits | None = None,
+        charge: Charge | None = None,
     ) -> Decision:
-        """Check every limit of `policy` and, only if all pass, take one request from the
-        request bucket, `prompt_tokens + max_tokens` from the token bucket and a lease of
-        `kv_tokens` (one store round trip). A denial changes no counter. A request id that
-        already holds a lease is allowed again without a second charge. Hard denials (the
-        request exceeds a capacity) are reported before any other; otherwise the order is
-        rpm, tpm, concurrency, kv_budget. Raises StoreUnavailableError."""
+        """Check every limit of `policy`, of the key's `key_limits` and of the budgets in
+        `charge` and, only if all pass, take one request from the request buckets,
+        `prompt_tokens + max_tokens` from the token buckets, a lease of `kv_tokens`, a
+        concurrency slot and `charge.cost_micros` from each budget (one store round trip),
+        and note the key's last use. A denial changes no counter. A request id that already
+        holds a lease is allowed again without a second charge. Hard denials (the request
+        exceeds a capacity, or what is left of a budget) are reported before any other;
+        otherwise the order is rpm, tpm, key_rpm, key_tpm, concurrency, key_concurrency,
+        kv_budget. Raises StoreUnavailableError."""
         if min(prompt_tokens, max_tokens, kv_tokens) < 0:
             raise InvalidReservationError("token counts must not be negative")
         if not request_id:
             raise InvalidReservationError("request_id must not be empty")
+        charge = charge or Charge()
+        if charge.cost_micros < 0:
+            raise InvalidReservationError("cost_micros must not be negative")
+        limits = key_limits or KeyLimits()
         keys = tenant_keys(tenant_id)
+        scope = key_scope_keys(tenant_id, key_id)
+        tb, kb = charge.tenant_budget, charge.key_budget
         args = [
             _num(policy.rpm),
             _num(policy.tpm),
@@ -383,9 +266,31 @@ class Admission:
             kv_tokens,
             self.lease_ttl_us,
             f"{self.busy_retry_after_s:.6f}",
+            _num(limits.rpm),
+            _num(limits.tpm),
+            _num(limits.max_concurrent),
+            key_id or "",
+            charge.cost_micros,
+            "" if tb is None else tb.limit_micros,
+            "" if kb is None else kb.limit_micros,
+            _num(None if tb is None else tb.expire_at_ms),
+            _num(None if kb is None else kb.expire_at_ms),
         ]
-        reply = await self._run(self._reserve, list(keys.values()), args)
+        budget_keys = [
+            keys["req"] if tb is None else tb.key,  # placeholders are never touched
+            keys["req"] if kb is None else kb.key,
+        ]
+        script_keys = [
+            *keys.values(),
+            scope["req"],
+            scope["tok"],
+            scope["leases"],
+            *budget_keys,
+            scope["used"],
+        ]
+        reply = await self._run(self._reserve, script_keys, args)
         allowed, reason, retry, hard = int(reply[0]) == 1, _text(reply[1]), reply[2], reply[3]
+        left = reply[8] if len(reply) > 8 else None
         return Decision(
             allowed=allowed,
             reason=None if allowed else DenyReason(reason),
@@ -393,26 +298,63 @@ class Admission:
             hard=int(hard) == 1,
             requests=_bucket(policy.rpm, reply[4], reply[5]),
             tokens=_bucket(policy.tpm, reply[6], reply[7]),
+            budget_left_micros=int(left) if left else None,
         )
 
-    async def release(self, tenant_id: str, request_id: str, *, used_tokens: int) -> None:
-        """End the request's lease: free its concurrency slot and KV tokens and credit
-        `charged - used_tokens` back to the token bucket (never above capacity; an overrun
-        is not charged). A lease that expired is settled the same way (its slot and KV were
-        freed when it expired). Idempotent: releasing an unknown or released lease does
-        nothing. One store round trip. Raises StoreUnavailableError."""
-        if used_tokens < 0:
-            raise InvalidReservationError("used_tokens must not be negative")
+    async def release(
+        self,
+        tenant_id: str,
+        request_id: str,
+        *,
+        used_tokens: int,
+        key_id: str | None = None,
+        cost_micros: int = 0,
+        charge: Charge | None = None,
+    ) -> None:
+        """End the request's lease: free its concurrency slots, KV tokens and budget holds,
+        credit `charged - used_tokens` back to the token buckets (never above capacity; an
+        overrun is not charged) and add `cost_micros`, the real cost, to the spend of the
+        budgets it held; a soft threshold of `charge`'s budgets that this crosses is
+        appended to the `strata:events:budget` stream. A lease that expired is settled the
+        same way (its slots, KV and holds were freed when it expired). Idempotent:
+        releasing an unknown or released lease does nothing. One store round trip. Raises
+        StoreUnavailableError."""
+        if used_tokens < 0 or cost_micros < 0:
+            raise InvalidReservationError("used_tokens and cost_micros must not be negative")
+        charge = charge or Charge()
         keys = tenant_keys(tenant_id)
-        lease_keys = [keys["tok"], keys["leases"], keys["res"], keys["kv"], keys["lapsed"]]
-        await self._run(self._release, lease_keys, [request_id, used_tokens])
+        scope = key_scope_keys(tenant_id, key_id)
+        lease_keys = [
+            keys["tok"],
+            keys["leases"],
+            keys["res"],
+            keys["kv"],
+            keys["lapsed"],
+            scope["tok"],
+            scope["leases"],
+            BUDGET_EVENTS,
+        ]
+        tb, kb = charge.tenant_budget, charge.key_budget
+        args = [
+            request_id,
+            used_tokens,
+            cost_micros,
+            "" if tb is None else tb.limit_micros,
+            _marks(tb),
+            "" if kb is None else kb.limit_micros,
+            _marks(kb),
+            tenant_id,
+            key_id or "",
+        ]
+        await self._run(self._release, lease_keys, args)
 
-    async def renew(self, tenant_id: str, request_id: str) -> LeaseState:
+    async def renew(self, tenant_id: str, request_id: str, key_id: str | None = None) -> LeaseState:
         """Push the lease deadline to now + lease_ttl_s (running requests call this well
         within the TTL). A lease that expired before it could be renewed (the store was
         out of reach) is restored with its reservation; a released one stays gone.
         One store round trip. Raises StoreUnavailableError."""
         keys = tenant_keys(tenant_id)
-        lease_keys = [keys["leases"], keys["res"], keys["kv"], keys["lapsed"]]
+        scope = key_scope_keys(tenant_id, key_id)
+        lease_keys = [keys["leases"], keys["res"], keys["kv"], keys["lapsed"], scope["leases"]]
         reply = await self._run(self._renew, lease_keys, [request_id, self.lease_ttl_us])
         return LeaseState(int(reply))

@@ -1,10 +1,14 @@
 """Billing exports: usage records streamed out as CSV, NDJSON or a JSON array, one row per
-request or aggregated into UTC hour/day buckets, with cost columns from a price table.
+request or aggregated into UTC hour/day buckets, with cost columns.
 
-Costs are exact decimals: a price per 1M tokens (as the operator wrote it, e.g. 0.15) times a
-token count, shifted by six decimal places. Per-request costs therefore add up exactly to the
-costs of the hour/day rows they fall in. CSV and JSON write them as plain decimal numbers
-(`0.000025`, never `2.5E-5`). A row no price applies to costs 0 and says so (`priced: false`).
+A record's cost is the one it carries, fixed when it ran (whole micro-dollars at the prices
+then in force), so a later price change never reprices it. A record that carries none (no
+price applied when it ran, or written before costs were recorded) is priced from the price
+history: the price in force when it finished, else the name's first price. Such costs are
+exact decimals: a price per 1M tokens (as the operator wrote it, e.g. 0.15) times a token
+count, shifted by six decimal places. Hour/day rows sum their requests' costs. CSV and JSON
+write them as plain decimal numbers (`0.000025`, never `2.5E-5`). A row no price applies to
+costs 0 and says so (`priced: false`).
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ from __future__ import annotations
 import collections
 import csv
 import io
-from collections.abc import AsyncIterator, Mapping, Sequence
+import math
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from decimal import Context, Decimal
 from typing import Literal, Protocol, get_args
 
 import msgspec
 
+from tenants.pricing import PriceHistory
 from tenants.records import Price, UsageRecord
 
 ExportFormat = Literal["csv", "ndjson", "json"]
@@ -39,6 +45,7 @@ PERIOD_COLUMNS = (
     "priced",
 )
 
+_CTX = Context(prec=60)
 _PERIOD_SECONDS = {"hour": 3600, "day": 86400}
 _CSV_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
@@ -57,53 +64,30 @@ def media_type(fmt: ExportFormat) -> str:
     return types.get(fmt, "application/json")
 
 
-def _exact(price_per_m: float) -> Decimal:
-    # the shortest repr is the number the operator wrote (0.15, not 0.1499999999999999944…)
-    return Decimal(repr(float(price_per_m)))
-
-
 Costs = tuple[Decimal, Decimal, Decimal, Decimal]
 
 
 class PriceBook:
-    """Prices by model or adapter name, as exact decimals. Caches conversions and counts the
-    rows no price applied to (`unpriced`, by model or adapter name); one per export."""
+    """The price history, for pricing records that carry no cost, and the count of rows no
+    price applied to (`unpriced`, by model or adapter name); one per export."""
 
-    def __init__(self, prices: Mapping[str, Price]) -> None:
-        self._prices = prices
+    def __init__(self, prices: Mapping[str, Price] | Iterable[Price]) -> None:
+        versions = prices.values() if isinstance(prices, Mapping) else prices
+        self._history = PriceHistory(versions)
         self._ctx = Context(prec=60)
-        self._cache: dict[str, tuple[Decimal, Decimal, Decimal] | None] = {}
         self.unpriced: collections.Counter[str] = collections.Counter()
 
-    def _rates(self, name: str) -> tuple[Decimal, Decimal, Decimal] | None:
-        if name not in self._cache:
-            price = self._prices.get(name)
-            self._cache[name] = (
-                None
-                if price is None
-                else (
-                    _exact(price.prompt_per_m),
-                    _exact(price.cached_per_m),
-                    _exact(price.completion_per_m),
-                )
-            )
-        return self._cache[name]
-
     def rates_for(
-        self, model: str, adapter: str | None, adapter_version: int | None = None
+        self,
+        model: str,
+        adapter: str | None,
+        adapter_version: int | None = None,
+        at: float = math.inf,
     ) -> tuple[Decimal, Decimal, Decimal] | None:
         """The first price of: the adapter's version (`name@version`), the adapter, its base
-        model. None when none of them is priced."""
-        names = []
-        if adapter:
-            if adapter_version is not None:
-                names.append(f"{adapter}@{adapter_version}")
-            names.append(adapter)
-        names.append(model)
-        for name in names:
-            if (rates := self._rates(name)) is not None:
-                return rates
-        return None
+        model, as in force at `at` (else its first). None when none of them is priced."""
+        rates = self._history.rates_at(at, model, adapter, adapter_version, earliest=True)
+        return None if rates is None else (rates.prompt, rates.cached, rates.completion)
 
     def costs(
         self,
@@ -114,12 +98,13 @@ class PriceBook:
         completion_tokens: int,
         adapter_version: int | None = None,
         num_requests: int = 1,
+        at: float = math.inf,
     ) -> tuple[Costs, bool]:
         """((prompt, cached, completion, total) cost, whether a price applied). Prices are
         looked up as `rates_for` says; with none, every cost is zero, the `num_requests`
         the row stands for are counted in `unpriced` and the flag is False. Cached tokens
         are part of the prompt: `prompt` bills prompt - cached tokens (never below zero)."""
-        rates = self.rates_for(model, adapter, adapter_version)
+        rates = self.rates_for(model, adapter, adapter_version, at)
         if rates is None:
             self.unpriced[adapter or model] += num_requests
             zero = Decimal(0)
@@ -133,6 +118,29 @@ class PriceBook:
         cached = cost(cached_tokens, rates[1])
         completion = cost(completion_tokens, rates[2])
         return (prompt, cached, completion, ctx.add(ctx.add(prompt, cached), completion)), True
+
+    def record_costs(self, rec: UsageRecord) -> tuple[Costs, bool]:
+        """A record's cost: the one it carries, else priced from the history."""
+        if rec.cost_prompt_micros is None:
+            return self.costs(
+                rec.model,
+                rec.adapter,
+                rec.prompt_tokens,
+                rec.cached_tokens,
+                rec.completion_tokens,
+                rec.adapter_version,
+                at=rec.finished_at,
+            )
+        parts = [
+            Decimal(micros or 0).scaleb(-6)
+            for micros in (
+                rec.cost_prompt_micros,
+                rec.cost_cached_micros,
+                rec.cost_completion_micros,
+            )
+        ]
+        ctx = self._ctx
+        return (parts[0], parts[1], parts[2], ctx.add(ctx.add(parts[0], parts[1]), parts[2])), True
 
 
 class ModelNames:
@@ -181,31 +189,44 @@ async def _request_rows(
     records: AsyncIterator[UsageRecord], book: PriceBook
 ) -> AsyncIterator[Sequence[object]]:
     async for rec in records:
-        costs, priced = book.costs(
-            rec.model,
-            rec.adapter,
-            rec.prompt_tokens,
-            rec.cached_tokens,
-            rec.completion_tokens,
-            rec.adapter_version,
-        )
+        costs, priced = book.record_costs(rec)
         yield (*msgspec.structs.astuple(rec), *costs, priced)
 
 
 _GroupKey = tuple[str, str, str | None]  # tenant, model, adapter
 
 
-def _bucket_rows(
-    bucket_start: int, groups: dict[_GroupKey, list[int]], book: PriceBook
-) -> list[Sequence[object]]:
+class _Group:
+    """One (period, tenant, model, adapter) row being summed."""
+
+    def __init__(self) -> None:
+        self.num_requests = self.prompt = self.cached = self.completion = 0
+        self.costs = [Decimal(0)] * 4
+        self.priced = True
+
+    def add(self, rec: UsageRecord, book: PriceBook) -> None:
+        self.num_requests += 1
+        self.prompt += rec.prompt_tokens
+        self.cached += rec.cached_tokens
+        self.completion += rec.completion_tokens
+        costs, priced = book.record_costs(rec)
+        self.costs = [_CTX.add(a, b) for a, b in zip(self.costs, costs, strict=True)]
+        self.priced = self.priced and priced
+
+
+def _bucket_rows(bucket_start: int, groups: dict[_GroupKey, _Group]) -> list[Sequence[object]]:
     period = datetime.fromtimestamp(bucket_start, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     rows: list[Sequence[object]] = []
     for key in sorted(groups, key=lambda k: (k[0], k[1], k[2] is not None, k[2] or "")):
         tenant_id, model, adapter = key
-        num_requests, prompt, cached, completion = groups[key]
-        costs, priced = book.costs(
-            model, adapter, prompt, cached, completion, num_requests=num_requests
+        group = groups[key]
+        num_requests, prompt, cached, completion = (
+            group.num_requests,
+            group.prompt,
+            group.cached,
+            group.completion,
         )
+        costs, priced = group.costs, group.priced
         rows.append(
             (
                 period,
@@ -228,7 +249,7 @@ async def _period_rows(
 ) -> AsyncIterator[Sequence[object]]:
     # records arrive in finished_at order: a bucket is complete once a later one starts
     current: int | None = None
-    groups: dict[_GroupKey, list[int]] = {}
+    groups: dict[_GroupKey, _Group] = {}
     async for rec in records:
         bucket = int(rec.finished_at // period_s) * period_s
         if bucket != current:
@@ -237,16 +258,12 @@ async def _period_rows(
                     raise ExportOrderError(
                         f"record {rec.request_id} finished before an already exported period"
                     )
-                for row in _bucket_rows(current, groups, book):
+                for row in _bucket_rows(current, groups):
                     yield row
             current, groups = bucket, {}
-        acc = groups.setdefault((rec.tenant_id, rec.model, rec.adapter), [0, 0, 0, 0])
-        acc[0] += 1
-        acc[1] += rec.prompt_tokens
-        acc[2] += rec.cached_tokens
-        acc[3] += rec.completion_tokens
+        groups.setdefault((rec.tenant_id, rec.model, rec.adapter), _Group()).add(rec, book)
     if current is not None:
-        for row in _bucket_rows(current, groups, book):
+        for row in _bucket_rows(current, groups):
             yield row
 
 

@@ -26,7 +26,15 @@ from tenants.auth_cache import AuthCache, AuthContext
 from tenants.errors import AuthError, ConflictError, TenantDisabledError
 from tenants.invalidation import Invalidation, InvalidationSubscriber, stage_invalidation
 from tenants.keyspace import StoredKey
-from tenants.records import ApiKey, ApiKeyCreated, KeyCreate, KeyRotate, RecordError
+from tenants.records import (
+    ApiKey,
+    ApiKeyCreated,
+    Budget,
+    KeyCreate,
+    KeyRotate,
+    KeyUpdate,
+    RecordError,
+)
 
 __all__ = ["AuthContext", "KeyManager", "hash_secret", "new_secret"]
 
@@ -97,7 +105,11 @@ async def _require_enabled_tenant(pipe: Pipeline, tenant_id: str) -> None:
         raise TenantDisabledError(tenant_id)
 
 
-def _issue(tenant_id: str, name: str, now: float, expires_at: float | None) -> ApiKeyCreated:
+def _issue(
+    tenant_id: str, name: str, now: float, expires_at: float | None, like: ApiKey | KeyCreate
+) -> ApiKeyCreated:
+    """A new key; its limits, budget and metadata are `like`'s (the spec, or the key it
+    succeeds)."""
     secret = new_secret()
     key = ApiKey(
         id="key_" + secrets.token_hex(8),
@@ -106,6 +118,9 @@ def _issue(tenant_id: str, name: str, now: float, expires_at: float | None) -> A
         name=name,
         created_at=now,
         expires_at=expires_at,
+        limits=like.limits,
+        budget=like.budget,
+        metadata=dict(like.metadata),
     )
     return ApiKeyCreated(key=key, secret=secret)
 
@@ -162,7 +177,7 @@ class KeyManager:
             expires_at = now + spec.expires_in_s
         if expires_at is not None and expires_at <= now:
             raise RecordError("expires_at must be in the future")
-        created = _issue(tenant_id, spec.name, now, expires_at)
+        created = _issue(tenant_id, spec.name, now, expires_at, spec)
 
         async def write(pipe: Pipeline) -> None:
             await _require_enabled_tenant(pipe, tenant_id)
@@ -185,6 +200,35 @@ class KeyManager:
 
     async def get_key(self, key_id: str) -> ApiKey:
         return (await keyspace.read_key(self._redis, key_id)).key
+
+    async def update_key(self, key_id: str, spec: KeyUpdate) -> ApiKey:
+        """Rename the key or replace its limits or metadata (the fields `spec` gives) and
+        invalidate every replica's cache entry. Raises NotFoundError."""
+        changes = {
+            f: getattr(spec, f)
+            for f in spec.__struct_fields__
+            if getattr(spec, f) is not msgspec.UNSET
+        }
+        return await self._modify_key(key_id, lambda k: msgspec.structs.replace(k, **changes))
+
+    async def set_key_budget(self, key_id: str, budget: Budget | None) -> ApiKey:
+        """Set (or clear, with None) the key's budget; invalidates cached authentications."""
+        return await self._modify_key(key_id, lambda k: msgspec.structs.replace(k, budget=budget))
+
+    async def _modify_key(self, key_id: str, change: Callable[[ApiKey], ApiKey]) -> ApiKey:
+        async def write(pipe: Pipeline) -> StoredKey:
+            await pipe.watch(keyspace.key(key_id))
+            stored = await keyspace.read_key(pipe, key_id)
+            updated = msgspec.structs.replace(stored, key=change(stored.key))
+            assert updated.key.id == key_id
+            pipe.multi()
+            _stage_key_write(pipe, updated, is_new=False)
+            stage_invalidation(pipe, "key", stored.secret_hash)
+            return updated
+
+        updated: StoredKey = await self._redis.transaction(write, value_from_callable=True)
+        self.cache.drop_key(updated.secret_hash)  # read-your-writes here, before the echo
+        return updated.key
 
     async def revoke_key(self, key_id: str) -> ApiKey:
         """Set `revoked_at = now` (an earlier revocation is kept) and invalidate every
@@ -225,7 +269,7 @@ class KeyManager:
             retired = msgspec.structs.replace(
                 old, key=msgspec.structs.replace(old.key, revoked_at=deadline)
             )
-            created = _issue(old.key.tenant_id, old.key.name, now, old.key.expires_at)
+            created = _issue(old.key.tenant_id, old.key.name, now, old.key.expires_at, old.key)
             pipe.multi()
             _stage_key_write(pipe, retired, is_new=False)
             _stage_key_write(pipe, _stored(created), is_new=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal
 from typing import Literal
 
 import msgspec
@@ -29,6 +30,58 @@ def check_name(value: str, field: str) -> str:
             "starting with a letter or digit"
         )
     return value
+
+
+# -- budgets -------------------------------------------------------------------------------
+
+
+BudgetPeriod = Literal["day", "month", "none"]
+MICROS_PER_USD = 1_000_000
+MAX_BUDGET_USD = Decimal(10) ** 9
+
+
+def usd_to_micros(value: Decimal, field: str) -> int:
+    """Whole micro-dollars of a dollar amount; RecordError naming `field` for a negative,
+    non-finite or over-precise value (more than 6 decimal places)."""
+    if not value.is_finite() or value < 0 or value > MAX_BUDGET_USD:
+        raise RecordError(f"{field} must be a dollar amount between 0 and {MAX_BUDGET_USD}")
+    micros = value * MICROS_PER_USD
+    if micros != micros.to_integral_value():
+        raise RecordError(f"{field} must have at most 6 decimal places")
+    return int(micros)
+
+
+def micros_to_usd(micros: int) -> str:
+    """A micro-dollar amount as a plain decimal dollar string: 1500000 -> '1.500000'."""
+    sign = "-" if micros < 0 else ""
+    whole, frac = divmod(abs(micros), MICROS_PER_USD)
+    return f"{sign}{whole}.{frac:06d}"
+
+
+class Budget(Base):
+    """A spend cap in dollars (exact: a JSON number or a decimal string, at most 6 decimal
+    places) per UTC `period` (`none`: lifetime). Admission reserves each request's
+    worst-case cost against it; `thresholds` are percentages of `limit_usd` whose crossing
+    by settled spend is recorded once per period in the budget event stream."""
+
+    limit_usd: Decimal
+    period: BudgetPeriod = "month"
+    thresholds: list[int] = msgspec.field(default_factory=lambda: [50, 80, 100])
+
+    def __post_init__(self) -> None:
+        usd_to_micros(self.limit_usd, "limit_usd")
+        if self.period not in ("day", "month", "none"):
+            raise RecordError("period must be one of day, month, none")
+        if len(self.thresholds) > 16:
+            raise RecordError("thresholds: at most 16 percentages")
+        for pct in self.thresholds:
+            if isinstance(pct, bool) or not 1 <= pct <= 1000:
+                raise RecordError("thresholds must be whole percentages between 1 and 1000")
+        self.thresholds = sorted(set(self.thresholds))
+
+    @property
+    def limit_micros(self) -> int:
+        return usd_to_micros(self.limit_usd, "limit_usd")
 
 
 # -- policy --------------------------------------------------------------------------------
@@ -73,6 +126,7 @@ class Policy(Base):
     # tenants naming the same namespace share prefix-cache blocks (e.g. a public system
     # prompt); otherwise a tenant's cache is keyed by its own secret salt
     shared_cache_namespace: str | None = None
+    budget: Budget | None = None  # spend cap in dollars per period (see Budget)
 
     def __post_init__(self) -> None:
         for field in LIMIT_FIELDS:
@@ -125,6 +179,7 @@ class PolicyPatch(Base):
     weight: float | msgspec.UnsetType = msgspec.UNSET
     on_store_unavailable: StoreFailMode | msgspec.UnsetType = msgspec.UNSET
     shared_cache_namespace: str | msgspec.UnsetType | None = msgspec.UNSET
+    budget: Budget | msgspec.UnsetType | None = msgspec.UNSET
 
     def apply(self, policy: Policy) -> Policy:
         """A new, validated Policy with this patch applied (raises RecordError)."""
@@ -191,9 +246,46 @@ class TenantUpdate(Base):
 
 # -- API keys ------------------------------------------------------------------------------
 
+MAX_METADATA_ENTRIES = 32
+
+
+class KeyLimits(Base):
+    """One key's own limits, enforced within its tenant's (both must admit a request):
+    `None` leaves a field to the tenant's policy alone."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    allowed_models: list[str] | None = None
+    allowed_adapters: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("rpm", "tpm", "max_concurrent"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise RecordError(f"limits.{field} must be a positive integer or null")
+        for field in ("allowed_models", "allowed_adapters"):
+            for name in getattr(self, field) or ():
+                check_name(name, f"limits.{field}")
+
+    def allows_model(self, model: str) -> bool:
+        return self.allowed_models is None or model in self.allowed_models
+
+    def allows_adapter(self, adapter: str) -> bool:
+        return self.allowed_adapters is None or adapter in self.allowed_adapters
+
+
+def check_metadata(metadata: dict[str, str]) -> None:
+    if len(metadata) > MAX_METADATA_ENTRIES:
+        raise RecordError(f"metadata: at most {MAX_METADATA_ENTRIES} entries")
+    for name, value in metadata.items():
+        if not 1 <= len(name) <= 64 or len(value) > 512:
+            raise RecordError("metadata: names of 1-64 characters, values up to 512")
+
 
 class ApiKey(Base):
-    """A key as listings show it: never the secret, only a short prefix to recognise it."""
+    """A key as listings show it: never the secret, only a short prefix to recognise it.
+    `limits`, `budget` and `metadata` (free-form strings) are the operator's."""
 
     id: str
     tenant_id: str
@@ -202,6 +294,9 @@ class ApiKey(Base):
     created_at: float
     expires_at: float | None = None
     revoked_at: float | None = None
+    limits: KeyLimits | None = None
+    budget: Budget | None = None
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
 
     def is_active(self, now: float) -> bool:
         if self.revoked_at is not None and self.revoked_at <= now:
@@ -220,11 +315,29 @@ class KeyCreate(Base):
     name: str = "default"
     expires_at: float | None = None  # unix seconds
     expires_in_s: float | None = None
+    limits: KeyLimits | None = None
+    budget: Budget | None = None
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_name(self.name, "name")
         if self.expires_in_s is not None and self.expires_in_s <= 0:
             raise RecordError("expires_in_s must be positive")
+        check_metadata(self.metadata)
+
+
+class KeyUpdate(Base):
+    """PATCH body for a key: only the fields present change (null clears limits)."""
+
+    name: str | msgspec.UnsetType = msgspec.UNSET
+    limits: KeyLimits | msgspec.UnsetType | None = msgspec.UNSET
+    metadata: dict[str, str] | msgspec.UnsetType = msgspec.UNSET
+
+    def __post_init__(self) -> None:
+        if isinstance(self.name, str):
+            check_name(self.name, "name")
+        if isinstance(self.metadata, dict):
+            check_metadata(self.metadata)
 
 
 class KeyRotate(Base):
@@ -263,12 +376,15 @@ class AdapterCreate(Base):
 
 class Price(Base):
     """Price per 1M tokens for a model, an adapter, or one version of an adapter
-    (`name@version`); the currency is the operator's."""
+    (`name@version`), in dollars. `effective_at` (unix seconds) is when it takes effect;
+    a model's prices form a history, and a request is charged at the one in force when it
+    was admitted (None: in force since before any usage)."""
 
     model: str
     prompt_per_m: float = 0.0
     cached_per_m: float = 0.0
     completion_per_m: float = 0.0
+    effective_at: float | None = None
 
     def __post_init__(self) -> None:
         name, at, version = self.model.partition("@")
@@ -281,6 +397,8 @@ class Price(Base):
             raise RecordError("prices must be finite numbers")
         if min(self.prompt_per_m, self.cached_per_m, self.completion_per_m) < 0:
             raise RecordError("prices must not be negative")
+        if self.effective_at is not None and not math.isfinite(self.effective_at):
+            raise RecordError("effective_at must be a finite unix time")
 
 
 # -- usage ---------------------------------------------------------------------------------
@@ -312,3 +430,18 @@ class UsageRecord(Base):
     e2e_ms: float = 0.0
     started_at: float = 0.0
     finished_at: float = 0.0
+    # what it cost at the prices in force when it was admitted, in micro-dollars (each
+    # part rounded up to a whole one); None: no price applied, or recorded before costs were
+    cost_prompt_micros: int | None = None
+    cost_cached_micros: int | None = None
+    cost_completion_micros: int | None = None
+
+    @property
+    def cost_micros(self) -> int | None:
+        if self.cost_prompt_micros is None:
+            return None
+        return (
+            self.cost_prompt_micros
+            + (self.cost_cached_micros or 0)
+            + (self.cost_completion_micros or 0)
+        )

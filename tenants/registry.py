@@ -26,13 +26,23 @@ from tenants.records import (
     Policy,
     PolicyPatch,
     Price,
+    RecordError,
     Tenant,
     TenantCreate,
     TenantUpdate,
 )
 
 _adapter_decoder = msgspec.json.Decoder(Adapter)
-_price_decoder = msgspec.json.Decoder(Price)
+_price_decoder = msgspec.json.Decoder(Price | list[Price])
+
+# how far in the past an `effective_at` may lie (clock skew) before a price is refused
+PRICE_PAST_SLACK_S = 60.0
+
+
+def _versions(raw: bytes | str) -> list[Price]:
+    found = _price_decoder.decode(raw)
+    return found if isinstance(found, list) else [found]  # a single record: stored unversioned
+
 
 # create a tenant only if its id is free and was never a deleted tenant's: SET NX plus the
 # listing index, atomically
@@ -52,6 +62,8 @@ class TenantRegistry:
         self._redis = redis
         self._clock = clock
         self._create_tenant = redis.register_script(_CREATE_TENANT)
+        # called after this registry changes a price (a replica's price cache listens)
+        self.price_listeners: list[Callable[[], None]] = []
 
     # -- tenants ---------------------------------------------------------------------------
 
@@ -227,17 +239,45 @@ class TenantRegistry:
     # -- prices ----------------------------------------------------------------------------
 
     async def put_price(self, price: Price) -> Price:
-        """Create or replace the price of `price.model`."""
-        await self._redis.hset(keyspace.PRICES, price.model, msgspec.json.encode(price))
-        return price
+        """Add a version to `price.model`'s price history, in force from `effective_at`
+        (now when absent; one already at that time is replaced). Past usage is never
+        repriced: RecordError for an `effective_at` more than a minute in the past, and
+        every later version keeps its place."""
+        now = self._clock()
+        at = now if price.effective_at is None else price.effective_at
+        if at < now - PRICE_PAST_SLACK_S:
+            raise RecordError("effective_at must not be in the past")
+        version = msgspec.structs.replace(price, effective_at=max(at, now))
+
+        async def write(pipe: Pipeline) -> None:
+            await pipe.watch(keyspace.PRICES)
+            raw = await pipe.hget(keyspace.PRICES, price.model)
+            versions = [] if raw is None else _versions(raw)
+            kept = [v for v in versions if v.effective_at != version.effective_at]
+            kept.append(version)
+            kept.sort(key=lambda v: v.effective_at or 0.0)
+            pipe.multi()
+            pipe.hset(keyspace.PRICES, price.model, msgspec.json.encode(kept))
+
+        await self._redis.transaction(write)
+        self._prices_changed()
+        return version
+
+    def _prices_changed(self) -> None:
+        for listener in self.price_listeners:
+            listener()
 
     async def list_prices(self) -> list[Price]:
+        """Every price version, by model, then effective time."""
         raws = await self._redis.hgetall(keyspace.PRICES)
-        return sorted((_price_decoder.decode(v) for v in raws.values()), key=lambda p: p.model)
+        versions = [v for raw in raws.values() for v in _versions(raw)]
+        return sorted(versions, key=lambda p: (p.model, p.effective_at or 0.0))
 
     async def delete_price(self, model: str) -> None:
+        """Forget every version of the model's price (recorded costs stay as they are)."""
         if not await self._redis.hdel(keyspace.PRICES, model):
             raise NotFoundError("price", model)
+        self._prices_changed()
 
 
 def tenant_may_use(adapter: Adapter, tenant_id: str) -> bool:

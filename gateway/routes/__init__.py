@@ -33,10 +33,10 @@ async def usage_export(
     fmt: ExportFormat,
     granularity: Granularity,
 ) -> AsyncIterator[bytes]:
-    """A usage export over [start, end) (one tenant, or all for None) at today's prices,
-    with every model named by its canonical id. Requests no price applies to are logged
-    and counted once the export has been read."""
-    prices = {p.model: p for p in await registry.list_prices()}
+    """A usage export over [start, end) (one tenant, or all for None) at the costs its
+    records carry (see tenants/export.py), with every model named by its canonical id.
+    Requests no price applies to are logged and counted once the export has been read."""
+    prices = await registry.list_prices()
     adapters = await registry.list_adapters()
     names = ModelNames(
         fleet.all_aliases(),

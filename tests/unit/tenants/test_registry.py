@@ -282,16 +282,32 @@ async def test_list_adapters_latest_and_acl(registry):
 # -- prices --------------------------------------------------------------------------------
 
 
-async def test_prices(registry):
+async def test_prices_form_a_history_by_effective_time(redis_client):
+    now = iter([1000.0, 1001.0, 1002.0, 1003.0, 1004.0])
+    registry = TenantRegistry(redis_client, clock=lambda: next(now))
     assert await registry.list_prices() == []
     await registry.put_price(Price(model="zeta", prompt_per_m=1.0))
     await registry.put_price(Price(model="alpha", completion_per_m=2.0))
     await registry.put_price(Price(model="zeta", prompt_per_m=3.0, cached_per_m=0.5))
+    # a change scheduled ahead, and one at the same time replacing it
+    await registry.put_price(Price(model="zeta", prompt_per_m=4.0, effective_at=5000.0))
+    await registry.put_price(Price(model="zeta", prompt_per_m=5.0, effective_at=5000.0))
     assert await registry.list_prices() == [
-        Price(model="alpha", completion_per_m=2.0),
-        Price(model="zeta", prompt_per_m=3.0, cached_per_m=0.5),
+        Price(model="alpha", completion_per_m=2.0, effective_at=1001.0),
+        Price(model="zeta", prompt_per_m=1.0, effective_at=1000.0),
+        Price(model="zeta", prompt_per_m=3.0, cached_per_m=0.5, effective_at=1002.0),
+        Price(model="zeta", prompt_per_m=5.0, effective_at=5000.0),
     ]
     await registry.delete_price("zeta")
     assert [p.model for p in await registry.list_prices()] == ["alpha"]
     with pytest.raises(NotFoundError):
         await registry.delete_price("zeta")
+
+
+async def test_a_price_never_takes_effect_in_the_past(redis_client):
+    registry = TenantRegistry(redis_client, clock=lambda: 10_000.0)
+    with pytest.raises(RecordError, match="effective_at"):
+        await registry.put_price(Price(model="m", prompt_per_m=1.0, effective_at=9_000.0))
+    # within a minute of now (clock skew) it takes effect now
+    price = await registry.put_price(Price(model="m", prompt_per_m=1.0, effective_at=9_990.0))
+    assert price.effective_at == 10_000.0

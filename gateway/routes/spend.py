@@ -1,0 +1,304 @@
+"""Budgets and live spend over REST: the operator sets, reads and clears a tenant's and a
+key's budget, updates a key's own limits and metadata, reads spend (grouped by hour or day,
+key, model and adapter) and the budget event stream; a tenant reads its own spend and
+budgets with its API key. Handlers delegate to tenants/ and policies/."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from litestar import Controller, Request, delete, get, patch, put
+from litestar.di import NamedDependency
+from litestar.params import FromPath, FromQuery, JSONBody
+from redis.exceptions import ResponseError
+
+from gateway.auth import auth_of, requires_admin_token, requires_api_key
+from gateway.errors import bad_request
+from gateway.routes import time_window
+from policies.admission import BUDGET_EVENTS, key_scope_keys
+from policies.budgets import budget_key, read_usage, seed_spent
+from tenants.keys import KeyManager
+from tenants.ledger import Ledger
+from tenants.records import ApiKey, Budget, KeyUpdate, PolicyPatch, micros_to_usd
+from tenants.registry import TenantRegistry
+from tenants.spend import SpendGrouping, SpendReport, spend_report
+
+
+class BudgetStatus(msgspec.Struct, kw_only=True):
+    """A budget and its current period's counters (dollars as exact decimal strings).
+    `reserved_usd` is the worst-case cost of requests still running."""
+
+    budget: Budget | None
+    period: str | None = None
+    period_start: float | None = None
+    period_end: float | None = None
+    spent_usd: str | None = None
+    reserved_usd: str | None = None
+    remaining_usd: str | None = None
+
+
+class KeyStatus(msgspec.Struct, kw_only=True):
+    """A key, when it last passed admission (unix seconds), and its budget."""
+
+    key: ApiKey
+    last_used_at: float | None
+    budget: BudgetStatus
+
+
+class BudgetEvent(msgspec.Struct, kw_only=True):
+    """A soft threshold crossed by settled spend, from the `strata:events:budget` stream."""
+
+    id: str
+    scope: str  # tenant | key
+    tenant_id: str
+    key_id: str
+    period: str
+    threshold_pct: int
+    limit_micros: int
+    spent_micros: int
+    at: float
+
+
+async def _status(
+    store: Any, tenant_id: str, owner: str, budget: Budget | None, now: float
+) -> BudgetStatus:
+    if budget is None:
+        return BudgetStatus(budget=None)
+    usage = await read_usage(store, tenant_id, owner, budget, now)
+    left = budget.limit_micros - usage.spent_micros - usage.reserved_micros
+    return BudgetStatus(
+        budget=budget,
+        period=usage.period.label,
+        period_start=usage.period.start,
+        period_end=usage.period.end,
+        spent_usd=micros_to_usd(usage.spent_micros),
+        reserved_usd=micros_to_usd(usage.reserved_micros),
+        remaining_usd=micros_to_usd(max(left, 0)),
+    )
+
+
+async def _ledger_spend(
+    ledger: Ledger, tenant_id: str, key_id: str | None, start: float, end: float
+) -> int:
+    total = 0
+    async for rec in ledger.iter_records(tenant_id, start, end):
+        if key_id is None or rec.key_id == key_id:
+            total += rec.cost_micros or 0
+    return total
+
+
+async def _seed(
+    store: Any, ledger: Ledger, tenant_id: str, key_id: str | None, budget: Budget
+) -> None:
+    """Count what the ledger holds of the current period when a budget starts counting."""
+    owner = "tenant" if key_id is None else f"key:{key_id}"
+    now = time.time()
+    usage = await read_usage(store, tenant_id, owner, budget, now)
+    spent = await _ledger_spend(ledger, tenant_id, key_id, usage.period.start, now + 1)
+    await seed_spent(store, tenant_id, owner, budget, now, spent)
+
+
+async def _forget(store: Any, tenant_id: str, owner: str, budget: Budget | None) -> None:
+    """Drop a cleared budget's current counters: set again, it recounts from the ledger."""
+    if budget is not None:
+        usage = await read_usage(store, tenant_id, owner, budget, time.time())
+        await store.delete(budget_key(tenant_id, owner, usage.period.label))
+
+
+async def _report(
+    ledger: Ledger,
+    tenant_id: str,
+    start: str | None,
+    end: str | None,
+    group_by: SpendGrouping,
+    key_id: str | None,
+) -> SpendReport:
+    begin, stop = time_window(start, end, span_s=30 * 86400)
+    records = ledger.iter_records(tenant_id, begin, stop)
+    return await spend_report(records, tenant_id, begin, stop, group_by=group_by, key_id=key_id)
+
+
+class TenantBudgetController(Controller):
+    path = "/admin/tenants/{tenant_id:str}"
+    guards = [requires_admin_token]  # noqa: RUF012
+    tags = ["admin"]  # noqa: RUF012
+
+    @get("/budget")
+    async def read_budget(
+        self,
+        registry: NamedDependency[TenantRegistry],
+        store: NamedDependency[Any],
+        tenant_id: FromPath[str],
+    ) -> BudgetStatus:
+        policy = await registry.get_policy(tenant_id)
+        return await _status(store, tenant_id, "tenant", policy.budget, time.time())
+
+    @put("/budget", status_code=200)
+    async def set_budget(
+        self,
+        registry: NamedDependency[TenantRegistry],
+        ledger: NamedDependency[Ledger],
+        store: NamedDependency[Any],
+        tenant_id: FromPath[str],
+        data: JSONBody[Budget],
+    ) -> BudgetStatus:
+        """Set the tenant's budget; spend already in the ledger for the current period
+        counts against it."""
+        policy = await registry.patch_policy(tenant_id, PolicyPatch(budget=data))
+        await _seed(store, ledger, tenant_id, None, data)
+        return await _status(store, tenant_id, "tenant", policy.budget, time.time())
+
+    @delete("/budget")
+    async def clear_budget(
+        self,
+        registry: NamedDependency[TenantRegistry],
+        store: NamedDependency[Any],
+        tenant_id: FromPath[str],
+    ) -> None:
+        old = (await registry.get_policy(tenant_id)).budget
+        await registry.patch_policy(tenant_id, PolicyPatch(budget=None))
+        await _forget(store, tenant_id, "tenant", old)
+
+    @get("/spend")
+    async def spend(
+        self,
+        registry: NamedDependency[TenantRegistry],
+        ledger: NamedDependency[Ledger],
+        tenant_id: FromPath[str],
+        start: FromQuery[str | None] = None,
+        end: FromQuery[str | None] = None,
+        group_by: FromQuery[SpendGrouping] = "day",
+        key_id: FromQuery[str | None] = None,
+    ) -> SpendReport:
+        """The tenant's spend over [start, end) (the last 30 days by default), from the
+        costs its ledger records carry."""
+        await registry.get_tenant(tenant_id)  # 404 for an unknown tenant
+        return await _report(ledger, tenant_id, start, end, group_by, key_id)
+
+
+class KeyBudgetController(Controller):
+    path = "/admin/keys/{key_id:str}"
+    guards = [requires_admin_token]  # noqa: RUF012
+    tags = ["admin"]  # noqa: RUF012
+
+    @patch("/")
+    async def update(
+        self, keys: NamedDependency[KeyManager], key_id: FromPath[str], data: JSONBody[KeyUpdate]
+    ) -> ApiKey:
+        """Rename the key or replace its limits or metadata."""
+        return await keys.update_key(key_id, data)
+
+    @get("/status")
+    async def status(
+        self, keys: NamedDependency[KeyManager], store: NamedDependency[Any], key_id: FromPath[str]
+    ) -> KeyStatus:
+        key = await keys.get_key(key_id)
+        return await _key_status(store, key)
+
+    @get("/budget")
+    async def read_budget(
+        self, keys: NamedDependency[KeyManager], store: NamedDependency[Any], key_id: FromPath[str]
+    ) -> BudgetStatus:
+        key = await keys.get_key(key_id)
+        return await _status(store, key.tenant_id, f"key:{key.id}", key.budget, time.time())
+
+    @put("/budget", status_code=200)
+    async def set_budget(
+        self,
+        keys: NamedDependency[KeyManager],
+        ledger: NamedDependency[Ledger],
+        store: NamedDependency[Any],
+        key_id: FromPath[str],
+        data: JSONBody[Budget],
+    ) -> BudgetStatus:
+        key = await keys.set_key_budget(key_id, data)
+        await _seed(store, ledger, key.tenant_id, key.id, data)
+        return await _status(store, key.tenant_id, f"key:{key.id}", key.budget, time.time())
+
+    @delete("/budget")
+    async def clear_budget(
+        self, keys: NamedDependency[KeyManager], store: NamedDependency[Any], key_id: FromPath[str]
+    ) -> None:
+        old = (await keys.get_key(key_id)).budget
+        key = await keys.set_key_budget(key_id, None)
+        await _forget(store, key.tenant_id, f"key:{key.id}", old)
+
+
+async def _key_status(store: Any, key: ApiKey) -> KeyStatus:
+    used = await store.hget(key_scope_keys(key.tenant_id, key.id)["used"], key.id)
+    owner = f"key:{key.id}"
+    return KeyStatus(
+        key=key,
+        last_used_at=None if used is None else int(used) / 1e6,
+        budget=await _status(store, key.tenant_id, owner, key.budget, time.time()),
+    )
+
+
+@get("/admin/budget-events", guards=[requires_admin_token], tags=["admin"])
+async def budget_events(
+    store: NamedDependency[Any], after: FromQuery[str] = "0", limit: FromQuery[int] = 100
+) -> list[BudgetEvent]:
+    """Soft-threshold crossings, oldest first, after the stream id `after` (pass the last
+    id seen to read on)."""
+    if not 1 <= limit <= 1000:
+        raise bad_request("limit must be between 1 and 1000", param="limit")
+    try:
+        entries = await store.xrange(
+            BUDGET_EVENTS, min=f"({after}" if after != "0" else "-", count=limit
+        )
+    except ResponseError:
+        raise bad_request(f"after is not a stream id: {after!r}", param="after") from None
+    return [_event(entry_id, fields) for entry_id, fields in entries]
+
+
+def _event(entry_id: bytes, fields: dict[bytes, bytes]) -> BudgetEvent:
+    f = {k.decode(): v.decode() for k, v in fields.items()}
+    return BudgetEvent(
+        id=entry_id.decode(),
+        scope=f["scope"],
+        tenant_id=f["tenant_id"],
+        key_id=f["key_id"],
+        period=f["period"],
+        threshold_pct=int(f["threshold_pct"]),
+        limit_micros=int(f["limit_micros"]),
+        spent_micros=int(f["spent_micros"]),
+        at=int(f["at_us"]) / 1e6,
+    )
+
+
+class TenantSpend(msgspec.Struct, kw_only=True):
+    """What a tenant sees of its own spend: the report, its budget and its key's."""
+
+    spend: SpendReport
+    tenant_budget: BudgetStatus
+    key: KeyStatus
+
+
+class TenantSpendController(Controller):
+    path = "/v1/usage"
+    guards = [requires_api_key]  # noqa: RUF012
+    tags = ["openai"]  # noqa: RUF012
+
+    @get("/spend")
+    async def spend(
+        self,
+        request: Request[Any, Any, Any],
+        ledger: NamedDependency[Ledger],
+        store: NamedDependency[Any],
+        start: FromQuery[str | None] = None,
+        end: FromQuery[str | None] = None,
+        group_by: FromQuery[SpendGrouping] = "day",
+    ) -> TenantSpend:
+        """The caller's own tenant's spend (never another's) and budgets."""
+        auth = auth_of(request)
+        tenant = auth.tenant
+        report = await _report(ledger, tenant.id, start, end, group_by, None)
+        return TenantSpend(
+            spend=report,
+            tenant_budget=await _status(
+                store, tenant.id, "tenant", tenant.policy.budget, time.time()
+            ),
+            key=await _key_status(store, auth.key),
+        )
