@@ -58,12 +58,13 @@ def invalid_field(exc: msgspec.ValidationError) -> APIError:
     """A 400 naming the field a strict decode rejected: msgspec reports `... - at `$.a[0].b``."""
     message, _, where = str(exc).partition(" - at `$")
     field = where.rstrip("`").lstrip(".")
-    if not field and (named := _NAMED.match(message)):  # a record's own check names it
-        field = named.group(1)
+    if not field and (named := _NAMED.match(message) or _MISSING.search(message)):
+        field = named.group(1)  # a record's own check, or a missing field, names it
     return _invalid(field, message)
 
 
 # a validation message that starts with the field it is about: `limit_usd must be ...`
+_MISSING = re.compile(r"missing required field `([^`]+)`")
 _NAMED = re.compile(r"([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*)(?: must |: )")
 
 

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 import msgspec
-from litestar import Controller, Request, delete, get, patch, put
+from litestar import Controller, Request, delete, get, put
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody
 from redis.exceptions import ResponseError
@@ -21,7 +21,7 @@ from policies.admission import BUDGET_EVENTS, key_scope_keys
 from policies.budgets import budget_key, read_usage, seed_spent
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger
-from tenants.records import ApiKey, Budget, KeyUpdate, PolicyPatch, micros_to_usd
+from tenants.records import ApiKey, Budget, KeyLimits, KeyUpdate, PolicyPatch, micros_to_usd
 from tenants.registry import TenantRegistry
 from tenants.spend import SpendGrouping, SpendReport, spend_report
 
@@ -183,12 +183,26 @@ class KeyBudgetController(Controller):
     guards = [requires_admin_token]  # noqa: RUF012
     tags = ["admin"]  # noqa: RUF012
 
-    @patch("/")
-    async def update(
-        self, keys: NamedDependency[KeyManager], key_id: FromPath[str], data: JSONBody[KeyUpdate]
+    @put("/limits", status_code=200)
+    async def set_limits(
+        self, keys: NamedDependency[KeyManager], key_id: FromPath[str], data: JSONBody[KeyLimits]
     ) -> ApiKey:
-        """Rename the key or replace its limits or metadata."""
-        return await keys.update_key(key_id, data)
+        """Replace the key's own limits (enforced within its tenant's)."""
+        return await keys.update_key(key_id, KeyUpdate(limits=data))
+
+    @delete("/limits")
+    async def clear_limits(self, keys: NamedDependency[KeyManager], key_id: FromPath[str]) -> None:
+        await keys.update_key(key_id, KeyUpdate(limits=None))
+
+    @put("/metadata", status_code=200)
+    async def set_metadata(
+        self,
+        keys: NamedDependency[KeyManager],
+        key_id: FromPath[str],
+        data: JSONBody[dict[str, str]],
+    ) -> ApiKey:
+        """Replace the key's metadata (free-form string pairs)."""
+        return await keys.update_key(key_id, KeyUpdate(metadata=data))
 
     @get("/status")
     async def status(
