@@ -36,7 +36,7 @@ from policies.headers import rate_limit_headers
 from tenants.keys import AuthContext
 from tenants.ledger import LedgerWriter
 from tenants.pricing import Rates, with_costs
-from tenants.records import Policy, UsageRecord, UsageStatus, micros_to_usd
+from tenants.records import Policy, UsageRecord, UsageStatus, nanos_to_usd
 
 log = logging.getLogger(__name__)
 
@@ -224,12 +224,12 @@ class Pipeline:
         """The job's worst-case cost and the budgets it is held against."""
         cost = 0
         if rates is not None:
-            cost = rates.worst_case_micros(job.num_prompt_tokens, job.num_choices * job.max_tokens)
+            cost = rates.worst_case_nanos(job.num_prompt_tokens, job.num_choices * job.max_tokens)
         now, tenant, key = time.time(), auth.tenant, auth.key
         tenant_budget = tenant.policy.budget
         key_budget = key.budget
         return Charge(
-            cost_micros=cost,
+            cost_nanos=cost,
             tenant_budget=None
             if tenant_budget is None
             else BudgetHold.of(tenant.id, "tenant", tenant_budget, now),
@@ -550,12 +550,12 @@ class Pipeline:
         self.metrics.finished(record, tally.first_token_at, job.started)
         if ticket.reserved:
             used = prompt_tokens + tally.completion_tokens
-            cost = record.cost_micros or 0
+            cost = record.cost_nanos or 0
             task = asyncio.get_running_loop().create_task(self._release(ticket, job, used, cost))
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
 
-    async def _release(self, ticket: Ticket, job: Job, used: int, cost_micros: int) -> None:
+    async def _release(self, ticket: Ticket, job: Job, used: int, cost_nanos: int) -> None:
         """Release once the keeper has stopped (a renewal never lands after the release),
         retrying while the store is out of reach: a release is idempotent, and one that
         comes after the lease expired still credits the unused tokens and counts the cost
@@ -571,7 +571,7 @@ class Pipeline:
                     job.request_id,
                     used_tokens=used,
                     key_id=ticket.auth.key.id,
-                    cost_micros=cost_micros,
+                    cost_nanos=cost_nanos,
                     charge=ticket.charge,
                 )
                 return
@@ -710,15 +710,15 @@ def _budget_denial(decision: Decision, job: Job | None, charge: Charge | None) -
     is_key = decision.reason is DenyReason.KEY_BUDGET
     hold = None if charge is None else (charge.key_budget if is_key else charge.tenant_budget)
     owner = "this API key's" if is_key else "this tenant's"
-    left = micros_to_usd(decision.budget_left_micros or 0)
-    cost = micros_to_usd(0 if charge is None else charge.cost_micros)
+    left = nanos_to_usd(decision.budget_left_nanos or 0)
+    cost = nanos_to_usd(0 if charge is None else charge.cost_nanos)
     what = ""
     if job is not None:
         what = (
             f" ({job.num_prompt_tokens} prompt tokens + {job.num_choices} x {job.max_tokens} "
             f"max_tokens at the prices of '{job.model}')"
         )
-    limit = "" if hold is None else f" of ${micros_to_usd(hold.limit_micros)}"
+    limit = "" if hold is None else f" of ${nanos_to_usd(hold.limit_nanos)}"
     period = "" if hold is None else f" for {_PERIOD_NAMES.get(hold.label[0], 'its period')}"
     return (
         f"This request may cost up to ${cost}{what}, but {owner} budget{limit}{period} "

@@ -64,7 +64,7 @@ class BucketState:
 class Decision:
     """An admission verdict. `retry_after_s` is None when allowed or when `hard` (the
     request does not fit the policy or what is left of a budget); `requests`/`tokens` are
-    the tenant's, None when unlimited; `budget_left_micros` is what the refusing budget
+    the tenant's, None when unlimited; `budget_left_nanos` is what the refusing budget
     had left."""
 
     allowed: bool
@@ -73,15 +73,15 @@ class Decision:
     hard: bool
     requests: BucketState | None
     tokens: BucketState | None
-    budget_left_micros: int | None = None
+    budget_left_nanos: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Charge:
-    """What a reservation holds against budgets: the worst-case cost in micro-dollars and
+    """What a reservation holds against budgets: the worst-case cost in nano-dollars and
     the tenant's and the key's budget for the current period (None: no budget)."""
 
-    cost_micros: int = 0
+    cost_nanos: int = 0
     tenant_budget: BudgetHold | None = None
     key_budget: BudgetHold | None = None
 
@@ -239,7 +239,7 @@ class Admission:
         """Check every limit of `policy`, of the key's `key_limits` and of the budgets in
         `charge` and, only if all pass, take one request from the request buckets,
         `prompt_tokens + max_tokens` from the token buckets, a lease of `kv_tokens`, a
-        concurrency slot and `charge.cost_micros` from each budget (one store round trip),
+        concurrency slot and `charge.cost_nanos` from each budget (one store round trip),
         and note the key's last use. A denial changes no counter. A request id that already
         holds a lease is allowed again without a second charge. Hard denials (the request
         exceeds a capacity, or what is left of a budget) are reported before any other;
@@ -250,8 +250,8 @@ class Admission:
         if not request_id:
             raise InvalidReservationError("request_id must not be empty")
         charge = charge or Charge()
-        if charge.cost_micros < 0:
-            raise InvalidReservationError("cost_micros must not be negative")
+        if charge.cost_nanos < 0:
+            raise InvalidReservationError("cost_nanos must not be negative")
         limits = key_limits or KeyLimits()
         keys = tenant_keys(tenant_id)
         scope = key_scope_keys(tenant_id, key_id)
@@ -270,9 +270,9 @@ class Admission:
             _num(limits.tpm),
             _num(limits.max_concurrent),
             key_id or "",
-            charge.cost_micros,
-            "" if tb is None else tb.limit_micros,
-            "" if kb is None else kb.limit_micros,
+            charge.cost_nanos,
+            "" if tb is None else tb.limit_nanos,
+            "" if kb is None else kb.limit_nanos,
             _num(None if tb is None else tb.expire_at_ms),
             _num(None if kb is None else kb.expire_at_ms),
         ]
@@ -298,7 +298,7 @@ class Admission:
             hard=int(hard) == 1,
             requests=_bucket(policy.rpm, reply[4], reply[5]),
             tokens=_bucket(policy.tpm, reply[6], reply[7]),
-            budget_left_micros=int(left) if left else None,
+            budget_left_nanos=int(left) if left else None,
         )
 
     async def release(
@@ -308,19 +308,19 @@ class Admission:
         *,
         used_tokens: int,
         key_id: str | None = None,
-        cost_micros: int = 0,
+        cost_nanos: int = 0,
         charge: Charge | None = None,
     ) -> None:
         """End the request's lease: free its concurrency slots, KV tokens and budget holds,
         credit `charged - used_tokens` back to the token buckets (never above capacity; an
-        overrun is not charged) and add `cost_micros`, the real cost, to the spend of the
+        overrun is not charged) and add `cost_nanos`, the real cost, to the spend of the
         budgets it held; a soft threshold of `charge`'s budgets that this crosses is
         appended to the `strata:events:budget` stream. A lease that expired is settled the
         same way (its slots, KV and holds were freed when it expired). Idempotent:
         releasing an unknown or released lease does nothing. One store round trip. Raises
         StoreUnavailableError."""
-        if used_tokens < 0 or cost_micros < 0:
-            raise InvalidReservationError("used_tokens and cost_micros must not be negative")
+        if used_tokens < 0 or cost_nanos < 0:
+            raise InvalidReservationError("used_tokens and cost_nanos must not be negative")
         charge = charge or Charge()
         keys = tenant_keys(tenant_id)
         scope = key_scope_keys(tenant_id, key_id)
@@ -338,10 +338,10 @@ class Admission:
         args = [
             request_id,
             used_tokens,
-            cost_micros,
-            "" if tb is None else tb.limit_micros,
+            cost_nanos,
+            "" if tb is None else tb.limit_nanos,
             _marks(tb),
-            "" if kb is None else kb.limit_micros,
+            "" if kb is None else kb.limit_nanos,
             _marks(kb),
             tenant_id,
             key_id or "",

@@ -4,7 +4,7 @@ semantics are in docs/design/admission-and-ledger.md.
 
 A reservation record (`res` hash, by request id) is
 `charged kv cost key_charged tenant_budget key_budget`: the tokens taken from the tenant's
-and the key's token buckets, the KV tokens held, the worst-case cost in micro-dollars held
+and the key's token buckets, the KV tokens held, the worst-case cost in nano-dollars held
 against each budget, and the budgets' period keys (`-` for none).
 """
 
@@ -230,8 +230,8 @@ local function spend(bud, limit, marks, scope)
       redis.call('XADD', events, 'MAXLEN', '~', 10000, '*',
                  'scope', scope, 'tenant_id', tenant_id, 'key_id', key_id,
                  'period', string.match(bud, ':([^:]+)$'), 'threshold_pct', pct,
-                 'limit_micros', string.format('%.0f', limit),
-                 'spent_micros', string.format('%.0f', after), 'at_us', now_us)
+                 'limit_nanos', string.format('%.0f', limit),
+                 'spent_nanos', string.format('%.0f', after), 'at_us', now_us)
     end
   end
 end

@@ -44,7 +44,7 @@ def period_at(period: BudgetPeriod, at: float) -> Period:
 
 
 def budget_key(tenant_id: str, owner: str, label: str) -> str:
-    """The hash of one budget's `spent` and `reserved` micro-dollars in one period; `owner`
+    """The hash of one budget's `spent` and `reserved` nano-dollars in one period; `owner`
     is `tenant` or `key:<key_id>`. In the tenant's hash slot, like its admission keys."""
     return f"strata:rl:{{{tenant_id}}}:budget:{owner}:{label}"
 
@@ -56,7 +56,7 @@ class BudgetHold:
 
     key: str
     label: str
-    limit_micros: int
+    limit_nanos: int
     thresholds: tuple[int, ...]
     expire_at_ms: int | None
 
@@ -69,7 +69,7 @@ class BudgetHold:
         return cls(
             key=budget_key(tenant_id, owner, period.label),
             label=period.label,
-            limit_micros=budget.limit_micros,
+            limit_nanos=budget.limit_nanos,
             thresholds=tuple(budget.thresholds),
             expire_at_ms=expire,
         )
@@ -77,12 +77,12 @@ class BudgetHold:
 
 @dataclass(frozen=True, slots=True)
 class BudgetUsage:
-    """A budget's counters in its current period, in micro-dollars: settled spend and the
+    """A budget's counters in its current period, in nano-dollars: settled spend and the
     worst-case cost held by requests still running."""
 
     period: Period
-    spent_micros: int
-    reserved_micros: int
+    spent_nanos: int
+    reserved_nanos: int
 
 
 async def read_usage(
@@ -97,14 +97,14 @@ async def read_usage(
 
 
 async def seed_spent(
-    redis: aioredis.Redis, tenant_id: str, owner: str, budget: Budget, at: float, micros: int
+    redis: aioredis.Redis, tenant_id: str, owner: str, budget: Budget, at: float, nanos: int
 ) -> None:
-    """Start a period's spend at `micros` (the ledger's sum so far) unless it has begun
+    """Start a period's spend at `nanos` (the ledger's sum so far) unless it has begun
     counting already: a budget set mid-period counts what was spent before it."""
     period = period_at(budget.period, at)
     key = budget_key(tenant_id, owner, period.label)
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.hsetnx(key, "spent", micros)
+        pipe.hsetnx(key, "spent", nanos)
         if period.end is not None:
             pipe.pexpireat(key, round((period.end + KEEP_AFTER_PERIOD_S) * 1000))
         await pipe.execute()

@@ -1,7 +1,7 @@
 """Billing exports: usage records streamed out as CSV, NDJSON or a JSON array, one row per
 request or aggregated into UTC hour/day buckets, with cost columns.
 
-A record's cost is the one it carries, fixed when it ran (whole micro-dollars at the prices
+A record's cost is the one it carries, fixed when it ran (whole nano-dollars at the prices
 then in force), so a later price change never reprices it. A record that carries none (no
 price applied when it ran, or written before costs were recorded) is priced from the price
 history: the price in force when it finished, else the name's first price. Such costs are
@@ -121,7 +121,7 @@ class PriceBook:
 
     def record_costs(self, rec: UsageRecord) -> tuple[Costs, bool]:
         """A record's cost: the one it carries, else priced from the history."""
-        if rec.cost_prompt_micros is None:
+        if rec.cost_prompt_nanos is None:
             return self.costs(
                 rec.model,
                 rec.adapter,
@@ -132,11 +132,11 @@ class PriceBook:
                 at=rec.finished_at,
             )
         parts = [
-            Decimal(micros or 0).scaleb(-6)
-            for micros in (
-                rec.cost_prompt_micros,
-                rec.cost_cached_micros,
-                rec.cost_completion_micros,
+            Decimal(nanos or 0).scaleb(-9)
+            for nanos in (
+                rec.cost_prompt_nanos,
+                rec.cost_cached_nanos,
+                rec.cost_completion_nanos,
             )
         ]
         ctx = self._ctx

@@ -1,9 +1,10 @@
-"""Prices with effective times, and what a request costs under them in exact micro-dollars.
+"""Prices with effective times, and what a request costs under them in nano-dollars.
 
-A price per 1M tokens in dollars is the same number in micro-dollars per token, so a cost is
-`tokens x rate`, an exact decimal, rounded up to a whole micro-dollar per part (prompt,
-cached, completion). Budgets, spend counters and ledger records all hold these integers, so
-spend always equals the sum of the ledger.
+A price per 1M tokens in dollars is 1000 times that in nano-dollars per token, so a cost is
+`tokens x rate x 1000`, exact for prices of up to three decimal places per 1M tokens and
+otherwise rounded up to a whole nano-dollar per part (prompt, cached, completion). Budgets,
+spend counters and ledger records all hold these integers, so spend always equals the sum
+of the ledger.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ def exact_rate(price_per_m: float) -> Decimal:
     return Decimal(repr(float(price_per_m)))
 
 
-def _micros(num_tokens: int, rate: Decimal) -> int:
-    return math.ceil(Decimal(num_tokens) * rate)
+def _nanos(num_tokens: int, rate: Decimal) -> int:
+    # dollars per 1M tokens = nano-dollars per 1000 tokens
+    return math.ceil(Decimal(num_tokens) * rate * 1000)
 
 
 @dataclass(frozen=True, slots=True)
 class Rates:
-    """Micro-dollars per token (equal to dollars per 1M tokens)."""
+    """Dollars per 1M tokens, as exact decimals."""
 
     prompt: Decimal
     cached: Decimal
@@ -45,22 +47,22 @@ class Rates:
             exact_rate(price.completion_per_m),
         )
 
-    def worst_case_micros(self, prompt_tokens: int, max_completion_tokens: int) -> int:
+    def worst_case_nanos(self, prompt_tokens: int, max_completion_tokens: int) -> int:
         """The most a request can cost: every prompt token at the dearer of the prompt and
         cached rates, plus every completion token it may generate."""
-        prompt = _micros(prompt_tokens, max(self.prompt, self.cached))
-        return prompt + _micros(max_completion_tokens, self.completion)
+        prompt = _nanos(prompt_tokens, max(self.prompt, self.cached))
+        return prompt + _nanos(max_completion_tokens, self.completion)
 
     def costs(
         self, prompt_tokens: int, cached_tokens: int, completion_tokens: int
     ) -> tuple[int, int, int]:
-        """(prompt, cached, completion) micro-dollars; cached tokens are part of the prompt
+        """(prompt, cached, completion) nano-dollars; cached tokens are part of the prompt
         and billed at the cached rate."""
         cached = min(cached_tokens, prompt_tokens)
         return (
-            _micros(prompt_tokens - cached, self.prompt),
-            _micros(cached, self.cached),
-            _micros(completion_tokens, self.completion),
+            _nanos(prompt_tokens - cached, self.prompt),
+            _nanos(cached, self.cached),
+            _nanos(completion_tokens, self.completion),
         )
 
 
@@ -121,7 +123,7 @@ def with_costs(rec: UsageRecord, rates: Rates | None) -> UsageRecord:
     )
     return msgspec.structs.replace(
         rec,
-        cost_prompt_micros=prompt,
-        cost_cached_micros=cached,
-        cost_completion_micros=completion,
+        cost_prompt_nanos=prompt,
+        cost_cached_nanos=cached,
+        cost_completion_nanos=completion,
     )

@@ -36,30 +36,33 @@ def check_name(value: str, field: str) -> str:
 
 
 BudgetPeriod = Literal["day", "month", "none"]
-MICROS_PER_USD = 1_000_000
-MAX_BUDGET_USD = Decimal(10) ** 9
+NANOS_PER_USD = 1_000_000_000
+# counters are compared in the store's Lua (doubles): exact up to 2**53 nano-dollars ($9M)
+MAX_BUDGET_USD = Decimal(1_000_000)
 
 
-def usd_to_micros(value: Decimal, field: str) -> int:
-    """Whole micro-dollars of a dollar amount; RecordError naming `field` for a negative,
-    non-finite or over-precise value (more than 6 decimal places)."""
+def usd_to_nanos(value: Decimal, field: str) -> int:
+    """Whole nano-dollars of a dollar amount; RecordError naming `field` for a negative,
+    non-finite, too large or over-precise value (more than 9 decimal places)."""
     if not value.is_finite() or value < 0 or value > MAX_BUDGET_USD:
         raise RecordError(f"{field} must be a dollar amount between 0 and {MAX_BUDGET_USD}")
-    micros = value * MICROS_PER_USD
-    if micros != micros.to_integral_value():
-        raise RecordError(f"{field} must have at most 6 decimal places")
-    return int(micros)
+    nanos = value * NANOS_PER_USD
+    if nanos != nanos.to_integral_value():
+        raise RecordError(f"{field} must have at most 9 decimal places")
+    return int(nanos)
 
 
-def micros_to_usd(micros: int) -> str:
-    """A micro-dollar amount as a plain decimal dollar string: 1500000 -> '1.500000'."""
-    sign = "-" if micros < 0 else ""
-    whole, frac = divmod(abs(micros), MICROS_PER_USD)
-    return f"{sign}{whole}.{frac:06d}"
+def nanos_to_usd(nanos: int) -> str:
+    """A nano-dollar amount as a plain decimal dollar string, exact, with at least two
+    decimals: 1500000000 -> '1.50', 27000 -> '0.000027'."""
+    sign = "-" if nanos < 0 else ""
+    whole, frac = divmod(abs(nanos), NANOS_PER_USD)
+    digits = f"{frac:09d}".rstrip("0").ljust(2, "0")
+    return f"{sign}{whole}.{digits}"
 
 
 class Budget(Base):
-    """A spend cap in dollars (exact: a JSON number or a decimal string, at most 6 decimal
+    """A spend cap in dollars (exact: a JSON number or a decimal string, at most 9 decimal
     places) per UTC `period` (`none`: lifetime). Admission reserves each request's
     worst-case cost against it; `thresholds` are percentages of `limit_usd` whose crossing
     by settled spend is recorded once per period in the budget event stream."""
@@ -69,7 +72,7 @@ class Budget(Base):
     thresholds: list[int] = msgspec.field(default_factory=lambda: [50, 80, 100])
 
     def __post_init__(self) -> None:
-        usd_to_micros(self.limit_usd, "limit_usd")
+        usd_to_nanos(self.limit_usd, "limit_usd")
         if self.period not in ("day", "month", "none"):
             raise RecordError("period must be one of day, month, none")
         if len(self.thresholds) > 16:
@@ -80,8 +83,8 @@ class Budget(Base):
         self.thresholds = sorted(set(self.thresholds))
 
     @property
-    def limit_micros(self) -> int:
-        return usd_to_micros(self.limit_usd, "limit_usd")
+    def limit_nanos(self) -> int:
+        return usd_to_nanos(self.limit_usd, "limit_usd")
 
 
 # -- policy --------------------------------------------------------------------------------
@@ -430,18 +433,18 @@ class UsageRecord(Base):
     e2e_ms: float = 0.0
     started_at: float = 0.0
     finished_at: float = 0.0
-    # what it cost at the prices in force when it was admitted, in micro-dollars (each
+    # what it cost at the prices in force when it was admitted, in nano-dollars (each
     # part rounded up to a whole one); None: no price applied, or recorded before costs were
-    cost_prompt_micros: int | None = None
-    cost_cached_micros: int | None = None
-    cost_completion_micros: int | None = None
+    cost_prompt_nanos: int | None = None
+    cost_cached_nanos: int | None = None
+    cost_completion_nanos: int | None = None
 
     @property
-    def cost_micros(self) -> int | None:
-        if self.cost_prompt_micros is None:
+    def cost_nanos(self) -> int | None:
+        if self.cost_prompt_nanos is None:
             return None
         return (
-            self.cost_prompt_micros
-            + (self.cost_cached_micros or 0)
-            + (self.cost_completion_micros or 0)
+            self.cost_prompt_nanos
+            + (self.cost_cached_nanos or 0)
+            + (self.cost_completion_nanos or 0)
         )

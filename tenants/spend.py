@@ -9,7 +9,7 @@ from typing import Literal
 
 import msgspec
 
-from tenants.records import UsageRecord, micros_to_usd
+from tenants.records import UsageRecord, nanos_to_usd
 
 SpendGrouping = Literal["hour", "day", "total"]
 _SECONDS = {"hour": 3600, "day": 86400}
@@ -24,7 +24,7 @@ class SpendRow(msgspec.Struct, kw_only=True):
     adapter: str | None
     requests: int
     unpriced_requests: int
-    cost_micros: int
+    cost_nanos: int
     cost_usd: str
 
 
@@ -34,7 +34,7 @@ class SpendReport(msgspec.Struct, kw_only=True):
     end: float
     group_by: SpendGrouping
     requests: int
-    cost_micros: int
+    cost_nanos: int
     cost_usd: str
     rows: list[SpendRow]
 
@@ -65,7 +65,7 @@ async def spend_report(
         group = (_period_start(rec.finished_at, group_by), rec.key_id, rec.model, rec.adapter)
         acc = sums.setdefault(group, [0, 0, 0])
         acc[0] += 1
-        cost = rec.cost_micros
+        cost = rec.cost_nanos
         if cost is None:
             acc[1] += 1
         else:
@@ -78,21 +78,21 @@ async def spend_report(
             adapter=adapter,
             requests=acc[0],
             unpriced_requests=acc[1],
-            cost_micros=acc[2],
-            cost_usd=micros_to_usd(acc[2]),
+            cost_nanos=acc[2],
+            cost_usd=nanos_to_usd(acc[2]),
         )
         for (period, key, model, adapter), acc in sorted(
             sums.items(), key=lambda kv: tuple("" if v is None else v for v in kv[0])
         )
     ]
-    total = sum(r.cost_micros for r in rows)
+    total = sum(r.cost_nanos for r in rows)
     return SpendReport(
         tenant_id=tenant_id,
         start=start,
         end=end,
         group_by=group_by,
         requests=sum(r.requests for r in rows),
-        cost_micros=total,
-        cost_usd=micros_to_usd(total),
+        cost_nanos=total,
+        cost_usd=nanos_to_usd(total),
         rows=rows,
     )

@@ -21,7 +21,7 @@ from policies.admission import BUDGET_EVENTS, key_scope_keys
 from policies.budgets import budget_key, read_usage, seed_spent
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger
-from tenants.records import ApiKey, Budget, KeyLimits, KeyUpdate, PolicyPatch, micros_to_usd
+from tenants.records import ApiKey, Budget, KeyLimits, KeyUpdate, PolicyPatch, nanos_to_usd
 from tenants.registry import TenantRegistry
 from tenants.spend import SpendGrouping, SpendReport, spend_report
 
@@ -56,8 +56,8 @@ class BudgetEvent(msgspec.Struct, kw_only=True):
     key_id: str
     period: str
     threshold_pct: int
-    limit_micros: int
-    spent_micros: int
+    limit_nanos: int
+    spent_nanos: int
     at: float
 
 
@@ -67,15 +67,15 @@ async def _status(
     if budget is None:
         return BudgetStatus(budget=None)
     usage = await read_usage(store, tenant_id, owner, budget, now)
-    left = budget.limit_micros - usage.spent_micros - usage.reserved_micros
+    left = budget.limit_nanos - usage.spent_nanos - usage.reserved_nanos
     return BudgetStatus(
         budget=budget,
         period=usage.period.label,
         period_start=usage.period.start,
         period_end=usage.period.end,
-        spent_usd=micros_to_usd(usage.spent_micros),
-        reserved_usd=micros_to_usd(usage.reserved_micros),
-        remaining_usd=micros_to_usd(max(left, 0)),
+        spent_usd=nanos_to_usd(usage.spent_nanos),
+        reserved_usd=nanos_to_usd(usage.reserved_nanos),
+        remaining_usd=nanos_to_usd(max(left, 0)),
     )
 
 
@@ -85,7 +85,7 @@ async def _ledger_spend(
     total = 0
     async for rec in ledger.iter_records(tenant_id, start, end):
         if key_id is None or rec.key_id == key_id:
-            total += rec.cost_micros or 0
+            total += rec.cost_nanos or 0
     return total
 
 
@@ -276,8 +276,8 @@ def _event(entry_id: bytes, fields: dict[bytes, bytes]) -> BudgetEvent:
         key_id=f["key_id"],
         period=f["period"],
         threshold_pct=int(f["threshold_pct"]),
-        limit_micros=int(f["limit_micros"]),
-        spent_micros=int(f["spent_micros"]),
+        limit_nanos=int(f["limit_nanos"]),
+        spent_nanos=int(f["spent_nanos"]),
         at=int(f["at_us"]) / 1e6,
     )
 

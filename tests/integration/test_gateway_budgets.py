@@ -84,17 +84,17 @@ def get(gw: GatewayServer, key: str, path: str, **params):
 
 
 def cost_of(usage: dict, prompt: int = 1, cached: int = 0, completion: int = 2) -> int:
-    """Micro-dollars of a response's usage at whole micro-dollar rates per token."""
+    """Nano-dollars of a response's usage at rates in dollars per 1M tokens."""
     num_cached = usage["prompt_tokens_details"]["cached_tokens"]
     return (
         (usage["prompt_tokens"] - num_cached) * prompt
         + num_cached * cached
         + usage["completion_tokens"] * completion
-    )
+    ) * 1000
 
 
-def micros(usd: str) -> int:
-    return int(Decimal(usd) * 1_000_000)
+def nanos(usd: str) -> int:
+    return int(Decimal(usd) * 1_000_000_000)
 
 
 async def ledger_records(ledger: Ledger, tenant_id: str, num: int, timeout: float = 20.0):
@@ -129,7 +129,7 @@ def error_of(response: httpx.Response) -> dict:
 
 async def test_two_replicas_never_spend_past_a_budget(replicas, ledger):
     first, second = replicas
-    set_price(first, prompt_per_m=1.0, completion_per_m=2.0)  # 1 and 2 micro-dollars a token
+    set_price(first, prompt_per_m=1.0, completion_per_m=2.0)  # 1 and 2 nano-dollars a token
     tid, key = first.new_tenant()
     with first.admin() as admin:
         r = admin.put(
@@ -137,7 +137,7 @@ async def test_two_replicas_never_spend_past_a_budget(replicas, ledger):
             json={"limit_usd": "0.0005", "period": "day", "thresholds": [50, 100]},
         )
     assert r.status_code == 200, r.text
-    assert r.json()["remaining_usd"] == "0.000500"
+    assert r.json()["remaining_usd"] == "0.0005"
     # each request may cost up to 11 prompt + 8 x 2 = 27 micro-dollars: 2 x 40 of them
     # could cost 2160, four times the budget
     bodies = [completion(max_tokens=8)] * 40
@@ -151,12 +151,12 @@ async def test_two_replicas_never_spend_past_a_budget(replicas, ledger):
         err = error_of(r)
         assert (err["type"], err["code"]) == ("insufficient_quota", "tenant_budget_exceeded")
     records = await ledger_records(ledger, tid, len(ok))
-    recorded = sum(r.cost_micros for r in records)
+    recorded = sum(r.cost_nanos for r in records)
     assert recorded == sum(cost_of(r.json()["usage"]) for r in ok)
     status = budget_of(second, f"/admin/tenants/{tid}/budget")
-    assert micros(status["spent_usd"]) == recorded <= 500
-    assert status["reserved_usd"] == "0.000000"  # every reservation was settled
-    assert micros(status["remaining_usd"]) == 500 - recorded
+    assert nanos(status["spent_usd"]) == recorded <= 500_000
+    assert status["reserved_usd"] == "0.00"  # every reservation was settled
+    assert nanos(status["remaining_usd"]) == 500_000 - recorded
     # crossing 50% was recorded once, for this tenant and period
     with first.admin() as admin:
         events = [e for e in admin.get("/admin/budget-events").json() if e["tenant_id"] == tid]
@@ -174,7 +174,7 @@ def test_a_request_over_budget_is_refused_with_what_it_needs_and_what_is_left(re
     assert r.status_code == 429
     err = error_of(r)
     assert (err["type"], err["code"]) == ("insufficient_quota", "tenant_budget_exceeded")
-    assert "$0.000027" in err["message"] and "has $0.000020 left" in err["message"]
+    assert "$0.000027" in err["message"] and "has $0.00002 left" in err["message"]
     assert "this month" in err["message"]
     assert post(gw, key, completion(max_tokens=4)).status_code == 200  # 19 fits
     # a key's own budget refuses within the tenant's
@@ -188,7 +188,7 @@ def test_a_request_over_budget_is_refused_with_what_it_needs_and_what_is_left(re
     r = post(gw, key, completion(max_tokens=1))  # 13 micro-dollars against 10
     err = error_of(r)
     assert (r.status_code, err["code"]) == (429, "key_budget_exceeded")
-    assert "this API key's budget of $0.000010" in err["message"]
+    assert "this API key's budget of $0.00001 " in err["message"]
     with gw.admin() as admin:
         assert admin.delete(f"/admin/keys/{key_id}/budget").status_code == 204
     assert post(gw, key, completion(max_tokens=1)).status_code == 200
@@ -201,19 +201,19 @@ async def test_settlement_releases_the_unused_reservation(replicas, ledger):
     tid, key = gw.new_tenant()
     prompt = "The same long prompt, forty bytes long.."
     body = completion(max_tokens=2, prompt=prompt)
-    worst = len(prompt) + 1 + 2 * 2  # every prompt token at the prompt rate (and BOS)
+    worst = (len(prompt) + 1 + 2 * 2) * 1000  # every prompt token at the prompt rate (+ BOS)
     with gw.admin() as admin:
-        admin.put(f"/admin/tenants/{tid}/budget", json={"limit_usd": f"{2 * worst - 1}e-6"})
+        admin.put(f"/admin/tenants/{tid}/budget", json={"limit_usd": f"{2 * worst - 1}e-9"})
     first = post(gw, key, body)
     assert first.status_code == 200
     second = post(gw, key, body)
     assert second.status_code == 200, second.text  # fits only if the first's surplus came back
     assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     records = await ledger_records(ledger, tid, 2)
-    assert records[1].cost_micros is not None and records[1].cost_micros < worst
+    assert records[1].cost_nanos is not None and records[1].cost_nanos < worst
     status = budget_of(gw, f"/admin/tenants/{tid}/budget")
-    assert micros(status["spent_usd"]) == sum(r.cost_micros for r in records)
-    assert status["reserved_usd"] == "0.000000"
+    assert nanos(status["spent_usd"]) == sum(r.cost_nanos for r in records)
+    assert status["reserved_usd"] == "0.00"
 
 
 # -- spend -------------------------------------------------------------------------------------
@@ -234,15 +234,15 @@ async def test_spend_equals_the_sum_of_the_ledger(replicas, ledger):
             f"/admin/tenants/{tid}/spend",
             params={"group_by": "total", "key_id": second_key["key"]["id"]},
         ).json()
-    assert report["cost_micros"] == sum(r.cost_micros for r in records) > 0
-    assert micros(report["cost_usd"]) == report["cost_micros"]
+    assert report["cost_nanos"] == sum(r.cost_nanos for r in records) > 0
+    assert nanos(report["cost_usd"]) == report["cost_nanos"]
     assert report["requests"] == 5
     assert {row["key_id"] for row in report["rows"]} == {r.key_id for r in records}
     assert all(
         row["model"] == MODEL and row["period_start"].endswith(":00:00Z") for row in report["rows"]
     )
     mine = [r for r in records if r.key_id == second_key["key"]["id"]]
-    assert by_key["cost_micros"] == sum(r.cost_micros for r in mine)
+    assert by_key["cost_nanos"] == sum(r.cost_nanos for r in mine)
     assert [row["requests"] for row in by_key["rows"]] == [2]
 
 
@@ -258,13 +258,13 @@ async def test_a_price_change_never_reprices_past_usage(replicas, ledger):
     set_price(gw, prompt_per_m=99.0, cached_per_m=99.0, completion_per_m=99.0, effective_at=later)
     assert post(gw, key, completion(max_tokens=2)).status_code == 200
     old, new = await ledger_records(ledger, tid, 2)
-    assert old.cost_micros == before.cost_micros
-    assert new.cost_micros == 10 * before.cost_micros
+    assert old.cost_nanos == before.cost_nanos
+    assert new.cost_nanos == 10 * before.cost_nanos
     with gw.admin() as admin:
         rows = admin.get("/admin/usage/export", params={"tenant": tid, "format": "json"}).json()
-        assert [micros(str(row["cost_total"])) for row in rows] == [
-            before.cost_micros,
-            new.cost_micros,
+        assert [nanos(str(row["cost_total"])) for row in rows] == [
+            before.cost_nanos,
+            new.cost_nanos,
         ]
         # a price can not take effect in the past
         r = admin.put("/admin/prices/", json={"model": MODEL, "effective_at": 1.0})
@@ -340,7 +340,8 @@ def test_v1_usage_shows_only_the_callers_tenant(replicas):
     [
         ({"limit_usd": -1}, "limit_usd"),
         ({"limit_usd": "ten"}, "limit_usd"),
-        ({"limit_usd": "0.0000001"}, "limit_usd"),
+        ({"limit_usd": "0.0000000001"}, "limit_usd"),
+        ({"limit_usd": "2000000"}, "limit_usd"),
         ({"limit_usd": 5, "period": "week"}, "period"),
         ({"limit_usd": 5, "thresholds": [0]}, "thresholds"),
         ({"limit_usd": 5, "thresholds": ["half"]}, "thresholds[0]"),
