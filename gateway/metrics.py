@@ -418,8 +418,8 @@ class _EngineCollector:
         yield family
         residency = _family(KV_RESIDENCY)
         for worker, stats in sorted(self.stats.items()):
-            for tenant, tiers in sorted(stats.kv_byte_seconds_by_tenant.items()):
-                for tier, byte_seconds in sorted(tiers.items()):
+            for tenant, held in sorted(stats.kv_byte_seconds_by_tenant.items()):
+                for tier, byte_seconds in sorted(held.items()):
                     residency.add_metric([worker, tenant, tier], byte_seconds)
         yield residency
 
