@@ -38,6 +38,8 @@ def cell(name: str, value: Any) -> str:
         return "yes" if value else "no"
     if name.endswith("_at") and isinstance(value, int | float):
         return datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    if isinstance(value, float) and value != int(value) and abs(value) < 1:
+        return f"{value:.12f}".rstrip("0")  # costs in full, not as 4.2e-06
     if isinstance(value, list):
         return ",".join(cell("", v) for v in value) or "[]"
     if isinstance(value, dict):

@@ -139,6 +139,10 @@ def test_a_tenant_is_created_limited_keyed_and_deleted_by_name(strata, served):
     assert policy["policy"]["rpm"] is None  # none: unlimited
     assert policy["policy"]["kv_budget_tokens"] == 4096  # a PATCH keeps what it does not name
 
+    replaced = strata("admin", "policies", "replace", name, "--max-tokens", "64", "--json").json()
+    assert replaced["max_tokens"] == 64
+    assert replaced["tpm"] is None and replaced["kv_budget_tokens"] is None  # back to defaults
+
     issued = strata("admin", "keys", "issue", name, "--name", "ci", "--json")
     created = issued.json()
     assert created["secret"].startswith("sk-strata-")
@@ -146,6 +150,8 @@ def test_a_tenant_is_created_limited_keyed_and_deleted_by_name(strata, served):
     assert complete(served, created["secret"]).status_code == 200
     keys = strata("admin", "keys", "list", name)
     assert created["key"]["id"] in keys.out and created["secret"] not in keys.out
+    shown = strata("admin", "keys", "show", created["key"]["id"], "--json").json()
+    assert shown["name"] == "ci" and shown["tenant_id"] == tenant["id"]
     revoked = strata("admin", "keys", "revoke", created["key"]["id"], "--json").json()
     assert revoked["revoked_at"] is not None
     deadline = time.monotonic() + 30  # every replica drops its cached authentication

@@ -87,4 +87,5 @@ def test_tables_align_columns_and_show_times_as_dates():
         "acme  1970-01-02 00:00:00Z  -",
     ]
     assert render([]) == "(none)"
+    assert render([{"cost_total": 4.2e-06}]).splitlines()[1] == "0.0000042"
     assert render({"a": {"b": True}}).splitlines()[1].split() == ["a.b", "yes"]
