@@ -7,8 +7,8 @@ A command for a new endpoint is one `Command` entry in that table, for example:
     Command(
         "budgets", "set", "PUT", "/admin/tenants/{tenant}/budget",
         "set a tenant's monthly budget",
-        args=(TENANT, opt("--monthly", "spend per calendar month, in the price currency",
-                          field="monthly_limit", type=float)),
+        args=(TENANT, opt("--monthly", help="spend per calendar month, in the price "
+                          "currency", field="monthly_limit", type=float)),
     )
 
 - `{name}` in the path is filled from the argument of that name; `{tenant}` (the `TENANT`
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from dataclasses import field as default
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote
 
 import httpx
 
@@ -112,7 +113,16 @@ class AdminClient:
     def request(self, method: str, path: str, **kw: Any) -> Any:
         with self.stream(method, path, **kw) as response:
             response.read()
-        return response.json() if response.content else None
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            raise AdminError(
+                f"{self.url} answered with something else than JSON: is it a "
+                "Strata gateway? (set STRATA_URL or --url)",
+                2,
+            ) from None
 
     def stream(self, method: str, path: str, **kw: Any) -> _Streamed:
         return _Streamed(self, method, path, kw)
@@ -158,8 +168,9 @@ def _reason(exc: httpx.TransportError) -> str:
 def _server_message(response: httpx.Response) -> str:
     try:
         message = response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = response.text.strip() or response.reason_phrase
+    except (ValueError, KeyError, TypeError):  # not the API's error shape
+        html = "html" in response.headers.get("content-type", "")
+        message = (None if html else response.text.strip()[:200]) or response.reason_phrase
     return " ".join(str(message).split())
 
 
@@ -170,22 +181,25 @@ class Call:
     command: Command
     args: argparse.Namespace
     client: AdminClient
+    tenants: list[dict[str, Any]] | None = None  # the tenant list, once a name was looked up
 
     def given(self, arg: Arg) -> bool:
         return hasattr(self.args, arg.dest)
 
     def value(self, arg: Arg) -> Any:
         value = getattr(self.args, arg.dest)
-        if arg.tenant and value is not None:
-            return (
-                [self.tenant_id(v) for v in value]
-                if isinstance(value, list)
-                else (self.tenant_id(value))
-            )
-        return value
+        if not arg.tenant or value is None:
+            return value
+        if isinstance(value, list):
+            return [self.tenant_id(v) for v in value]
+        return self.tenant_id(value)
 
     def path(self) -> str:
-        fill = {a.dest: self.value(a) for a in self.command.args if a.to == "path"}
+        fill = {
+            a.dest: quote(str(self.value(a)), safe="@:")
+            for a in self.command.args
+            if a.to == "path"
+        }
         return self.command.path.format(**fill)
 
     def fields(self, to: str) -> dict[str, Any]:
@@ -210,7 +224,9 @@ class Call:
     def tenant_id(self, ident: str) -> str:
         """The id of the tenant with this id or name (the value itself when none has it, so
         the server answers with its 404)."""
-        tenants = self.client.request("GET", "/admin/tenants/")
+        if self.tenants is None:
+            self.tenants = self.client.request("GET", "/admin/tenants/")
+        tenants = self.tenants or []
         if any(t["id"] == ident for t in tenants):
             return ident
         named = [t for t in tenants if t["name"] == ident]
@@ -299,6 +315,9 @@ def run_admin(args: argparse.Namespace) -> int:
     except AdminError as exc:
         print(f"strata admin: {exc}", file=sys.stderr)
         return exc.exit_code
+    except httpx.HTTPError as exc:  # the connection lost halfway through an answer
+        print(f"strata admin: {_url(args)}: {exc or type(exc).__name__}", file=sys.stderr)
+        return 2
     if answer is not None:
         as_json = getattr(args, "json", False)
         print(json.dumps(answer, indent=2) if as_json else render(answer, command.columns))
