@@ -166,7 +166,7 @@ COMMANDS: tuple[Command, ...] = (
         "PATCH",
         T,
         "rename a tenant",
-        args=(TENANT, opt("--name", help="its new name")),
+        args=(TENANT, opt("--name", help="its new name", required=True)),
     ),
     Command(
         "tenants",
