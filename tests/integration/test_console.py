@@ -135,7 +135,7 @@ def test_operator_creates_tenant_and_key_shown_once_then_revoked(page, console_g
     assert page.get_by_role("heading", name="Overview").is_visible()
     shoot(page, "overview")
 
-    page.get_by_role("link", name="Tenants").click()
+    page.locator("nav").get_by_role("link", name="Tenants").click()
     assert page.get_by_text("No tenants yet — create one").is_visible()
     shoot(page, "tenants-empty")
     page.fill("#tenant-create input[name=name]", "acme corp")  # a space: refused in place
@@ -175,10 +175,26 @@ def test_operator_creates_tenant_and_key_shown_once_then_revoked(page, console_g
     assert secret not in page.content()
     assert page.get_by_text("active", exact=True).is_visible()
 
-    page.get_by_role("button", name="Revoke").click()
+    page.get_by_role("button", name="Rotate").click()
+    page.wait_for_selector("#secret-value")
+    successor = page.inner_text("#secret-value").strip()
+    assert successor.startswith("sk-strata-")
+    assert successor != secret
+    assert page.get_by_text("retiring").is_visible()  # the old key works for its grace hour
+    assert chat(console_gateway.url, secret).status_code == 200
+    assert chat(console_gateway.url, successor).status_code == 200
+
+    page.locator("tr", has_text="active").get_by_role("button", name="Revoke").click()
     page.wait_for_selector("text=revoked")
     shoot(page, "keys-revoked")
-    assert chat(console_gateway.url, secret).status_code == 401
+    assert chat(console_gateway.url, successor).status_code == 401
+
+    page.locator("nav").get_by_role("link", name="Tenants").click()
+    page.fill("input[type=search]", "zzz-nobody")
+    page.wait_for_selector("text=No tenant matches")
+    page.fill("input[type=search]", "acme")
+    page.wait_for_selector("#tenants a:has-text('acme-corp')")
+    shoot(page, "tenants")
 
 
 def test_usage_chart_draws_requests_from_the_ledger(page, console_gateway) -> None:
@@ -206,7 +222,7 @@ def test_usage_chart_draws_requests_from_the_ledger(page, console_gateway) -> No
 
 def test_other_pages_render_and_refuse_bad_input_in_place(page) -> None:
     sign_in(page)
-    page.get_by_role("link", name="Models & prices").click()
+    page.locator("nav").get_by_role("link", name="Models & prices").click()
     assert page.locator("table code", has_text="synthetic").count() >= 1
     page.fill("#prices input[name=model]", "default")
     page.fill("#prices input[name=prompt_per_m]", "-1")
@@ -220,7 +236,7 @@ def test_other_pages_render_and_refuse_bad_input_in_place(page) -> None:
     assert page.locator("#prices td code", has_text="default").count() == 1
     shoot(page, "models")
 
-    page.get_by_role("link", name="Adapters").click()
+    page.locator("nav").get_by_role("link", name="Adapters").click()
     assert page.get_by_text("No adapters yet — register one").is_visible()
     page.fill("#adapters input[name=name]", "support-bot")
     page.fill("#adapters input[name=path]", "/nonexistent/adapter")
@@ -269,6 +285,36 @@ def test_session_cookie_is_httponly_and_strict(console_gateway) -> None:
         assert "httponly" in cookie
         assert "samesite=strict" in cookie
         assert "path=/ui" in cookie
-        forged = client.get("/ui", cookies={"strata_console": "e30.AAAA"})
-        assert forged.status_code == 303
-        assert client.get("/admin/tenants/").status_code == 401  # bearer auth unchanged
+    forged_cookie = {"strata_console": "e30.AAAA"}
+    with httpx.Client(base_url=console_gateway.url, cookies=forged_cookie) as forger:
+        assert forger.get("/ui").status_code == 303
+        assert forger.get("/admin/tenants/").status_code == 401  # bearer auth unchanged
+
+
+def test_tenant_list_pages_and_searches(console_gateway) -> None:
+    with console_gateway.admin() as admin:
+        for i in range(23):
+            made = admin.post(
+                "/admin/tenants/", json={"name": f"paged-{i:02d}", "id": f"paged{i:02d}"}
+            )
+            assert made.status_code == 201, made.text
+    client, _ = signed_in_client(console_gateway.url)
+    try:
+        first = client.get("/ui/tenants", params={"q": "paged"})
+        second = client.get("/ui/tenants", params={"q": "paged", "page": 2})
+        assert "Page 1 of 2" in first.text
+        assert "Page 2 of 2" in second.text
+        shown = [
+            set(re.findall(r'href="/ui/tenants/(paged\d\d)"', r.text)) for r in (first, second)
+        ]
+        assert len(shown[0]) == 20
+        assert len(shown[1]) == 3
+        assert shown[0] | shown[1] == {f"paged{i:02d}" for i in range(23)}
+        assert "paged22" in shown[0]  # newest first
+        one = client.get("/ui/tenants", params={"q": "PAGED07"})
+        assert set(re.findall(r'href="/ui/tenants/(paged\d\d)"', one.text)) == {"paged07"}
+        unknown = client.get("/ui/tenants/nobody-here")
+        assert unknown.status_code == 404
+        assert "nobody-here" in unknown.text
+    finally:
+        client.close()
