@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter as Tally
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from litestar import Controller, Request, get
 from litestar.di import NamedDependency
 from litestar.response import Template
-from prometheus_client import Counter, Histogram
 
 from engine.protocol import EngineStats
 from gateway.fleet import Fleet
@@ -20,6 +20,12 @@ from gateway.ui.render import page
 from gateway.ui.session import requires_console_session
 
 ERROR_STATUSES = frozenset({"error"})
+
+
+class Collects(Protocol):
+    """A metric of GatewayMetrics, read through its families (the Prometheus collector API)."""
+
+    def collect(self) -> Iterable[Any]: ...
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class WorkerRow:
     kv_total: int | None
 
 
-def _sum_by(counter: Counter, label: str | None = None) -> Tally[str]:
+def _sum_by(counter: Collects, label: str | None = None) -> Tally[str]:
     tally: Tally[str] = Tally()
     for family in counter.collect():
         for sample in family.samples:
@@ -73,7 +79,7 @@ def _sum_by(counter: Counter, label: str | None = None) -> Tally[str]:
     return tally
 
 
-def latency(histogram: Histogram) -> Latency:
+def latency(histogram: Collects) -> Latency:
     buckets: dict[float, float] = {}
     total, count = 0.0, 0
     for family in histogram.collect():

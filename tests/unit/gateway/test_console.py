@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 
+from engine.protocol import EngineStats
+from gateway.metrics import GatewayMetrics
 from gateway.ui.forms import FormError
+from gateway.ui.overview import kv_tiers, read_figures
 from gateway.ui.render import ago, paginate
 from gateway.ui.session import decode_session, encode_session, new_session, session_key
 from gateway.ui.signin import next_path
@@ -129,3 +133,51 @@ def test_a_refused_policy_value_names_its_field(form: dict[str, str], field: str
     with pytest.raises(FormError) as refused:
         policy_from_form(form)
     assert refused.value.field == field
+
+
+def _stats(**fields: int) -> EngineStats:
+    idle = EngineStats(
+        num_waiting=0,
+        num_running=0,
+        num_kv_blocks_total=100,
+        num_kv_blocks_used=0,
+        num_kv_blocks_free=100,
+        kv_block_size=16,
+        num_preemptions=0,
+        num_steps=0,
+        num_generated_tokens=0,
+    )
+    return msgspec.structs.replace(idle, **fields)
+
+
+def test_overview_reads_what_the_metrics_counted() -> None:
+    metrics = GatewayMetrics()
+    for status, e2e_ms in (("stop", 100.0), ("length", 300.0), ("error", 2000.0)):
+        rec = UsageRecord(
+            request_id=status,
+            tenant_id="t",
+            key_id="k",
+            model="m",
+            prompt_tokens=10,
+            completion_tokens=4,
+            status=status,  # type: ignore[arg-type]
+            e2e_ms=e2e_ms,
+        )
+        metrics.finished(rec, None, 0.0)
+    metrics.rejected("t", "rpm")
+    figures = read_figures(metrics)
+    assert (figures.num_requests, figures.num_errors, figures.num_rejected) == (3, 1, 1)
+    assert (figures.prompt_tokens, figures.generation_tokens) == (30, 12)
+    assert figures.by_status == {"error": 1, "length": 1, "stop": 1}
+    assert figures.e2e.mean_s == pytest.approx(0.8)
+    assert figures.e2e.p95_s == 2.5  # the bucket holding the slowest
+    assert figures.ttft.num_observed == 0
+
+
+def test_kv_tiers_sum_the_workers_and_skip_absent_tiers() -> None:
+    stats = {
+        "a": _stats(num_kv_blocks_used=10, num_kv_host_blocks_total=50, num_kv_host_blocks_used=5),
+        "b": _stats(num_kv_blocks_used=30),
+    }
+    tiers = {t.tier: (t.used, t.total) for t in kv_tiers(stats)}
+    assert tiers == {"device": (40, 200), "host": (5, 50)}
