@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from litestar import Request, Response, Router, get
+from litestar.datastructures import CacheControlHeader
 from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.response import Redirect
 from litestar.static_files import create_static_files_router
@@ -37,7 +38,6 @@ SECURITY_HEADERS = {
     ),
     "x-content-type-options": "nosniff",
     "referrer-policy": "same-origin",
-    "cache-control": "no-store",
 }
 
 
@@ -67,7 +67,10 @@ def _not_found(request: Request[Any, Any, Any], exc: NotFoundError) -> Response[
 
 def console_router() -> Router:
     static = create_static_files_router(
-        path="/static", directories=[HERE / "static"], include_in_schema=False
+        path="/static",
+        directories=[HERE / "static"],
+        cache_control=CacheControlHeader(max_age=3600),
+        include_in_schema=False,
     )
     return Router(
         path="/ui",
@@ -79,6 +82,7 @@ def console_router() -> Router:
             NotFoundError: _not_found,
         },
         response_headers=SECURITY_HEADERS,
+        cache_control=CacheControlHeader(no_store=True),  # pages show secrets and live figures
         include_in_schema=False,
     )
 

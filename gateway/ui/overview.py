@@ -32,7 +32,7 @@ class Collects(Protocol):
 class Latency:
     num_observed: int
     mean_s: float | None
-    p95_s: float | None  # the upper bound of the bucket holding the 95th percentile
+    p95_s: float | None  # the upper bound of the bucket holding the 95th percentile, if finite
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def latency(histogram: Collects) -> Latency:
     if not count:
         return Latency(0, None, None)
     p95 = next((bound for bound, n in sorted(buckets.items()) if n >= 0.95 * count), math.inf)
-    return Latency(count, total / count, p95)
+    return Latency(count, total / count, p95 if math.isfinite(p95) else None)
 
 
 def read_figures(metrics: GatewayMetrics) -> Figures:

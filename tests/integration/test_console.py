@@ -72,6 +72,14 @@ def page(browser, console_gateway) -> Iterator[Any]:
     )
     tab = context.new_page()
     tab.on("dialog", lambda dialog: dialog.accept())
+    tab.broken = []  # scripts that failed, and anything the page's CSP blocked
+    tab.on("pageerror", lambda error: tab.broken.append(str(error)))
+    tab.on(
+        "console",
+        lambda message: (
+            tab.broken.append(message.text) if "Content Security Policy" in message.text else None
+        ),
+    )
     yield tab
     context.close()
 
@@ -195,6 +203,7 @@ def test_operator_creates_tenant_and_key_shown_once_then_revoked(page, console_g
     page.fill("input[type=search]", "acme")
     page.wait_for_selector("#tenants a:has-text('acme-corp')")
     shoot(page, "tenants")
+    assert page.broken == []
 
 
 def test_usage_chart_draws_requests_from_the_ledger(page, console_gateway) -> None:
@@ -218,6 +227,7 @@ def test_usage_chart_draws_requests_from_the_ledger(page, console_gateway) -> No
     page.goto(f"/ui/usage?tenant={tenant_id}&by=day")
     page.locator("#usage-chart canvas").wait_for()
     assert int(page.inner_text("#usage-requests")) == num_requests
+    assert page.broken == []
 
 
 def test_other_pages_render_and_refuse_bad_input_in_place(page) -> None:
@@ -281,6 +291,11 @@ def test_session_cookie_is_httponly_and_strict(console_gateway) -> None:
         assert page_without_session.status_code == 303
         assert page_without_session.headers["location"] == "/ui/signin?next=/ui/tenants"
         signin = client.get("/ui/signin")
+        assert signin.headers["cache-control"] == "no-store"
+        assert "frame-ancestors 'none'" in signin.headers["content-security-policy"]
+        script = client.get("/ui/static/vendor/htmx/htmx.min.js")
+        assert script.status_code == 200
+        assert "max-age=3600" in script.headers["cache-control"]
         cookie = signin.headers["set-cookie"].lower()
         assert "httponly" in cookie
         assert "samesite=strict" in cookie
