@@ -12,6 +12,7 @@ from typing import Any
 
 from litestar import Request, Response, Router, get
 from litestar.datastructures import CacheControlHeader
+from litestar.exceptions import ValidationException
 from litestar.plugins.jinja import JinjaTemplateEngine
 from litestar.response import Redirect
 from litestar.static_files import create_static_files_router
@@ -61,6 +62,14 @@ def _csrf_rejected(request: Request[Any, Any, Any], _: CsrfRejectedError) -> Res
     return page(request, "error.html", status=403, title="Request refused", message=message)
 
 
+def _bad_query(request: Request[Any, Any, Any], exc: ValidationException) -> Response[Any]:
+    extra = exc.extra if isinstance(exc.extra, list) else []
+    first = extra[0] if extra and isinstance(extra[0], dict) else {}
+    where = f"'{first['key']}': " if first.get("key") else ""
+    message = f"{where}{first.get('message') or exc.detail}"
+    return page(request, "error.html", status=400, title="Bad request", message=message)
+
+
 def _not_found(request: Request[Any, Any, Any], exc: NotFoundError) -> Response[Any]:
     return page(request, "error.html", status=404, title="Not found", message=str(exc))
 
@@ -80,6 +89,7 @@ def console_router() -> Router:
             SignInRequiredError: _sign_in_first,
             CsrfRejectedError: _csrf_rejected,
             NotFoundError: _not_found,
+            ValidationException: _bad_query,
         },
         response_headers=SECURITY_HEADERS,
         cache_control=CacheControlHeader(no_store=True),  # pages show secrets and live figures

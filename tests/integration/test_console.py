@@ -132,9 +132,9 @@ def test_wrong_token_is_refused_in_place(page) -> None:
     sign_in(page, token="not-the-admin-token-at-all")
     assert page.get_by_role("alert").inner_text() == "That admin token is not right."
     assert page.locator("input[name=token]").is_visible()
+    shoot(page, "signin-refused")
     page.goto("/ui/tenants")
     assert "/ui/signin" in page.url
-    shoot(page, "signin-refused")
 
 
 def test_operator_creates_tenant_and_key_shown_once_then_revoked(page, console_gateway) -> None:
@@ -331,5 +331,9 @@ def test_tenant_list_pages_and_searches(console_gateway) -> None:
         unknown = client.get("/ui/tenants/nobody-here")
         assert unknown.status_code == 404
         assert "nobody-here" in unknown.text
+        bad_period = client.get("/ui/usage", params={"by": "fortnight"})
+        assert bad_period.status_code == 400
+        assert "by" in bad_period.text
+        assert "Sign out" in bad_period.text  # still in the console's layout
     finally:
         client.close()
