@@ -14,7 +14,7 @@ from litestar import Request, Response, Router, get
 from litestar.datastructures import CacheControlHeader
 from litestar.exceptions import ValidationException
 from litestar.plugins.jinja import JinjaTemplateEngine
-from litestar.response import Redirect
+from litestar.response import Redirect, Template
 from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
 
@@ -57,9 +57,15 @@ def _sign_in_first(request: Request[Any, Any, Any], _: SignInRequiredError) -> R
     return Redirect(target, status_code=303)
 
 
+def _error(request: Request[Any, Any, Any], status: int, title: str, message: str) -> Template:
+    """An error page; for htmx, only its message, swapped where the answer was expected."""
+    template = "_alert.html" if is_htmx(request) else "error.html"
+    return page(request, template, status=status, title=title, message=message)
+
+
 def _csrf_rejected(request: Request[Any, Any, Any], _: CsrfRejectedError) -> Response[Any]:
     message = "This form has expired or did not come from the console. Reload the page."
-    return page(request, "error.html", status=403, title="Request refused", message=message)
+    return _error(request, 403, "Request refused", message)
 
 
 def _bad_query(request: Request[Any, Any, Any], exc: ValidationException) -> Response[Any]:
@@ -67,11 +73,11 @@ def _bad_query(request: Request[Any, Any, Any], exc: ValidationException) -> Res
     first = extra[0] if extra and isinstance(extra[0], dict) else {}
     where = f"'{first['key']}': " if first.get("key") else ""
     message = f"{where}{first.get('message') or exc.detail}"
-    return page(request, "error.html", status=400, title="Bad request", message=message)
+    return _error(request, 400, "Bad request", message)
 
 
 def _not_found(request: Request[Any, Any, Any], exc: NotFoundError) -> Response[Any]:
-    return page(request, "error.html", status=404, title="Not found", message=str(exc))
+    return _error(request, 404, "Not found", str(exc))
 
 
 def console_router() -> Router:

@@ -268,6 +268,11 @@ def test_form_post_without_csrf_token_is_refused(console_gateway) -> None:
         assert refused.status_code == 403
         wrong = client.post("/ui/tenants", data={"name": "forged", "_csrf": "x" * 43})
         assert wrong.status_code == 403
+        by_htmx = client.post(
+            "/ui/tenants", data={"name": "forged"}, headers={"hx-request": "true"}
+        )
+        assert by_htmx.status_code == 403
+        assert by_htmx.text.startswith('<p class="alert error"')  # in place of the form
         with console_gateway.admin() as admin:
             names = [t["name"] for t in admin.get("/admin/tenants/").json()]
         assert "forged" not in names
