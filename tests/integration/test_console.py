@@ -189,6 +189,7 @@ def test_operator_creates_tenant_and_key_shown_once_then_revoked(page, console_g
     assert successor.startswith("sk-strata-")
     assert successor != secret
     assert page.get_by_text("retiring").is_visible()  # the old key works for its grace hour
+    assert page.get_by_role("button", name="Rotate").count() == 1  # only the new key's
     assert chat(console_gateway.url, secret).status_code == 200
     assert chat(console_gateway.url, successor).status_code == 200
 
