@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+import uuid
 from collections.abc import Collection
 from pathlib import Path
 
@@ -140,6 +141,7 @@ class EngineCore:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.residency = ResidencyMeter(spec.bytes_per_block, time.monotonic())
+        self.instance = uuid.uuid4().hex  # this run of the engine: its totals start at zero
         self.num_draft_tokens = 0  # proposed by speculative decoding
         self.num_accepted_draft_tokens = 0  # of those, the ones the model agreed with
         # with spill-ahead: the most blocks one step can claim (a full token budget plus
@@ -423,6 +425,7 @@ class EngineCore:
             kv_disk_read_ahead_bytes=0 if disk is None else disk.num_prefetch_bytes,
             num_kv_disk_checksum_failures=0 if disk is None else disk.num_checksum_failures,
             kv_blocks_by_tenant=self._blocks_by_tenant(),
+            instance=self.instance,
             kv_byte_seconds_by_tenant={
                 tenant: dict(tiers) for tenant, tiers in self.residency.byte_seconds.items()
             },

@@ -233,6 +233,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_cache_hit_blocks: dict[str, int] = msgspec.field(default_factory=dict)
     # blocks per tenant per tier ("device", "host", "disk"): held by its requests or cached
     kv_blocks_by_tenant: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
+    instance: str = ""  # this run of the engine: the totals since start are its own
     # KV held per tenant per tier since start, in byte-seconds (cached pages included): what
     # a bill for KV kept warm charges
     kv_byte_seconds_by_tenant: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)

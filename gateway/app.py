@@ -3,6 +3,8 @@ every resource a replica holds."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -25,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_types import MAX_JSON_DEPTH, too_deep
 from gateway.pipeline import Pipeline
 from gateway.providers import DEPENDENCIES
+from gateway.residency import record_forever, record_once
 from gateway.router import RoutingPolicy
 from gateway.routes import admin, ops
 from gateway.routes.openai import OpenAIController, TokenizerController
@@ -36,6 +39,7 @@ from tenants.journal import LedgerJournal
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger, LedgerWriter
 from tenants.registry import TenantRegistry
+from tenants.residency import ResidencyLedger
 from tenants.store import connect
 
 log = logging.getLogger(__name__)
@@ -99,9 +103,22 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
             metrics=metrics,
             started_at=time.time(),
         )
+        residency = ResidencyLedger(redis)
+        app.state.residency = residency
+        recorder = asyncio.create_task(
+            record_forever(fleet, residency, settings.kv_residency_interval_s)
+        )
         log.info("gateway ready: serving %s", ", ".join(sorted(fleet.groups)))
-        yield
-        await pipeline.drain()
+        try:
+            yield
+            await pipeline.drain()
+        finally:
+            recorder.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await recorder
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(5.0):
+                    await record_once(fleet, residency)  # what was held up to the stop
     finally:
         left = await writer.drain(timeout=10.0)
         writer.close()
