@@ -27,7 +27,8 @@ def client(gateway, token: str, **headers: str) -> httpx.Client:
 def new_token(gateway, role: str) -> tuple[str, str]:
     """A fresh admin token of `role`; returns (id, token)."""
     with gateway.admin() as admin:
-        r = admin.post("/admin/tokens/", json={"name": f"{role}-{uuid.uuid4().hex[:6]}", "role": role})
+        name = f"{role}-{uuid.uuid4().hex[:6]}"
+        r = admin.post("/admin/tokens/", json={"name": name, "role": role})
     assert r.status_code == 201, r.text
     return r.json()["token"]["id"], r.json()["secret"]
 
@@ -35,13 +36,13 @@ def new_token(gateway, role: str) -> tuple[str, str]:
 def admin_routes(gateway) -> list[tuple[str, str, object]]:
     """(method, path, handler) of every admin route the app serves."""
     app = gateway.server.config.app
-    found = []
-    for route in app.routes:
-        if not route.path.startswith("/admin"):
-            continue
-        for handler in route.route_handlers:
-            for method in sorted(handler.http_methods):
-                found.append((method, route.path, handler))
+    found = [
+        (method, route.path, handler)
+        for route in app.routes
+        if route.path.startswith("/admin")
+        for handler in route.route_handlers
+        for method in sorted(handler.http_methods)
+    ]
     assert found
     return found
 
@@ -211,7 +212,10 @@ async def test_audit_log_records_each_change_without_secrets(tiny_gateway, store
         lines = [httpx.Response(200, content=line).json() for line in export.text.splitlines()]
         assert [e["id"] for e in lines] == [e["id"] for e in entries]
         since = http.get("/admin/audit/", params={"target": tid, "start": entries[2]["at"]})
-        assert [e["action"] for e in since.json()["data"]] == ["tenants.patch_policy", "keys.revoke"]
+        assert [e["action"] for e in since.json()["data"]] == [
+            "tenants.patch_policy",
+            "keys.revoke",
+        ]
 
     redis = connect(store_server.url)
     try:
