@@ -22,7 +22,7 @@ def _lift_fields(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMap
     fields = getattr(record, "fields", None)
     if isinstance(fields, dict):
         for name, value in fields.items():
-            event.setdefault(name, value)
+            event[name] = value
     return event
 
 
