@@ -114,7 +114,7 @@ async def _admin_principal(connection: ASGIConnection[Any, Any, Any, Any]) -> Ad
     elif expected is None:
         raise APIError(
             403,
-            "the admin API is disabled: set STRATA_ADMIN_TOKEN",
+            "the admin API is disabled: set STRATA_ADMIN_TOKEN, or send an issued admin token",
             type="permission_error",
             code="admin_disabled",
         )
