@@ -21,6 +21,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
 from gateway.adapters import AdapterResolver
+from gateway.audit import record_admin_change
 from gateway.errors import APIError, exception_handlers, invalid_field, invalid_json
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
@@ -31,6 +32,7 @@ from gateway.residency import record_forever, record_once
 from gateway.router import RoutingPolicy
 from gateway.routes import admin, ops
 from gateway.routes.openai import OpenAIController, TokenizerController
+from gateway.routes.tokens import AuditController, TokenController
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.ui import console_router, template_config, to_console
@@ -179,6 +181,8 @@ def create_app(settings: GatewaySettings) -> Litestar:
             admin.PriceController,
             admin.UsageController,
             admin.WorkerController,
+            TokenController,
+            AuditController,
             ops.health,
             ops.ready,
             ops.metrics,
@@ -189,7 +193,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         dependencies=DEPENDENCIES,
         exception_handlers=exception_handlers(),
         before_request=_decode_json_strictly,
-        before_send=[_add_state_headers],
+        before_send=[_add_state_headers, record_admin_change],
         template_config=template_config(),
         openapi_config=OpenAPIConfig(title="Strata", version="0.1.0", path="/schema"),
         request_max_body_size=settings.max_body_bytes,

@@ -21,6 +21,11 @@ def log_level() -> str:
     return os.environ.get("STRATA_LOG_LEVEL", "INFO").upper()
 
 
+def json_logs() -> bool:
+    """Whether logs are JSON lines ($STRATA_LOG_FORMAT=json, the default) or plain text."""
+    return os.environ.get("STRATA_LOG_FORMAT", "json") == "json"
+
+
 def data_dir() -> str:
     return os.environ.get("STRATA_DATA_DIR", ".strata")
 
@@ -122,7 +127,7 @@ class GatewaySettings:
             "worker_tls_ca": env.get("STRATA_WORKER_TLS_CA") or None,
             "host": env.get("STRATA_HOST", "127.0.0.1"),
             "port": int(env.get("STRATA_PORT", "8000")),
-            "json_logs": env.get("STRATA_LOG_FORMAT", "json") == "json",
+            "json_logs": json_logs(),
             "routing": env.get("STRATA_ROUTING", "kv_aware"),
         }
         aliases = env.get("STRATA_MODEL_ALIASES", "")
