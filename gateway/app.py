@@ -31,6 +31,7 @@ from gateway.providers import DEPENDENCIES
 from gateway.residency import record_forever, record_once
 from gateway.router import RoutingPolicy
 from gateway.routes import admin, ops
+from gateway.routes import residency as residency_routes
 from gateway.routes.openai import OpenAIController, TokenizerController
 from gateway.routes.tokens import AuditController, TokenController
 from gateway.settings import GatewaySettings
@@ -88,6 +89,7 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
     metrics = GatewayMetrics(process_index=settings.process_index, shared_dir=settings.metrics_dir)
     try:
         await fleet.start()
+        residency = ResidencyLedger(redis)
         pipeline = Pipeline(
             fleet, Admission(redis, lease_ttl_s=settings.lease_ttl_s), writer, metrics
         )
@@ -103,10 +105,9 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
             adapters=AdapterResolver(registry, fleet),
             pipeline=pipeline,
             metrics=metrics,
+            residency=residency,
             started_at=time.time(),
         )
-        residency = ResidencyLedger(redis)
-        app.state.residency = residency
         recorder = asyncio.create_task(
             record_forever(fleet, residency, settings.kv_residency_interval_s)
         )
@@ -181,6 +182,8 @@ def create_app(settings: GatewaySettings) -> Litestar:
             admin.PriceController,
             admin.UsageController,
             admin.WorkerController,
+            residency_routes.KVPriceController,
+            residency_routes.KVResidencyController,
             TokenController,
             AuditController,
             ops.health,
