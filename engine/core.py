@@ -41,12 +41,14 @@ from engine.speculative import accept
 from engine.structured import SchemaError
 from engine.structured.backend import GrammarCompiler, TokenMatcher, Vocabulary
 from engine.structured.compilers import make_compiler
-from kvstore.base import KVCacheSpec
+from kvstore.base import KVCacheSpec, ResidencyMeter
 from kvstore.device_pool import DeviceKVPool
 from kvstore.disk import PageFormat, disk_slot_nbytes
 from kvstore.tiers import KVOffloader, Tier, TieredKVStore
 
 log = logging.getLogger(__name__)
+# how often a step samples the pages each tenant holds, for the KV residency meter
+RESIDENCY_SAMPLE_S = 1.0
 
 
 class EngineCore:
@@ -144,6 +146,7 @@ class EngineCore:
             )
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.residency = ResidencyMeter(spec.bytes_per_block, time.monotonic())
         self.num_draft_tokens = 0  # proposed by speculative decoding
         self.num_accepted_draft_tokens = 0  # of those, the ones the model agreed with
         # with spill-ahead: the most blocks one step can claim (a full token budget plus
@@ -274,6 +277,7 @@ class EngineCore:
         """Advance every schedulable request by one step; returns their new outputs."""
         if self.tiers is not None:
             self.tiers.adopt_recovered()  # disk pages of an earlier run, as they are indexed
+        self._meter_residency(RESIDENCY_SAMPLE_S)
         outputs = self._admit_loaded_adapters()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -400,7 +404,14 @@ class EngineCore:
 
     # -- introspection ------------------------------------------------------------------
 
+    def _meter_residency(self, every_s: float = 0.0) -> None:
+        """Sample the pages each tenant holds per tier, at most once in `every_s`."""
+        now = time.monotonic()
+        if self.residency.since_sample(now) >= every_s:
+            self.residency.sample(self._blocks_by_tenant(), now)
+
     def stats(self) -> EngineStats:
+        self._meter_residency()
         bm = self.block_manager
         host = None if self.tiers is None else self.tiers.host
         disk = None if self.tiers is None else self.tiers.disk
@@ -423,6 +434,9 @@ class EngineCore:
             num_kv_disk_pages_recovered=0 if disk is None else disk.num_recovered,
             num_kv_disk_pages_rejected=0 if disk is None else disk.num_rejected,
             kv_blocks_by_tenant=self._blocks_by_tenant(),
+            kv_byte_seconds_by_tenant={
+                tenant: dict(tiers) for tenant, tiers in self.residency.byte_seconds.items()
+            },
             num_cache_hit_blocks={
                 Tier.DEVICE.value: bm.num_hit_blocks,
                 Tier.HOST.value: bm.num_tier_hit_blocks[Tier.HOST],

@@ -237,6 +237,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_cache_hit_blocks: dict[str, int] = msgspec.field(default_factory=dict)
     # blocks per tenant per tier ("device", "host", "disk"): held by its requests or cached
     kv_blocks_by_tenant: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
+    # KV held per tenant per tier since start, in byte-seconds (cached pages included): what
+    # a bill for KV kept warm charges
+    kv_byte_seconds_by_tenant: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)
     num_preemptions: int
     num_loading: int = 0  # of num_running: waiting outside the batch for their pages to load
     # cached pages moved down since start, by the tier they went to ("host", "disk"); pages

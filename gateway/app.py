@@ -30,6 +30,7 @@ from gateway.routes import admin, ops
 from gateway.routes.openai import OpenAIController, TokenizerController
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
+from gateway.ui import console_router, template_config, to_console
 from policies.admission import Admission
 from tenants.journal import LedgerJournal
 from tenants.keys import KeyManager
@@ -164,12 +165,15 @@ def create_app(settings: GatewaySettings) -> Litestar:
             ops.health,
             ops.ready,
             ops.metrics,
+            console_router(),
+            to_console,
         ],
         lifespan=[_lifespan],
         dependencies=DEPENDENCIES,
         exception_handlers=exception_handlers(),
         before_request=_decode_json_strictly,
         before_send=[_add_state_headers],
+        template_config=template_config(),
         openapi_config=OpenAPIConfig(title="Strata", version="0.1.0", path="/schema"),
         request_max_body_size=settings.max_body_bytes,
         logging_config=None,  # logs go through structlog (gateway/logs.py), set by the CLI

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from engine.config import ConfigError, EngineConfig, ModelLoadError
 from engine.options import add_options, argv_from_args, config_from_args
 from gateway import settings
-from gateway.admin_cli import add_admin_commands, run_admin, run_usage
+from gateway.admin_cli import run_admin
+from gateway.admin_commands import add_admin_commands
 from gateway.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -338,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "engine": _engine,
         "serve": _serve,
         "admin": run_admin,
-        "usage": run_usage,
+        "usage": run_admin,
     }
     try:
         return handlers[args.command](args)

@@ -30,6 +30,16 @@ def worker_secret() -> str | None:
     return os.environ.get("STRATA_WORKER_SECRET") or None
 
 
+def strata_url() -> str | None:
+    """The gateway `strata admin` talks to: $STRATA_URL."""
+    return os.environ.get("STRATA_URL") or None
+
+
+def admin_token() -> str | None:
+    """The operator's admin token: $STRATA_ADMIN_TOKEN."""
+    return os.environ.get("STRATA_ADMIN_TOKEN") or None
+
+
 def redis_url() -> str | None:
     """The shared store: $STRATA_REDIS_URL (a worker registers in it when set)."""
     return os.environ.get("STRATA_REDIS_URL") or None
@@ -103,7 +113,7 @@ class GatewaySettings:
         values: dict[str, object] = {
             "model": env.get("STRATA_MODEL", "default"),
             "redis_url": redis_url(),
-            "admin_token": env.get("STRATA_ADMIN_TOKEN") or None,
+            "admin_token": admin_token(),
             "metrics_token": env.get("STRATA_METRICS_TOKEN") or None,
             "data_dir": data_dir(),
             "worker_secret": worker_secret(),

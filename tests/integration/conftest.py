@@ -98,22 +98,22 @@ class WorkerProcess:
                 self.proc.wait()
 
 
+# a worker of the tiny synthetic model, small enough to start in a second
+TINY_WORKER = [
+    "--model",
+    "synthetic:tiny",
+    "--num-kv-blocks",
+    "64",
+    "--block-size",
+    "4",
+    "--dtype",
+    "float32",
+]
+
+
 @pytest.fixture
 def tiny_worker(tmp_path: Path, strata_cache_dir: Path) -> Iterator[WorkerProcess]:
-    worker = WorkerProcess(
-        tmp_path / "engine.sock",
-        [
-            "--model",
-            "synthetic:tiny",
-            "--num-kv-blocks",
-            "64",
-            "--block-size",
-            "4",
-            "--dtype",
-            "float32",
-        ],
-        strata_cache_dir,
-    )
+    worker = WorkerProcess(tmp_path / "engine.sock", TINY_WORKER, strata_cache_dir)
     worker.start()
     yield worker
     worker.stop()

@@ -135,6 +135,19 @@ def test_per_tenant_blocks_add_up_over_workers_and_drop_out_when_gone() -> None:
     assert v['strata:kv_blocks{tenant="t2",tier="host"}'] == 1
 
 
+def test_kv_residency_is_a_counter_per_worker_tenant_and_tier() -> None:
+    metrics = GatewayMetrics()
+    a = _stats(kv_byte_seconds_by_tenant={"t1": {"device": 2.5e9, "host": 1e9}})
+    b = _stats(kv_byte_seconds_by_tenant={"t1": {"disk": 4e6}})
+    metrics.set_engine({A: a, B: b})
+    v = _values(metrics)
+    name = "strata:kv_residency_byte_seconds_total"
+    assert v[f'{name}{{tenant="t1",tier="device",worker="{A}"}}'] == 2.5e9
+    assert v[f'{name}{{tenant="t1",tier="host",worker="{A}"}}'] == 1e9
+    assert v[f'{name}{{tenant="t1",tier="disk",worker="{B}"}}'] == 4e6
+    assert _types(metrics)["strata:kv_residency_byte_seconds"] == "counter"
+
+
 def test_tenant_info_names_each_tenant_until_the_next_refresh() -> None:
     metrics = GatewayMetrics()
     assert metrics.tenant_names_due(now=0.0)
