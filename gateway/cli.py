@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 from engine.config import ConfigError, EngineConfig, ModelLoadError
 from engine.options import add_options, argv_from_args, config_from_args
 from gateway import settings
-from gateway.admin_cli import add_admin_commands, run_admin, run_usage
+from gateway.admin_cli import run_admin
+from gateway.admin_commands import add_admin_commands
 from gateway.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -219,6 +220,7 @@ def _engine(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
     )
+    configure_logging(settings.log_level(), json=settings.json_logs())  # as gateways do
     fleet = _fleet_config(args, listen)
     adapter_dir = os.path.join(settings.data_dir(), "adapters")
     core, tokenizer = create_engine(_engine_config(args, args.seed, adapter_dir), progress=True)
@@ -338,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "engine": _engine,
         "serve": _serve,
         "admin": run_admin,
-        "usage": run_usage,
+        "usage": run_admin,
     }
     try:
         return handlers[args.command](args)

@@ -295,6 +295,19 @@ ENGINE_FIGURES = (
         lambda s: s.num_kv_disk_checksum_failures,
     ),
     _engine_figure(
+        "strata:kv_disk_pages_recovered",
+        "counter",
+        "KV pages a worker's persistent disk tier indexed from an earlier run",
+        lambda s: s.num_kv_disk_pages_recovered,
+    ),
+    _engine_figure(
+        "strata:kv_disk_pages_rejected",
+        "counter",
+        "KV pages of an earlier run turned away (torn, garbage, another model's, or failing "
+        "their checksum when read): misses",
+        lambda s: s.num_kv_disk_pages_rejected,
+    ),
+    _engine_figure(
         "strata:kv_disk_read_ahead_bytes",
         "gauge",
         "Bytes of KV pages read from disk for waiting requests, held in memory",
@@ -327,6 +340,14 @@ KV_BLOCKS_BY_TENANT = MetricSpec(
     "KV-cache blocks per tenant and tier (device, host, disk), held or cached, summed over "
     "the replica's workers",
     ("tenant", "tier"),
+)
+KV_RESIDENCY = MetricSpec(
+    "strata:kv_residency_byte_seconds",
+    "counter",
+    "KV cache each tenant has held per tier (device, host, disk) on each worker since the "
+    "worker started, in byte-seconds, cached pages included: divide a rate by 2^30 x 3600 "
+    "for GiB-hours",
+    ("worker", "tenant", "tier"),
 )
 
 TENANT_INFO = MetricSpec(
@@ -361,6 +382,7 @@ FLEET_DROPPED = MetricSpec(
 COLLECTED_METRICS = (
     *(f.spec for f in ENGINE_FIGURES),
     KV_BLOCKS_BY_TENANT,
+    KV_RESIDENCY,
     TENANT_INFO,
     FLEET_REGISTRY_UP,
     FLEET_WORKERS,
@@ -407,6 +429,12 @@ class _EngineCollector:
         for (tenant, tier), n in sorted(by_tenant.items()):
             family.add_metric([tenant, tier], n)
         yield family
+        residency = _family(KV_RESIDENCY)
+        for worker, stats in sorted(self.stats.items()):
+            for tenant, held in sorted(stats.kv_byte_seconds_by_tenant.items()):
+                for tier, byte_seconds in sorted(held.items()):
+                    residency.add_metric([worker, tenant, tier], byte_seconds)
+        yield residency
 
 
 class _TenantInfoCollector:

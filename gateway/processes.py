@@ -25,9 +25,8 @@ import structlog
 import uvicorn
 import uvloop
 
-from gateway.app import create_app
 from gateway.logs import configure_logging
-from gateway.serve import HEALTHY_RUN_S, restart_delay
+from gateway.serve import HEALTHY_RUN_S, restart_delay, server_config
 from gateway.settings import GatewaySettings, log_level
 from tenants.store import die_with_parent
 
@@ -75,17 +74,7 @@ def serve_one(
 ) -> None:
     """Serve until SIGINT/SIGTERM, then drain; on `sockets` (already bound) if given, else
     on settings.host:port. Raises SystemExit when the app fails to start."""
-    config = uvicorn.Config(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=30,
-    )
+    config = server_config(settings)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(_Server(config, on_started).serve(sockets))
 

@@ -53,6 +53,22 @@ RESTART_MAX_S = 30.0
 HEALTHY_RUN_S = 60.0
 
 
+def server_config(settings: GatewaySettings) -> uvicorn.Config:
+    """uvicorn's configuration for one gateway process: uvloop and httptools, logs through
+    structlog (no access log of uvicorn's own), 30 s to drain on a stop."""
+    return uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=30,
+    )
+
+
 def restart_delay(previous_s: float | None, ran_for_s: float, healthy_after_s: float) -> float:
     """How long to wait before restarting a child that died after `ran_for_s` seconds: the
     delay doubles while it keeps dying young, and starts over once it ran `healthy_after_s`."""
@@ -279,18 +295,7 @@ async def serve(settings: GatewaySettings, worker_args: list[list[str]], *, demo
                 f"--data-dir {data_dir} keys rotate {key_id}",
                 flush=True,
             )
-        config = uvicorn.Config(
-            create_app(settings),
-            host=settings.host,
-            port=settings.port,
-            loop="uvloop",
-            http="httptools",
-            lifespan="on",
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=30,
-        )
-        server = _Server(config)
+        server = _Server(server_config(settings))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, server.request_exit)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -106,3 +106,31 @@ class PageOwners:
     def check(self, keys: Collection[bytes]) -> None:
         assert set(self.of) == set(keys), "page owners disagree with the pages"
         assert sum(self.counts.values()) == len(self.of), "owner counts disagree"
+
+
+class ResidencyMeter:
+    """Byte-seconds of KV each tenant has held in each tier: what a bill for KV kept warm
+    charges. Each sample's page counts are taken to hold until the next sample, so the
+    figures are exact when samples come at least as often as the counts change, and off by
+    at most a sampling interval's worth otherwise."""
+
+    def __init__(self, bytes_per_page: int, now: float) -> None:
+        self.bytes_per_page = bytes_per_page
+        self.byte_seconds: dict[str, dict[str, float]] = {}  # tenant -> tier -> total
+        self._pages: Mapping[str, Mapping[str, int]] = {}  # the last sample
+        self._at = now
+
+    def since_sample(self, now: float) -> float:
+        return now - self._at
+
+    def sample(self, pages: Mapping[str, Mapping[str, int]], now: float) -> None:
+        """Charge the last sample's pages up to `now`; `pages` (tenant -> tier -> pages)
+        hold from now on."""
+        elapsed = now - self._at
+        if elapsed > 0:
+            for tenant, tiers in self._pages.items():
+                totals = self.byte_seconds.setdefault(tenant, {})
+                for tier, n in tiers.items():
+                    if n:
+                        totals[tier] = totals.get(tier, 0.0) + n * self.bytes_per_page * elapsed
+        self._pages, self._at = pages, max(now, self._at)

@@ -1,7 +1,8 @@
 """Budgets and live spend over REST: the operator sets, reads and clears a tenant's and a
 key's budget, updates a key's own limits and metadata, reads spend (grouped by hour or day,
-key, model and adapter) and the budget event stream; a tenant reads its own spend and
-budgets with its API key. Handlers delegate to tenants/ and policies/."""
+key, model and adapter) and the budget event stream (billing tokens may read budgets and
+spend); a tenant reads its own spend and budgets with its API key. Handlers delegate to
+tenants/ and policies/."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody
 from redis.exceptions import ResponseError
 
+from gateway.admin_access import BILLING
 from gateway.auth import auth_of, requires_admin_token, requires_api_key
 from gateway.errors import bad_request
 from gateway.routes import time_window
@@ -161,7 +163,7 @@ class TenantBudgetController(Controller):
         await registry.patch_policy(tenant_id, PolicyPatch(budget=None))
         await _forget(store, tenant_id, "tenant", old)
 
-    @get("/spend")
+    @get("/spend", opt=BILLING)
     async def spend(
         self,
         registry: NamedDependency[TenantRegistry],
@@ -211,7 +213,7 @@ class KeyBudgetController(Controller):
         key = await keys.get_key(key_id)
         return await _key_status(store, key)
 
-    @get("/budget")
+    @get("/budget", opt=BILLING)
     async def read_budget(
         self, keys: NamedDependency[KeyManager], store: NamedDependency[Any], key_id: FromPath[str]
     ) -> BudgetStatus:
@@ -250,7 +252,7 @@ async def _key_status(store: Any, key: ApiKey) -> KeyStatus:
     )
 
 
-@get("/admin/budget-events", guards=[requires_admin_token], tags=["admin"])
+@get("/admin/budget-events", guards=[requires_admin_token], tags=["admin"], opt=BILLING)
 async def budget_events(
     store: NamedDependency[Any], after: FromQuery[str] = "0", limit: FromQuery[int] = 100
 ) -> list[BudgetEvent]:
@@ -295,7 +297,7 @@ class TenantSpendController(Controller):
     guards = [requires_api_key]  # noqa: RUF012
     tags = ["openai"]  # noqa: RUF012
 
-    @get("/spend")
+    @get("/spend", opt=BILLING)
     async def spend(
         self,
         request: Request[Any, Any, Any],

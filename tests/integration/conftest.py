@@ -98,22 +98,22 @@ class WorkerProcess:
                 self.proc.wait()
 
 
+# a worker of the tiny synthetic model, small enough to start in a second
+TINY_WORKER = [
+    "--model",
+    "synthetic:tiny",
+    "--num-kv-blocks",
+    "64",
+    "--block-size",
+    "4",
+    "--dtype",
+    "float32",
+]
+
+
 @pytest.fixture
 def tiny_worker(tmp_path: Path, strata_cache_dir: Path) -> Iterator[WorkerProcess]:
-    worker = WorkerProcess(
-        tmp_path / "engine.sock",
-        [
-            "--model",
-            "synthetic:tiny",
-            "--num-kv-blocks",
-            "64",
-            "--block-size",
-            "4",
-            "--dtype",
-            "float32",
-        ],
-        strata_cache_dir,
-    )
+    worker = WorkerProcess(tmp_path / "engine.sock", TINY_WORKER, strata_cache_dir)
     worker.start()
     yield worker
     worker.stop()
@@ -296,3 +296,20 @@ class GatewayProcess:
         )
 
     new_tenant = GatewayServer.new_tenant
+
+
+@pytest.fixture(scope="module")
+def tiny_gateway(store_server, strata_cache_dir, tmp_path_factory) -> Iterator[GatewayServer]:
+    """The real app over HTTP, in front of one `synthetic:tiny` worker: for tests of the
+    gateway's own behaviour, where the model is not the point."""
+    worker = WorkerProcess(
+        tmp_path_factory.mktemp("tiny") / "engine.sock", TINY_WORKER, strata_cache_dir
+    )
+    worker.start()
+    server = GatewayServer(gateway_settings(store_server.url, worker, strata_cache_dir))
+    try:
+        server.start()
+        yield server
+        server.stop()
+    finally:
+        worker.stop()

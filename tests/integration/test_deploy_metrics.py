@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.metrics import COLLECTED_METRICS
 from tests.deploy_files import DEPLOY, every_query, metric_names
 from tests.integration.conftest import (
+    TINY_WORKER,
     GatewayServer,
     WorkerProcess,
     _free_port,
@@ -34,16 +35,7 @@ def fleet_worker(tmp_path_factory, strata_cache_dir) -> Iterator[WorkerProcess]:
     """A tiny worker on TCP, as in the manifests: it asks for the fleet secret."""
     worker = WorkerProcess(
         tmp_path_factory.mktemp("worker") / "unused.sock",
-        [
-            "--model",
-            "synthetic:tiny",
-            "--num-kv-blocks",
-            "64",
-            "--block-size",
-            "4",
-            "--dtype",
-            "float32",
-        ],
+        TINY_WORKER,
         strata_cache_dir,
         address=f"tcp://127.0.0.1:{_free_port()}",
         env={"STRATA_WORKER_SECRET": FLEET_SECRET},

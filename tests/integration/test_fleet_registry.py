@@ -26,19 +26,9 @@ from engine.fleet import (
 )
 from engine.handshake import ClientAuth
 from engine.protocol import SamplingParams, Scheduling
-from tests.integration.conftest import WorkerProcess, _free_port
+from tests.integration.conftest import TINY_WORKER, WorkerProcess, _free_port
 
 SECRET = secrets.token_urlsafe(32)
-TINY = [
-    "--model",
-    "synthetic:tiny",
-    "--num-kv-blocks",
-    "64",
-    "--block-size",
-    "4",
-    "--dtype",
-    "float32",
-]
 
 
 async def wait_for(predicate, timeout: float = 20.0):
@@ -54,7 +44,7 @@ def fleet_worker(tmp_path, strata_cache_dir, store_server):
     port = _free_port()
     worker = WorkerProcess(
         tmp_path / "unused.sock",
-        [*TINY, "--registry-url", store_server.url, "--worker-id", "w-test"],
+        [*TINY_WORKER, "--registry-url", store_server.url, "--worker-id", "w-test"],
         strata_cache_dir,
         address=f"tcp://127.0.0.1:{port}",
         env={"STRATA_WORKER_SECRET": SECRET},
@@ -137,7 +127,7 @@ def test_a_worker_without_the_fleet_secret_does_not_register(
     tmp_path, strata_cache_dir, store_server
 ):
     worker = WorkerProcess(
-        tmp_path / "w.sock", [*TINY, "--registry-url", store_server.url], strata_cache_dir
+        tmp_path / "w.sock", [*TINY_WORKER, "--registry-url", store_server.url], strata_cache_dir
     )
     with pytest.raises(RuntimeError, match="exited with 2"):
         worker.start()
@@ -155,7 +145,7 @@ async def test_with_the_store_down_a_gateway_routes_on_its_last_view_and_says_so
 
     worker = WorkerProcess(
         tmp_path / "unused.sock",
-        [*TINY, "--registry-url", private_store.url, "--worker-id", "w-down"],
+        [*TINY_WORKER, "--registry-url", private_store.url, "--worker-id", "w-down"],
         strata_cache_dir,
         address=f"tcp://127.0.0.1:{_free_port()}",
         env={"STRATA_WORKER_SECRET": SECRET},

@@ -251,11 +251,13 @@ def test_admin_cli_mirrors_the_api(gateway, billed, tmp_path):
             check=False,
         )
 
-    made = strata("admin", "--url", gateway.url, "tenants", "create", "cli-tenant", "--rpm", "7")
+    made = strata(
+        "admin", "--url", gateway.url, "--json", "tenants", "create", "cli-tenant", "--rpm", "7"
+    )
     assert made.returncode == 0, made.stderr
     tenant = json.loads(made.stdout)
     assert tenant["policy"]["rpm"] == 7
-    key = strata("admin", "--url", gateway.url, "keys", "create", tenant["id"])
+    key = strata("admin", "--url", gateway.url, "keys", "create", tenant["id"], "--json")
     secret = json.loads(key.stdout)["secret"]
     assert secret.startswith("sk-strata-")
     assert chat(secret, gateway, max_tokens=2)["usage"]["completion_tokens"] == 2

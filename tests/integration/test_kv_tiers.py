@@ -5,6 +5,7 @@ requests preempted for space."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -108,10 +109,25 @@ def test_blocks_are_accounted_per_tenant_and_tier_allowances_hold(
     for doc in DOCS:
         llm.generate([f"{doc}\n{QUESTIONS[0]}"], GREEDY, scheduling=beta)
     llm.generate([f"{DOCS[0]}\n{QUESTIONS[1]}"], GREEDY, scheduling=acme)  # evicts beta's
-    by_tenant = llm.core.stats().kv_blocks_by_tenant
+    started = time.monotonic()
+    before = llm.core.stats()
+    time.sleep(0.2)
+    after = llm.core.stats()
+    elapsed = time.monotonic() - started  # the two samples lie between 0.2 s and this apart
+    by_tenant = after.kv_blocks_by_tenant
+    assert by_tenant == before.kv_blocks_by_tenant  # nothing ran in between
     assert by_tenant["acme"]["device"] > 0 and by_tenant["acme"]["host"] > 0
     assert "host" not in by_tenant["beta"]  # 0 tokens of host RAM
     assert by_tenant["beta"]["disk"] == 2  # 32 tokens = 2 blocks on disk, no more
+    # the residency meter charged what each tenant held in each tier while it waited
+    page = llm.core.pool.spec.bytes_per_block
+    for tenant, tiers in by_tenant.items():
+        for tier, pages in tiers.items():
+            charged = after.kv_byte_seconds_by_tenant[tenant][
+                tier
+            ] - before.kv_byte_seconds_by_tenant.get(tenant, {}).get(tier, 0.0)
+            assert pages * page * 0.2 <= charged <= pages * page * elapsed, (tenant, tier)
+    assert "host" not in after.kv_byte_seconds_by_tenant["beta"]
     total = sum(t.get("device", 0) for t in by_tenant.values())
     assert total <= llm.core.stats().num_kv_blocks_total
     llm.core.check_integrity()

@@ -33,21 +33,18 @@ from engine.handshake import (
 from engine.model_specs import PRESETS
 from engine.protocol import EngineDeadError, InvalidRequestError, LoRARequest, SamplingParams
 from engine.wire import Codec, Submit, ToWorker
-from tests.integration.conftest import GatewayServer, WorkerProcess, _free_port, gateway_settings
+from tests.integration.conftest import (
+    TINY_WORKER,
+    GatewayServer,
+    WorkerProcess,
+    _free_port,
+    gateway_settings,
+)
 from tests.lora_files import write_adapter
 
 FLEET_SECRET = secrets.token_urlsafe(32)
 FLEET = ClientAuth(secret=FLEET_SECRET)
-TINY = [
-    "--model",
-    "synthetic:tiny",
-    "--num-kv-blocks",
-    "64",
-    "--block-size",
-    "4",
-    "--dtype",
-    "float32",
-]
+
 SHORT = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
@@ -68,7 +65,7 @@ def fleet_worker(tmp_path_factory, strata_cache_dir, adapter_root):
     worker = WorkerProcess(
         tmp_path_factory.mktemp("fleet") / "unused.sock",
         [
-            *TINY,
+            *TINY_WORKER,
             "--max-loras",
             "1",
             "--max-lora-rank",
@@ -89,7 +86,7 @@ def fleet_worker(tmp_path_factory, strata_cache_dir, adapter_root):
 def open_worker(tmp_path_factory, strata_cache_dir):
     """A worker on a Unix socket, no secret, in directories it creates itself."""
     root = tmp_path_factory.mktemp("open")
-    worker = WorkerProcess(root / "private" / "run" / "engine.sock", TINY, strata_cache_dir)
+    worker = WorkerProcess(root / "private" / "run" / "engine.sock", TINY_WORKER, strata_cache_dir)
     worker.start()
     yield worker
     worker.stop()
@@ -193,7 +190,7 @@ def start_engine(listen: str, cache_dir: Path, *extra: str, secret: str | None =
     if secret is not None:
         env["STRATA_WORKER_SECRET"] = secret
     return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", "engine", "--listen", listen, *TINY, *extra],
+        [sys.executable, "-m", "gateway.cli", "engine", "--listen", listen, *TINY_WORKER, *extra],
         env=env,
         capture_output=True,
         text=True,
@@ -257,7 +254,7 @@ def tls_worker(tmp_path, strata_cache_dir):
     )
     worker = WorkerProcess(
         tmp_path / "unused.sock",
-        [*TINY, "--tls-cert", str(cert), "--tls-key", str(key)],
+        [*TINY_WORKER, "--tls-cert", str(cert), "--tls-key", str(key)],
         strata_cache_dir,
         address=f"tcp://127.0.0.1:{_free_port()}",
         env={"STRATA_WORKER_SECRET": FLEET_SECRET},

@@ -1,0 +1,519 @@
+"""The commands of `strata admin`, one entry per admin REST endpoint (the pattern for adding
+one is in `gateway/admin_cli.py`), and the hooks of those that are more than one call."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from gateway.admin_cli import TENANT, AdminError, Arg, Call, Command, add_admin, add_group, opt, pos
+from gateway.admin_values import duration, instant, names, policy_options, price
+
+# -- hooks -------------------------------------------------------------------------------------
+
+
+def _issue(call: Call) -> Any:
+    answer = call.send()
+    print(
+        "strata admin: the key's secret is shown only this once (the server keeps only its "
+        "hash): store it now",
+        file=sys.stderr,
+    )
+    return answer
+
+
+def _set_price(call: Call) -> Any:
+    """PUT the model's price with the given fields changed and the others as they were."""
+    model = call.args.model
+    prices: list[dict[str, Any]] = call.client.request("GET", "/admin/prices/")
+    current = next((p for p in prices if p["model"] == model), {})
+    body = {**current, **call.fields("body"), "model": model}
+    return call.client.request("PUT", "/admin/prices/", json=body)
+
+
+def _show_price(call: Call) -> Any:
+    for entry in call.client.request("GET", "/admin/prices/"):
+        if entry["model"] == call.args.model:
+            return entry
+    raise AdminError(f"no price for {call.args.model!r}")
+
+
+def _upload_adapter(call: Call) -> Any:
+    folder = Path(call.args.directory)
+    paths = {
+        "adapter_config": folder / "adapter_config.json",
+        "adapter_model": folder / "adapter_model.safetensors",
+    }
+    missing = [str(p) for p in paths.values() if not p.is_file()]
+    if missing:
+        raise AdminError(f"not a PEFT adapter directory: {', '.join(missing)} not found", 2)
+    form = {**call.fields("body"), "name": call.args.name}
+    if "allowed_tenants" in form:
+        form["allowed_tenants"] = json.dumps(form["allowed_tenants"])
+    with paths["adapter_config"].open("rb") as config, paths["adapter_model"].open("rb") as model:
+        files = {"adapter_config": config, "adapter_model": model}
+        return call.client.request("POST", "/admin/adapters/upload", data=form, files=files)
+
+
+def _export(call: Call) -> None:
+    output = getattr(call.args, "output", "-")
+    params = call.fields("query")
+    with call.client.stream("GET", "/admin/usage/export", params=params) as response:
+        if output == "-":
+            for chunk in response.iter_bytes():
+                sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+            return
+        try:
+            with open(output, "wb") as out:
+                for chunk in response.iter_bytes():
+                    out.write(chunk)
+        except OSError as exc:
+            raise AdminError(f"--output: cannot write {output}: {exc.strerror}", 2) from None
+
+
+def _usage(call: Call) -> Any:
+    params = {**call.fields("query"), "format": "json"}
+    return call.client.request("GET", "/admin/usage/export", params=params)
+
+
+def _set_kv_prices(call: Call) -> Any:
+    """PUT the KV prices with the given tiers changed and the others as they were."""
+    current: dict[str, Any] = call.client.request("GET", "/admin/kv-prices/")
+    return call.client.request("PUT", "/admin/kv-prices/", json={**current, **call.fields("body")})
+
+
+def _kv_residency(call: Call) -> Any:
+    params = {**call.fields("query"), "format": "json"}
+    return call.client.request("GET", "/admin/kv-residency/", params=params)
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+KEY = pos("key_id", "the key's id (key_...)")
+WORKER = opt("worker_id", help="the worker's id, as `workers list` shows it")
+WINDOW = (
+    opt("--tenant", help="a tenant's id or name (default: every tenant)", to="query", tenant=True),
+    opt(
+        "--start",
+        help="from: ISO 8601 date, unix seconds, or an age like 7d (default: the beginning)",
+        to="query",
+        type=instant,
+        metavar="WHEN",
+    ),
+    opt(
+        "--end",
+        help="until (not included): ISO 8601 date, unix seconds, or an age like 1d (default: now)",
+        to="query",
+        type=instant,
+        metavar="WHEN",
+    ),
+)
+ALLOWED = opt(
+    "--allowed-tenants",
+    help="comma-separated tenant ids or names that may use it (default: every tenant)",
+    tenant=True,
+    type=names,
+    metavar="TENANT,...",
+)
+PRICE_OPTIONS = tuple(
+    opt(
+        f"--{kind}",
+        help=f"{text}, per 1M tokens (default: unchanged, else 0)",
+        field=f"{kind}_per_m",
+        type=price,
+        metavar="PRICE",
+    )
+    for kind, text in (
+        ("prompt", "prompt tokens not served from the cache"),
+        ("cached", "prompt tokens served from the prefix cache"),
+        ("completion", "generated tokens"),
+    )
+)
+
+TENANT_COLUMNS = (
+    "id",
+    "name",
+    "disabled",
+    "created_at",
+    "policy.rpm",
+    "policy.tpm",
+    "policy.max_concurrent",
+    "policy.kv_budget_tokens",
+)
+KEY_COLUMNS = ("id", "tenant_id", "name", "prefix", "created_at", "expires_at", "revoked_at")
+T = "/admin/tenants/{tenant}"
+
+GROUPS = {
+    "tenants": "create, list, show, update, disable, enable and delete tenants|tenant",
+    "policies": "read and change a tenant's limits|policy",
+    "keys": "issue, list, rotate and revoke tenants' API keys|key",
+    "adapters": "register, upload, list and delete LoRA adapters|adapter",
+    "prices": "prices per 1M tokens, per model or adapter|price",
+    "usage": "usage totals and billing exports",
+    "workers": "the engine workers: list, drain, undrain|worker",
+    "kv": "KV cache residency: prices per GiB-hour of each tier, and what tenants held",
+}
+
+COMMANDS: tuple[Command, ...] = (
+    Command(
+        "tenants",
+        "create",
+        "POST",
+        "/admin/tenants/",
+        "create a tenant",
+        args=(
+            opt("name", help="the tenant's name"),
+            opt("--id", help="its id (default: one is generated)"),
+            *policy_options("policy."),
+        ),
+    ),
+    Command("tenants", "list", "GET", "/admin/tenants/", "every tenant", columns=TENANT_COLUMNS),
+    Command("tenants", "show", "GET", T, "one tenant", args=(TENANT,)),
+    Command(
+        "tenants",
+        "update",
+        "PATCH",
+        T,
+        "rename a tenant",
+        args=(TENANT, opt("--name", help="its new name", required=True)),
+    ),
+    Command(
+        "tenants",
+        "disable",
+        "PATCH",
+        T,
+        "refuse the tenant's keys (401) until enabled",
+        args=(TENANT,),
+        body={"disabled": True},
+    ),
+    Command(
+        "tenants",
+        "enable",
+        "PATCH",
+        T,
+        "accept the tenant's keys again",
+        args=(TENANT,),
+        body={"disabled": False},
+    ),
+    Command(
+        "tenants",
+        "delete",
+        "DELETE",
+        T,
+        "delete a tenant and its keys (usage stays)",
+        args=(TENANT,),
+        done="deleted tenant {tenant}",
+    ),
+    Command(
+        "tenants",
+        "rotate-cache-salt",
+        "POST",
+        T + "/rotate-cache-salt",
+        "a new cache salt: the tenant's cached prefixes are never hit again",
+        args=(TENANT,),
+    ),
+    Command(
+        "policies",
+        "show",
+        "GET",
+        T + "/policy",
+        "a tenant's policy, with its KV budget in bytes",
+        args=(TENANT,),
+    ),
+    Command(
+        "policies",
+        "set",
+        "PATCH",
+        T + "/policy",
+        "change the fields given; the others keep their values",
+        args=(TENANT, *policy_options()),
+        aliases=("patch",),
+    ),
+    Command(
+        "policies",
+        "replace",
+        "PUT",
+        T + "/policy",
+        "replace the whole policy; fields not given take their defaults",
+        args=(TENANT, *policy_options()),
+    ),
+    Command(
+        "keys",
+        "issue",
+        "POST",
+        T + "/keys",
+        "issue a key; its secret is printed once",
+        args=(
+            TENANT,
+            opt("--name", help="a label for the key (default: default)"),
+            opt(
+                "--expires-in",
+                help="lifetime: seconds, or 90m, 12h, 30d (default: until revoked)",
+                field="expires_in_s",
+                type=duration,
+                metavar="DURATION",
+            ),
+        ),
+        aliases=("create",),
+        run=_issue,
+    ),
+    Command(
+        "keys",
+        "list",
+        "GET",
+        T + "/keys",
+        "a tenant's keys (prefixes, never secrets)",
+        args=(TENANT,),
+        columns=KEY_COLUMNS[:1] + KEY_COLUMNS[2:],
+    ),
+    Command("keys", "show", "GET", "/admin/keys/{key_id}", "one key", args=(KEY,)),
+    Command(
+        "keys",
+        "rotate",
+        "POST",
+        "/admin/keys/{key_id}/rotate",
+        "a new key with the same name and expiry; its secret is printed once",
+        args=(
+            KEY,
+            opt(
+                "--grace",
+                help="how long the old key keeps working: seconds, or "
+                "15m, 12h, 1d, at most 30d (default: 0, revoked now)",
+                field="grace_seconds",
+                type=duration,
+                metavar="DURATION",
+            ),
+        ),
+        run=_issue,
+    ),
+    Command(
+        "keys", "revoke", "POST", "/admin/keys/{key_id}/revoke", "revoke a key now", args=(KEY,)
+    ),
+    Command(
+        "adapters",
+        "register",
+        "POST",
+        "/admin/adapters/",
+        "register a PEFT adapter directory the workers can read (a new version)",
+        args=(
+            opt("name", help="the adapter's name, as tenants call it"),
+            opt("path", help="the adapter directory, as the workers see it"),
+            ALLOWED,
+            opt("--base-model", help="the served model it adapts (default: the default model)"),
+        ),
+    ),
+    Command(
+        "adapters",
+        "upload",
+        "POST",
+        "/admin/adapters/upload",
+        "upload a PEFT adapter directory (adapter_config.json, adapter_model.safetensors)",
+        args=(
+            Arg(("name",), "the adapter's name", to="local"),
+            Arg(("directory",), "the local adapter directory", to="local"),
+            ALLOWED,
+            opt("--base-model", help="the served model it adapts"),
+        ),
+        run=_upload_adapter,
+    ),
+    Command(
+        "adapters",
+        "list",
+        "GET",
+        "/admin/adapters/",
+        "the latest version of each adapter",
+        columns=("name", "version", "base_model", "allowed_tenants", "created_at", "path"),
+    ),
+    Command(
+        "adapters",
+        "delete",
+        "DELETE",
+        "/admin/adapters/{name}",
+        "delete every version of an adapter",
+        args=(pos("name", "the adapter's name"),),
+        done="deleted adapter {name}",
+    ),
+    Command("prices", "list", "GET", "/admin/prices/", "every price"),
+    Command(
+        "prices",
+        "show",
+        "GET",
+        "/admin/prices/",
+        "one model's or adapter's price",
+        args=(pos("model", "a model id, an adapter, or adapter@version"),),
+        run=_show_price,
+    ),
+    Command(
+        "prices",
+        "set",
+        "PUT",
+        "/admin/prices/",
+        "set a model's, an adapter's or an adapter version's price",
+        args=(
+            Arg(("model",), "a model id, an adapter, or adapter@version", to="local"),
+            *PRICE_OPTIONS,
+        ),
+        run=_set_price,
+    ),
+    Command(
+        "prices",
+        "delete",
+        "DELETE",
+        "/admin/prices/{model}",
+        "delete a price",
+        args=(pos("model", "a model id, an adapter, or adapter@version"),),
+        done="deleted the price of {model}",
+    ),
+    Command(
+        "usage",
+        "show",
+        "GET",
+        "/admin/usage/export",
+        "usage and costs as a table",
+        args=(
+            *WINDOW,
+            opt(
+                "--granularity",
+                help="sums per UTC hour or day, tenant, model and adapter",
+                to="query",
+                choices=["hour", "day"],
+                default="day",
+            ),
+        ),
+        columns=(
+            "period_start",
+            "tenant_id",
+            "model",
+            "adapter",
+            "requests",
+            "prompt_tokens",
+            "cached_tokens",
+            "completion_tokens",
+            "cost_total",
+        ),
+        run=_usage,
+    ),
+    Command(
+        "usage",
+        "export",
+        "GET",
+        "/admin/usage/export",
+        "a billing export, streamed to a file or stdout",
+        args=(
+            *WINDOW,
+            opt(
+                "--format",
+                help="csv, ndjson (a record per line) or json (one array)",
+                to="query",
+                choices=["csv", "ndjson", "json"],
+                default="csv",
+            ),
+            opt(
+                "--granularity",
+                help="one row per request, or summed per UTC hour or "
+                "day, tenant, model and adapter",
+                to="query",
+                choices=["request", "hour", "day"],
+                default="request",
+            ),
+            opt(
+                "--output",
+                "-o",
+                help="the file to write (default: -, stdout)",
+                to="local",
+                default="-",
+            ),
+        ),
+        run=_export,
+    ),
+    Command(
+        "workers",
+        "list",
+        "GET",
+        "/admin/workers/",
+        "every worker this gateway routes to",
+        columns=(
+            "worker_id",
+            "model",
+            "address",
+            "drained",
+            "connected",
+            "num_running",
+            "num_waiting",
+            "kv_blocks_used",
+            "kv_blocks_total",
+            "indexed_blocks",
+        ),
+    ),
+    Command(
+        "workers",
+        "drain",
+        "POST",
+        "/admin/workers/drain",
+        "take no new requests (running ones finish)",
+        args=(WORKER,),
+    ),
+    Command(
+        "workers",
+        "undrain",
+        "POST",
+        "/admin/workers/undrain",
+        "take requests again",
+        args=(WORKER,),
+    ),
+)
+
+
+KV_TIERS = ("device", "host", "disk", "remote")
+
+COMMANDS += (
+    Command("kv", "prices", "GET", "/admin/kv-prices/", "USD per GiB-hour of each KV tier"),
+    Command(
+        "kv",
+        "set-prices",
+        "PUT",
+        "/admin/kv-prices/",
+        "price KV held in tiers (the tiers not given keep their price)",
+        args=tuple(
+            opt(
+                f"--{tier}",
+                help=f"USD per GiB-hour of KV held in the {tier} tier",
+                type=price,
+                metavar="PRICE",
+            )
+            for tier in KV_TIERS
+        ),
+        run=_set_kv_prices,
+    ),
+    Command(
+        "kv",
+        "residency",
+        "GET",
+        "/admin/kv-residency/",
+        "KV each tenant held per tier, in GiB-hours, and its cost",
+        args=(
+            *WINDOW,
+            opt(
+                "--granularity",
+                help="sums per UTC hour or day, tenant and tier",
+                to="query",
+                choices=["hour", "day"],
+                default="day",
+            ),
+        ),
+        columns=("period_start", "tenant_id", "tier", "gib_hours", "price_per_gib_hour", "cost"),
+        run=_kv_residency,
+    ),
+)
+
+
+def add_admin_commands(sub: Any) -> None:
+    """`strata admin …`, and `strata usage …` as a shorter name for `strata admin usage …`."""
+    add_admin(
+        sub, "manage tenants, keys, policies, adapters, prices, usage and workers", COMMANDS, GROUPS
+    )
+    usage = tuple(c for c in COMMANDS if c.group == "usage")
+    add_group(sub, "usage", "usage totals and billing exports (as strata admin usage)", usage)

@@ -1,0 +1,168 @@
+"""The console's session: a stateless cookie signed with a key derived from the admin token
+(so every replica accepts it, and changing the token signs everyone out), holding whether
+the operator signed in, when that lapses, and the session's CSRF token. Guards that need a
+signed-in session and a matching CSRF token on every form post live here too."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import secrets
+import time
+from typing import Any
+
+import msgspec
+from litestar import Request, Response
+from litestar.connection import ASGIConnection
+from litestar.datastructures import Cookie
+from litestar.handlers.base import BaseRouteHandler
+
+COOKIE_NAME = "strata_console"
+CSRF_FIELD = "_csrf"
+CSRF_HEADER = "x-csrf-token"
+SIGNED_IN_TTL_S = 12 * 3600.0
+ANONYMOUS_TTL_S = 3600.0
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_KEY_CONTEXT = b"strata console session v1"
+
+
+class Session(msgspec.Struct, frozen=True, kw_only=True):
+    """What the cookie holds (in the clear, signed)."""
+
+    csrf: str
+    signed_in: bool
+    expires_at: float
+
+
+class SignInRequiredError(Exception):
+    """A console page asked for without a signed-in session."""
+
+
+class CsrfRejectedError(Exception):
+    """A console form posted without this session's CSRF token."""
+
+
+def session_key(admin_token: str) -> bytes:
+    """The cookie's signing key: derived from the admin token, never the token itself."""
+    return hmac.new(admin_token.encode(), _KEY_CONTEXT, hashlib.sha256).digest()
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def new_session(*, signed_in: bool, now: float | None = None) -> Session:
+    ttl = SIGNED_IN_TTL_S if signed_in else ANONYMOUS_TTL_S
+    return Session(
+        csrf=secrets.token_urlsafe(32),
+        signed_in=signed_in,
+        expires_at=(time.time() if now is None else now) + ttl,
+    )
+
+
+def encode_session(session: Session, key: bytes) -> str:
+    payload = msgspec.json.encode(session)
+    mac = hmac.new(key, payload, hashlib.sha256).digest()
+    return f"{_b64(payload)}.{_b64(mac)}"
+
+
+def decode_session(value: str | None, key: bytes, *, now: float | None = None) -> Session | None:
+    """The session in `value`, or None when it is absent, forged, malformed or expired."""
+    if not value:
+        return None
+    payload_text, _, mac_text = value.partition(".")
+    try:
+        payload, mac = _unb64(payload_text), _unb64(mac_text)
+    except ValueError:
+        return None
+    if not hmac.compare_digest(mac, hmac.new(key, payload, hashlib.sha256).digest()):
+        return None
+    try:
+        session = msgspec.json.decode(payload, type=Session)
+    except msgspec.DecodeError:
+        return None
+    if session.expires_at <= (time.time() if now is None else now):
+        return None
+    return session
+
+
+def session_cookie(session: Session, key: bytes, *, secure: bool) -> Cookie:
+    """The cookie carrying `session`: HttpOnly, SameSite=Strict, scoped to the console."""
+    return Cookie(
+        key=COOKIE_NAME,
+        value=encode_session(session, key),
+        path="/ui",
+        httponly=True,
+        samesite="strict",
+        secure=secure,
+        max_age=int(session.expires_at - time.time()),
+    )
+
+
+def is_https(connection: ASGIConnection[Any, Any, Any, Any]) -> bool:
+    forwarded = connection.headers.get("x-forwarded-proto", "")
+    return connection.url.scheme == "https" or forwarded.lower() == "https"
+
+
+def admin_token_of(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    token: str | None = connection.app.state.settings.admin_token
+    return token
+
+
+def current_session(connection: ASGIConnection[Any, Any, Any, Any]) -> Session | None:
+    """The request's valid session (signed in or not), read once per request."""
+    if "console_session" not in connection.scope.get("state", {}):
+        token = admin_token_of(connection)
+        value = connection.cookies.get(COOKIE_NAME)
+        session = None if token is None else decode_session(value, session_key(token))
+        connection.state.console_session = session
+    found: Session | None = connection.state.console_session
+    return found
+
+
+def with_session(
+    response: Response[Any], connection: ASGIConnection[Any, Any, Any, Any], session: Session
+) -> Response[Any]:
+    """`response` setting the session cookie (when the console is enabled)."""
+    token = admin_token_of(connection)
+    if token is not None:
+        response.set_cookie(
+            session_cookie(session, session_key(token), secure=is_https(connection))
+        )
+    return response
+
+
+def cleared(response: Response[Any]) -> Response[Any]:
+    response.delete_cookie(COOKIE_NAME, path="/ui")
+    return response
+
+
+async def requires_console_session(
+    connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler
+) -> None:
+    """Console pages need a signed-in session; without one the browser is sent to sign in."""
+    session = current_session(connection)
+    if session is None or not session.signed_in:
+        raise SignInRequiredError
+
+
+async def requires_csrf_token(
+    connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler
+) -> None:
+    """Every console POST carries its session's CSRF token, as the `_csrf` form field or the
+    X-CSRF-Token header (htmx sends the header)."""
+    if connection.scope.get("method", "GET") in _SAFE_METHODS:
+        return
+    session = current_session(connection)
+    presented = connection.headers.get(CSRF_HEADER, "")
+    if not presented and isinstance(connection, Request):
+        form = await connection.form()
+        field = form.get(CSRF_FIELD)
+        presented = field if isinstance(field, str) else ""
+    if session is None or not hmac.compare_digest(presented.encode(), session.csrf.encode()):
+        raise CsrfRejectedError
