@@ -228,7 +228,7 @@ class Pipeline:
         if rates is not None:
             cost = rates.worst_case_nanos(job.num_prompt_tokens, job.num_choices * job.max_tokens)
         now, tenant, key = time.time(), auth.tenant, auth.key
-        tenant_budget = tenant.policy.budget
+        tenant_budget = tenant.budget
         key_budget = key.budget
         return Charge(
             cost_nanos=cost,

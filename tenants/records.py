@@ -129,7 +129,6 @@ class Policy(Base):
     # tenants naming the same namespace share prefix-cache blocks (e.g. a public system
     # prompt); otherwise a tenant's cache is keyed by its own secret salt
     shared_cache_namespace: str | None = None
-    budget: Budget | None = None  # spend cap in dollars per period (see Budget)
 
     def __post_init__(self) -> None:
         for field in LIMIT_FIELDS:
@@ -182,7 +181,6 @@ class PolicyPatch(Base):
     weight: float | msgspec.UnsetType = msgspec.UNSET
     on_store_unavailable: StoreFailMode | msgspec.UnsetType = msgspec.UNSET
     shared_cache_namespace: str | msgspec.UnsetType | None = msgspec.UNSET
-    budget: Budget | msgspec.UnsetType | None = msgspec.UNSET
 
     def apply(self, policy: Policy) -> Policy:
         """A new, validated Policy with this patch applied (raises RecordError)."""
@@ -205,6 +203,7 @@ class Tenant(Base):
     disabled: bool = False
     # secret salt mixed into prefix-cache keys so tenants never share KV (engine side)
     cache_salt: str = ""
+    budget: Budget | None = None  # spend cap in dollars per period (see Budget)
 
 
 class TenantView(Base):

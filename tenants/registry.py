@@ -23,6 +23,7 @@ from tenants.keys import read_tenant_keys, stage_key_purge
 from tenants.records import (
     Adapter,
     AdapterCreate,
+    Budget,
     Policy,
     PolicyPatch,
     Price,
@@ -154,6 +155,11 @@ class TenantRegistry:
             tenant_id, lambda t: msgspec.structs.replace(t, policy=patch.apply(t.policy))
         )
         return tenant.policy
+
+    async def set_budget(self, tenant_id: str, budget: Budget | None) -> Tenant:
+        """Set (or clear, with None) the tenant's budget; invalidates cached
+        authentications, so every replica admits against it at once."""
+        return await self._modify(tenant_id, lambda t: msgspec.structs.replace(t, budget=budget))
 
     async def _modify(self, tenant_id: str, change: Callable[[Tenant], Tenant]) -> Tenant:
         """Read, `change`, write back the tenant record and publish its invalidation, retried

@@ -23,7 +23,7 @@ from policies.admission import BUDGET_EVENTS, key_scope_keys
 from policies.budgets import budget_key, read_usage, seed_spent
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger
-from tenants.records import ApiKey, Budget, KeyLimits, KeyUpdate, PolicyPatch, nanos_to_usd
+from tenants.records import ApiKey, Budget, KeyLimits, KeyUpdate, nanos_to_usd
 from tenants.registry import TenantRegistry
 from tenants.spend import SpendGrouping, SpendReport, spend_report
 
@@ -134,8 +134,8 @@ class TenantBudgetController(Controller):
         store: NamedDependency[Any],
         tenant_id: FromPath[str],
     ) -> BudgetStatus:
-        policy = await registry.get_policy(tenant_id)
-        return await _status(store, tenant_id, "tenant", policy.budget, time.time())
+        tenant = await registry.get_tenant(tenant_id)
+        return await _status(store, tenant_id, "tenant", tenant.budget, time.time())
 
     @put("/budget", status_code=200)
     async def set_budget(
@@ -148,9 +148,9 @@ class TenantBudgetController(Controller):
     ) -> BudgetStatus:
         """Set the tenant's budget; spend already in the ledger for the current period
         counts against it."""
-        policy = await registry.patch_policy(tenant_id, PolicyPatch(budget=data))
+        tenant = await registry.set_budget(tenant_id, data)
         await _seed(store, ledger, tenant_id, None, data)
-        return await _status(store, tenant_id, "tenant", policy.budget, time.time())
+        return await _status(store, tenant_id, "tenant", tenant.budget, time.time())
 
     @delete("/budget")
     async def clear_budget(
@@ -159,8 +159,8 @@ class TenantBudgetController(Controller):
         store: NamedDependency[Any],
         tenant_id: FromPath[str],
     ) -> None:
-        old = (await registry.get_policy(tenant_id)).budget
-        await registry.patch_policy(tenant_id, PolicyPatch(budget=None))
+        old = (await registry.get_tenant(tenant_id)).budget
+        await registry.set_budget(tenant_id, None)
         await _forget(store, tenant_id, "tenant", old)
 
     @get("/spend", opt=BILLING)
@@ -313,8 +313,6 @@ class TenantSpendController(Controller):
         report = await _report(ledger, tenant.id, start, end, group_by, None)
         return TenantSpend(
             spend=report,
-            tenant_budget=await _status(
-                store, tenant.id, "tenant", tenant.policy.budget, time.time()
-            ),
+            tenant_budget=await _status(store, tenant.id, "tenant", tenant.budget, time.time()),
             key=await _key_status(store, auth.key),
         )
