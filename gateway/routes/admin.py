@@ -214,8 +214,7 @@ class PriceController(Controller):
     async def put_price(
         self, registry: NamedDependency[TenantRegistry], data: JSONBody[Price]
     ) -> Price:
-        await registry.put_price(data)
-        return data
+        return await registry.put_price(data)  # with the effective time it was given
 
     @get("/", opt=BILLING)
     async def list_all(self, registry: NamedDependency[TenantRegistry]) -> list[Price]:

@@ -255,7 +255,14 @@ async def test_a_price_change_never_reprices_past_usage(replicas, ledger):
     set_price(gw, prompt_per_m=10.0, cached_per_m=10.0, completion_per_m=10.0)
     # a change scheduled for later is not in force yet
     later = time.time() + 3600
-    set_price(gw, prompt_per_m=99.0, cached_per_m=99.0, completion_per_m=99.0, effective_at=later)
+    scheduled = set_price(
+        gw, prompt_per_m=99.0, cached_per_m=99.0, completion_per_m=99.0, effective_at=later
+    )
+    assert scheduled["effective_at"] == later
+    assert (
+        set_price(gw, prompt_per_m=10.0, cached_per_m=10.0, completion_per_m=10.0)["effective_at"]
+        <= time.time()
+    )
     assert post(gw, key, completion(max_tokens=2)).status_code == 200
     old, new = await ledger_records(ledger, tid, 2)
     assert old.cost_nanos == before.cost_nanos
