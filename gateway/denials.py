@@ -12,24 +12,30 @@ from tenants.records import Policy, nanos_to_usd
 
 
 def check_key_model(auth: AuthContext, job: Job) -> None:
-    """403 unless the key's own limits include the job's model (by the name asked for or
-    the served id) and adapter."""
+    """403 unless the key's own limits include the job's model and adapter."""
+    adapter = None if job.lora is None else job.lora.name
+    check_key_access(auth, job.model, job.base_model, adapter)
+
+
+def check_key_access(auth: AuthContext, requested: str, model_id: str, adapter: str | None) -> None:
+    """403 unless the key's own limits include the model (by the name asked for, or the
+    served id) or, for an adapter request, the adapter."""
     limits = auth.key.limits
     if limits is None:
         return
-    if job.lora is not None:
-        if not limits.allows_adapter(job.lora.name):
+    if adapter is not None:
+        if not limits.allows_adapter(adapter):
             raise APIError(
                 403,
-                f"this API key may not use the adapter '{job.lora.name}'",
+                f"this API key may not use the adapter '{adapter}'",
                 type="permission_error",
                 code="model_not_allowed",
                 param="model",
             )
-    elif not (limits.allows_model(job.model) or limits.allows_model(job.base_model)):
+    elif not (limits.allows_model(requested) or limits.allows_model(model_id)):
         raise APIError(
             403,
-            f"this API key may not use the model '{job.model}'",
+            f"this API key may not use the model '{requested}'",
             type="permission_error",
             code="model_not_allowed",
             param="model",

@@ -14,6 +14,7 @@ from litestar.response import Stream
 from gateway.access_log import access_logged
 from gateway.adapters import AdapterResolver
 from gateway.auth import auth_of, requires_api_key
+from gateway.denials import check_key_access
 from gateway.errors import APIError, bad_request
 from gateway.fleet import Fleet, ModelGroup
 from gateway.logs import bind_request
@@ -33,6 +34,7 @@ from gateway.prepare import Job, new_request_id
 from gateway.responses import Renderer
 from gateway.routes import time_window, usage_export
 from tenants.ledger import Ledger
+from tenants.records import KeyLimits
 from tenants.registry import TenantRegistry
 
 _SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -73,6 +75,7 @@ async def _visible_models(
     """Every served model and every adapter of one that the caller's plan allows."""
     tenant = auth_of(request).tenant
     policy, created = tenant.policy, int(started_at)
+    key = auth_of(request).key.limits or KeyLimits()  # a key's own lists narrow the plan
     cards = [
         ModelCard(
             id=model_id,
@@ -82,11 +85,15 @@ async def _visible_models(
             max_model_len=group.info.max_model_len,
         )
         for model_id, group in sorted(fleet.groups.items())
-        if policy.allows_model(model_id)
+        if policy.allows_model(model_id) and key.allows_model(model_id)
     ]
     for adapter in await registry.list_adapters(tenant.id):
         group = fleet.resolve(adapter.base_model)
-        if group is not None and policy.allows_adapter(adapter.name):
+        if (
+            group is not None
+            and policy.allows_adapter(adapter.name)
+            and key.allows_adapter(adapter.name)
+        ):
             cards.append(
                 ModelCard(
                     id=adapter.name,
@@ -219,7 +226,8 @@ class TokenizerController(Controller):
         data: JSONBody[TokenizeRequest],
     ) -> TokenizeResponse:
         """Counted against the tenant's request rate and concurrency like any request."""
-        group, _ = await adapters.resolve(data.model, auth_of(request).tenant)
+        group, lora = await adapters.resolve(data.model, auth_of(request).tenant)
+        check_key_access(auth_of(request), data.model, group.model_id, lora.name if lora else None)
         preparer = group.preparer
         if (data.prompt is None) == (data.messages is None):
             raise bad_request("give either prompt or messages", param="prompt")
@@ -242,7 +250,8 @@ class TokenizerController(Controller):
         adapters: NamedDependency[AdapterResolver],
         data: JSONBody[DetokenizeRequest],
     ) -> DetokenizeResponse:
-        group, _ = await adapters.resolve(data.model, auth_of(request).tenant)
+        group, lora = await adapters.resolve(data.model, auth_of(request).tenant)
+        check_key_access(auth_of(request), data.model, group.model_id, lora.name if lora else None)
         if any(not 0 <= t < group.info.vocab_size for t in data.tokens):
             raise bad_request("tokens are out of the vocabulary", param="tokens")
         text = group.tokenizer.decode(data.tokens, skip_special_tokens=False)

@@ -304,6 +304,9 @@ async def test_a_keys_own_limits_and_models_are_enforced_within_its_tenant(repli
         assert r.status_code == 200, r.text
     r = post(gw, key, completion())
     assert (r.status_code, error_of(r)["code"]) == (403, "model_not_allowed")
+    r = post(gw, key, {"model": MODEL, "prompt": "hi"}, path="/tokenize")
+    assert (r.status_code, error_of(r)["code"]) == (403, "model_not_allowed")
+    assert get(gw, key, "/v1/models").json()["data"] == []  # it lists what the key may use
     with gw.admin() as admin:
         assert admin.delete(f"/admin/keys/{key_id}/limits").status_code == 204
         status = admin.get(f"/admin/keys/{limited['key']['id']}/status").json()
