@@ -127,7 +127,7 @@ class TenantBudgetController(Controller):
     guards = [requires_admin_token]  # noqa: RUF012
     tags = ["admin"]  # noqa: RUF012
 
-    @get("/budget")
+    @get("/budget", opt=BILLING)
     async def read_budget(
         self,
         registry: NamedDependency[TenantRegistry],
@@ -297,7 +297,7 @@ class TenantSpendController(Controller):
     guards = [requires_api_key]  # noqa: RUF012
     tags = ["openai"]  # noqa: RUF012
 
-    @get("/spend", opt=BILLING)
+    @get("/spend")
     async def spend(
         self,
         request: Request[Any, Any, Any],

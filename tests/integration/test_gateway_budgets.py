@@ -342,6 +342,22 @@ def test_v1_usage_shows_only_the_callers_tenant(replicas):
     assert get(gw, "sk-strata-" + "x" * 43, "/v1/usage/spend").status_code == 401
 
 
+def test_a_billing_token_reads_budgets_and_spend_and_changes_nothing(replicas):
+    gw = replicas[0]
+    tid, _ = gw.new_tenant()
+    with gw.admin() as admin:
+        r = admin.post("/admin/tokens/", json={"name": "finance", "role": "billing"})
+        assert r.status_code == 201, r.text
+        secret = r.json()["secret"]
+    headers = {"authorization": f"Bearer {secret}"}
+    with httpx.Client(base_url=gw.url, headers=headers, timeout=30) as billing:
+        assert billing.get(f"/admin/tenants/{tid}/budget").status_code == 200
+        assert billing.get(f"/admin/tenants/{tid}/spend").status_code == 200
+        assert billing.get("/admin/budget-events").status_code == 200
+        r = billing.put(f"/admin/tenants/{tid}/budget", json={"limit_usd": 1})
+        assert (r.status_code, error_of(r)["code"]) == (403, "insufficient_role")
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 
