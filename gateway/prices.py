@@ -15,6 +15,9 @@ from tenants.registry import TenantRegistry
 
 
 class PriceCache:
+    """The price history as the registry held it at most `refresh_s` ago; a price change
+    made through this replica's registry is read on the next request."""
+
     def __init__(self, registry: TenantRegistry, *, refresh_s: float = 1.0) -> None:
         assert refresh_s > 0
         self.registry = registry
