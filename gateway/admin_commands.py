@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.admin_cli import TENANT, AdminError, Arg, Call, Command, add_admin, add_group, opt, pos
-from gateway.admin_values import duration, instant, names, policy_options, price
+from gateway.admin_values import duration, instant, limit, names, policy_options, price
 
 # -- hooks -------------------------------------------------------------------------------------
 
@@ -154,6 +154,8 @@ GROUPS = {
     "prices": "prices per 1M tokens, per model or adapter|price",
     "usage": "usage totals and billing exports",
     "workers": "the engine workers: list, drain, undrain|worker",
+    "budgets": "spend caps per tenant and key, per UTC day or month|budget",
+    "spend": "what tenants spent, from the ledger",
     "kv": "KV cache residency: prices per GiB-hour of each tier, and what tenants held",
 }
 
@@ -466,6 +468,166 @@ COMMANDS: tuple[Command, ...] = (
     ),
 )
 
+
+def _spend(call: Call) -> Any:
+    """The spend report's rows (the totals with --json)."""
+    report = call.send()
+    return report if getattr(call.args, "json", False) else report["rows"]
+
+
+def _key_limits(call: Call) -> Any:
+    """PUT the key's limits with the given fields changed and the others as they were."""
+    status = call.client.request("GET", call.path().removesuffix("/limits") + "/status")
+    current = status.get("key", {}).get("limits") or {}
+    return call.client.request("PUT", call.path(), json={**current, **call.fields("body")})
+
+
+BUDGET_OPTIONS = (
+    opt(
+        "--limit",
+        help="the budget in USD per period, e.g. 250 or 99.50",
+        field="limit_usd",
+        type=str,
+        metavar="USD",
+        required=True,
+    ),
+    opt(
+        "--period",
+        help="what the limit is per: a UTC day, a UTC month, or none (lifetime)",
+        choices=["day", "month", "none"],
+        default="month",
+    ),
+    opt(
+        "--thresholds",
+        help="comma-separated percentages of the limit whose crossing is recorded as a "
+        "budget event (default: 50,80,100)",
+        type=lambda text: [int(p) for p in text.split(",") if p.strip()],
+        metavar="PCT,...",
+    ),
+)
+
+COMMANDS += (
+    Command(
+        "budgets",
+        "show",
+        "GET",
+        "/admin/tenants/{tenant}/budget",
+        "a tenant's budget and what is spent and held of it this period",
+        args=(TENANT,),
+    ),
+    Command(
+        "budgets",
+        "set",
+        "PUT",
+        "/admin/tenants/{tenant}/budget",
+        "cap a tenant's spend per period (requests that could pass it are refused)",
+        args=(TENANT, *BUDGET_OPTIONS),
+    ),
+    Command(
+        "budgets",
+        "clear",
+        "DELETE",
+        "/admin/tenants/{tenant}/budget",
+        "remove a tenant's budget",
+        args=(TENANT,),
+        done="the tenant has no budget now",
+    ),
+    Command(
+        "budgets",
+        "show-key",
+        "GET",
+        "/admin/keys/{key_id}/budget",
+        "a key's budget and what is spent and held of it this period",
+        args=(KEY,),
+    ),
+    Command(
+        "budgets",
+        "set-key",
+        "PUT",
+        "/admin/keys/{key_id}/budget",
+        "cap one key's spend per period, within its tenant's budget",
+        args=(KEY, *BUDGET_OPTIONS),
+    ),
+    Command(
+        "budgets",
+        "clear-key",
+        "DELETE",
+        "/admin/keys/{key_id}/budget",
+        "remove a key's budget",
+        args=(KEY,),
+        done="the key has no budget now",
+    ),
+    Command(
+        "budgets",
+        "events",
+        "GET",
+        "/admin/budget-events",
+        "budget thresholds crossed, oldest first",
+        args=(
+            opt("--after", help="only events after this id", to="query"),
+            opt("--limit", help="at most this many events (1-1000)", to="query", type=int),
+        ),
+    ),
+    Command(
+        "spend",
+        "show",
+        "GET",
+        "/admin/tenants/{tenant}/spend",
+        "a tenant's spend from its ledger, by period, key, model and adapter",
+        args=(
+            TENANT,
+            *WINDOW[1:],
+            opt(
+                "--group-by",
+                help="sums per UTC hour or day, or one total per key, model and adapter",
+                to="query",
+                choices=["hour", "day", "total"],
+                default="day",
+            ),
+            opt("--key", help="only this key's spend (its id)", to="query", field="key_id"),
+        ),
+        columns=("period_start", "key_id", "model", "adapter", "requests", "cost_usd"),
+        run=_spend,
+    ),
+    Command(
+        "keys",
+        "limits",
+        "PUT",
+        "/admin/keys/{key_id}/limits",
+        "set a key's own limits within its tenant's (the fields not given are kept)",
+        args=(
+            KEY,
+            opt("--rpm", help="requests per minute; none: the tenant's", type=limit),
+            opt("--tpm", help="tokens per minute; none: the tenant's", type=limit),
+            opt(
+                "--max-concurrent",
+                help="requests in flight at once; none: the tenant's",
+                type=limit,
+            ),
+            opt(
+                "--allowed-models",
+                help="comma-separated model ids the key may use; none: every model",
+                type=names,
+                metavar="MODEL,...",
+            ),
+            opt(
+                "--allowed-adapters",
+                help="comma-separated adapters the key may use; none: every adapter",
+                type=names,
+                metavar="ADAPTER,...",
+            ),
+        ),
+        run=_key_limits,
+    ),
+    Command(
+        "keys",
+        "status",
+        "GET",
+        "/admin/keys/{key_id}/status",
+        "a key with its limits, last use and budget",
+        args=(KEY,),
+    ),
+)
 
 KV_TIERS = ("device", "host", "disk", "remote")
 

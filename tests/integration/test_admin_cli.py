@@ -334,3 +334,34 @@ def test_kv_prices_and_residency(strata) -> None:
     assert strata("admin", "kv", "set-prices", "--disk", "-1").code == 2
     ran = strata("admin", "kv", "residency", "--start", "1d")
     assert ran.code == 0, ran.err
+
+
+def test_budgets_key_limits_and_spend(strata, served) -> None:
+    name = unique("budget")
+    assert strata("admin", "tenants", "create", name).code == 0
+    status = strata(
+        "admin", "budgets", "set", name, "--limit", "2.50", "--period", "day", "--json"
+    ).json()
+    assert status["budget"]["limit_usd"] in ("2.50", "2.5", 2.5)
+    assert status["budget"]["period"] == "day"
+    shown = strata("admin", "budgets", "show", name)
+    assert shown.code == 0 and "remaining_usd" in shown.out
+    refused = strata("admin", "budgets", "set", name, "--limit", "-1")
+    assert refused.code == 1 and "limit_usd" in refused.err
+
+    created = strata("admin", "keys", "issue", name, "--json").json()
+    key_id = created["key"]["id"]
+    key = strata("admin", "keys", "limits", key_id, "--rpm", "10", "--json").json()
+    assert key["limits"]["rpm"] == 10
+    key = strata("admin", "keys", "limits", key_id, "--tpm", "500", "--json").json()
+    assert (key["limits"]["rpm"], key["limits"]["tpm"]) == (10, 500)  # the rest is kept
+    assert complete(served, created["secret"]).status_code == 200
+    key_budget = strata("admin", "budgets", "set-key", key_id, "--limit", "1", "--json").json()
+    assert key_budget["budget"]["period"] == "month"
+
+    report = strata("admin", "spend", "show", name, "--group-by", "total", "--json").json()
+    assert report["requests"] == 1 and len(report["rows"]) == 1
+    table = strata("admin", "spend", "show", name)
+    assert table.code == 0 and key_id in table.out
+    assert strata("admin", "budgets", "clear", name).code == 0
+    assert strata("admin", "budgets", "show", name, "--json").json()["budget"] is None
