@@ -88,7 +88,9 @@ def _entry(
     params = {k: str(v) for k, v in (scope.get("path_params") or {}).items()}
     change = redact(_json(scope.get("state", {}).get("admin_body", b"")))
     created = _json(capture["body"]) if 200 <= status < 300 else None
-    created_id = _created_id(created) or scope.get("state", {}).get(_CREATED)
+    created_id = (
+        (_created_id(created) or scope.get("state", {}).get(_CREATED)) if method == "POST" else None
+    )
     parts = path.strip("/").split("/")  # /admin/<resource>/... or /ui/<resource>/...
     resource = parts[1] if len(parts) > 1 else parts[0]
     headers = dict(scope.get("headers") or [])
@@ -101,9 +103,9 @@ def _entry(
         method=method,
         path=path,
         status=status,
-        target=_target(params, change),
+        target=_target(params, change, created_id),
         tenant_id=params.get("tenant_id") or _field(created, "tenant_id"),
-        created_id=created_id if method == "POST" else None,
+        created_id=created_id,
         change=change,
         client=client[0] if client else None,
         user_agent=_text(headers.get(b"user-agent")),
@@ -111,11 +113,13 @@ def _entry(
     )
 
 
-def _target(params: dict[str, str], change: Any) -> str | None:
-    """The id a change is about: its last path parameter (the innermost resource), else its
-    body's id or name."""
+def _target(params: dict[str, str], change: Any, created_id: str | None) -> str | None:
+    """The id a change is about: its last path parameter (the innermost resource), else the
+    id it created, else its body's id or name."""
     if params:
         return list(params.values())[-1]
+    if created_id is not None:
+        return created_id
     for name in ("id", "name", "model", "worker_id"):
         if isinstance(found := _field(change, name), str) and found:
             return found
