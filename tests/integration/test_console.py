@@ -399,7 +399,7 @@ def test_a_viewer_token_from_the_store_reads_every_page_but_cannot_write(page, c
     assert page.locator("#policy fieldset.bare[disabled]").count() == 1
     assert page.get_by_role("button", name="Save policy").count() == 0
     assert page.get_by_role("button", name="Disable").count() == 0
-    assert "read-only" in page.inner_text("#policy .alert.note").lower()
+    assert "read-only: your role (viewer)" in page.inner_text("#policy .alert.note").lower()
     shoot(page, "tenant-viewer")
     page.goto(f"/ui/tenants/{tenant_id}/keys")
     assert page.locator("#keys form").count() == 0
