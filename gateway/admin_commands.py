@@ -98,6 +98,17 @@ def _audit_page(call: Call) -> Any:
     return answer if getattr(call.args, "json", False) else answer["data"]
 
 
+def _set_kv_prices(call: Call) -> Any:
+    """PUT the KV prices with the given tiers changed and the others as they were."""
+    current: dict[str, Any] = call.client.request("GET", "/admin/kv-prices/")
+    return call.client.request("PUT", "/admin/kv-prices/", json={**current, **call.fields("body")})
+
+
+def _kv_residency(call: Call) -> Any:
+    params = {**call.fields("query"), "format": "json"}
+    return call.client.request("GET", "/admin/kv-residency/", params=params)
+
+
 # -- the table ---------------------------------------------------------------------------------
 
 KEY = pos("key_id", "the key's id (key_...)")
@@ -243,6 +254,7 @@ GROUPS = {
     "workers": "the engine workers: list, drain, undrain|worker",
     "tokens": "create, list, show and revoke admin tokens (roles admin, billing, viewer)|token",
     "audit": "the audit log of admin and console changes",
+    "kv": "KV cache residency: prices per GiB-hour of each tier, and what tenants held",
 }
 
 COMMANDS: tuple[Command, ...] = (
@@ -554,6 +566,49 @@ COMMANDS: tuple[Command, ...] = (
     ),
     *TOKEN_COMMANDS,
     *AUDIT_COMMANDS,
+)
+
+
+KV_TIERS = ("device", "host", "disk", "remote")
+
+COMMANDS += (
+    Command("kv", "prices", "GET", "/admin/kv-prices/", "USD per GiB-hour of each KV tier"),
+    Command(
+        "kv",
+        "set-prices",
+        "PUT",
+        "/admin/kv-prices/",
+        "price KV held in tiers (the tiers not given keep their price)",
+        args=tuple(
+            opt(
+                f"--{tier}",
+                help=f"USD per GiB-hour of KV held in the {tier} tier",
+                type=price,
+                metavar="PRICE",
+            )
+            for tier in KV_TIERS
+        ),
+        run=_set_kv_prices,
+    ),
+    Command(
+        "kv",
+        "residency",
+        "GET",
+        "/admin/kv-residency/",
+        "KV each tenant held per tier, in GiB-hours, and its cost",
+        args=(
+            *WINDOW,
+            opt(
+                "--granularity",
+                help="sums per UTC hour or day, tenant and tier",
+                to="query",
+                choices=["hour", "day"],
+                default="day",
+            ),
+        ),
+        columns=("period_start", "tenant_id", "tier", "gib_hours", "price_per_gib_hour", "cost"),
+        run=_kv_residency,
+    ),
 )
 
 

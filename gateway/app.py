@@ -3,6 +3,8 @@ every resource a replica holds."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -26,8 +28,10 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_types import MAX_JSON_DEPTH, too_deep
 from gateway.pipeline import Pipeline
 from gateway.providers import DEPENDENCIES
+from gateway.residency import record_forever, record_once
 from gateway.router import RoutingPolicy
 from gateway.routes import admin, ops
+from gateway.routes import residency as residency_routes
 from gateway.routes.openai import OpenAIController, TokenizerController
 from gateway.routes.tokens import AuditController, TokenController
 from gateway.settings import GatewaySettings
@@ -38,6 +42,7 @@ from tenants.journal import LedgerJournal
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger, LedgerWriter
 from tenants.registry import TenantRegistry
+from tenants.residency import ResidencyLedger
 from tenants.store import connect
 
 log = logging.getLogger(__name__)
@@ -84,6 +89,7 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
     metrics = GatewayMetrics(process_index=settings.process_index, shared_dir=settings.metrics_dir)
     try:
         await fleet.start()
+        residency = ResidencyLedger(redis)
         pipeline = Pipeline(
             fleet, Admission(redis, lease_ttl_s=settings.lease_ttl_s), writer, metrics
         )
@@ -99,11 +105,23 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
             adapters=AdapterResolver(registry, fleet),
             pipeline=pipeline,
             metrics=metrics,
+            residency=residency,
             started_at=time.time(),
         )
+        recorder = asyncio.create_task(
+            record_forever(fleet, residency, settings.kv_residency_interval_s)
+        )
         log.info("gateway ready: serving %s", ", ".join(sorted(fleet.groups)))
-        yield
-        await pipeline.drain()
+        try:
+            yield
+            await pipeline.drain()
+        finally:
+            recorder.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await recorder
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(5.0):
+                    await record_once(fleet, residency)  # what was held up to the stop
     finally:
         left = await writer.drain(timeout=10.0)
         writer.close()
@@ -164,6 +182,8 @@ def create_app(settings: GatewaySettings) -> Litestar:
             admin.PriceController,
             admin.UsageController,
             admin.WorkerController,
+            residency_routes.KVPriceController,
+            residency_routes.KVResidencyController,
             TokenController,
             AuditController,
             ops.health,

@@ -15,6 +15,7 @@ from gateway.state import GatewayState
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger
 from tenants.registry import TenantRegistry
+from tenants.residency import ResidencyLedger
 
 
 def _opened(state: State) -> GatewayState:
@@ -58,6 +59,10 @@ def provide_store(state: State) -> object:
     return _opened(state).redis
 
 
+def provide_residency(state: State) -> ResidencyLedger:
+    return _opened(state).residency
+
+
 def provide_started_at(state: State) -> float:
     return _opened(state).started_at
 
@@ -74,6 +79,7 @@ DEPENDENCIES = {
         ("metrics", provide_metrics),
         ("settings", provide_settings),
         ("store", provide_store),
+        ("residency", provide_residency),
         ("started_at", provide_started_at),
     )
 }

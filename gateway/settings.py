@@ -75,6 +75,8 @@ class GatewaySettings:
     max_body_bytes: int = 2 * 1024 * 1024
     lease_ttl_s: float = 300.0
     auth_cache_ttl_s: float = 10.0
+    # how often the workers' KV residency totals are recorded for billing
+    kv_residency_interval_s: float = 60.0
     json_logs: bool = True
     # set by `strata gateway --workers N` in each of its processes: which one this is
     # (0..N-1, the `process` label of its metrics), and the directory where the N processes

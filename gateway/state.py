@@ -14,6 +14,7 @@ from policies.admission import Admission
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger, LedgerWriter
 from tenants.registry import TenantRegistry
+from tenants.residency import ResidencyLedger
 
 
 @dataclass
@@ -29,4 +30,5 @@ class GatewayState:
     adapters: AdapterResolver
     pipeline: Pipeline
     metrics: GatewayMetrics
+    residency: ResidencyLedger
     started_at: float

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from gateway.logs import ACCESS_LOGGER, formatter
-from tests.integration.conftest import TINY_WORKER_ARGS
+from tests.integration.conftest import TINY_WORKER
 
 
 @pytest.fixture
@@ -144,7 +144,7 @@ def test_workers_log_json_lines_as_gateways_do(tmp_path: Path, strata_cache_dir:
     with (tmp_path / "stderr").open("w+") as err:
         command = [sys.executable, "-m", "gateway.cli", "engine", "--listen", f"unix://{sock}"]
         proc = subprocess.Popen(
-            [*command, *TINY_WORKER_ARGS],
+            [*command, *TINY_WORKER],
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=err,

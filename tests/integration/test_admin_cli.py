@@ -403,3 +403,14 @@ def test_the_audit_log_is_listed_as_a_table_and_exported_as_ndjson(strata, tmp_p
     assert before.out.strip() == "(none)"
     bad_limit = strata("admin", "audit", "list", "--limit", "0")
     assert bad_limit.code == 1 and "limit must be in" in bad_limit.err
+
+
+def test_kv_prices_and_residency(strata) -> None:
+    ran = strata("admin", "kv", "set-prices", "--device", "1.5", "--json")
+    assert ran.code == 0, ran.err
+    assert json.loads(ran.out) == {"device": 1.5}
+    ran = strata("admin", "kv", "set-prices", "--json", "--host", "0.02")
+    assert json.loads(ran.out) == {"device": 1.5, "host": 0.02}  # the device price is kept
+    assert strata("admin", "kv", "set-prices", "--disk", "-1").code == 2
+    ran = strata("admin", "kv", "residency", "--start", "1d")
+    assert ran.code == 0, ran.err
