@@ -61,12 +61,13 @@ def page(
     """`template` rendered with what every console page shows (nav, CSRF token, who)."""
     session = current_session(request)
     principal = request.scope.get("state", {}).get("admin")
-    signed_in = principal if isinstance(principal, AdminPrincipal) else None
+    # the role the guard checked; before it ran (a refused form token), the cookie's
+    role = principal.role if isinstance(principal, AdminPrincipal) else None
+    if role is None and session is not None and session.signed_in:
+        role = session.role
     path = request.url.path
     nav = tuple(
-        item
-        for item in nav_items(request.app)
-        if signed_in is None or can_access(signed_in.role, item.access)
+        item for item in nav_items(request.app) if role is None or can_access(role, item.access)
     )
     active = max(
         (item for item in nav if path == item.path or path.startswith(item.path + "/")),
@@ -77,8 +78,8 @@ def page(
         "csrf_token": session.csrf if session is not None else "",
         "signed_in": session is not None and session.signed_in,
         "who": session.name if session is not None else None,
-        "role": signed_in.role if signed_in is not None else None,
-        "can_write": signed_in is not None and can_access(signed_in.role, AdminAccess.WRITE),
+        "role": role,
+        "can_write": role is not None and can_access(role, AdminAccess.WRITE),
         "nav": nav,
         "active_path": active.path if active is not None else None,
     }
