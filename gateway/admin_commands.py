@@ -60,7 +60,7 @@ def _upload_adapter(call: Call) -> Any:
 def _export(call: Call) -> None:
     output = getattr(call.args, "output", "-")
     params = call.fields("query")
-    with call.client.stream("GET", "/admin/usage/export", params=params) as response:
+    with call.client.stream("GET", call.path(), params=params) as response:
         if output == "-":
             for chunk in response.iter_bytes():
                 sys.stdout.buffer.write(chunk)
@@ -77,6 +77,25 @@ def _export(call: Call) -> None:
 def _usage(call: Call) -> Any:
     params = {**call.fields("query"), "format": "json"}
     return call.client.request("GET", "/admin/usage/export", params=params)
+
+
+def _create_token(call: Call) -> Any:
+    answer = call.send()
+    print(
+        "strata admin: the admin token is shown only this once (the server keeps only its "
+        "hash): store it now; it can do whatever its role allows",
+        file=sys.stderr,
+    )
+    return answer
+
+
+def _audit_page(call: Call) -> Any:
+    """One page of the audit log: its entries as a table (the whole page with --json), and
+    how to read the next one."""
+    answer = call.send()
+    if answer.get("next"):
+        print(f"strata admin: more entries: add --after {answer['next']}", file=sys.stderr)
+    return answer if getattr(call.args, "json", False) else answer["data"]
 
 
 def _set_kv_prices(call: Call) -> Any:
@@ -133,6 +152,85 @@ PRICE_OPTIONS = tuple(
     )
 )
 
+ADMIN_TOKEN = pos("token_id", "the token's id (adm_...)")
+TOKEN_COMMANDS = (
+    Command(
+        "tokens",
+        "create",
+        "POST",
+        "/admin/tokens/",
+        "issue an admin token with a role; it is printed once",
+        args=(
+            opt("name", help="a label for the token (letters, digits, - and _)"),
+            opt(
+                "--role",
+                help="admin: everything; viewer: read everything; billing: usage, spend, "
+                "exports and prices only",
+                choices=["admin", "billing", "viewer"],
+                required=True,
+            ),
+        ),
+        aliases=("issue",),
+        run=_create_token,
+    ),
+    Command(
+        "tokens",
+        "list",
+        "GET",
+        "/admin/tokens/",
+        "every admin token, revoked ones included (prefixes, never tokens)",
+        columns=("id", "name", "role", "prefix", "created_at", "created_by", "revoked_at"),
+    ),
+    Command("tokens", "show", "GET", "/admin/tokens/{token_id}", "one token", args=(ADMIN_TOKEN,)),
+    Command(
+        "tokens",
+        "revoke",
+        "DELETE",
+        "/admin/tokens/{token_id}",
+        "revoke a token now, on every replica (its console sessions end too)",
+        args=(ADMIN_TOKEN,),
+    ),
+)
+AUDIT_TARGET = opt(
+    "--target", help="only entries about this id (a tenant, key, token, ...)", to="query"
+)
+AUDIT_COMMANDS = (
+    Command(
+        "audit",
+        "list",
+        "GET",
+        "/admin/audit/",
+        "audit entries, oldest first, as a table",
+        args=(
+            *WINDOW[1:],
+            AUDIT_TARGET,
+            opt("--limit", help="entries per page, 1 to 1000 (default: 100)", to="query", type=int),
+            opt("--after", help="the cursor printed by the previous page", to="query"),
+        ),
+        columns=("at", "actor", "role", "action", "target", "status", "client"),
+        run=_audit_page,
+    ),
+    Command(
+        "audit",
+        "export",
+        "GET",
+        "/admin/audit/export",
+        "every audit entry of the window as NDJSON, streamed to a file or stdout",
+        args=(
+            *WINDOW[1:],
+            AUDIT_TARGET,
+            opt(
+                "--output",
+                "-o",
+                help="the file to write (default: -, stdout)",
+                to="local",
+                default="-",
+            ),
+        ),
+        run=_export,
+    ),
+)
+
 TENANT_COLUMNS = (
     "id",
     "name",
@@ -156,6 +254,8 @@ GROUPS = {
     "workers": "the engine workers: list, drain, undrain|worker",
     "budgets": "spend caps per tenant and key, per UTC day or month|budget",
     "spend": "what tenants spent, from the ledger",
+    "tokens": "create, list, show and revoke admin tokens (roles admin, billing, viewer)|token",
+    "audit": "the audit log of admin and console changes",
     "kv": "KV cache residency: prices per GiB-hour of each tier, and what tenants held",
 }
 
@@ -466,6 +566,8 @@ COMMANDS: tuple[Command, ...] = (
         "take requests again",
         args=(WORKER,),
     ),
+    *TOKEN_COMMANDS,
+    *AUDIT_COMMANDS,
 )
 
 
@@ -675,7 +777,11 @@ COMMANDS += (
 def add_admin_commands(sub: Any) -> None:
     """`strata admin …`, and `strata usage …` as a shorter name for `strata admin usage …`."""
     add_admin(
-        sub, "manage tenants, keys, policies, adapters, prices, usage and workers", COMMANDS, GROUPS
+        sub,
+        "manage tenants, keys, policies, adapters, prices, usage, workers, admin tokens "
+        "and the audit log",
+        COMMANDS,
+        GROUPS,
     )
     usage = tuple(c for c in COMMANDS if c.group == "usage")
     add_group(sub, "usage", "usage totals and billing exports (as strata admin usage)", usage)

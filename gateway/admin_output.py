@@ -36,7 +36,7 @@ def cell(name: str, value: Any) -> str:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
-    if name.endswith("_at") and isinstance(value, int | float):
+    if (name == "at" or name.endswith("_at")) and isinstance(value, int | float):
         return datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
     if isinstance(value, float) and value != int(value) and abs(value) < 1:
         return f"{value:.12f}".rstrip("0")  # costs in full, not as 4.2e-06

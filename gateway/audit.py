@@ -1,6 +1,7 @@
-"""Recording admin changes: every mutating request the admin guard let through or refused
-becomes one audit entry, written by a `before_send` hook of the app as the response ends,
-so no admin route, present or future, can leave it out. Secrets are removed before the entry
+"""Recording admin changes: every mutating request the admin guard (or the console's session
+guard) let through or refused becomes one audit entry, written by a `before_send` hook of
+the app as the response ends, so no admin route or console form, present or future, can
+leave it out. Secrets are removed before the entry
 is built: fields named like one, and anything shaped like an API key or admin token."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 from typing import Any
 
 import msgspec
+from litestar.connection import ASGIConnection
 from litestar.types import Message, Scope
 
 from gateway.admin_access import AdminPrincipal, is_mutating
@@ -25,6 +27,13 @@ SECRET_FIELDS = frozenset(
 _SECRET_TEXT = re.compile(r"s[ka]-strata-[A-Za-z0-9_-]+")
 _MAX_CAPTURE = 64 * 1024  # of a response body, read for the id of what it created
 _STATE = "audit_capture"
+_CREATED = "audit_created_id"
+
+
+def note_created(connection: ASGIConnection[Any, Any, Any, Any], created_id: str) -> None:
+    """Name what a request created, for its entry, where the answer does not say it in JSON
+    (a console form answers with a page)."""
+    connection.state[_CREATED] = created_id
 
 
 def redact(value: Any) -> Any:
@@ -79,7 +88,11 @@ def _entry(
     params = {k: str(v) for k, v in (scope.get("path_params") or {}).items()}
     change = redact(_json(scope.get("state", {}).get("admin_body", b"")))
     created = _json(capture["body"]) if 200 <= status < 300 else None
-    resource = path.removeprefix("/admin/").split("/", 1)[0]
+    created_id = (
+        (_created_id(created) or scope.get("state", {}).get(_CREATED)) if method == "POST" else None
+    )
+    parts = path.strip("/").split("/")  # /admin/<resource>/... or /ui/<resource>/...
+    resource = parts[1] if len(parts) > 1 else parts[0]
     headers = dict(scope.get("headers") or [])
     client = scope.get("client")
     return AuditEntry(
@@ -90,9 +103,9 @@ def _entry(
         method=method,
         path=path,
         status=status,
-        target=_target(params, change),
+        target=_target(params, change, created_id),
         tenant_id=params.get("tenant_id") or _field(created, "tenant_id"),
-        created_id=_created_id(created) if method == "POST" else None,
+        created_id=created_id,
         change=change,
         client=client[0] if client else None,
         user_agent=_text(headers.get(b"user-agent")),
@@ -100,12 +113,15 @@ def _entry(
     )
 
 
-def _target(params: dict[str, str], change: Any) -> str | None:
-    """The id a change is about: its first path parameter, else its body's id or name."""
+def _target(params: dict[str, str], change: Any, created_id: str | None) -> str | None:
+    """The id a change is about: its last path parameter (the innermost resource), else the
+    id it created, else its body's id or name."""
     if params:
-        return next(iter(params.values()))
+        return list(params.values())[-1]
+    if created_id is not None:
+        return created_id
     for name in ("id", "name", "model", "worker_id"):
-        if isinstance(found := _field(change, name), str):
+        if isinstance(found := _field(change, name), str) and found:
             return found
     return None
 

@@ -114,6 +114,15 @@ class AdminTokens:
     async def get(self, token_id: str) -> AdminToken:
         return (await self._read(self._redis, token_id)).token
 
+    async def find_live(self, token_id: str) -> AdminToken | None:
+        """The token with this id if it is live, else None (unknown or revoked): how a
+        session opened with a token is checked on each request. Store errors propagate."""
+        raw = await self._redis.get(keyspace.admin_token(token_id))
+        if raw is None:
+            return None
+        token = _decoder.decode(raw).token
+        return token if self._is_live(token) else None
+
     async def revoke(self, token_id: str) -> AdminToken:
         """Set `revoked_at = now` (an earlier revocation is kept). Idempotent; raises
         NotFoundError."""
@@ -149,9 +158,10 @@ class AdminTokens:
         stored = _decoder.decode(raw)
         if not hmac.compare_digest(stored.secret_hash, secret_hash):
             return None
-        if stored.token.revoked_at is not None and stored.token.revoked_at <= self._clock():
-            return None
-        return stored.token
+        return stored.token if self._is_live(stored.token) else None
+
+    def _is_live(self, token: AdminToken) -> bool:
+        return token.revoked_at is None or token.revoked_at > self._clock()
 
     @staticmethod
     async def _read(client: aioredis.Redis | Pipeline, token_id: str) -> StoredAdminToken:

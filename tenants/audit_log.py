@@ -1,7 +1,8 @@
 """The audit log of admin changes: one entry per mutating admin request, in a Redis stream
 whose ids are the time of writing (milliseconds), trimmed to about `max_entries` (XADD
 MAXLEN ~). Entries are written by the gateway with secrets already removed; here they are
-only appended, and read back by time window and target in pages.
+only appended, and read back by time window and target in pages (oldest first), or newest first
+for the console.
 """
 
 from __future__ import annotations
@@ -81,6 +82,28 @@ class AuditLog:
                 return found, entry.id
         return found, None
 
+    async def latest(
+        self, *, target: str | None = None, limit: int = 100, before: str | None = None
+    ) -> tuple[list[AuditEntry], str | None]:
+        """Up to `limit` entries about `target` (all for None), newest first, older than the
+        cursor `before`; and the cursor of the next, older page (None when there is none)."""
+        high = f"({before}" if before else "+"
+        found: list[AuditEntry] = []
+        while True:
+            batch: list[Any] = (
+                await self._redis.xrevrange(keyspace.AUDIT_STREAM, high, "-", count=_SCAN_BATCH)
+                or []
+            )
+            for raw_id, fields in batch:
+                entry = _decode(raw_id, fields)
+                if target is None or entry.concerns(target):
+                    found.append(entry)
+                if len(found) > limit:  # one more than shown: an older page exists
+                    return found[:limit], found[limit - 1].id
+            if len(batch) < _SCAN_BATCH:
+                return found, None
+            high = f"({keyspace.as_str(batch[-1][0])}"
+
     async def scan(
         self, start: float, end: float, *, target: str | None = None, after: str | None = None
     ) -> AsyncIterator[AuditEntry]:
@@ -92,10 +115,15 @@ class AuditLog:
                 await self._redis.xrange(keyspace.AUDIT_STREAM, low, high, count=_SCAN_BATCH) or []
             )
             for raw_id, fields in batch:
-                entry = _decoder.decode(fields.get(b"e") or fields["e"])
-                entry.id = keyspace.as_str(raw_id)
+                entry = _decode(raw_id, fields)
                 if target is None or entry.concerns(target):
                     yield entry
             if len(batch) < _SCAN_BATCH:
                 return
             low = f"({keyspace.as_str(batch[-1][0])}"
+
+
+def _decode(raw_id: Any, fields: Any) -> AuditEntry:
+    entry = _decoder.decode(fields.get(b"e") or fields["e"])
+    entry.id = keyspace.as_str(raw_id)
+    return entry

@@ -22,7 +22,7 @@ from tenants.admin_tokens import AdminToken, AdminTokenCreate, AdminTokenCreated
 from tenants.audit_log import AuditEntry, AuditLog
 
 MAX_PAGE = 1000
-_CURSOR = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
+CURSOR = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
 
 
 def provide_admin_tokens(state: State) -> AdminTokens:
@@ -93,7 +93,7 @@ class AuditController(Controller):
         begin, stop = time_window(start, end)
         if not 1 <= limit <= MAX_PAGE:
             raise bad_request(f"limit must be in 1..{MAX_PAGE}", param="limit")
-        if after is not None and not _CURSOR.fullmatch(after):
+        if after is not None and not CURSOR.fullmatch(after):
             raise bad_request("after must be the `next` of a previous page", param="after")
         entries, cursor = await audit.page(begin, stop, target=target, limit=limit, after=after)
         return AuditPage(data=entries, next=cursor)

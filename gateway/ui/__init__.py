@@ -1,6 +1,7 @@
 """The operator's web console at /ui: server-rendered pages (Jinja templates, htmx for forms,
 uPlot for charts, both vendored under static/vendor/) over the same services the admin API
-uses, behind a sign-in with the admin token (gateway/ui/session.py).
+uses, behind a sign-in with an admin token and its role (gateway/ui/session.py); its changes
+are audited like the admin API's.
 
 A page is one template and one handler: a GET handler with `opt={"nav": title}` is listed
 in the nav (gateway/ui/render.py); add its controller to `PAGES`."""
@@ -18,18 +19,24 @@ from litestar.response import Redirect, Template
 from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
 
+from gateway.ui.audit import AuditPages
 from gateway.ui.catalog import AdapterPages, ModelPages
 from gateway.ui.keys import KeyPages
 from gateway.ui.overview import OverviewPage
 from gateway.ui.render import is_htmx, page, register_filters
-from gateway.ui.session import CsrfRejectedError, SignInRequiredError, requires_csrf_token
+from gateway.ui.session import (
+    ConsoleRefusedError,
+    CsrfRejectedError,
+    SignInRequiredError,
+    requires_csrf_token,
+)
 from gateway.ui.signin import SignInController
 from gateway.ui.tenants import TenantPages
 from gateway.ui.usage import UsagePages
 from tenants.errors import NotFoundError
 
 HERE = Path(__file__).parent
-PAGES = (OverviewPage, TenantPages, KeyPages, AdapterPages, ModelPages, UsagePages)
+PAGES = (OverviewPage, TenantPages, KeyPages, AdapterPages, ModelPages, UsagePages, AuditPages)
 
 # the console's pages load only their own scripts and styles, and are never framed
 SECURITY_HEADERS = {
@@ -68,6 +75,10 @@ def _csrf_rejected(request: Request[Any, Any, Any], _: CsrfRejectedError) -> Res
     return _error(request, 403, "Request refused", message)
 
 
+def _refused(request: Request[Any, Any, Any], exc: ConsoleRefusedError) -> Response[Any]:
+    return _error(request, exc.status, exc.title, exc.message)
+
+
 def _bad_query(request: Request[Any, Any, Any], exc: ValidationException) -> Response[Any]:
     extra = exc.extra if isinstance(exc.extra, list) else []
     first = extra[0] if extra and isinstance(extra[0], dict) else {}
@@ -94,6 +105,7 @@ def console_router() -> Router:
         exception_handlers={
             SignInRequiredError: _sign_in_first,
             CsrfRejectedError: _csrf_rejected,
+            ConsoleRefusedError: _refused,
             NotFoundError: _not_found,
             ValidationException: _bad_query,
         },

@@ -13,6 +13,7 @@ from litestar.params import Body, QueryParameter
 from litestar.response import Template
 
 from gateway.adapters import register_adapter
+from gateway.admin_access import BILLING
 from gateway.fleet import Fleet
 from gateway.ui import forms
 from gateway.ui.render import FORM_ERRORS, page, paginate, refusal
@@ -133,7 +134,7 @@ class ModelPages(Controller):
             **context,
         )
 
-    @get("/", opt={"nav": "Models & prices", "nav_order": 40})
+    @get("/", opt={"nav": "Models & prices", "nav_order": 40, **BILLING})
     async def list_all(
         self,
         request: Request[Any, Any, Any],
@@ -142,7 +143,7 @@ class ModelPages(Controller):
     ) -> Template:
         return await self._render(request, registry, fleet, "models.html")
 
-    @post("/prices")
+    @post("/prices", opt={"audit_action": "prices.put_price"})
     async def set_price(
         self,
         request: Request[Any, Any, Any],

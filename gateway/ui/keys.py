@@ -12,6 +12,7 @@ from litestar.enums import RequestEncodingType
 from litestar.params import Body, FromPath
 from litestar.response import Template
 
+from gateway.audit import note_created
 from gateway.ui import forms
 from gateway.ui.render import FORM_ERRORS, page, refusal
 from gateway.ui.session import requires_console_session
@@ -75,7 +76,7 @@ class KeyPages(Controller):
             request, keys, tenant_id, template="keys.html", tenant_name=tenant.name
         )
 
-    @post("/")
+    @post("/", opt={"audit_action": "tenants.create_key"})
     async def issue(
         self,
         request: Request[Any, Any, Any],
@@ -89,9 +90,10 @@ class KeyPages(Controller):
             return await self._keys_section(
                 request, keys, tenant_id, status=400, error=refusal(exc)
             )
+        note_created(request, created.key.id)
         return await self._keys_section(request, keys, tenant_id, created=created)
 
-    @post("/{key_id:str}/rotate")
+    @post("/{key_id:str}/rotate", opt={"audit_action": "keys.rotate"})
     async def rotate(
         self,
         request: Request[Any, Any, Any],
@@ -109,9 +111,10 @@ class KeyPages(Controller):
             return await self._keys_section(
                 request, keys, tenant_id, status=400, error=refusal(exc)
             )
+        note_created(request, created.key.id)
         return await self._keys_section(request, keys, tenant_id, created=created)
 
-    @post("/{key_id:str}/revoke")
+    @post("/{key_id:str}/revoke", opt={"audit_action": "keys.revoke"})
     async def revoke(
         self,
         request: Request[Any, Any, Any],

@@ -1,6 +1,7 @@
 """How console pages are rendered: the template context every page shares (the session's
-CSRF token, the nav), the nav itself, built from the handlers that declare a `nav` entry in
-their `opt`, Jinja filters for dates and numbers, and list pagination."""
+CSRF token, who is signed in and whether they may write, the nav), the nav itself, built
+from the handlers that declare a `nav` entry in their `opt` and filtered by role, Jinja
+filters for dates and numbers, and list pagination."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from litestar import Litestar, Request, Response
 from litestar.response import Redirect, Template
 from litestar.routes import HTTPRoute
 
+from gateway.admin_access import AdminAccess, AdminPrincipal, access_of, can_access
 from gateway.errors import APIError
 from gateway.ui.forms import FormError
 from gateway.ui.session import current_session
@@ -31,6 +33,7 @@ class NavItem:
     title: str
     path: str
     order: int
+    access: AdminAccess  # who sees it (gateway.admin_access)
 
 
 def nav_items(app: Litestar) -> tuple[NavItem, ...]:
@@ -46,7 +49,8 @@ def nav_items(app: Litestar) -> tuple[NavItem, ...]:
         for handler in route.route_handlers:
             title = handler.opt.get("nav")
             if title and "GET" in handler.http_methods:
-                items.append(NavItem(str(title), route.path, int(handler.opt.get("nav_order", 99))))
+                order = int(handler.opt.get("nav_order", 99))
+                items.append(NavItem(str(title), route.path, order, access_of(handler)))
     app.state.console_nav = found = tuple(sorted(items, key=lambda i: (i.order, i.title)))
     return found
 
@@ -54,10 +58,17 @@ def nav_items(app: Litestar) -> tuple[NavItem, ...]:
 def page(
     request: Request[Any, Any, Any], template: str, *, status: int = 200, **context: Any
 ) -> Template:
-    """`template` rendered with what every console page shows (nav, CSRF token)."""
+    """`template` rendered with what every console page shows (nav, CSRF token, who)."""
     session = current_session(request)
+    principal = request.scope.get("state", {}).get("admin")
+    # the role the guard checked; before it ran (a refused form token), the cookie's
+    role = principal.role if isinstance(principal, AdminPrincipal) else None
+    if role is None and session is not None and session.signed_in:
+        role = session.role
     path = request.url.path
-    nav = nav_items(request.app)
+    nav = tuple(
+        item for item in nav_items(request.app) if role is None or can_access(role, item.access)
+    )
     active = max(
         (item for item in nav if path == item.path or path.startswith(item.path + "/")),
         key=lambda item: len(item.path),
@@ -66,6 +77,9 @@ def page(
     shared = {
         "csrf_token": session.csrf if session is not None else "",
         "signed_in": session is not None and session.signed_in,
+        "who": session.name if session is not None else None,
+        "role": role,
+        "can_write": role is not None and can_access(role, AdminAccess.WRITE),
         "nav": nav,
         "active_path": active.path if active is not None else None,
     }

@@ -1,7 +1,8 @@
 """The console's session: a stateless cookie signed with a key derived from the admin token
-(so every replica accepts it, and changing the token signs everyone out), holding whether
-the operator signed in, when that lapses, and the session's CSRF token. Guards that need a
-signed-in session and a matching CSRF token on every form post live here too."""
+(so every replica accepts it, and changing the token signs everyone out), holding who signed
+in (a stored admin token's id and role, or `bootstrap`), when that lapses, and the session's
+CSRF token. The guards live here too: a live signed-in session whose role gives the page's
+access level, and a matching CSRF token on every form post."""
 
 from __future__ import annotations
 
@@ -13,10 +14,15 @@ import time
 from typing import Any
 
 import msgspec
+import redis.asyncio as aioredis
 from litestar import Request, Response
 from litestar.connection import ASGIConnection
 from litestar.datastructures import Cookie
 from litestar.handlers.base import BaseRouteHandler
+
+from gateway.admin_access import AdminAccess, AdminPrincipal, access_of, can_access, is_mutating
+from gateway.auth import gateway_state
+from tenants.admin_tokens import AdminTokens, Role
 
 COOKIE_NAME = "strata_console"
 CSRF_FIELD = "_csrf"
@@ -24,7 +30,8 @@ CSRF_HEADER = "x-csrf-token"
 SIGNED_IN_TTL_S = 12 * 3600.0
 ANONYMOUS_TTL_S = 3600.0
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-_KEY_CONTEXT = b"strata console session v1"
+_KEY_CONTEXT = b"strata console session v2"
+BOOTSTRAP = "bootstrap"  # the actor of a session opened with the settings' admin token
 
 
 class Session(msgspec.Struct, frozen=True, kw_only=True):
@@ -33,6 +40,9 @@ class Session(msgspec.Struct, frozen=True, kw_only=True):
     csrf: str
     signed_in: bool
     expires_at: float
+    actor: str | None = None  # the admin token's id, or `bootstrap`; None when anonymous
+    name: str | None = None  # the token's name, shown in the nav
+    role: Role | None = None
 
 
 class SignInRequiredError(Exception):
@@ -41,6 +51,14 @@ class SignInRequiredError(Exception):
 
 class CsrfRejectedError(Exception):
     """A console form posted without this session's CSRF token."""
+
+
+class ConsoleRefusedError(Exception):
+    """A console request the session may not make (403), or that cannot be checked (503)."""
+
+    def __init__(self, status: int, title: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.title, self.message = status, title, message
 
 
 def session_key(admin_token: str) -> bytes:
@@ -56,12 +74,21 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-def new_session(*, signed_in: bool, now: float | None = None) -> Session:
+def new_session(
+    *,
+    signed_in: bool,
+    now: float | None = None,
+    principal: AdminPrincipal | None = None,
+    name: str | None = None,
+) -> Session:
     ttl = SIGNED_IN_TTL_S if signed_in else ANONYMOUS_TTL_S
     return Session(
         csrf=secrets.token_urlsafe(32),
         signed_in=signed_in,
         expires_at=(time.time() if now is None else now) + ttl,
+        actor=principal.actor if principal is not None else None,
+        name=name,
+        role=principal.role if principal is not None else None,
     )
 
 
@@ -142,13 +169,51 @@ def cleared(response: Response[Any]) -> Response[Any]:
     return response
 
 
-async def requires_console_session(
-    connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler
-) -> None:
-    """Console pages need a signed-in session; without one the browser is sent to sign in."""
+async def signed_in_principal(
+    connection: ASGIConnection[Any, Any, Any, Any],
+) -> AdminPrincipal | None:
+    """Who the request's session signed in as, if that still holds: a stored token is read
+    from the store on every request, as the admin API's guard does, so a revoked token's
+    session ends at its next request on every replica."""
     session = current_session(connection)
-    if session is None or not session.signed_in:
+    if session is None or not session.signed_in or session.actor is None:
+        return None
+    if session.actor == BOOTSTRAP:
+        return AdminPrincipal(BOOTSTRAP, Role.ADMIN)
+    try:
+        token = await AdminTokens(gateway_state(connection).redis).find_live(session.actor)
+    except (aioredis.RedisError, OSError) as exc:
+        message = "The token store is unreachable, so this session cannot be checked. Retry."
+        raise ConsoleRefusedError(503, "Store unavailable", message) from exc
+    return None if token is None else AdminPrincipal(token.id, token.role)
+
+
+def console_refusal(role: Role, access: AdminAccess) -> str:
+    """Why a session of `role` may not use a console route of level `access`."""
+    if access is AdminAccess.WRITE:
+        return f"Your role ({role}) is read-only: changes need an admin token with role admin."
+    return f"Your role ({role}) sees usage and prices only: this page needs role viewer or admin."
+
+
+async def requires_console_session(
+    connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler
+) -> None:
+    """Console pages need a live signed-in session (without one the browser is sent to sign
+    in) whose role gives the route's access level (`gateway.admin_access`: every POST needs
+    admin; a page declares `BILLING` to open it to billing). The principal is kept on
+    `connection.state.admin` and a form's fields on `admin_body`, so the audit hook records
+    console changes, and refused attempts, as it does the admin API's."""
+    principal = await signed_in_principal(connection)
+    if principal is None:
         raise SignInRequiredError
+    connection.state.admin = principal
+    if is_mutating(handler) and isinstance(connection, Request):
+        form = await connection.form()
+        fields = {k: v for k, v in form.items() if k != CSRF_FIELD and isinstance(v, str)}
+        connection.state.admin_body = msgspec.json.encode(fields)
+    access = access_of(handler)
+    if not can_access(principal.role, access):
+        raise ConsoleRefusedError(403, "Not allowed", console_refusal(principal.role, access))
 
 
 async def requires_csrf_token(

@@ -11,6 +11,7 @@ from litestar.enums import RequestEncodingType
 from litestar.params import Body, FromPath, FromQuery, QueryParameter
 from litestar.response import Template
 
+from gateway.audit import note_created
 from gateway.ui import forms
 from gateway.ui.render import FORM_ERRORS, go_to, page, paginate, refusal
 from gateway.ui.session import requires_console_session
@@ -76,6 +77,7 @@ class TenantPages(Controller):
             tenant = await registry.create_tenant(spec)
         except FORM_ERRORS as exc:
             return page(request, "_tenant_create.html", status=400, error=refusal(exc), form=data)
+        note_created(request, tenant.id)
         return go_to(request, f"/ui/tenants/{tenant.id}")
 
     @get("/{tenant_id:str}")
@@ -88,7 +90,7 @@ class TenantPages(Controller):
         tenant = await registry.get_tenant(tenant_id)
         return page(request, "tenant.html", tenant=tenant, policy=tenant.policy)
 
-    @post("/{tenant_id:str}/policy")
+    @post("/{tenant_id:str}/policy", opt={"audit_action": "tenants.put_policy"})
     async def save_policy(
         self,
         request: Request[Any, Any, Any],
@@ -111,7 +113,7 @@ class TenantPages(Controller):
             )
         return page(request, "_policy_form.html", tenant=tenant, policy=policy, saved=True)
 
-    @post("/{tenant_id:str}/status")
+    @post("/{tenant_id:str}/status", opt={"audit_action": "tenants.update"})
     async def set_status(
         self,
         request: Request[Any, Any, Any],

@@ -14,6 +14,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromQuery
 from litestar.response import Template
 
+from gateway.admin_access import BILLING
 from gateway.ui.render import page
 from gateway.ui.session import requires_console_session
 from tenants.ledger import Ledger
@@ -76,7 +77,7 @@ class UsagePages(Controller):
     path = "/usage"
     guards = [requires_console_session]  # noqa: RUF012
 
-    @get("/", opt={"nav": "Usage", "nav_order": 60})
+    @get("/", opt={"nav": "Usage", "nav_order": 60, **BILLING})
     async def chart(
         self,
         request: Request[Any, Any, Any],

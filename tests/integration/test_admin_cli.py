@@ -8,6 +8,7 @@ import csv
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -323,6 +324,85 @@ def test_no_token_is_one_line(tmp_path: Path):
     assert done.returncode == 2
     assert done.stderr.startswith("strata admin: no admin token")
     assert done.stderr.count("\n") == 1
+
+
+def test_admin_tokens_are_created_listed_shown_and_revoked(strata, served):
+    name = unique("ops")
+    made = strata("admin", "tokens", "create", name, "--role", "viewer")
+    assert made.code == 0, made.err
+    assert "only this once" in made.err
+    secret = re.search(r"sa-strata-[A-Za-z0-9_-]{43}", made.out)
+    token_id = re.search(r"adm_[0-9a-f]{16}", made.out)
+    assert secret is not None and token_id is not None
+    secret, token_id = secret.group(0), token_id.group(0)
+    bearer = {"authorization": f"Bearer {secret}"}
+    with httpx.Client(base_url=served.url, headers=bearer, timeout=30) as http:
+        assert http.get("/admin/tenants/").status_code == 200
+        assert http.post("/admin/tenants/", json={"name": unique("x")}).status_code == 403
+
+        listed = strata("admin", "tokens", "list")
+        assert listed.out.splitlines()[0].split() == [
+            "ID",
+            "NAME",
+            "ROLE",
+            "PREFIX",
+            "CREATED_AT",
+            "CREATED_BY",
+            "REVOKED_AT",
+        ]
+        (row,) = [line.split() for line in listed.out.splitlines() if token_id in line]
+        assert row[1:3] == [name, "viewer"] and row[-2:] == ["bootstrap", "-"]
+        assert secret not in listed.out
+        shown = strata("admin", "token", "show", token_id, "--json").json()
+        assert (shown["role"], shown["created_by"], shown["revoked_at"]) == (
+            "viewer",
+            "bootstrap",
+            None,
+        )
+        revoked = strata("admin", "tokens", "revoke", token_id, "--json").json()
+        assert revoked["revoked_at"] is not None
+        assert http.get("/admin/tenants/").status_code == 401  # at once
+    bad_role = strata("admin", "tokens", "create", unique("x"), "--role", "root")
+    assert bad_role.code == 2 and "--role" in bad_role.err
+    missing = strata("admin", "tokens", "show", "adm_missing")
+    assert missing.code == 1 and missing.err.startswith("strata admin: 404: ")
+
+
+def test_the_audit_log_is_listed_as_a_table_and_exported_as_ndjson(strata, tmp_path):
+    name = unique("audited")
+    tenant_id = strata("admin", "tenants", "create", name, "--json").json()["id"]
+    assert strata("admin", "policies", "set", name, "--rpm", "5").code == 0
+    listed = strata("admin", "audit", "list", "--target", tenant_id, "--start", "1h")
+    assert listed.code == 0, listed.err
+    header, *rows = listed.out.splitlines()
+    assert header.split() == ["AT", "ACTOR", "ROLE", "ACTION", "TARGET", "STATUS", "CLIENT"]
+    assert [row.split()[4] for row in rows] == ["tenants.create", "tenants.patch_policy"]
+    for row in rows:  # a human date, then who did it
+        assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ +bootstrap +admin ", row), row
+
+    first = strata("admin", "audit", "list", "--target", tenant_id, "--limit", "1")
+    assert len(first.out.splitlines()) == 2
+    cursor = re.search(r"--after (\S+)", first.err)
+    assert cursor is not None
+    rest = strata(
+        "admin", "audit", "list", "--target", tenant_id, "--after", cursor.group(1), "--json"
+    ).json()
+    assert [e["action"] for e in rest["data"]] == ["tenants.patch_policy"]
+    assert rest["next"] is None
+
+    out = tmp_path / "audit.ndjson"
+    assert strata("admin", "audit", "export", "--target", tenant_id, "-o", str(out)).code == 0
+    entries = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [e["action"] for e in entries] == ["tenants.create", "tenants.patch_policy"]
+    assert {e["actor"] for e in entries} == {"bootstrap"}
+    to_stdout = strata("admin", "audit", "export", "--target", tenant_id, "--start", "1d")
+    assert [json.loads(line)["id"] for line in to_stdout.out.splitlines()] == [
+        e["id"] for e in entries
+    ]
+    before = strata("admin", "audit", "list", "--target", tenant_id, "--end", "2020-01-01")
+    assert before.out.strip() == "(none)"
+    bad_limit = strata("admin", "audit", "list", "--limit", "0")
+    assert bad_limit.code == 1 and "limit must be in" in bad_limit.err
 
 
 def test_kv_prices_and_residency(strata) -> None:

@@ -1,12 +1,15 @@
 """The operator's console at /ui, driven in a real headless Chromium over real HTTP: a real
-gateway with a synthetic:tiny worker and its own valkey-server. Screenshots of each page are
+gateway with a synthetic:tiny worker and its own valkey-server: pages, forms, sign-in with
+admin tokens and their roles, and the audit of console changes. Screenshots of each page are
 written to tests/artifacts/console/, named by page."""
 
 from __future__ import annotations
 
+import html as html_text
 import re
 import shutil
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.admin_access import is_mutating
 from tenants.store import EmbeddedStore
 from tests.integration.conftest import (
     ADMIN_TOKEN,
@@ -108,21 +112,48 @@ def chat(url: str, secret: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
 
 
-def signed_in_client(url: str) -> tuple[httpx.Client, str]:
-    """An httpx client holding a signed-in console session, and that session's CSRF token."""
-    client = httpx.Client(base_url=url, timeout=30)
+def signed_in_client(
+    url: str, token: str = ADMIN_TOKEN, **headers: str
+) -> tuple[httpx.Client, str]:
+    """An httpx client holding a console session signed in with `token`, and that session's
+    CSRF token (read from the page sign-in leads to)."""
+    client = httpx.Client(base_url=url, timeout=30, headers=headers)
     signin = client.get("/ui/signin")
     anonymous_csrf = CSRF_INPUT.search(signin.text)
     assert anonymous_csrf is not None
     done = client.post(
-        "/ui/signin", data={"token": ADMIN_TOKEN, "_csrf": anonymous_csrf.group(1), "next": "/ui"}
+        "/ui/signin", data={"token": token, "_csrf": anonymous_csrf.group(1), "next": "/ui"}
     )
     assert done.status_code == 303, done.text
-    overview = client.get("/ui")
-    assert overview.status_code == 200
-    csrf = CSRF_INPUT.search(overview.text)
+    landing = client.get(done.headers["location"])
+    assert landing.status_code == 200
+    csrf = CSRF_INPUT.search(landing.text)
     assert csrf is not None
     return client, csrf.group(1)
+
+
+def new_admin_token(gateway: GatewayServer, role: str) -> tuple[str, str, str]:
+    """An admin token of `role` issued through the admin API: (id, name, secret)."""
+    name = f"{role}-{uuid.uuid4().hex[:6]}"
+    with gateway.admin() as admin:
+        made = admin.post("/admin/tokens/", json={"name": name, "role": role})
+    assert made.status_code == 201, made.text
+    return made.json()["token"]["id"], name, made.json()["secret"]
+
+
+def audit_entries(gateway: GatewayServer, **params: str) -> list[dict[str, Any]]:
+    with gateway.admin() as admin:
+        exported = admin.get("/admin/audit/export", params=params)
+    assert exported.status_code == 200, exported.text
+    return [httpx.Response(200, content=line).json() for line in exported.text.splitlines()]
+
+
+def nav_titles(html: str) -> list[str]:
+    nav = re.search(r'<nav class="sidebar".*?</nav>', html, re.S)
+    assert nav is not None
+    return [
+        html_text.unescape(t.strip()) for t in re.findall(r"<a [^>]*>([^<]+)</a>", nav.group(0))
+    ]
 
 
 def test_wrong_token_is_refused_in_place(page) -> None:
@@ -352,3 +383,183 @@ def test_tenant_list_pages_and_searches(console_gateway) -> None:
         assert "Sign out" in bad_period.text  # still in the console's layout
     finally:
         client.close()
+
+
+def test_a_viewer_token_from_the_store_reads_every_page_but_cannot_write(page, console_gateway):
+    token_id, name, secret = new_admin_token(console_gateway, "viewer")
+    tenant_id, _ = console_gateway.new_tenant(rpm=100)
+    sign_in(page, secret)
+    assert page.url.endswith("/ui")
+    assert page.inner_text("#who").split() == [name, "viewer"]
+    titles = page.locator("nav a").all_inner_texts()
+    assert {"Overview", "Tenants", "Usage", "Audit log"} <= set(titles)
+    page.locator("nav").get_by_role("link", name="Tenants").click()
+    assert page.locator("#tenant-create").count() == 0
+    page.goto(f"/ui/tenants/{tenant_id}")
+    assert page.locator("#policy fieldset.bare[disabled]").count() == 1
+    assert page.get_by_role("button", name="Save policy").count() == 0
+    assert page.get_by_role("button", name="Disable").count() == 0
+    assert "read-only: your role (viewer)" in page.inner_text("#policy .alert.note").lower()
+    shoot(page, "tenant-viewer")
+    page.goto(f"/ui/tenants/{tenant_id}/keys")
+    assert page.locator("#keys form").count() == 0
+    assert page.get_by_text("active", exact=True).is_visible()  # the key is listed
+    page.locator("nav").get_by_role("link", name="Models & prices").click()
+    assert page.locator("#prices form").count() == 0
+    page.locator("nav").get_by_role("link", name="Audit log").click()
+    assert page.get_by_role("heading", name="Audit log").is_visible()
+    assert page.broken == []
+
+    client, csrf = signed_in_client(console_gateway.url, secret)
+    try:
+        by_htmx = client.post(
+            "/ui/tenants", data={"name": "by-viewer", "_csrf": csrf}, headers={"hx-request": "true"}
+        )
+        assert by_htmx.status_code == 403
+        assert by_htmx.text.startswith('<p class="alert error"')  # in place of the form
+        assert "read-only" in by_htmx.text
+        plain = client.post(f"/ui/tenants/{tenant_id}/policy", data={"rpm": "1", "_csrf": csrf})
+        assert plain.status_code == 403
+        assert "Sign out" in plain.text  # a page of the console, still signed in
+        assert client.get("/ui/tenants").status_code == 200
+    finally:
+        client.close()
+    with console_gateway.admin() as admin:
+        assert "by-viewer" not in [t["name"] for t in admin.get("/admin/tenants/").json()]
+        assert admin.get(f"/admin/tenants/{tenant_id}/policy").json()["policy"]["rpm"] == 100
+    (refused,) = [e for e in audit_entries(console_gateway, target=tenant_id) if e["status"] == 403]
+    assert (refused["actor"], refused["role"]) == (token_id, "viewer")
+
+
+def test_a_billing_session_sees_usage_and_prices_only(console_gateway):
+    _, _, secret = new_admin_token(console_gateway, "billing")
+    client, csrf = signed_in_client(console_gateway.url, secret)
+    try:
+        prices = client.get("/ui/models")
+        assert nav_titles(prices.text) == ["Models & prices", "Usage"]
+        assert 'action="/ui/models/prices"' not in prices.text
+        assert client.get("/ui/usage").status_code == 200
+        for path in ("/ui", "/ui/tenants", "/ui/adapters", "/ui/audit"):
+            refused = client.get(path)
+            assert refused.status_code == 403, path
+            assert "sees usage and prices only" in refused.text
+        price = client.post("/ui/models/prices", data={"model": "default", "_csrf": csrf})
+        assert price.status_code == 403
+    finally:
+        client.close()
+
+
+def test_a_revoked_tokens_session_is_signed_out_at_its_next_request(page, console_gateway):
+    token_id, _, secret = new_admin_token(console_gateway, "admin")
+    sign_in(page, secret)
+    page.locator("nav").get_by_role("link", name="Tenants").click()
+    assert page.url.endswith("/ui/tenants")
+    with console_gateway.admin() as admin:
+        assert admin.delete(f"/admin/tokens/{token_id}").status_code == 200
+    page.reload()
+    assert "/ui/signin" in page.url
+    assert page.locator("input[name=token]").is_visible()
+    sign_in(page, secret)
+    assert page.get_by_role("alert").inner_text() == "That admin token is not right."
+
+
+def test_a_console_change_is_audited_with_the_tokens_id(page, console_gateway):
+    token_id, name, secret = new_admin_token(console_gateway, "admin")
+    sign_in(page, secret)
+    page.locator("nav").get_by_role("link", name="Tenants").click()
+    page.fill("#tenant-create input[name=name]", "audited-here")
+    page.click("#tenant-create button[type=submit]")
+    page.wait_for_url(re.compile(r".*/ui/tenants/[^/]+$"))
+    tenant_id = page.url.rsplit("/", 1)[1]
+
+    page.locator("nav").get_by_role("link", name="Audit log").click()
+    page.fill("#audit-filter input[name=target]", tenant_id)
+    page.click("#audit-filter button[type=submit]")
+    page.wait_for_url(f"**/ui/audit?target={tenant_id}")
+    rows = page.locator("#audit tbody tr")
+    assert rows.count() == 1
+    shown = rows.first.inner_text()
+    for text in (name, token_id, "admin", "tenants.create", "POST /ui/tenants", tenant_id):
+        assert text in shown, text
+    assert "127.0.0.1" in shown
+    assert rows.first.locator("time").get_attribute("datetime")
+    shoot(page, "audit")
+    page.fill("#audit-filter input[name=target]", "nothing-about-this")
+    page.click("#audit-filter button[type=submit]")
+    page.wait_for_selector("text=Nothing recorded about")
+    shoot(page, "audit-empty")
+    assert page.broken == []
+
+    with console_gateway.admin() as admin:
+        found = admin.get("/admin/audit/", params={"target": tenant_id}).json()["data"]
+    (entry,) = found
+    assert (entry["actor"], entry["role"]) == (token_id, "admin")
+    assert (entry["action"], entry["method"], entry["path"]) == (
+        "tenants.create",
+        "POST",
+        "/ui/tenants",
+    )
+    assert entry["created_id"] == entry["target"] == tenant_id
+    assert entry["status"] == 200  # htmx is sent on with HX-Redirect
+    assert entry["client"] == "127.0.0.1"
+    assert entry["change"]["name"] == "audited-here"
+    assert "_csrf" not in entry["change"]
+
+
+def test_the_audit_page_pages_back_through_older_entries(console_gateway):
+    tenant_id, _ = console_gateway.new_tenant()
+    with console_gateway.admin() as admin:
+        for rpm in range(1, 56):
+            changed = admin.patch(f"/admin/tenants/{tenant_id}/policy", json={"rpm": rpm})
+            assert changed.status_code == 200
+    expected = [e["id"] for e in audit_entries(console_gateway, target=tenant_id)][::-1]
+    assert len(expected) == 57  # create, issue a key, 55 changes
+    client, _ = signed_in_client(console_gateway.url)
+    try:
+        shown: list[str] = []
+        url = f"/ui/audit?target={tenant_id}"
+        num_pages = 0
+        while url:
+            listed = client.get(url)
+            assert listed.status_code == 200
+            shown += re.findall(r'<tr id="entry-([0-9-]+)"', listed.text)
+            older = re.search(r'href="(/ui/audit\?before=[^"]+)" rel="next"', listed.text)
+            url = older.group(1).replace("&amp;", "&") if older else ""
+            num_pages += 1
+        assert shown == expected  # newest first, each once
+        assert num_pages == 2
+        bad = client.get("/ui/audit", params={"before": "yesterday"})
+        assert bad.status_code == 400
+        assert "&#39;before&#39;" in bad.text
+    finally:
+        client.close()
+
+
+def test_every_mutating_console_route_writes_an_audit_entry(console_gateway):
+    token_id, _, secret = new_admin_token(console_gateway, "admin")
+    app = console_gateway.server.config.app
+    routes = [
+        (method, route.path)
+        for route in app.routes
+        if route.path.startswith("/ui")
+        for handler in route.route_handlers
+        if is_mutating(handler)
+        for method in sorted(handler.http_methods)
+    ]
+    assert len(routes) >= 9
+    agent = f"console-probe/{uuid.uuid4().hex[:8]}"
+    sent = set()
+    for method, path in routes:
+        client, csrf = signed_in_client(console_gateway.url, secret, **{"user-agent": agent})
+        parts = [
+            f"probe-{uuid.uuid4().hex[:8]}" if p.startswith("{") else p for p in path.split("/")
+        ]
+        url = "/".join(parts)
+        try:
+            answer = client.request(method, url, data={"_csrf": csrf, "token": secret})
+        finally:
+            client.close()
+        sent.add((method, url, answer.status_code))
+    recorded = [e for e in audit_entries(console_gateway) if e["user_agent"] == agent]
+    assert {e["actor"] for e in recorded} == {token_id}
+    assert sent <= {(e["method"], e["path"], e["status"]) for e in recorded}

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from engine.protocol import EngineStats
+from gateway.admin_access import AdminPrincipal
 from gateway.metrics import GatewayMetrics
 from gateway.ui.forms import FormError
 from gateway.ui.overview import kv_tiers, read_figures
@@ -17,6 +18,7 @@ from gateway.ui.session import decode_session, encode_session, new_session, sess
 from gateway.ui.signin import next_path
 from gateway.ui.tenants import policy_from_form
 from gateway.ui.usage import usage_series
+from tenants.admin_tokens import Role
 from tenants.records import UsageRecord
 
 KEY = session_key("the-admin-token-0123")
@@ -25,6 +27,16 @@ KEY = session_key("the-admin-token-0123")
 def test_a_session_round_trips_through_its_cookie() -> None:
     session = new_session(signed_in=True, now=1000.0)
     assert decode_session(encode_session(session, KEY), KEY, now=1001.0) == session
+
+
+def test_a_session_carries_who_signed_in_and_their_role() -> None:
+    principal = AdminPrincipal("adm_0123456789abcdef", Role.VIEWER)
+    session = new_session(signed_in=True, now=1000.0, principal=principal, name="ops")
+    decoded = decode_session(encode_session(session, KEY), KEY, now=1001.0)
+    assert decoded is not None
+    assert (decoded.actor, decoded.name, decoded.role) == (principal.actor, "ops", Role.VIEWER)
+    anonymous = new_session(signed_in=False, now=1000.0)
+    assert (anonymous.actor, anonymous.role) == (None, None)
 
 
 def test_a_tampered_session_is_refused() -> None:

@@ -24,9 +24,12 @@ async def test_a_token_authenticates_until_revoked_and_only_its_hash_is_stored(r
     digest = hashlib.sha256(created.secret.encode()).hexdigest()
     assert await redis_client.get(f"strata:adm:hash:{digest}") == created.token.id.encode()
 
+    assert await tokens.find_live(created.token.id) == created.token
     revoked = await tokens.revoke(created.token.id)
     assert revoked.revoked_at is not None
     assert await tokens.authenticate(created.secret) is None
+    assert await tokens.find_live(created.token.id) is None
+    assert await tokens.find_live("adm_missing") is None
     assert (await tokens.revoke(created.token.id)).revoked_at == revoked.revoked_at
     assert [t.id for t in await tokens.list_all()] == [created.token.id]
 

@@ -60,3 +60,23 @@ async def test_the_stream_is_trimmed_to_about_its_bound(redis_client):
     assert length < 500  # approximate trimming keeps whole nodes, but never all
     newest = [e async for e in log.scan(0, time.time() + 1)]
     assert newest[-1].action == "tenants.step499"
+
+
+async def test_latest_pages_back_from_the_newest_and_filter_by_target(redis_client):
+    log = AuditLog(redis_client)
+    for n in range(7):
+        await log.append(entry(n, "t_a" if n % 2 == 0 else "key_b", tenant_id="t_a"))
+    await log.append(entry(7, "t_other"))
+    newest, older = await log.latest(limit=3)
+    assert [e.action for e in newest] == ["tenants.step7", "tenants.step6", "tenants.step5"]
+    assert older == newest[-1].id
+    seen, cursor = [], None
+    while True:
+        page, cursor = await log.latest(target="t_a", limit=3, before=cursor)
+        seen += page
+        if cursor is None:
+            break
+    assert [e.action for e in seen] == [f"tenants.step{n}" for n in range(6, -1, -1)]
+    exact, after_last = await log.latest(target="t_other", limit=1)
+    assert [e.action for e in exact] == ["tenants.step7"]
+    assert after_last is None  # no empty page follows a full last one
