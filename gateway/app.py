@@ -189,7 +189,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             spend.TenantBudgetController,
             spend.KeyBudgetController,
             spend.TenantSpendController,
-            spend.budget_events,
+            spend.BudgetEventController,
             ops.health,
             ops.ready,
             ops.metrics,

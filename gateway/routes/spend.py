@@ -252,21 +252,29 @@ async def _key_status(store: Any, key: ApiKey) -> KeyStatus:
     )
 
 
-@get("/admin/budget-events", guards=[requires_admin_token], tags=["admin"], opt=BILLING)
-async def budget_events(
-    store: NamedDependency[Any], after: FromQuery[str] = "0", limit: FromQuery[int] = 100
-) -> list[BudgetEvent]:
-    """Soft-threshold crossings, oldest first, after the stream id `after` (pass the last
-    id seen to read on)."""
-    if not 1 <= limit <= 1000:
-        raise bad_request("limit must be between 1 and 1000", param="limit")
-    try:
-        entries = await store.xrange(
-            BUDGET_EVENTS, min=f"({after}" if after != "0" else "-", count=limit
-        )
-    except ResponseError:
-        raise bad_request(f"after is not a stream id: {after!r}", param="after") from None
-    return [_event(entry_id, fields) for entry_id, fields in entries]
+class BudgetEventController(Controller):
+    path = "/admin/budget-events"
+    guards = [requires_admin_token]  # noqa: RUF012
+    tags = ["admin"]  # noqa: RUF012
+
+    @get("/", opt=BILLING)
+    async def budget_events(
+        self,
+        store: NamedDependency[Any],
+        after: FromQuery[str] = "0",
+        limit: FromQuery[int] = 100,
+    ) -> list[BudgetEvent]:
+        """Soft-threshold crossings, oldest first, after the stream id `after` (pass the
+        last id seen to read on)."""
+        if not 1 <= limit <= 1000:
+            raise bad_request("limit must be between 1 and 1000", param="limit")
+        try:
+            entries = await store.xrange(
+                BUDGET_EVENTS, min=f"({after}" if after != "0" else "-", count=limit
+            )
+        except ResponseError:
+            raise bad_request(f"after is not a stream id: {after!r}", param="after") from None
+        return [_event(entry_id, fields) for entry_id, fields in entries]
 
 
 def _event(entry_id: bytes, fields: dict[bytes, bytes]) -> BudgetEvent:

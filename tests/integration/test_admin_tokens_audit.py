@@ -62,7 +62,16 @@ def test_every_admin_route_is_guarded_and_declares_its_access(tiny_gateway):
     billing = {
         (m, p) for m, p, h in admin_routes(tiny_gateway) if access_of(h) is AdminAccess.BILLING
     }
-    assert billing == {("GET", "/admin/prices"), ("GET", "/admin/usage/export")}
+    assert billing == {  # usage, spend, budgets and prices: what a bill is made of
+        ("GET", "/admin/prices"),
+        ("GET", "/admin/usage/export"),
+        ("GET", "/admin/kv-prices"),
+        ("GET", "/admin/kv-residency"),
+        ("GET", "/admin/tenants/{tenant_id:str}/budget"),
+        ("GET", "/admin/tenants/{tenant_id:str}/spend"),
+        ("GET", "/admin/keys/{key_id:str}/budget"),
+        ("GET", "/admin/budget-events"),
+    }
 
 
 @pytest.mark.parametrize("role", ["billing", "viewer"])
