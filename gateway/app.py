@@ -19,6 +19,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
 from gateway.adapters import AdapterResolver
+from gateway.alerts import AlertDispatcher
 from gateway.errors import APIError, exception_handlers, invalid_field, invalid_json
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
@@ -26,12 +27,13 @@ from gateway.openai_types import MAX_JSON_DEPTH, too_deep
 from gateway.pipeline import Pipeline
 from gateway.providers import DEPENDENCIES
 from gateway.router import RoutingPolicy
-from gateway.routes import admin, ops
+from gateway.routes import admin, alerts, ops
 from gateway.routes.openai import OpenAIController, TokenizerController
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.ui import console_router, template_config, to_console
 from policies.admission import Admission
+from tenants.alerts import AlertStore
 from tenants.journal import LedgerJournal
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger, LedgerWriter
@@ -80,7 +82,11 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
         aliases=settings.alias_targets(),
     )
     metrics = GatewayMetrics(process_index=settings.process_index, shared_dir=settings.metrics_dir)
+    alert_store = AlertStore(redis)
+    dispatcher = AlertDispatcher(alert_store, metrics, settings.alerts)
+    fleet.on_lost = dispatcher.worker_left
     try:
+        await dispatcher.start()
         await fleet.start()
         pipeline = Pipeline(
             fleet, Admission(redis, lease_ttl_s=settings.lease_ttl_s), writer, metrics
@@ -98,6 +104,8 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
             pipeline=pipeline,
             metrics=metrics,
             started_at=time.time(),
+            alerts=alert_store,
+            dispatcher=dispatcher,
         )
         log.info("gateway ready: serving %s", ", ".join(sorted(fleet.groups)))
         yield
@@ -113,6 +121,7 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
                 journal.root,
             )
         await keys.stop()
+        await dispatcher.close()
         await fleet.close()
         await redis.aclose()
 
@@ -162,6 +171,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             admin.PriceController,
             admin.UsageController,
             admin.WorkerController,
+            alerts.WebhookController,
             ops.health,
             ops.ready,
             ops.metrics,

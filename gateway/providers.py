@@ -12,6 +12,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
+from tenants.alerts import AlertStore
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger
 from tenants.registry import TenantRegistry
@@ -58,6 +59,10 @@ def provide_store(state: State) -> object:
     return _opened(state).redis
 
 
+def provide_alerts(state: State) -> AlertStore:
+    return _opened(state).alerts
+
+
 def provide_started_at(state: State) -> float:
     return _opened(state).started_at
 
@@ -75,5 +80,6 @@ DEPENDENCIES = {
         ("settings", provide_settings),
         ("store", provide_store),
         ("started_at", provide_started_at),
+        ("alerts", provide_alerts),
     )
 }
