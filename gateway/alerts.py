@@ -195,7 +195,7 @@ class AlertDispatcher:
                 event_id=event.id,
                 type=event.type,
                 attempt=attempt,
-                at=time.time(),
+                attempted_at=time.time(),
                 status_code=outcome.status_code,
                 error=outcome.error,
                 ok=outcome.ok,

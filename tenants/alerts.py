@@ -70,7 +70,7 @@ class WebhookFieldError(RecordError):
 
 class WebhookCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     url: str
-    events: list[str]
+    events: list[str] = msgspec.field(default_factory=lambda: ["*"])
     description: str = ""
 
     def check(self) -> None:
@@ -134,7 +134,7 @@ class Delivery(msgspec.Struct, kw_only=True, frozen=True):
     event_id: str
     type: str
     attempt: int
-    at: float
+    attempted_at: float
     status_code: int | None = None  # the receiver's answer, if any
     error: str | None = None  # why the attempt failed, if it did
     ok: bool = False

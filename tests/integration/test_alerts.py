@@ -23,6 +23,7 @@ from gateway.webhooks import AlertConfig
 from tenants.alerts import STREAM
 from tenants.store import EmbeddedStore, connect
 from tests.integration.conftest import (
+    ADMIN_TOKEN,
     TINY_WORKER,
     GatewayServer,
     WorkerProcess,
@@ -156,11 +157,11 @@ def test_a_registered_webhook_gets_a_signed_test_event(alerts_gateway) -> None:
         assert not verify(secret, headers, body + b" ")
 
         log = wait_until(lambda: admin.get(f"/admin/webhooks/{hook['id']}/deliveries").json())
-        assert log[0] | {"at": 0} == {
+        assert log[0] | {"attempted_at": 0} == {
             "event_id": event_id,
             "type": "test",
             "attempt": 1,
-            "at": 0,
+            "attempted_at": 0,
             "status_code": 200,
             "error": None,
             "ok": True,
@@ -378,3 +379,55 @@ def _sample(text: str, series: str) -> float:
         if line.startswith(series + " "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_the_cli_adds_tests_lists_and_deletes_a_webhook(
+    alerts_gateway, monkeypatch, capsys
+) -> None:
+    from gateway.cli import main
+
+    monkeypatch.setenv("STRATA_URL", alerts_gateway.url)
+    monkeypatch.setenv("STRATA_ADMIN_TOKEN", ADMIN_TOKEN)
+
+    def strata(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        try:
+            code = main(list(argv))
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 2
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    with Receiver() as receiver:
+        code, out, err = strata(
+            "admin", "webhooks", "add", receiver.url, "--events", "worker_lost,budget_threshold",
+            "--description", "from the cli", "--json",
+        )  # fmt: skip
+        assert code == 0, err
+        assert "shown only this once" in err
+        created = json.loads(out)
+        hook_id = created["webhook"]["id"]
+        assert created["webhook"]["events"] == ["budget_threshold", "worker_lost"]
+
+        code, out, _ = strata("admin", "webhooks", "list")
+        assert code == 0 and hook_id in out and "from the cli" in out
+
+        code, out, err = strata("admin", "webhooks", "test", hook_id, "--json")
+        assert code == 0, err
+        event_id = json.loads(out)["event_id"]
+        headers, body = wait_until(lambda: receiver.of_type("test"))[0]
+        assert headers["x-strata-delivery"] == event_id
+        assert verify(created["secret"], headers, body)
+
+        def logged() -> list[dict]:
+            code, out, _ = strata("admin", "webhooks", "deliveries", hook_id, "--json")
+            return json.loads(out) if code == 0 else []
+
+        assert wait_until(logged)[0]["event_id"] == event_id
+        code, out, _ = strata("admin", "webhooks", "deliveries", hook_id, "--limit", "0")
+        assert code == 1
+        code, out, _ = strata("admin", "webhooks", "add", "not-a-url")
+        assert code == 1
+        code, out, _ = strata("admin", "webhooks", "delete", hook_id)
+        assert code == 0 and f"deleted webhook {hook_id}" in out
+        assert strata("admin", "webhooks", "delete", hook_id)[0] == 1
