@@ -149,7 +149,7 @@ class AlertDispatcher:
             self._working.pop(entry_id, None)
 
     async def _deliver_event(self, event: AlertEvent) -> None:
-        webhooks = await self._until_stored(self.alerts.stored_webhooks)
+        webhooks = self._webhooks = await self._until_stored(self.alerts.stored_webhooks)
         done = await self._until_stored(lambda: self.alerts.delivered_to(event.id))
         targets = [
             s

@@ -431,3 +431,34 @@ def test_the_cli_adds_tests_lists_and_deletes_a_webhook(
         code, out, _ = strata("admin", "webhooks", "delete", hook_id)
         assert code == 0 and f"deleted webhook {hook_id}" in out
         assert strata("admin", "webhooks", "delete", hook_id)[0] == 1
+
+
+def test_a_store_outage_is_delivered_from_memory(tmp_path, private_store, strata_cache_dir) -> None:
+    """The store is out of reach: the gateway that sees it sends store_unreachable to the
+    webhooks it knows, and store_recovered once the store answers again."""
+    worker = WorkerProcess(tmp_path / "engine.sock", TINY_WORKER, strata_cache_dir)
+    worker.start()
+    config = AlertConfig(backoff_s=0.05, max_backoff_s=0.2, store_outage_s=1.0, store_check_s=0.2)
+    gateway = GatewayServer(
+        gateway_settings(private_store.url, worker, strata_cache_dir, alerts=config)
+    )
+    gateway.start()
+    try:
+        with Receiver() as receiver, gateway.admin() as admin:
+            created = register(admin, receiver.url, ["store_unreachable", "store_recovered"])
+            admin.post(f"/admin/webhooks/{created['webhook']['id']}/test")
+            wait_until(lambda: receiver.of_type("test"))  # the gateway has read the webhook
+
+            private_store.kill()
+            headers, body = wait_until(lambda: receiver.of_type("store_unreachable"))[0]
+            assert verify(created["secret"], headers, body)
+            assert json.loads(body)["subject"] == "store"
+            assert not receiver.of_type("store_recovered")
+
+            private_store.start()
+            headers, body = wait_until(lambda: receiver.of_type("store_recovered"))[0]
+            assert verify(created["secret"], headers, body)
+            assert len(receiver.of_type("store_unreachable")) == 1
+    finally:
+        gateway.stop()
+        worker.stop()
