@@ -70,6 +70,10 @@ class AlertDispatcher:
                 await task
         if self.client is not None:
             await self.client.aclose()
+        if not self._working:  # what it still held is claimed by another replica later
+            with contextlib.suppress(*_STORE_ERRORS):
+                async with asyncio.timeout(2.0):
+                    await self.alerts.leave_group(self.consumer)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)

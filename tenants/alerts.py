@@ -240,6 +240,14 @@ class AlertStore:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    async def leave_group(self, consumer: str) -> None:
+        """Remove `consumer` from the group if it holds no pending entries."""
+        pending: Any = await self.redis.xpending_range(
+            STREAM, GROUP, min="-", max="+", count=1, consumername=consumer
+        )
+        if not pending:
+            await self.redis.xgroup_delconsumer(STREAM, GROUP, consumer)
+
     async def read_new(
         self, consumer: str, count: int, block_ms: int
     ) -> list[tuple[str, AlertEvent | None]]:

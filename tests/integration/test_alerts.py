@@ -248,6 +248,8 @@ def test_unknown_webhooks_and_bad_limits(alerts_gateway) -> None:
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "limit"
         admin.delete(f"/admin/webhooks/{hook['id']}")
     assert httpx.get(f"{alerts_gateway.url}/admin/webhooks/").status_code == 401
+    schema = httpx.get(f"{alerts_gateway.url}/schema/openapi.json")
+    assert schema.status_code == 200 and "/admin/webhooks/{webhook_id}/test" in schema.text
 
 
 def test_the_console_lists_adds_and_tests_webhooks(alerts_gateway) -> None:
@@ -293,17 +295,24 @@ def test_the_console_lists_adds_and_tests_webhooks(alerts_gateway) -> None:
         admin.delete(f"/admin/webhooks/{hook['id']}")
 
 
-def test_a_killed_worker_is_one_worker_lost_alert_across_two_gateways(
-    tmp_path, alerts_store, strata_cache_dir
-) -> None:
-    worker = WorkerProcess(
-        tmp_path / "unused.sock",
-        [*TINY_WORKER, "--registry-url", alerts_store.url, "--worker-id", "w-lost"],
-        strata_cache_dir,
+def registry_worker(tmp_path, store_url: str, cache_dir, worker_id: str) -> WorkerProcess:
+    return WorkerProcess(
+        tmp_path / f"{worker_id}.sock",
+        [*TINY_WORKER, "--registry-url", store_url, "--worker-id", worker_id],
+        cache_dir,
         address=f"tcp://127.0.0.1:{_free_port()}",
         env={"STRATA_WORKER_SECRET": SECRET},
     )
-    worker.start()
+
+
+def test_a_killed_worker_is_one_worker_lost_alert_across_two_gateways(
+    tmp_path, alerts_store, strata_cache_dir
+) -> None:
+    """Two gateways see a worker stop cleanly (no alert), then another die (one alert)."""
+    stopped = registry_worker(tmp_path, alerts_store.url, strata_cache_dir, "w-stopped")
+    killed = registry_worker(tmp_path, alerts_store.url, strata_cache_dir, "w-lost")
+    stopped.start()
+    killed.start()
     gateways = [
         GatewayServer(
             gateway_settings(
@@ -317,33 +326,40 @@ def test_a_killed_worker_is_one_worker_lost_alert_across_two_gateways(
         )
         for _ in range(2)
     ]
+
+    def in_views() -> set[str]:
+        seen: set[str] = set()
+        for gateway in gateways:
+            with gateway.admin() as each:
+                seen |= {w["worker_id"] for w in each.get("/admin/workers/").json()}
+        return seen
+
+    def judged() -> bool:
+        total = 0.0
+        for gateway in gateways:
+            text = httpx.get(f"{gateway.url}/metrics").text
+            for result in ("raised", "duplicate"):
+                series = f'strata:alerts_raised_total{{result="{result}",type="worker_lost"}}'
+                total += _sample(text, series)
+        return total == 2
+
     try:
         for gateway in gateways:
             gateway.start()
         with Receiver() as receiver, gateways[0].admin() as admin:
             hook = register(admin, receiver.url, ["worker_lost"])["webhook"]
-            for gateway in gateways:
-                with gateway.admin() as each:
-                    wait_until(lambda each=each: each.get("/admin/workers/").json())
-            worker.kill()
-
-            def judged() -> bool:
-                total = 0.0
-                for gateway in gateways:
-                    text = httpx.get(f"{gateway.url}/metrics").text
-                    for result in ("raised", "duplicate"):
-                        total += _sample(
-                            text,
-                            f'strata:alerts_raised_total{{result="{result}",type="worker_lost"}}',
-                        )
-                return total == 2
+            wait_until(lambda: in_views() == {"w-stopped", "w-lost"})
+            stopped.stop()
+            wait_until(lambda: in_views() == {"w-lost"})
+            killed.kill()
+            wait_until(lambda: not in_views())
 
             wait_until(judged)
             lost = wait_until(lambda: receiver.of_type("worker_lost"))
             payload = json.loads(lost[0][1])
             assert payload["data"] == {
                 "worker_id": "w-lost",
-                "address": worker.address,
+                "address": killed.address,
                 "model": payload["data"]["model"],
             }
             assert payload["data"]["model"].startswith("synthetic")
@@ -354,7 +370,8 @@ def test_a_killed_worker_is_one_worker_lost_alert_across_two_gateways(
     finally:
         for gateway in gateways:
             gateway.stop()
-        worker.stop()
+        stopped.stop()
+        killed.stop()
 
 
 async def _num_events(kind: str, url: str) -> int:
