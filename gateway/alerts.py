@@ -37,6 +37,7 @@ from tenants.store import ping
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_CONSUMER_GONE_MS = 3600_000  # a consumer idle this long, holding nothing, is removed
 _STORE_ERRORS = (aioredis.RedisError, OSError, TimeoutError)
 
 
@@ -70,10 +71,9 @@ class AlertDispatcher:
                 await task
         if self.client is not None:
             await self.client.aclose()
-        if not self._working:  # what it still held is claimed by another replica later
-            with contextlib.suppress(*_STORE_ERRORS):
-                async with asyncio.timeout(2.0):
-                    await self.alerts.leave_group(self.consumer)
+        with contextlib.suppress(*_STORE_ERRORS):  # unless it holds events: others claim them
+            async with asyncio.timeout(2.0):
+                await self.alerts.leave_group(self.consumer)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -94,7 +94,7 @@ class AlertDispatcher:
             if await redis.zscore(WORKERS, handle.worker_id) is None:
                 return  # it left the registry itself: a clean stop
             incarnation = f"{record.started_at:.6f}" if record is not None else "unknown"
-            event_id = await self.alerts.raise_alert(
+            await self.alerts.raise_alert(
                 "worker_lost",
                 handle.worker_id,
                 {
@@ -106,8 +106,6 @@ class AlertDispatcher:
             )
         except _STORE_ERRORS as exc:
             log.warning("worker %s was lost; no alert raised (%s)", handle.worker_id, exc)
-            return
-        self.metrics.alert_raised("worker_lost", "duplicate" if event_id is None else "raised")
 
     # -- the stream ----------------------------------------------------------------------
 
@@ -123,10 +121,10 @@ class AlertDispatcher:
                     await asyncio.sleep(0.1)
                     continue
                 self._take(await self.alerts.read_new(self.consumer, room, block_ms=1000))
-            except _STORE_ERRORS:
-                await asyncio.sleep(self.config.store_check_s)
-            except aioredis.ResponseError:  # the group was removed (a flushed store)
+            except aioredis.ResponseError:  # the group is gone (a flushed store): join again
                 joined = False
+                await asyncio.sleep(self.config.store_check_s)
+            except _STORE_ERRORS:
                 await asyncio.sleep(self.config.store_check_s)
 
     async def _claim_loop(self) -> None:
@@ -137,6 +135,7 @@ class AlertDispatcher:
             with contextlib.suppress(*_STORE_ERRORS):
                 await self.alerts.touch(self.consumer, list(self._working))
                 self._take(await self.alerts.claim_stale(self.consumer, idle_ms, count=16))
+                await self.alerts.prune_consumers(_CONSUMER_GONE_MS)
 
     def _take(self, entries: Sequence[tuple[str, AlertEvent | None]]) -> None:
         for entry_id, event in entries:
@@ -210,6 +209,8 @@ class AlertDispatcher:
                     await self.alerts.mark_delivered(event.id, hook.webhook.id)
             if outcome.ok:
                 return
+            if durable and not await self._still_registered(hook.webhook.id):
+                return
             if last:
                 log.warning(
                     "alert %s to webhook %s given up after %d attempts",
@@ -219,6 +220,13 @@ class AlertDispatcher:
                 )
                 return
             await asyncio.sleep(wait)
+
+    async def _still_registered(self, webhook_id: str) -> bool:
+        """False once the webhook was deleted (True while the store cannot say)."""
+        try:
+            return await self.alerts.has_webhook(webhook_id)
+        except _STORE_ERRORS:
+            return True
 
     # -- the store -----------------------------------------------------------------------
 

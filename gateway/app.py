@@ -82,7 +82,7 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
         aliases=settings.alias_targets(),
     )
     metrics = GatewayMetrics(process_index=settings.process_index, shared_dir=settings.metrics_dir)
-    alert_store = AlertStore(redis)
+    alert_store = AlertStore(redis, on_raised=metrics.alert_raised)
     dispatcher = AlertDispatcher(alert_store, metrics, settings.alerts)
     fleet.on_lost = dispatcher.worker_left
     try:

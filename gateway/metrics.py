@@ -99,8 +99,8 @@ class GatewayMetrics:
         )
         self.alerts = Counter(
             "strata:alerts_raised",
-            "Alerts this replica raised (result raised), or found raised already by another "
-            "replica (result duplicate)",
+            "Alerts raised by this replica (result raised), or not raised because the same "
+            "alert was raised already, by any replica (result duplicate)",
             ["type", "result"],
             registry=r,
         )

@@ -23,7 +23,7 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -157,8 +157,11 @@ def new_event(
 class AlertStore:
     """Webhooks, the event stream and the delivery logs in the store."""
 
-    def __init__(self, redis: aioredis.Redis) -> None:
+    def __init__(
+        self, redis: aioredis.Redis, on_raised: Callable[[str, str], None] | None = None
+    ) -> None:
         self.redis = redis
+        self.on_raised = on_raised  # (type, "raised" or "duplicate"): the gateway counts them
 
     # -- webhooks ------------------------------------------------------------------------
 
@@ -190,6 +193,9 @@ class AlertStore:
             raise NotFoundError("webhook", webhook_id)
         return msgspec.json.decode(raw, type=StoredWebhook).webhook
 
+    async def has_webhook(self, webhook_id: str) -> bool:
+        return bool(await self.redis.hexists(WEBHOOKS, webhook_id))
+
     async def delete_webhook(self, webhook_id: str) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hdel(WEBHOOKS, webhook_id)
@@ -215,8 +221,15 @@ class AlertStore:
         if dedupe_key is not None:
             fresh = await self.redis.set(_dedupe_key(dedupe_key), "1", nx=True, ex=DEDUPE_TTL_S)
             if not fresh:
+                self._count(kind, "duplicate")
                 return None
-        return await self.publish(new_event(kind, subject, details))
+        event_id = await self.publish(new_event(kind, subject, details))
+        self._count(kind, "raised")
+        return event_id
+
+    def _count(self, kind: str, result: str) -> None:
+        if self.on_raised is not None:
+            self.on_raised(kind, result)
 
     async def send_test(self, webhook_id: str) -> str:
         """A `test` event for one webhook; returns its id."""
@@ -247,6 +260,14 @@ class AlertStore:
         )
         if not pending:
             await self.redis.xgroup_delconsumer(STREAM, GROUP, consumer)
+
+    async def prune_consumers(self, min_idle_ms: int) -> None:
+        """Remove consumers (replicas gone without leaving) that hold no pending entries and
+        were idle for `min_idle_ms`."""
+        consumers: Any = await self.redis.xinfo_consumers(STREAM, GROUP)
+        for info in consumers:
+            if int(info["pending"]) == 0 and int(info["idle"]) >= min_idle_ms:
+                await self.redis.xgroup_delconsumer(STREAM, GROUP, info["name"])
 
     async def read_new(
         self, consumer: str, count: int, block_ms: int
