@@ -161,7 +161,9 @@ class CacheConfig:
     disk_path: str | None = option(
         None,
         "--kv-disk-path",
-        "directory for the disk tier's page file (default: the system temp directory)",
+        "directory that keeps the disk tier's page file across restarts (one file per "
+        "worker; pages left there are found again); default: an unlinked file in the "
+        "system temp directory",
     )
     # BlockManager.spill_ahead: it pays where those copies overlap compute; with synchronous
     # copies it only moves them, and it keeps the most recently freed pages in host RAM

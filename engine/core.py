@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+import uuid
 from collections.abc import Collection
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from engine.structured.backend import GrammarCompiler, TokenMatcher, Vocabulary
 from engine.structured.compilers import make_compiler
 from kvstore.base import KVCacheSpec, ResidencyMeter
 from kvstore.device_pool import DeviceKVPool
-from kvstore.disk import disk_slot_nbytes
+from kvstore.disk import PageFormat, disk_slot_nbytes
 from kvstore.tiers import KVOffloader, Tier, TieredKVStore
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,14 @@ class EngineCore:
         self.pool = DeviceKVPool(
             spec, num_blocks, self.device, config.cache.kv_load, config.cache.kv_host_reads
         )
-        self.tiers = _lower_tiers(config.cache, spec, self.device)
+        cache_namespace = f"{model_id}|{spec.dtype}"
+        page_format = PageFormat(
+            model_id=model_id,
+            namespace=cache_namespace,
+            kv_dtype=_dtype_name(spec.dtype),
+            layout=(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size),
+        )
+        self.tiers = _lower_tiers(config.cache, spec, self.device, page_format)
         self.block_manager = BlockManager(
             num_blocks,
             spec.block_size,
@@ -111,7 +119,7 @@ class EngineCore:
             config.scheduler,
             self.block_manager,
             self.max_model_len,
-            cache_namespace=f"{model_id}|{spec.dtype}",
+            cache_namespace=cache_namespace,
             speculative=config.speculative,
         )
         self.lora: LoRAManager | None = None
@@ -140,6 +148,7 @@ class EngineCore:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.residency = ResidencyMeter(spec.bytes_per_block, time.monotonic())
+        self.instance = uuid.uuid4().hex  # this run of the engine: its totals start at zero
         self.num_draft_tokens = 0  # proposed by speculative decoding
         self.num_accepted_draft_tokens = 0  # of those, the ones the model agreed with
         # with spill-ahead: the most blocks one step can claim (a full token budget plus
@@ -268,6 +277,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Advance every schedulable request by one step; returns their new outputs."""
+        if self.tiers is not None:
+            self.tiers.adopt_recovered()  # disk pages of an earlier run, as they are indexed
         self._meter_residency(RESIDENCY_SAMPLE_S)
         outputs = self._admit_loaded_adapters()
         sched = self.scheduler.schedule()
@@ -422,7 +433,10 @@ class EngineCore:
             num_kv_disk_blocks_used=0 if disk is None else disk.num_used,
             kv_disk_read_ahead_bytes=0 if disk is None else disk.num_prefetch_bytes,
             num_kv_disk_checksum_failures=0 if disk is None else disk.num_checksum_failures,
+            num_kv_disk_pages_recovered=0 if disk is None else disk.num_recovered,
+            num_kv_disk_pages_rejected=0 if disk is None else disk.num_rejected,
             kv_blocks_by_tenant=self._blocks_by_tenant(),
+            instance=self.instance,
             kv_byte_seconds_by_tenant={
                 tenant: dict(tiers) for tenant, tiers in self.residency.byte_seconds.items()
             },
@@ -499,6 +513,12 @@ class EngineCore:
             "num_kv_blocks_total": bm.num_blocks,
         }
 
+    def close(self) -> None:
+        """Let go of the tiers' files, once the writes under way are done (a persistent disk
+        tier then holds every page it took)."""
+        if self.tiers is not None:
+            self.tiers.close()
+
     def check_integrity(self) -> None:
         """Assert the block manager's invariants and that only live requests own blocks."""
         self.block_manager.check_integrity()
@@ -515,10 +535,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _lower_tiers(
-    cache: CacheConfig, spec: KVCacheSpec, device: torch.device
+    cache: CacheConfig, spec: KVCacheSpec, device: torch.device, page_format: PageFormat
 ) -> TieredKVStore | None:
     """Host and disk tiers for prefix-cache pages, as configured (None when there are none,
-    or when prefix caching is off and they would hold nothing)."""
+    or when prefix caching is off and they would hold nothing). With a `--kv-disk-path`
+    the disk tier's file persists there; without, it is an unlinked temporary file."""
     if not (cache.host_memory_bytes or cache.disk_bytes):
         return None
     if not cache.enable_prefix_caching:
@@ -529,7 +550,11 @@ def _lower_tiers(
         page,
         host_blocks=cache.host_memory_bytes // page,
         disk_blocks=cache.disk_bytes // disk_slot_nbytes(page),
-        disk_dir=Path(cache.disk_path or tempfile.gettempdir()) / "strata-kv",
+        disk_dir=Path(cache.disk_path)
+        if cache.disk_path
+        else Path(tempfile.gettempdir()) / "strata-kv",
+        disk_persistent=bool(cache.disk_path),
+        page_format=page_format,
         pin=device.type == "cuda",
     )
     return store if store.enabled else None

@@ -229,10 +229,15 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_kv_disk_blocks_used: int = 0
     kv_disk_read_ahead_bytes: int = 0  # buffers of disk pages read for waiting requests
     num_kv_disk_checksum_failures: int = 0  # disk pages that failed their check: misses
+    # pages a persistent disk tier found from an earlier run: indexed, and turned away
+    # (torn, garbage or another model's, at the scan or when their checksum failed)
+    num_kv_disk_pages_recovered: int = 0
+    num_kv_disk_pages_rejected: int = 0
     # prefix-cache hits since start, in blocks, by the tier each block came from
     num_cache_hit_blocks: dict[str, int] = msgspec.field(default_factory=dict)
     # blocks per tenant per tier ("device", "host", "disk"): held by its requests or cached
     kv_blocks_by_tenant: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
+    instance: str = ""  # this run of the engine: the totals since start are its own
     # KV held per tenant per tier since start, in byte-seconds (cached pages included): what
     # a bill for KV kept warm charges
     kv_byte_seconds_by_tenant: dict[str, dict[str, float]] = msgspec.field(default_factory=dict)

@@ -464,4 +464,7 @@ def run_worker(
         runner = asyncio.Runner()
     with runner:
         files = tokenizer_files(tokenizer) if tokenizer is not None else None
-        runner.run(Worker(core, files).serve(listen, fleet=fleet))
+        try:
+            runner.run(Worker(core, files).serve(listen, fleet=fleet))
+        finally:
+            core.close()

@@ -89,6 +89,17 @@ def _usage(call: Call) -> Any:
     return call.client.request("GET", "/admin/usage/export", params=params)
 
 
+def _set_kv_prices(call: Call) -> Any:
+    """PUT the KV prices with the given tiers changed and the others as they were."""
+    current: dict[str, Any] = call.client.request("GET", "/admin/kv-prices/")
+    return call.client.request("PUT", "/admin/kv-prices/", json={**current, **call.fields("body")})
+
+
+def _kv_residency(call: Call) -> Any:
+    params = {**call.fields("query"), "format": "json"}
+    return call.client.request("GET", "/admin/kv-residency/", params=params)
+
+
 # -- the table ---------------------------------------------------------------------------------
 
 KEY = pos("key_id", "the key's id (key_...)")
@@ -154,6 +165,7 @@ GROUPS = {
     "prices": "prices per 1M tokens, per model or adapter|price",
     "usage": "usage totals and billing exports",
     "workers": "the engine workers: list, drain, undrain|worker",
+    "kv": "KV cache residency: prices per GiB-hour of each tier, and what tenants held",
     "webhooks": "alerts delivered as signed webhooks: add, list, delete, test|webhook",
 }
 
@@ -519,6 +531,49 @@ COMMANDS: tuple[Command, ...] = (
             opt("--limit", help="how many (1-100, default 50)", to="query", type=int),
         ),
         columns=("attempted_at", "event_id", "type", "attempt", "status_code", "error"),
+    ),
+)
+
+
+KV_TIERS = ("device", "host", "disk", "remote")
+
+COMMANDS += (
+    Command("kv", "prices", "GET", "/admin/kv-prices/", "USD per GiB-hour of each KV tier"),
+    Command(
+        "kv",
+        "set-prices",
+        "PUT",
+        "/admin/kv-prices/",
+        "price KV held in tiers (the tiers not given keep their price)",
+        args=tuple(
+            opt(
+                f"--{tier}",
+                help=f"USD per GiB-hour of KV held in the {tier} tier",
+                type=price,
+                metavar="PRICE",
+            )
+            for tier in KV_TIERS
+        ),
+        run=_set_kv_prices,
+    ),
+    Command(
+        "kv",
+        "residency",
+        "GET",
+        "/admin/kv-residency/",
+        "KV each tenant held per tier, in GiB-hours, and its cost",
+        args=(
+            *WINDOW,
+            opt(
+                "--granularity",
+                help="sums per UTC hour or day, tenant and tier",
+                to="query",
+                choices=["hour", "day"],
+                default="day",
+            ),
+        ),
+        columns=("period_start", "tenant_id", "tier", "gib_hours", "price_per_gib_hour", "cost"),
+        run=_kv_residency,
     ),
 )
 

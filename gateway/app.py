@@ -3,6 +3,8 @@ every resource a replica holds."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -20,15 +22,19 @@ from litestar.types import Message, Scope
 
 from gateway.adapters import AdapterResolver
 from gateway.alerts import AlertDispatcher
+from gateway.audit import record_admin_change
 from gateway.errors import APIError, exception_handlers, invalid_field, invalid_json
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.openai_types import MAX_JSON_DEPTH, too_deep
 from gateway.pipeline import Pipeline
 from gateway.providers import DEPENDENCIES
+from gateway.residency import record_forever, record_once
 from gateway.router import RoutingPolicy
 from gateway.routes import admin, alerts, ops
+from gateway.routes import residency as residency_routes
 from gateway.routes.openai import OpenAIController, TokenizerController
+from gateway.routes.tokens import AuditController, TokenController
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.ui import console_router, template_config, to_console
@@ -38,6 +44,7 @@ from tenants.journal import LedgerJournal
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger, LedgerWriter
 from tenants.registry import TenantRegistry
+from tenants.residency import ResidencyLedger
 from tenants.store import connect
 
 log = logging.getLogger(__name__)
@@ -88,6 +95,7 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
     try:
         await dispatcher.start()
         await fleet.start()
+        residency = ResidencyLedger(redis)
         pipeline = Pipeline(
             fleet, Admission(redis, lease_ttl_s=settings.lease_ttl_s), writer, metrics
         )
@@ -103,13 +111,25 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
             adapters=AdapterResolver(registry, fleet),
             pipeline=pipeline,
             metrics=metrics,
+            residency=residency,
             started_at=time.time(),
             alerts=alert_store,
             dispatcher=dispatcher,
         )
+        recorder = asyncio.create_task(
+            record_forever(fleet, residency, settings.kv_residency_interval_s)
+        )
         log.info("gateway ready: serving %s", ", ".join(sorted(fleet.groups)))
-        yield
-        await pipeline.drain()
+        try:
+            yield
+            await pipeline.drain()
+        finally:
+            recorder.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await recorder
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(5.0):
+                    await record_once(fleet, residency)  # what was held up to the stop
     finally:
         left = await writer.drain(timeout=10.0)
         writer.close()
@@ -171,6 +191,10 @@ def create_app(settings: GatewaySettings) -> Litestar:
             admin.PriceController,
             admin.UsageController,
             admin.WorkerController,
+            residency_routes.KVPriceController,
+            residency_routes.KVResidencyController,
+            TokenController,
+            AuditController,
             alerts.WebhookController,
             ops.health,
             ops.ready,
@@ -182,7 +206,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
         dependencies=DEPENDENCIES,
         exception_handlers=exception_handlers(),
         before_request=_decode_json_strictly,
-        before_send=[_add_state_headers],
+        before_send=[_add_state_headers, record_admin_change],
         template_config=template_config(),
         openapi_config=OpenAPIConfig(title="Strata", version="0.1.0", path="/schema"),
         request_max_body_size=settings.max_body_bytes,

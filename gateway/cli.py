@@ -220,6 +220,7 @@ def _engine(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
     )
+    configure_logging(settings.log_level(), json=settings.json_logs())  # as gateways do
     fleet = _fleet_config(args, listen)
     adapter_dir = os.path.join(settings.data_dir(), "adapters")
     core, tokenizer = create_engine(_engine_config(args, args.seed, adapter_dir), progress=True)

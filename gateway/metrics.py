@@ -315,6 +315,19 @@ ENGINE_FIGURES = (
         lambda s: s.num_kv_disk_checksum_failures,
     ),
     _engine_figure(
+        "strata:kv_disk_pages_recovered",
+        "counter",
+        "KV pages a worker's persistent disk tier indexed from an earlier run",
+        lambda s: s.num_kv_disk_pages_recovered,
+    ),
+    _engine_figure(
+        "strata:kv_disk_pages_rejected",
+        "counter",
+        "KV pages of an earlier run turned away (torn, garbage, another model's, or failing "
+        "their checksum when read): misses",
+        lambda s: s.num_kv_disk_pages_rejected,
+    ),
+    _engine_figure(
         "strata:kv_disk_read_ahead_bytes",
         "gauge",
         "Bytes of KV pages read from disk for waiting requests, held in memory",

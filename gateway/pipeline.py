@@ -83,6 +83,7 @@ class Ticket:
     settled: bool = False
     keeper: asyncio.Task[None] | None = None
     ending: asyncio.Event = field(default_factory=asyncio.Event)
+    record: UsageRecord | None = None  # its usage, once settled (for the access log)
 
     def begin(self) -> bool:
         """Mark the job as running; False when it was settled before it could start."""
@@ -474,6 +475,7 @@ class Pipeline:
             started_at=job.started_at,
             finished_at=time.time(),
         )
+        ticket.record = record
         self.ledger.submit(record)
         self.metrics.finished(record, tally.first_token_at, job.started)
         if ticket.reserved:

@@ -16,6 +16,7 @@ from tenants.alerts import AlertStore
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger
 from tenants.registry import TenantRegistry
+from tenants.residency import ResidencyLedger
 
 
 def _opened(state: State) -> GatewayState:
@@ -59,6 +60,10 @@ def provide_store(state: State) -> object:
     return _opened(state).redis
 
 
+def provide_residency(state: State) -> ResidencyLedger:
+    return _opened(state).residency
+
+
 def provide_alerts(state: State) -> AlertStore:
     return _opened(state).alerts
 
@@ -79,6 +84,7 @@ DEPENDENCIES = {
         ("metrics", provide_metrics),
         ("settings", provide_settings),
         ("store", provide_store),
+        ("residency", provide_residency),
         ("started_at", provide_started_at),
         ("alerts", provide_alerts),
     )

@@ -22,6 +22,11 @@ def log_level() -> str:
     return os.environ.get("STRATA_LOG_LEVEL", "INFO").upper()
 
 
+def json_logs() -> bool:
+    """Whether logs are JSON lines ($STRATA_LOG_FORMAT=json, the default) or plain text."""
+    return os.environ.get("STRATA_LOG_FORMAT", "json") == "json"
+
+
 def data_dir() -> str:
     return os.environ.get("STRATA_DATA_DIR", ".strata")
 
@@ -71,6 +76,8 @@ class GatewaySettings:
     max_body_bytes: int = 2 * 1024 * 1024
     lease_ttl_s: float = 300.0
     auth_cache_ttl_s: float = 10.0
+    # how often the workers' KV residency totals are recorded for billing
+    kv_residency_interval_s: float = 60.0
     json_logs: bool = True
     # set by `strata gateway --workers N` in each of its processes: which one this is
     # (0..N-1, the `process` label of its metrics), and the directory where the N processes
@@ -122,7 +129,7 @@ class GatewaySettings:
             "worker_tls_ca": env.get("STRATA_WORKER_TLS_CA") or None,
             "host": env.get("STRATA_HOST", "127.0.0.1"),
             "port": int(env.get("STRATA_PORT", "8000")),
-            "json_logs": env.get("STRATA_LOG_FORMAT", "json") == "json",
+            "json_logs": json_logs(),
             "routing": env.get("STRATA_ROUTING", "kv_aware"),
         }
         aliases = env.get("STRATA_MODEL_ALIASES", "")

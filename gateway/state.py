@@ -16,6 +16,7 @@ from tenants.alerts import AlertStore
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger, LedgerWriter
 from tenants.registry import TenantRegistry
+from tenants.residency import ResidencyLedger
 
 
 @dataclass
@@ -31,6 +32,7 @@ class GatewayState:
     adapters: AdapterResolver
     pipeline: Pipeline
     metrics: GatewayMetrics
+    residency: ResidencyLedger
     started_at: float
     alerts: AlertStore  # raise_alert(...) from anywhere: tenants/alerts.py
     dispatcher: AlertDispatcher

@@ -1,7 +1,10 @@
-"""The disk tier: KV pages in one preallocated, unlinked file, with a CRC-32 per page.
+"""The disk tier: KV pages in one preallocated file, each with a header and a CRC-32
+(kvstore/disk_page.py). The file is anonymous (unlinked at once), or persistent: kept in its
+directory and indexed again, in the background, when the next worker opens it.
 
-Writes and reads ahead run on a few threads; the pool's state changes on the caller's thread
-only. A page that fails its check is a miss. The design is in docs/design/kv-pages-and-tiers.md.
+Writes, reads ahead and that indexing run on a few threads; the pool's state changes on the
+caller's thread only. A page that fails a check is a miss. The design is in
+docs/design/kv-pages-and-tiers.md.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import errno
 import logging
 import mmap
 import os
+import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -19,30 +23,31 @@ from pathlib import Path
 import torch
 
 from kvstore.base import PageOwners
+from kvstore.disk_file import open_anonymous, open_persistent
+from kvstore.disk_page import HEADER_NBYTES, PageFormat, disk_slot_nbytes, pack_header
+from kvstore.disk_recovery import Recovery
 
 log = logging.getLogger(__name__)
 
-_ALIGN = 4096  # O_DIRECT offsets, sizes and buffers are multiples of this
 _SPARE_STAGING_BYTES = 256 << 20  # finished writes' staging buffers kept for the next ones
 _WRITE_THREADS = 4  # writes in flight at once: one at a time leaves the disk idle between them
 _READ_THREADS = 4  # reads in flight at once, for the same reason
 PREFETCH_BYTES = 256 << 20  # read-ahead buffers of several requests at once, at most
 
 
-def disk_slot_nbytes(page_nbytes: int) -> int:
-    """Bytes one page takes on disk (rounded up for O_DIRECT)."""
-    return -(-page_nbytes // _ALIGN) * _ALIGN
+__all__ = ["PREFETCH_BYTES", "DiskKVPool", "DiskPrefetch", "PageFormat", "disk_slot_nbytes"]
 
 
 class _Write:
     """A page on its way to its slot: `future` gives its CRC-32 once it is on disk."""
 
-    __slots__ = ("future", "key", "staging")
+    __slots__ = ("future", "key", "owner", "staging")
 
-    def __init__(self, future: Future[int], staging: mmap.mmap, key: bytes) -> None:
+    def __init__(self, future: Future[int], staging: mmap.mmap, key: bytes, owner: str) -> None:
         self.future = future
         self.staging = staging
         self.key = key
+        self.owner = owner
 
 
 class DiskPrefetch:
@@ -92,26 +97,37 @@ class DiskPrefetch:
 
 
 class DiskKVPool:
-    """`num_blocks` page slots in one preallocated file under `directory`.
+    """`num_blocks` page slots in one preallocated file under `directory`, pages written
+    as `page_format`.
+
+    `persistent`: the file stays in `directory` (locked while open; a second worker there
+    takes the next name, kvstore/disk_file.py), and the pages an earlier run left in it are
+    indexed on a thread: the slots not yet scanned are neither used nor free, and
+    `adopt_recovered` takes in what the scan found so far. Otherwise the file is unlinked
+    as soon as it is open.
 
     Raises OSError when the file cannot be created or preallocated at all; a partial
     preallocation (a nearly full disk) keeps the slots that fit.
     """
 
-    def __init__(self, directory: Path, page_nbytes: int, num_blocks: int) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        page_nbytes: int,
+        num_blocks: int,
+        *,
+        persistent: bool = False,
+        page_format: PageFormat | None = None,
+    ) -> None:
         assert num_blocks > 0
         self.page_nbytes = page_nbytes
         self.slot_nbytes = disk_slot_nbytes(page_nbytes)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / f"strata-kv-{os.getpid()}-{id(self):x}.pages"
-        self.direct = True
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
-        try:
-            self.fd = os.open(self.path, flags | getattr(os, "O_DIRECT", 0), 0o600)
-        except OSError:
-            self.direct = False  # tmpfs and some others refuse O_DIRECT
-            self.fd = os.open(self.path, flags, 0o600)
-        self.path.unlink()
+        self.page_format = page_format or PageFormat()
+        self.persistent = persistent
+        tag = f"{id(self):x}"
+        opened = open_persistent(directory) if persistent else open_anonymous(directory, tag)
+        self.fd, self.path, self.direct = opened.fd, opened.path, opened.direct
+        self._recovery: Recovery | None = None
         try:
             self.num_blocks = self._preallocate(num_blocks)
         except OSError:
@@ -119,7 +135,12 @@ class DiskKVPool:
             raise
         self.slots: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
         self.owners = PageOwners()
-        self._free = list(range(self.num_blocks - 1, -1, -1))
+        # slots an earlier run may have written: scanned in the background
+        num_scan = min(self.num_blocks, -(-opened.num_existing_bytes // self.slot_nbytes))
+        self._free = list(range(self.num_blocks - 1, num_scan - 1, -1))
+        self._recovered: set[int] = set()  # slots holding pages of an earlier run
+        self.num_recovered = 0  # pages indexed from an earlier run
+        self.num_rejected = 0  # pages of an earlier run turned away: torn, garbage, foreign
         self._checksums: dict[int, int] = {}  # of the pages whose writes are retired
         self._pending: dict[int, _Write] = {}  # by slot, oldest first
         self._spare: list[mmap.mmap] = []  # staging buffers of finished writes
@@ -128,6 +149,15 @@ class DiskKVPool:
         self._prefetches: list[DiskPrefetch] = []  # not yet released, or still reading
         self.num_write_errors = 0
         self.num_checksum_failures = 0
+        if num_scan:
+            self._recovery = Recovery(
+                self.fd,
+                num_scan,
+                self.slot_nbytes,
+                opened.num_existing_bytes,
+                self.page_format,
+                page_nbytes,
+            )
 
     def _preallocate(self, num_blocks: int) -> int:
         """Reserve the file's space; on a disk too full for all of it, keep what fits."""
@@ -185,17 +215,29 @@ class DiskKVPool:
         # forgotten, and this one goes to the disk after it
         earlier = self._pending.pop(slot, None)
         after = None if earlier is None else earlier.future
-        future = self._io.submit(self._write_slot, staging, slot, after)
-        self._pending[slot] = _Write(future, staging, key)  # oldest first: in queued order
+        header = (key, owner, time.time_ns())
+        future = self._io.submit(self._write_slot, staging, slot, after, header)
+        self._pending[slot] = _Write(future, staging, key, owner)  # oldest first: queued order
         self.slots[key] = slot
         self.owners.add(key, owner)
         return True
 
-    def _write_slot(self, staging: mmap.mmap, slot: int, after: Future[int] | None) -> int:
-        """Writer thread: the staged page's CRC-32, once it is written to `slot` (after
-        `after`, the slot's earlier write: queued before, so running or done already)."""
+    def _write_slot(
+        self,
+        staging: mmap.mmap,
+        slot: int,
+        after: Future[int] | None,
+        header: tuple[bytes, str, int],
+    ) -> int:
+        """Writer thread: the staged page's CRC-32, once it is written to `slot` with its
+        header (key, owner, sequence), after `after`, the slot's earlier write (queued
+        before, so running or done already)."""
         with memoryview(staging) as view:
             crc = zlib.crc32(view[: self.page_nbytes])
+        key, owner, sequence = header
+        staging[self.slot_nbytes - HEADER_NBYTES :] = pack_header(
+            self.page_format, key, owner, self.page_nbytes, crc, sequence
+        )
         if after is not None:
             wait([after])
         written = os.pwritev(self.fd, [staging], slot * self.slot_nbytes)
@@ -226,16 +268,22 @@ class DiskKVPool:
                 self._checksums.get(slot)
             )
         if not intact:
-            self.num_checksum_failures += 1
+            self._count_failure(slot)
             log.warning("KV disk tier: page %d failed its checksum; treating it as a miss", slot)
             self._forget(key)
             return None
         return torch.frombuffer(buf, dtype=torch.uint8, count=self.page_nbytes)
 
+    def _count_failure(self, slot: int) -> None:
+        self.num_checksum_failures += 1
+        if slot in self._recovered:  # a page of an earlier run torn after its header
+            self.num_rejected += 1
+
     def _forget(self, key: bytes, reuse: bool = True) -> None:
         slot = self.slots.pop(key)
         self.owners.remove(key)
         self._checksums.pop(slot, None)
+        self._recovered.discard(slot)
         if reuse:
             self._free.append(slot)
 
@@ -331,7 +379,7 @@ class DiskKVPool:
                     fetch.good.add(key)
                     continue
                 if self.slots.get(key) == slot and self._checksums.get(slot) == crc:
-                    self.num_checksum_failures += 1
+                    self._count_failure(slot)
                     log.warning("KV disk tier: page %d: %s; treating it as a miss", slot, error)
                     self._forget(key)
         return True
@@ -351,10 +399,55 @@ class DiskKVPool:
     def _retire(self) -> None:
         self._prefetches = [f for f in self._prefetches if not (f.released and f.done)]
 
+    # -- pages of an earlier run ---------------------------------------------------------
+
+    @property
+    def recovering(self) -> bool:
+        """Whether slots an earlier run left are still to be indexed."""
+        recovery = self._recovery
+        return recovery is not None and not (recovery.finished.is_set() and not recovery.batches)
+
+    def adopt_recovered(self) -> int:
+        """Take in the pages the background scan has found since the last call: each one
+        joins the index as less recently used than any page already here (the newest of a
+        batch last), with the checksum its header gives, checked when it is read; slots
+        holding nothing usable become free. Returns how many pages joined."""
+        recovery = self._recovery
+        if recovery is None or not recovery.batches:
+            return 0
+        num_adopted = 0
+        while recovery.batches:
+            batch = recovery.batches.popleft()
+            self._free.extend(batch.free)
+            self.num_rejected += batch.num_rejected
+            newest_first = sorted(batch.pages, key=lambda p: p[1].sequence, reverse=True)
+            for slot, header in newest_first:
+                if header.key in self.slots:  # an older copy, or written again since
+                    self._free.append(slot)
+                    continue
+                self.slots[header.key] = slot
+                self.slots.move_to_end(header.key, last=False)
+                self.owners.add(header.key, header.owner)
+                self._checksums[slot] = header.payload_crc
+                self._recovered.add(slot)
+                num_adopted += 1
+        self.num_recovered += num_adopted
+        return num_adopted
+
+    def wait_recovered(self, timeout: float | None = None) -> bool:
+        """Block until the background scan has finished (or `timeout` seconds), then adopt
+        what it found; whether it has finished."""
+        if self._recovery is not None and not self._recovery.finished.wait(timeout):
+            return False
+        self.adopt_recovered()
+        return True
+
     def check_integrity(self) -> None:
         used = list(self.slots.values())
         assert len(set(used)) == len(used), "two disk pages share a slot"
         assert not set(used) & set(self._free), "a disk slot is both used and free"
+        assert len(set(self._free)) == len(self._free), "a disk slot is free twice"
+        assert self._recovered <= set(used), "a recovered slot holds no page"
         for slot in used:
             assert slot in self._checksums or slot in self._pending, "a disk page has no checksum"
         self.owners.check(self.slots)
@@ -363,6 +456,10 @@ class DiskKVPool:
         ), "reads ahead exceed their budget"
 
     def close(self) -> None:
+        """Finish the writes under way (a persistent file then holds every page written)
+        and close the file, which lets go of its lock."""
+        if self._recovery is not None:
+            self._recovery.stop()
         io = getattr(self, "_io", None)
         if io is not None:
             io.shutdown(wait=True)

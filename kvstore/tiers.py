@@ -17,7 +17,7 @@ import torch
 
 from kvstore.base import PageOwners
 from kvstore.device_pool import DeviceKVPool
-from kvstore.disk import DiskKVPool, DiskPrefetch
+from kvstore.disk import DiskKVPool, DiskPrefetch, PageFormat
 from kvstore.hostmem import pinned_zeros
 
 log = logging.getLogger(__name__)
@@ -113,8 +113,12 @@ class TieredKVStore:
         host_blocks: int,
         disk_blocks: int = 0,
         disk_dir: Path | None = None,
+        disk_persistent: bool = False,
+        page_format: PageFormat | None = None,
         pin: bool = False,
     ) -> None:
+        """`disk_persistent`: the disk tier's file stays in `disk_dir` and what an earlier
+        run left there written as `page_format` is found again (kvstore/disk.py)."""
         self.page_nbytes = page_nbytes
         self.host = HostKVPool(page_nbytes, host_blocks, pin=pin) if host_blocks > 0 else None
         self.disk: DiskKVPool | None = None
@@ -122,7 +126,13 @@ class TieredKVStore:
             if disk_dir is None:
                 raise ValueError("a disk tier needs a directory")
             try:
-                self.disk = DiskKVPool(disk_dir, page_nbytes, disk_blocks)
+                self.disk = DiskKVPool(
+                    disk_dir,
+                    page_nbytes,
+                    disk_blocks,
+                    persistent=disk_persistent,
+                    page_format=page_format,
+                )
             except OSError as exc:
                 log.warning("KV disk tier disabled: %s", exc)
         self.num_spilled = {Tier.HOST: 0, Tier.DISK: 0}
@@ -149,6 +159,11 @@ class TieredKVStore:
                 disk.slots.move_to_end(key)
             return Tier.DISK
         return None
+
+    def adopt_recovered(self) -> int:
+        """Index the disk pages of an earlier run found since the last call (kvstore/disk.py);
+        how many."""
+        return 0 if self.disk is None else self.disk.adopt_recovered()
 
     def set_allowance(self, owner: str, host_blocks: int | None, disk_blocks: int | None) -> None:
         """At most this many of `owner`'s pages in each tier (None: no limit of its own)."""

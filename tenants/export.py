@@ -369,14 +369,28 @@ def export_usage(
         rows, columns = _request_rows(records, book), REQUEST_COLUMNS
     else:
         rows, columns = _period_rows(records, book, _PERIOD_SECONDS[granularity]), PERIOD_COLUMNS
-    encoder: _RowEncoder
+    return _stream(rows, _encoder(fmt, columns), chunk_bytes)
+
+
+def encode_rows(
+    rows: AsyncIterator[Sequence[object]],
+    columns: Sequence[str],
+    fmt: ExportFormat,
+    chunk_bytes: int = 64 * 1024,
+) -> AsyncIterator[bytes]:
+    """Any rows of `columns` as an export document in `fmt`, the encodings usage exports
+    use. Raises ExportError for an unknown `fmt`."""
+    if fmt not in get_args(ExportFormat):
+        raise ExportError(f"unknown export format {fmt!r}")
+    return _stream(rows, _encoder(fmt, columns), chunk_bytes)
+
+
+def _encoder(fmt: ExportFormat, columns: Sequence[str]) -> _RowEncoder:
     if fmt == "csv":
-        encoder = _CsvEncoder(columns)
-    elif fmt == "ndjson":
-        encoder = _NdjsonEncoder(columns)
-    else:
-        encoder = _JsonArrayEncoder(columns)
-    return _stream(rows, encoder, chunk_bytes)
+        return _CsvEncoder(columns)
+    if fmt == "ndjson":
+        return _NdjsonEncoder(columns)
+    return _JsonArrayEncoder(columns)
 
 
 async def _stream(

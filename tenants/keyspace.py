@@ -85,3 +85,17 @@ async def read_key(client: aioredis.Redis, key_id: str) -> StoredKey:
     if raw is None:
         raise NotFoundError("key", key_id)
     return decode_key(raw)
+
+
+# -- the operator's side: admin tokens and the audit log -----------------------------------
+
+ADMIN_TOKENS = "strata:adm:all"
+AUDIT_STREAM = "strata:audit"
+
+
+def admin_token(token_id: str) -> str:
+    return f"strata:adm:rec:{token_id}"
+
+
+def admin_token_hash(secret_hash: str) -> str:
+    return f"strata:adm:hash:{secret_hash}"

@@ -1,5 +1,7 @@
 """The operator's REST API: tenants, keys, policies, adapters, prices, usage and exports.
-Every route needs the admin token; handlers only delegate to the tenants services."""
+Every route needs an admin token whose role gives its access level (`gateway.admin_access`:
+what billing tokens may read says so with `opt=BILLING`); handlers only delegate to the
+tenants services."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from gateway.adapters import (
     register_adapter,
     register_upload,
 )
+from gateway.admin_access import BILLING
 from gateway.auth import requires_admin_token
 from gateway.fleet import Fleet, WorkerHandle
 from gateway.kv_index import KVIndex
@@ -214,7 +217,7 @@ class PriceController(Controller):
         await registry.put_price(data)
         return data
 
-    @get("/")
+    @get("/", opt=BILLING)
     async def list_all(self, registry: NamedDependency[TenantRegistry]) -> list[Price]:
         return await registry.list_prices()
 
@@ -228,7 +231,7 @@ class UsageController(Controller):
     guards = [requires_admin_token]  # noqa: RUF012
     tags = ["admin"]  # noqa: RUF012
 
-    @get("/export")
+    @get("/export", opt=BILLING)
     async def export(
         self,
         registry: NamedDependency[TenantRegistry],

@@ -11,6 +11,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody
 from litestar.response import Stream
 
+from gateway.access_log import access_logged
 from gateway.adapters import AdapterResolver
 from gateway.auth import auth_of, requires_api_key
 from gateway.errors import APIError, bad_request
@@ -43,7 +44,9 @@ Req = Request[Any, Any, Any]
 async def respond(pipeline: Pipeline, request: Req, job: Job, group: ModelGroup) -> Response[Any]:
     """Admit the job (and choose its worker), then stream it or run it to completion."""
     bind_request(job.request_id, auth_of(request).tenant.id)
+    request.state.job = job  # for the access log, as is the ticket
     ticket = await pipeline.admit(auth_of(request), job)
+    request.state.ticket = ticket
     try:  # a response format is compiled once admitted (a refusal settles the job)
         await group.preparer.check_grammar(job)
     except APIError:
@@ -105,6 +108,7 @@ def _start_request(request: Req, rid: str) -> float:
 class OpenAIController(Controller):
     path = "/v1"
     guards = [requires_api_key]  # noqa: RUF012  (Litestar reads class attributes)
+    middleware = [access_logged]  # noqa: RUF012
     tags = ["openai"]  # noqa: RUF012
 
     @post("/chat/completions", status_code=200)
@@ -203,6 +207,7 @@ class TokenizerController(Controller):
     the served model's tokenizer, for the base model or any adapter the caller may use."""
 
     guards = [requires_api_key]  # noqa: RUF012  (Litestar reads class attributes)
+    middleware = [access_logged]  # noqa: RUF012
     tags = ["tokenizer"]  # noqa: RUF012
 
     @post("/tokenize", status_code=200)

@@ -323,3 +323,14 @@ def test_no_token_is_one_line(tmp_path: Path):
     assert done.returncode == 2
     assert done.stderr.startswith("strata admin: no admin token")
     assert done.stderr.count("\n") == 1
+
+
+def test_kv_prices_and_residency(strata) -> None:
+    ran = strata("admin", "kv", "set-prices", "--device", "1.5", "--json")
+    assert ran.code == 0, ran.err
+    assert json.loads(ran.out) == {"device": 1.5}
+    ran = strata("admin", "kv", "set-prices", "--json", "--host", "0.02")
+    assert json.loads(ran.out) == {"device": 1.5, "host": 0.02}  # the device price is kept
+    assert strata("admin", "kv", "set-prices", "--disk", "-1").code == 2
+    ran = strata("admin", "kv", "residency", "--start", "1d")
+    assert ran.code == 0, ran.err

@@ -55,7 +55,13 @@ def test_each_workers_figures_carry_its_address() -> None:
         num_draft_tokens=40,
         num_accepted_draft_tokens=31,
     )
-    b = _stats(num_running=1, num_kv_disk_write_errors=2, num_kv_disk_checksum_failures=3)
+    b = _stats(
+        num_running=1,
+        num_kv_disk_write_errors=2,
+        num_kv_disk_checksum_failures=3,
+        num_kv_disk_pages_recovered=40,
+        num_kv_disk_pages_rejected=5,
+    )
     metrics.set_engine({A: a, B: b})
     v = _values(metrics)
     assert v[f'strata:num_requests_running{{worker="{A}"}}'] == 3
@@ -67,6 +73,8 @@ def test_each_workers_figures_carry_its_address() -> None:
     assert v[f'strata:kv_dropped_blocks_total{{worker="{A}"}}'] == 1
     assert v[f'strata:kv_disk_write_errors_total{{worker="{B}"}}'] == 2
     assert v[f'strata:kv_disk_checksum_failures_total{{worker="{B}"}}'] == 3
+    assert v[f'strata:kv_disk_pages_recovered_total{{worker="{B}"}}'] == 40
+    assert v[f'strata:kv_disk_pages_rejected_total{{worker="{B}"}}'] == 5
     assert v[f'strata:spec_decode_num_draft_tokens_total{{worker="{A}"}}'] == 40
     assert v[f'strata:spec_decode_num_accepted_tokens_total{{worker="{A}"}}'] == 31
     assert v[f'strata:kv_cache_bytes_per_token{{worker="{A}"}}'] == 18_432

@@ -171,12 +171,13 @@ def file_size_limit():
 
 def test_a_full_disk_degrades_to_fewer_cached_pages(tmp_path, caplog):
     page = 8192
+    slot = disk_module.disk_slot_nbytes(page)  # the page and its header
     with caplog.at_level(logging.WARNING), file_size_limit() as limit:
-        limit(3 * page)
+        limit(3 * slot)
         store = TieredKVStore(page, host_blocks=0, disk_blocks=10, disk_dir=tmp_path)
         disk = store.disk
         assert disk is not None
-        limit(page)  # now the disk "fills up" under the pages already placed
+        limit(slot)  # now the disk "fills up" under the pages already placed
         for b in range(2):
             store.put(key(b), torch.full((page,), b, dtype=torch.uint8))
         disk.reap(wait=True)
