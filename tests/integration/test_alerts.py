@@ -479,3 +479,17 @@ def test_a_store_outage_is_delivered_from_memory(tmp_path, private_store, strata
     finally:
         gateway.stop()
         worker.stop()
+
+
+def test_webhook_changes_are_audited_without_the_secret(alerts_gateway) -> None:
+    with alerts_gateway.admin() as admin:
+        created = register(admin, "https://ops.example.com/audited", ["*"])
+        hook_id = created["webhook"]["id"]
+        admin.delete(f"/admin/webhooks/{hook_id}")
+        export = admin.get("/admin/audit/export").text
+    entries = [json.loads(line) for line in export.splitlines()]
+    made = [e for e in entries if e["created_id"] == hook_id]
+    assert [(e["method"], e["status"]) for e in made] == [("POST", 201)]
+    gone = [e for e in entries if e["target"] == hook_id and e["method"] == "DELETE"]
+    assert [e["status"] for e in gone] == [204]
+    assert created["secret"] not in export
