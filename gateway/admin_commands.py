@@ -24,6 +24,16 @@ def _issue(call: Call) -> Any:
     return answer
 
 
+def _add_webhook(call: Call) -> Any:
+    answer = call.send()
+    print(
+        "strata admin: the webhook's signing secret is shown only this once: give it to the "
+        "receiver now",
+        file=sys.stderr,
+    )
+    return answer
+
+
 def _set_price(call: Call) -> Any:
     """PUT the model's price with the given fields changed and the others as they were."""
     model = call.args.model
@@ -112,6 +122,7 @@ def _kv_residency(call: Call) -> Any:
 # -- the table ---------------------------------------------------------------------------------
 
 KEY = pos("key_id", "the key's id (key_...)")
+WEBHOOK = pos("webhook_id", "the webhook's id (wh_...), as `webhooks list` shows it")
 WORKER = opt("worker_id", help="the worker's id, as `workers list` shows it")
 WINDOW = (
     opt("--tenant", help="a tenant's id or name (default: every tenant)", to="query", tenant=True),
@@ -257,6 +268,7 @@ GROUPS = {
     "tokens": "create, list, show and revoke admin tokens (roles admin, billing, viewer)|token",
     "audit": "the audit log of admin and console changes",
     "kv": "KV cache residency: prices per GiB-hour of each tier, and what tenants held",
+    "webhooks": "alerts delivered as signed webhooks: add, list, delete, test|webhook",
 }
 
 COMMANDS: tuple[Command, ...] = (
@@ -568,6 +580,62 @@ COMMANDS: tuple[Command, ...] = (
     ),
     *TOKEN_COMMANDS,
     *AUDIT_COMMANDS,
+    Command(
+        "webhooks",
+        "add",
+        "POST",
+        "/admin/webhooks/",
+        "register a webhook for alerts; its signing secret is printed once",
+        args=(
+            opt("endpoint", help="where alerts are POSTed (http:// or https://)", field="url"),
+            opt(
+                "--events",
+                help="comma-separated: budget_threshold, worker_lost, store_unreachable, "
+                "store_recovered, or * for all (default: *)",
+                type=names,
+                metavar="EVENT,...",
+            ),
+            opt("--description", help="what the webhook is for"),
+        ),
+        run=_add_webhook,
+    ),
+    Command(
+        "webhooks",
+        "list",
+        "GET",
+        "/admin/webhooks/",
+        "every webhook (never their secrets)",
+        columns=("id", "url", "events", "description", "created_at"),
+    ),
+    Command(
+        "webhooks",
+        "delete",
+        "DELETE",
+        "/admin/webhooks/{webhook_id}",
+        "delete a webhook: it gets no more alerts",
+        args=(WEBHOOK,),
+        done="deleted webhook {webhook_id}",
+    ),
+    Command(
+        "webhooks",
+        "test",
+        "POST",
+        "/admin/webhooks/{webhook_id}/test",
+        "send the webhook a test event",
+        args=(WEBHOOK,),
+    ),
+    Command(
+        "webhooks",
+        "deliveries",
+        "GET",
+        "/admin/webhooks/{webhook_id}/deliveries",
+        "the webhook's latest delivery attempts, newest first",
+        args=(
+            WEBHOOK,
+            opt("--limit", help="how many (1-100, default 50)", to="query", type=int),
+        ),
+        columns=("attempted_at", "event_id", "type", "attempt", "status_code", "error"),
+    ),
 )
 
 
@@ -778,8 +846,8 @@ def add_admin_commands(sub: Any) -> None:
     """`strata admin …`, and `strata usage …` as a shorter name for `strata admin usage …`."""
     add_admin(
         sub,
-        "manage tenants, keys, policies, adapters, prices, usage, workers, admin tokens "
-        "and the audit log",
+        "manage tenants, keys, policies, adapters, prices, usage, workers, webhooks, admin "
+        "tokens and the audit log",
         COMMANDS,
         GROUPS,
     )

@@ -21,6 +21,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
 from gateway.adapters import AdapterResolver
+from gateway.alerts import AlertDispatcher
 from gateway.audit import record_admin_change
 from gateway.errors import APIError, exception_handlers, invalid_field, invalid_json
 from gateway.fleet import Fleet
@@ -31,7 +32,7 @@ from gateway.prices import PriceCache
 from gateway.providers import DEPENDENCIES
 from gateway.residency import record_forever, record_once
 from gateway.router import RoutingPolicy
-from gateway.routes import admin, ops, spend
+from gateway.routes import admin, alerts, ops, spend
 from gateway.routes import residency as residency_routes
 from gateway.routes.openai import OpenAIController, TokenizerController
 from gateway.routes.tokens import AuditController, TokenController
@@ -39,6 +40,7 @@ from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
 from gateway.ui import console_router, template_config, to_console
 from policies.admission import Admission
+from tenants.alerts import AlertStore
 from tenants.journal import LedgerJournal
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger, LedgerWriter
@@ -88,7 +90,11 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
         aliases=settings.alias_targets(),
     )
     metrics = GatewayMetrics(process_index=settings.process_index, shared_dir=settings.metrics_dir)
+    alert_store = AlertStore(redis, on_raised=metrics.alert_raised)
+    dispatcher = AlertDispatcher(alert_store, metrics, settings.alerts)
+    fleet.on_lost = dispatcher.worker_left
     try:
+        await dispatcher.start()
         await fleet.start()
         residency = ResidencyLedger(redis)
         admission = Admission(redis, lease_ttl_s=settings.lease_ttl_s)
@@ -107,6 +113,8 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
             metrics=metrics,
             residency=residency,
             started_at=time.time(),
+            alerts=alert_store,
+            dispatcher=dispatcher,
         )
         recorder = asyncio.create_task(
             record_forever(fleet, residency, settings.kv_residency_interval_s)
@@ -133,6 +141,7 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
                 journal.root,
             )
         await keys.stop()
+        await dispatcher.close()
         await fleet.close()
         await redis.aclose()
 
@@ -190,6 +199,7 @@ def create_app(settings: GatewaySettings) -> Litestar:
             spend.KeyBudgetController,
             spend.TenantSpendController,
             spend.BudgetEventController,
+            alerts.WebhookController,
             ops.health,
             ops.ready,
             ops.metrics,

@@ -127,8 +127,9 @@ def _target(params: dict[str, str], change: Any, created_id: str | None) -> str 
 
 
 def _created_id(answer: Any) -> str | None:
-    """The id of what a POST made: `id`, or that of the record it wraps (`key`, `token`)."""
-    for record in (answer, _field(answer, "key"), _field(answer, "token")):
+    """The id of what a POST made: `id`, or that of the record it wraps (`key`, `token`,
+    `webhook`)."""
+    for record in (answer, *(_field(answer, k) for k in ("key", "token", "webhook"))):
         if isinstance(found := _field(record, "id"), str):
             return found
     return None

@@ -7,7 +7,8 @@ its connection proves the secret too; it leaves when its connection ends (it die
 its record expires (it stopped beating), on its `leave` event, or when its model's shape
 disagrees with the workers already serving that model id. The view is refreshed every
 `REFRESH_S` and on every join event; with the store out of reach the gateway keeps routing
-on the last view (`registry_ok` says so).
+on the last view (`registry_ok` says so). `on_lost` hears of each worker that left because
+its connection ended or its heartbeat stopped (gateway/alerts.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter as Tally
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -148,6 +149,7 @@ class Fleet:
         self._tasks: list[asyncio.Task[None]] = []
         self._refresh_now = asyncio.Event()
         self._refused: dict[str, float] = {}  # worker id -> when it may be tried again
+        self.on_lost: Callable[[WorkerHandle], None] | None = None
         for address in addresses:
             handle = WorkerHandle(address, address, self._client(address), static=True)
             self.workers[handle.worker_id] = handle
@@ -229,10 +231,10 @@ class Fleet:
 
     def _on_disconnect(self, handle: WorkerHandle, reason: str) -> None:
         if self.workers.get(handle.worker_id) is handle:
-            self._leave(handle.worker_id, reason)
+            self._leave(handle.worker_id, reason, lost=True)
             self._refused.pop(handle.worker_id, None)  # back with its next heartbeat
 
-    def _leave(self, worker_id: str, reason: str) -> None:
+    def _leave(self, worker_id: str, reason: str, *, lost: bool = False) -> None:
         handle = self.workers.get(worker_id)
         if handle is None or handle.static:
             return
@@ -242,6 +244,8 @@ class Fleet:
             group.workers.pop(worker_id, None)
         asyncio.get_running_loop().create_task(handle.client.close())
         log.warning("worker %s left the fleet (%s)", worker_id, reason)
+        if lost and self.on_lost is not None:
+            self.on_lost(handle)
 
     # -- the registry ---------------------------------------------------------------------
 
@@ -288,8 +292,10 @@ class Fleet:
             live[worker_id] = record
         for worker_id in [w for w, h in self.workers.items() if not h.static]:
             if worker_id not in live:
-                why = "its heartbeat stopped" if worker_id not in ids else "its record is invalid"
-                self._leave(worker_id, why)
+                if worker_id not in ids:
+                    self._leave(worker_id, "its heartbeat stopped", lost=True)
+                else:
+                    self._leave(worker_id, "its record is invalid")
         for worker_id, record in live.items():
             handle = self.workers.get(worker_id)
             if handle is not None and handle.address != record.address:

@@ -90,6 +90,20 @@ class GatewayMetrics:
             ["tenant"],
             registry=r,
         )
+        self.webhook_deliveries = Counter(
+            "strata:webhook_deliveries",
+            "Alert webhook delivery attempts: ok, retried (failed, tried again later) or "
+            "failed (the last attempt failed: given up)",
+            ["result"],
+            registry=r,
+        )
+        self.alerts = Counter(
+            "strata:alerts_raised",
+            "Alerts raised by this replica (result raised), or not raised because the same "
+            "alert was raised already, by any replica (result duplicate)",
+            ["type", "result"],
+            registry=r,
+        )
         process = str(process_index)
         self.responses = Counter(
             "strata:gateway_responses",
@@ -139,6 +153,12 @@ class GatewayMetrics:
 
     def store_bypassed(self, tenant: str) -> None:
         self.store_bypass.labels(tenant).inc()
+
+    def webhook_delivered(self, result: str) -> None:
+        self.webhook_deliveries.labels(result).inc()
+
+    def alert_raised(self, kind: str, result: str) -> None:
+        self.alerts.labels(kind, result).inc()
 
     def finished(self, rec: UsageRecord, first_token_at: float | None, started: float) -> None:
         t, model = rec.tenant_id, rec.model

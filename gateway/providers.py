@@ -12,6 +12,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
 from gateway.state import GatewayState
+from tenants.alerts import AlertStore
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger
 from tenants.registry import TenantRegistry
@@ -63,6 +64,10 @@ def provide_residency(state: State) -> ResidencyLedger:
     return _opened(state).residency
 
 
+def provide_alerts(state: State) -> AlertStore:
+    return _opened(state).alerts
+
+
 def provide_started_at(state: State) -> float:
     return _opened(state).started_at
 
@@ -81,5 +86,6 @@ DEPENDENCIES = {
         ("store", provide_store),
         ("residency", provide_residency),
         ("started_at", provide_started_at),
+        ("alerts", provide_alerts),
     )
 }

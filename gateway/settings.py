@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from engine.handshake import ClientAuth, check_secret
+from gateway.webhooks import AlertConfig
 
 
 def cache_dir() -> str:
@@ -83,6 +84,7 @@ class GatewaySettings:
     # keep their metrics, so that a scrape answered by any of them reads their sums
     process_index: int = 0
     metrics_dir: str | None = None
+    alerts: AlertConfig = field(default_factory=AlertConfig)  # webhook delivery and backoff
 
     def __post_init__(self) -> None:
         if self.process_index < 0:

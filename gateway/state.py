@@ -6,11 +6,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.adapters import AdapterResolver
+from gateway.alerts import AlertDispatcher
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
 from policies.admission import Admission
+from tenants.alerts import AlertStore
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger, LedgerWriter
 from tenants.registry import TenantRegistry
@@ -32,3 +34,5 @@ class GatewayState:
     metrics: GatewayMetrics
     residency: ResidencyLedger
     started_at: float
+    alerts: AlertStore  # raise_alert(...) from anywhere: tenants/alerts.py
+    dispatcher: AlertDispatcher

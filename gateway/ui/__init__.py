@@ -19,6 +19,7 @@ from litestar.response import Redirect, Template
 from litestar.static_files import create_static_files_router
 from litestar.template.config import TemplateConfig
 
+from gateway.ui.alerts import AlertPages
 from gateway.ui.audit import AuditPages
 from gateway.ui.catalog import AdapterPages, ModelPages
 from gateway.ui.keys import KeyPages
@@ -36,7 +37,16 @@ from gateway.ui.usage import UsagePages
 from tenants.errors import NotFoundError
 
 HERE = Path(__file__).parent
-PAGES = (OverviewPage, TenantPages, KeyPages, AdapterPages, ModelPages, UsagePages, AuditPages)
+PAGES = (
+    OverviewPage,
+    TenantPages,
+    KeyPages,
+    AdapterPages,
+    ModelPages,
+    UsagePages,
+    AlertPages,
+    AuditPages,
+)
 
 # the console's pages load only their own scripts and styles, and are never framed
 SECURITY_HEADERS = {
