@@ -31,7 +31,9 @@ from engine.fleet import WORKERS
 from gateway.fleet import WorkerHandle
 from gateway.metrics import GatewayMetrics
 from gateway.webhooks import AlertConfig, Outcome, new_client, post
+from policies.admission import BUDGET_EVENTS
 from tenants.alerts import AlertEvent, AlertStore, Delivery, StoredWebhook, new_event
+from tenants.records import nanos_to_usd
 from tenants.store import ping
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _CONSUMER_GONE_MS = 3600_000  # a consumer idle this long, holding nothing, is removed
 _STORE_ERRORS = (aioredis.RedisError, OSError, TimeoutError)
+BUDGET_ALERT_CURSOR = "strata:alerts:budget-cursor"  # the last crossing raised as an alert
 
 
 class AlertDispatcher:
@@ -60,6 +63,7 @@ class AlertDispatcher:
             ("alerts-read", self._read_loop),
             ("alerts-claim", self._claim_loop),
             ("alerts-store", self._watch_store),
+            ("alerts-budgets", self._budget_loop),
         ):
             self._spawn(loop(), name)
 
@@ -106,6 +110,46 @@ class AlertDispatcher:
             )
         except _STORE_ERRORS as exc:
             log.warning("worker %s was lost; no alert raised (%s)", handle.worker_id, exc)
+
+    # -- budget_threshold ----------------------------------------------------------------
+
+    async def _budget_loop(self) -> None:
+        """Budget thresholds crossed (admission appends them to the budget event stream)
+        become `budget_threshold` alerts. Every replica reads on from a cursor kept in the
+        store; the crossing's stream id dedupes, so a replica behind the others raises
+        nothing twice. A store without a cursor starts at its newest crossing."""
+        redis: Any = self.alerts.redis
+        while True:
+            try:
+                cursor = await redis.get(BUDGET_ALERT_CURSOR)
+                if cursor is None:
+                    newest = await redis.xrevrange(BUDGET_EVENTS, count=1)
+                    cursor = newest[0][0] if newest else b"0-0"
+                    await redis.set(BUDGET_ALERT_CURSOR, cursor, nx=True)
+                read: list[Any] = await redis.xread({BUDGET_EVENTS: cursor}, count=100, block=1000)
+                for _, entries in read:
+                    for entry_id, fields in entries:
+                        await self._raise_budget_alert(_text(entry_id), fields)
+                        await redis.set(BUDGET_ALERT_CURSOR, entry_id)
+            except _STORE_ERRORS:
+                await asyncio.sleep(self.config.store_check_s)
+
+    async def _raise_budget_alert(self, entry_id: str, fields: dict[Any, Any]) -> None:
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        await self.alerts.raise_alert(
+            "budget_threshold",
+            f["tenant_id"],
+            {
+                "tenant_id": f["tenant_id"],
+                "key_id": f.get("key_id") or None,
+                "scope": f["scope"],
+                "period": f["period"],
+                "threshold_pct": int(f["threshold_pct"]),
+                "limit_usd": nanos_to_usd(int(f["limit_nanos"])),
+                "spent_usd": nanos_to_usd(int(f["spent_nanos"])),
+            },
+            dedupe_key=f"budget_threshold:{entry_id}",
+        )
 
     # -- the stream ----------------------------------------------------------------------
 
@@ -258,6 +302,10 @@ class AlertDispatcher:
         for hook in self._webhooks:
             if hook.webhook.wants(kind):
                 self._spawn(self._deliver(hook, event, durable=False), f"alerts-{kind}")
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _unix(created: str) -> float:

@@ -493,3 +493,32 @@ def test_webhook_changes_are_audited_without_the_secret(alerts_gateway) -> None:
     gone = [e for e in entries if e["target"] == hook_id and e["method"] == "DELETE"]
     assert [e["status"] for e in gone] == [204]
     assert created["secret"] not in export
+
+
+def test_a_budget_threshold_crossed_is_one_signed_alert(alerts_gateway) -> None:
+    gw = alerts_gateway
+    tid, key = gw.new_tenant()
+    with Receiver() as receiver, gw.admin() as admin:
+        created = register(admin, receiver.url, ["budget_threshold"], "finance")
+        model = admin.get("/admin/workers/").json()[0]["model"]
+        r = admin.put("/admin/prices/", json={"model": model, "prompt_per_m": 1000.0})
+        assert r.status_code == 200, r.text
+        budget = {"limit_usd": "1", "period": "day", "thresholds": [1, 99]}
+        assert admin.put(f"/admin/tenants/{tid}/budget", json=budget).status_code == 200
+        for _ in range(2):  # the second crosses nothing new: still one alert
+            r = httpx.post(
+                f"{gw.url}/v1/completions",
+                json={"model": "default", "prompt": "Hello there", "max_tokens": 2},
+                headers={"authorization": f"Bearer {key}"},
+                timeout=60,
+            )
+            assert r.status_code == 200, r.text
+        headers, body = wait_until(lambda: receiver.requests and receiver.requests[0])
+        time.sleep(1.0)  # room for a second delivery, which must not come
+        assert len(receiver.requests) == 1
+        assert verify(created["secret"], headers, body)
+        event = json.loads(body)
+        assert (event["type"], event["subject"]) == ("budget_threshold", tid)
+        data = event["data"]
+        assert (data["tenant_id"], data["scope"], data["threshold_pct"]) == (tid, "tenant", 1)
+        assert data["limit_usd"] == "1.00" and data["key_id"].startswith("key_")  # who crossed
