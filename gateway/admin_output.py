@@ -36,7 +36,7 @@ def cell(name: str, value: Any) -> str:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
-    if (name == "at" or name.endswith("_at")) and isinstance(value, int | float):
+    if _is_time(name) and isinstance(value, int | float):
         return datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
     if isinstance(value, float) and value != int(value) and abs(value) < 1:
         return f"{value:.12f}".rstrip("0")  # costs in full, not as 4.2e-06
@@ -69,3 +69,8 @@ def _lookup(row: dict[str, Any], dotted: str) -> Any:
             return None
         value = value.get(part)
     return value
+
+
+def _is_time(name: str) -> bool:
+    """Fields holding unix seconds: `at`, `*_at`, and a period's `period_start`/`_end`."""
+    return name == "at" or name.endswith("_at") or name in ("period_start", "period_end")
