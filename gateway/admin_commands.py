@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from gateway.admin_cli import TENANT, AdminError, Arg, Call, Command, add_admin, add_group, opt, pos
-from gateway.admin_values import duration, instant, limit, names, policy_options, price
+from gateway.admin_values import (
+    duration,
+    instant,
+    limit,
+    names,
+    policy_options,
+    price,
+    seconds_at,
+)
 
 # -- hooks -------------------------------------------------------------------------------------
 
@@ -34,20 +43,31 @@ def _add_webhook(call: Call) -> Any:
     return answer
 
 
+def _in_force(call: Call, model: str) -> dict[str, Any] | None:
+    """The version of `model`'s price in force now (the latest to have taken effect)."""
+    now = time.time()
+    versions = [
+        p
+        for p in call.client.request("GET", "/admin/prices/")
+        if p["model"] == model and (p.get("effective_at") or 0) <= now
+    ]
+    return max(versions, key=lambda p: p.get("effective_at") or 0, default=None)
+
+
 def _set_price(call: Call) -> Any:
-    """PUT the model's price with the given fields changed and the others as they were."""
+    """PUT a new version of the model's price: the given fields changed, the others as in
+    the version in force, taking effect now or at --effective-at."""
     model = call.args.model
-    prices: list[dict[str, Any]] = call.client.request("GET", "/admin/prices/")
-    current = next((p for p in prices if p["model"] == model), {})
+    current = {k: v for k, v in (_in_force(call, model) or {}).items() if k != "effective_at"}
     body = {**current, **call.fields("body"), "model": model}
     return call.client.request("PUT", "/admin/prices/", json=body)
 
 
 def _show_price(call: Call) -> Any:
-    for entry in call.client.request("GET", "/admin/prices/"):
-        if entry["model"] == call.args.model:
-            return entry
-    raise AdminError(f"no price for {call.args.model!r}")
+    price = _in_force(call, call.args.model)
+    if price is None:
+        raise AdminError(f"no price for {call.args.model!r}")
+    return price
 
 
 def _upload_adapter(call: Call) -> Any:
@@ -469,6 +489,13 @@ COMMANDS: tuple[Command, ...] = (
         args=(
             Arg(("model",), "a model id, an adapter, or adapter@version", to="local"),
             *PRICE_OPTIONS,
+            opt(
+                "--effective-at",
+                help="when the new price takes effect: ISO 8601 date, unix seconds, or now "
+                "(default: now); past requests keep the price they were billed at",
+                type=seconds_at,
+                metavar="WHEN",
+            ),
         ),
         run=_set_price,
     ),

@@ -62,6 +62,11 @@ def duration(text: str) -> float:
     return seconds
 
 
+def seconds_at(text: str) -> float:
+    """`instant` as a number, for a JSON body."""
+    return float(instant(text))
+
+
 def instant(text: str) -> str:
     """A moment as unix seconds: `now`, an age (`7d`: seven days ago), unix seconds, or
     ISO 8601 (`2026-11-01`, `2026-11-01T12:00:00+02:00`; UTC unless it names an offset)."""

@@ -226,14 +226,20 @@ def test_prices_change_only_the_fields_given(strata):
     assert (
         strata("admin", "prices", "set", model, "--prompt", "0.15", "--completion", "0.6").code == 0
     )
-    strata("admin", "prices", "set", model, "--cached", "0.05")
+    assert strata("admin", "prices", "set", model, "--cached", "0.05").code == 0
     price = strata("admin", "prices", "show", model, "--json").json()
-    assert price == {
+    assert {k: v for k, v in price.items() if k != "effective_at"} == {
         "model": model,
         "prompt_per_m": 0.15,
         "cached_per_m": 0.05,
         "completion_per_m": 0.6,
     }
+    later = strata(
+        "admin", "prices", "set", model, "--prompt", "0.2", "--effective-at", "2099-01-01"
+    )
+    assert later.code == 0, later.err
+    shown = strata("admin", "prices", "show", model, "--json").json()
+    assert shown["prompt_per_m"] == 0.15  # the later price is not in force yet
     assert model in strata("admin", "prices", "list").out
     assert strata("admin", "prices", "delete", model).code == 0
     assert strata("admin", "prices", "show", model).code == 1
