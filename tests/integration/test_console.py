@@ -11,6 +11,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ CSRF_INPUT = re.compile(r'name="_csrf" value="([^"]+)"')
 @pytest.fixture(scope="module")
 def console_gateway(tmp_path_factory, strata_cache_dir) -> Iterator[GatewayServer]:
     """A gateway of the module's own (so its tenant list starts empty), a synthetic:tiny
-    worker behind it."""
+    worker behind it; KV residency is recorded every half second."""
     root = tmp_path_factory.mktemp("console")
     store = EmbeddedStore(root / "store")
     store.start()
@@ -43,7 +44,8 @@ def console_gateway(tmp_path_factory, strata_cache_dir) -> Iterator[GatewayServe
         strata_cache_dir,
     )
     worker.start()
-    server = GatewayServer(gateway_settings(store.url, worker, strata_cache_dir))
+    settings = gateway_settings(store.url, worker, strata_cache_dir, kv_residency_interval_s=0.5)
+    server = GatewayServer(settings)
     server.start()
     yield server
     server.stop()
@@ -333,6 +335,8 @@ def test_spend_chart_draws_the_cost_of_priced_requests(page, console_gateway) ->
     with console_gateway.admin() as admin:
         price = {"model": "synthetic:tiny", "prompt_per_m": 1000, "completion_per_m": 2000}
         assert admin.put("/admin/prices/", json=price).status_code == 200
+        # the tiny model's KV is a few KiB: a price high enough to show in micro-dollars
+        assert admin.put("/admin/kv-prices/", json={"device": 1e6}).status_code == 200
     tenant_id, secret = console_gateway.new_tenant()
     for _ in range(2):
         assert chat(console_gateway.url, secret).status_code == 200
@@ -340,11 +344,17 @@ def test_spend_chart_draws_the_cost_of_priced_requests(page, console_gateway) ->
         deadline = time.monotonic() + 30  # the ledger is written just after each response
         while True:
             report = admin.get(f"/admin/tenants/{tenant_id}/spend").json()
-            if report["requests"] == 2 or time.monotonic() > deadline:
+            held = admin.get(
+                "/admin/kv-residency/", params={"tenant": tenant_id, "format": "json"}
+            ).json()
+            kv_cost = sum(Decimal(str(r["cost"])) for r in held if r["tier"] == "device")
+            done = report["requests"] == 2 and kv_cost > 0
+            if done or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
     assert report["requests"] == 2
     assert report["cost_nanos"] > 0
+    assert kv_cost > 0
     sign_in(page)
     page.locator("nav").get_by_role("link", name="Spend").click()
     page.select_option("#spend-filter select[name=tenant]", tenant_id)
@@ -356,6 +366,10 @@ def test_spend_chart_draws_the_cost_of_priced_requests(page, console_gateway) ->
     assert page.inner_text("#spend-requests") == f"${report['cost_usd']}"
     cells = page.locator("#spend-rows tbody td:last-child").all_inner_texts()
     assert cells == [report["rows"][0]["cost_usd"]]
+    kv_rows = page.locator("#kv-rows tbody tr", has_text="device")
+    assert kv_rows.count() == 1
+    assert Decimal(kv_rows.locator("td:last-child").inner_text()) > 0
+    assert '"device":' in (page.locator("#spend-data").text_content() or "")
     shoot(page, "spend")
     page.goto(f"/ui/spend?tenant={tenant_id}&by=hour")
     page.locator("#spend-chart canvas").wait_for()
