@@ -113,7 +113,7 @@ class BudgetForms(Controller):
         tenant_id: FromPath[str],
     ) -> Template:
         await budgets.clear_tenant_budget(registry, store, tenant_id)
-        status = budgets.BudgetStatus(budget=None)
+        status = BudgetStatus(budget=None)
         return _budget_card(request, tenant_id, status, saved="Budget removed.")
 
     @post("/keys/{key_id:str}/limits", opt={"audit_action": "keys.set_limits"})
