@@ -2,11 +2,10 @@
 key's budget, updates a key's own limits and metadata, reads spend (grouped by hour or day,
 key, model and adapter) and the budget event stream (billing tokens may read budgets and
 spend); a tenant reads its own spend and budgets with its API key. Handlers delegate to
-tenants/ and policies/."""
+gateway/budgets.py and tenants/."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import msgspec
@@ -15,38 +14,18 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody
 from redis.exceptions import ResponseError
 
+from gateway import budgets
 from gateway.admin_access import BILLING
 from gateway.auth import auth_of, requires_admin_token, requires_api_key
+from gateway.budgets import TENANT, BudgetStatus, KeyStatus, budget_status, key_owner, key_status
 from gateway.errors import bad_request
 from gateway.routes import time_window
-from policies.admission import BUDGET_EVENTS, key_scope_keys
-from policies.budgets import budget_key, read_usage, seed_spent
+from policies.admission import BUDGET_EVENTS
 from tenants.keys import KeyManager
 from tenants.ledger import Ledger
-from tenants.records import ApiKey, Budget, KeyLimits, KeyUpdate, nanos_to_usd
+from tenants.records import ApiKey, Budget, KeyLimits, KeyUpdate
 from tenants.registry import TenantRegistry
 from tenants.spend import SpendGrouping, SpendReport, spend_report
-
-
-class BudgetStatus(msgspec.Struct, kw_only=True):
-    """A budget and its current period's counters (dollars as exact decimal strings).
-    `reserved_usd` is the worst-case cost of requests still running."""
-
-    budget: Budget | None
-    period: str | None = None
-    period_start: float | None = None
-    period_end: float | None = None
-    spent_usd: str | None = None
-    reserved_usd: str | None = None
-    remaining_usd: str | None = None
-
-
-class KeyStatus(msgspec.Struct, kw_only=True):
-    """A key, when it last passed admission (unix seconds), and its budget."""
-
-    key: ApiKey
-    last_used_at: float | None
-    budget: BudgetStatus
 
 
 class BudgetEvent(msgspec.Struct, kw_only=True):
@@ -61,52 +40,6 @@ class BudgetEvent(msgspec.Struct, kw_only=True):
     limit_nanos: int
     spent_nanos: int
     at: float
-
-
-async def _status(
-    store: Any, tenant_id: str, owner: str, budget: Budget | None, now: float
-) -> BudgetStatus:
-    if budget is None:
-        return BudgetStatus(budget=None)
-    usage = await read_usage(store, tenant_id, owner, budget, now)
-    left = budget.limit_nanos - usage.spent_nanos - usage.reserved_nanos
-    return BudgetStatus(
-        budget=budget,
-        period=usage.period.label,
-        period_start=usage.period.start,
-        period_end=usage.period.end,
-        spent_usd=nanos_to_usd(usage.spent_nanos),
-        reserved_usd=nanos_to_usd(usage.reserved_nanos),
-        remaining_usd=nanos_to_usd(max(left, 0)),
-    )
-
-
-async def _ledger_spend(
-    ledger: Ledger, tenant_id: str, key_id: str | None, start: float, end: float
-) -> int:
-    total = 0
-    async for rec in ledger.iter_records(tenant_id, start, end):
-        if key_id is None or rec.key_id == key_id:
-            total += rec.cost_nanos or 0
-    return total
-
-
-async def _seed(
-    store: Any, ledger: Ledger, tenant_id: str, key_id: str | None, budget: Budget
-) -> None:
-    """Count what the ledger holds of the current period when a budget starts counting."""
-    owner = "tenant" if key_id is None else f"key:{key_id}"
-    now = time.time()
-    usage = await read_usage(store, tenant_id, owner, budget, now)
-    spent = await _ledger_spend(ledger, tenant_id, key_id, usage.period.start, now + 1)
-    await seed_spent(store, tenant_id, owner, budget, now, spent)
-
-
-async def _forget(store: Any, tenant_id: str, owner: str, budget: Budget | None) -> None:
-    """Drop a cleared budget's current counters: set again, it recounts from the ledger."""
-    if budget is not None:
-        usage = await read_usage(store, tenant_id, owner, budget, time.time())
-        await store.delete(budget_key(tenant_id, owner, usage.period.label))
 
 
 async def _report(
@@ -135,7 +68,7 @@ class TenantBudgetController(Controller):
         tenant_id: FromPath[str],
     ) -> BudgetStatus:
         tenant = await registry.get_tenant(tenant_id)
-        return await _status(store, tenant_id, "tenant", tenant.budget, time.time())
+        return await budget_status(store, tenant_id, TENANT, tenant.budget)
 
     @put("/budget", status_code=200)
     async def set_budget(
@@ -148,9 +81,7 @@ class TenantBudgetController(Controller):
     ) -> BudgetStatus:
         """Set the tenant's budget; spend already in the ledger for the current period
         counts against it."""
-        tenant = await registry.set_budget(tenant_id, data)
-        await _seed(store, ledger, tenant_id, None, data)
-        return await _status(store, tenant_id, "tenant", tenant.budget, time.time())
+        return await budgets.set_tenant_budget(registry, ledger, store, tenant_id, data)
 
     @delete("/budget")
     async def clear_budget(
@@ -159,9 +90,7 @@ class TenantBudgetController(Controller):
         store: NamedDependency[Any],
         tenant_id: FromPath[str],
     ) -> None:
-        old = (await registry.get_tenant(tenant_id)).budget
-        await registry.set_budget(tenant_id, None)
-        await _forget(store, tenant_id, "tenant", old)
+        await budgets.clear_tenant_budget(registry, store, tenant_id)
 
     @get("/spend", opt=BILLING)
     async def spend(
@@ -211,14 +140,14 @@ class KeyBudgetController(Controller):
         self, keys: NamedDependency[KeyManager], store: NamedDependency[Any], key_id: FromPath[str]
     ) -> KeyStatus:
         key = await keys.get_key(key_id)
-        return await _key_status(store, key)
+        return await key_status(store, key)
 
     @get("/budget", opt=BILLING)
     async def read_budget(
         self, keys: NamedDependency[KeyManager], store: NamedDependency[Any], key_id: FromPath[str]
     ) -> BudgetStatus:
         key = await keys.get_key(key_id)
-        return await _status(store, key.tenant_id, f"key:{key.id}", key.budget, time.time())
+        return await budget_status(store, key.tenant_id, key_owner(key.id), key.budget)
 
     @put("/budget", status_code=200)
     async def set_budget(
@@ -229,27 +158,13 @@ class KeyBudgetController(Controller):
         key_id: FromPath[str],
         data: JSONBody[Budget],
     ) -> BudgetStatus:
-        key = await keys.set_key_budget(key_id, data)
-        await _seed(store, ledger, key.tenant_id, key.id, data)
-        return await _status(store, key.tenant_id, f"key:{key.id}", key.budget, time.time())
+        return await budgets.set_key_budget(keys, ledger, store, key_id, data)
 
     @delete("/budget")
     async def clear_budget(
         self, keys: NamedDependency[KeyManager], store: NamedDependency[Any], key_id: FromPath[str]
     ) -> None:
-        old = (await keys.get_key(key_id)).budget
-        key = await keys.set_key_budget(key_id, None)
-        await _forget(store, key.tenant_id, f"key:{key.id}", old)
-
-
-async def _key_status(store: Any, key: ApiKey) -> KeyStatus:
-    used = await store.hget(key_scope_keys(key.tenant_id, key.id)["used"], key.id)
-    owner = f"key:{key.id}"
-    return KeyStatus(
-        key=key,
-        last_used_at=None if used is None else int(used) / 1e6,
-        budget=await _status(store, key.tenant_id, owner, key.budget, time.time()),
-    )
+        await budgets.clear_key_budget(keys, store, key_id)
 
 
 class BudgetEventController(Controller):
@@ -321,6 +236,6 @@ class TenantSpendController(Controller):
         report = await _report(ledger, tenant.id, start, end, group_by, None)
         return TenantSpend(
             spend=report,
-            tenant_budget=await _status(store, tenant.id, "tenant", tenant.budget, time.time()),
-            key=await _key_status(store, auth.key),
+            tenant_budget=await budget_status(store, tenant.id, TENANT, tenant.budget),
+            key=await key_status(store, auth.key),
         )

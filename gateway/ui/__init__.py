@@ -21,6 +21,7 @@ from litestar.template.config import TemplateConfig
 
 from gateway.ui.alerts import AlertPages
 from gateway.ui.audit import AuditPages
+from gateway.ui.budgets import BudgetForms
 from gateway.ui.catalog import AdapterPages, ModelPages
 from gateway.ui.keys import KeyPages
 from gateway.ui.overview import OverviewPage
@@ -32,6 +33,7 @@ from gateway.ui.session import (
     requires_csrf_token,
 )
 from gateway.ui.signin import SignInController
+from gateway.ui.spend import SpendPages
 from gateway.ui.tenants import TenantPages
 from gateway.ui.usage import UsagePages
 from tenants.errors import NotFoundError
@@ -40,10 +42,12 @@ HERE = Path(__file__).parent
 PAGES = (
     OverviewPage,
     TenantPages,
+    BudgetForms,
     KeyPages,
     AdapterPages,
     ModelPages,
     UsagePages,
+    SpendPages,
     AlertPages,
     AuditPages,
 )

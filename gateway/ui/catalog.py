@@ -1,5 +1,6 @@
 """Console pages for what tenants can call: LoRA adapters (list, register) and the served
-models with their aliases and prices (list, set a price)."""
+models with their aliases and prices (list, set a price), and the price of KV cache held
+per tier."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from gateway.ui.render import FORM_ERRORS, page, paginate, refusal
 from gateway.ui.session import requires_console_session
 from tenants.records import AdapterCreate, Price
 from tenants.registry import TenantRegistry
+from tenants.residency import TIERS, KVPrices, ResidencyLedger
 
 FormBody = Annotated[dict[str, Any], Body(media_type=RequestEncodingType.URL_ENCODED)]
 PRICE_FIELDS = ("prompt_per_m", "cached_per_m", "completion_per_m")
@@ -121,13 +123,16 @@ class ModelPages(Controller):
         request: Request[Any, Any, Any],
         registry: TenantRegistry,
         fleet: Fleet,
+        residency: ResidencyLedger,
         template: str,
         **context: Any,
     ) -> Template:
         adapters = await registry.list_adapters()
+        context.setdefault("kv_prices", await residency.prices())
         return page(
             request,
             template,
+            tiers=TIERS,
             models=model_rows(fleet),
             prices=await registry.list_prices(),
             priceable=sorted({*fleet.groups, *fleet.all_aliases(), *(a.name for a in adapters)}),
@@ -140,8 +145,9 @@ class ModelPages(Controller):
         request: Request[Any, Any, Any],
         registry: NamedDependency[TenantRegistry],
         fleet: NamedDependency[Fleet],
+        residency: NamedDependency[ResidencyLedger],
     ) -> Template:
-        return await self._render(request, registry, fleet, "models.html")
+        return await self._render(request, registry, fleet, residency, "models.html")
 
     @post("/prices", opt={"audit_action": "prices.put_price"})
     async def set_price(
@@ -149,6 +155,7 @@ class ModelPages(Controller):
         request: Request[Any, Any, Any],
         registry: NamedDependency[TenantRegistry],
         fleet: NamedDependency[Fleet],
+        residency: NamedDependency[ResidencyLedger],
         data: FormBody,
     ) -> Template:
         try:
@@ -157,6 +164,37 @@ class ModelPages(Controller):
             price = await registry.put_price(forms.build(Price, values))
         except FORM_ERRORS as exc:
             return await self._render(
-                request, registry, fleet, "_prices.html", status=400, error=refusal(exc), form=data
+                request,
+                registry,
+                fleet,
+                residency,
+                "_prices.html",
+                status=400,
+                error=refusal(exc),
+                form=data,
             )
-        return await self._render(request, registry, fleet, "_prices.html", saved=price)
+        return await self._render(request, registry, fleet, residency, "_prices.html", saved=price)
+
+    @post("/kv-prices", opt={"audit_action": "kv-prices.replace"})
+    async def set_kv_prices(
+        self,
+        request: Request[Any, Any, Any],
+        residency: NamedDependency[ResidencyLedger],
+        data: FormBody,
+    ) -> Template:
+        """Set every tier's price at once; a blank tier is not billed."""
+        try:
+            prices = forms.build(KVPrices, {t: forms.amount(data, t) for t in TIERS})
+            await residency.set_prices(prices)
+        except FORM_ERRORS as exc:
+            current = await residency.prices()
+            return page(
+                request,
+                "_kv_prices.html",
+                status=400,
+                tiers=TIERS,
+                kv_prices=current,
+                error=refusal(exc),
+                form=data,
+            )
+        return page(request, "_kv_prices.html", tiers=TIERS, kv_prices=prices, saved=True)

@@ -71,6 +71,27 @@ def decimal(form: Form, field: str, default: float) -> float:
     return number
 
 
+def amount(form: Form, field: str) -> float | None:
+    """A number not below zero, or None when blank."""
+    if text(form, field) is None:
+        return None
+    number = decimal(form, field, 0.0)
+    if number < 0:
+        raise FormError(field, f"{field} must not be negative")
+    return number
+
+
+def whole_numbers(form: Form, field: str) -> list[int] | None:
+    """A comma-separated list of whole numbers, or None when blank."""
+    parts = names(form, field)
+    if parts is None:
+        return None
+    try:
+        return [int(part.rstrip("%")) for part in parts]
+    except ValueError:
+        raise FormError(field, f"{field} must be whole numbers, separated by commas") from None
+
+
 def names(form: Form, field: str) -> list[str] | None:
     """A comma-separated list, or None when blank (no restriction)."""
     value = text(form, field)
@@ -88,5 +109,9 @@ def build(kind: type[R], values: dict[str, Any]) -> R:
         message, _, where = str(exc).partition(" - at `$.")
         field = where.rstrip("`").split("[")[0] or None
         if field is None:
-            field = next((f for f in values if message.startswith(f)), None)
+            # a record's message starts with the field, perhaps under its parent: `limits.rpm`
+            first = message.split(" ")[0].rstrip(":").rsplit(".", 1)[-1]
+            field = next((f for f in values if first == f or message.startswith(f)), None)
+        if field is not None and field not in message:
+            message = f"{field}: {message}"
         raise FormError(field, message) from None

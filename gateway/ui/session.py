@@ -192,7 +192,10 @@ def console_refusal(role: Role, access: AdminAccess) -> str:
     """Why a session of `role` may not use a console route of level `access`."""
     if access is AdminAccess.WRITE:
         return f"Your role ({role}) is read-only: changes need an admin token with role admin."
-    return f"Your role ({role}) sees usage and prices only: this page needs role viewer or admin."
+    return (
+        f"Your role ({role}) sees usage, spend and prices only: "
+        "this page needs role viewer or admin."
+    )
 
 
 async def requires_console_session(

@@ -1,5 +1,5 @@
 """Console pages for tenants: the list (search, pagination, create) and one tenant (its
-details, enable/disable, and its policy form)."""
+details, enable/disable, its policy form, its budget and its keys' limits and budgets)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,12 @@ from litestar.params import Body, FromPath, FromQuery, QueryParameter
 from litestar.response import Template
 
 from gateway.audit import note_created
+from gateway.budgets import TENANT, budget_status
 from gateway.ui import forms
+from gateway.ui.budgets import budget_view, key_rows
 from gateway.ui.render import FORM_ERRORS, go_to, page, paginate, refusal
 from gateway.ui.session import requires_console_session
+from tenants.keys import KeyManager
 from tenants.records import LIMIT_FIELDS, Policy, Tenant, TenantCreate, TenantUpdate
 from tenants.registry import TenantRegistry
 
@@ -85,10 +88,21 @@ class TenantPages(Controller):
         self,
         request: Request[Any, Any, Any],
         registry: NamedDependency[TenantRegistry],
+        keys: NamedDependency[KeyManager],
+        store: NamedDependency[Any],
         tenant_id: FromPath[str],
     ) -> Template:
         tenant = await registry.get_tenant(tenant_id)
-        return page(request, "tenant.html", tenant=tenant, policy=tenant.policy)
+        status = await budget_status(store, tenant_id, TENANT, tenant.budget)
+        return page(
+            request,
+            "tenant.html",
+            tenant=tenant,
+            tenant_id=tenant_id,
+            policy=tenant.policy,
+            budget=budget_view(status),
+            key_rows=await key_rows(keys, store, tenant_id),
+        )
 
     @post("/{tenant_id:str}/policy", opt={"audit_action": "tenants.put_policy"})
     async def save_policy(

@@ -11,6 +11,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ CSRF_INPUT = re.compile(r'name="_csrf" value="([^"]+)"')
 @pytest.fixture(scope="module")
 def console_gateway(tmp_path_factory, strata_cache_dir) -> Iterator[GatewayServer]:
     """A gateway of the module's own (so its tenant list starts empty), a synthetic:tiny
-    worker behind it."""
+    worker behind it; KV residency is recorded every half second."""
     root = tmp_path_factory.mktemp("console")
     store = EmbeddedStore(root / "store")
     store.start()
@@ -43,7 +44,8 @@ def console_gateway(tmp_path_factory, strata_cache_dir) -> Iterator[GatewayServe
         strata_cache_dir,
     )
     worker.start()
-    server = GatewayServer(gateway_settings(store.url, worker, strata_cache_dir))
+    settings = gateway_settings(store.url, worker, strata_cache_dir, kv_residency_interval_s=0.5)
+    server = GatewayServer(settings)
     server.start()
     yield server
     server.stop()
@@ -262,6 +264,159 @@ def test_usage_chart_draws_requests_from_the_ledger(page, console_gateway) -> No
     assert page.broken == []
 
 
+def test_a_budget_set_in_the_console_is_the_admin_apis_budget(page, console_gateway) -> None:
+    tenant_id, _ = console_gateway.new_tenant()
+    sign_in(page)
+    page.goto(f"/ui/tenants/{tenant_id}")
+    assert page.locator("#budget-none").is_visible()
+    page.fill("#budget input[name=limit_usd]", "ten dollars")
+    page.click("#budget button[type=submit]")
+    page.wait_for_selector("#budget .alert.error")
+    assert "limit_usd" in page.inner_text("#budget .alert.error")
+    assert page.locator("#budget .field.invalid input[name=limit_usd]").count() == 1
+    page.fill("#budget input[name=limit_usd]", "25.50")
+    page.select_option("#budget select[name=period]", "day")
+    page.fill("#budget input[name=thresholds]", "90, 50")
+    page.click("#budget button[type=submit]")
+    page.wait_for_selector("#budget .alert.ok")
+    assert page.inner_text("#budget-limit") == "$25.50"
+    assert page.locator("#budget-meter").is_visible()
+    with console_gateway.admin() as admin:
+        status = admin.get(f"/admin/tenants/{tenant_id}/budget").json()
+    assert status["budget"] == {"limit_usd": "25.50", "period": "day", "thresholds": [50, 90]}
+    assert status["remaining_usd"] == "25.50"
+    shoot(page, "tenant-budget")
+
+    page.get_by_role("button", name="Remove budget").click()
+    page.wait_for_selector("#budget-none")
+    with console_gateway.admin() as admin:
+        assert admin.get(f"/admin/tenants/{tenant_id}/budget").json()["budget"] is None
+    assert page.broken == []
+
+
+def test_key_limits_edited_in_the_console_are_enforced(page, console_gateway) -> None:
+    tenant_id, secret = console_gateway.new_tenant()
+    with console_gateway.admin() as admin:
+        (key,) = admin.get(f"/admin/tenants/{tenant_id}/keys").json()
+    sign_in(page)
+    page.goto(f"/ui/tenants/{tenant_id}")
+    card = f"#key-budget-{key['id']}"
+    assert "last used never" in page.inner_text(card)
+    page.click(f"{card} summary")
+    page.fill(f"{card} .key-limits input[name=rpm]", "0")
+    page.click(f"{card} .key-limits button[type=submit]")
+    page.wait_for_selector(f"{card} .alert.error")
+    assert "rpm" in page.inner_text(f"{card} .alert.error")
+    page.fill(f"{card} .key-limits input[name=rpm]", "1")
+    page.fill(f"{card} .key-limits input[name=allowed_models]", "default, synthetic:tiny")
+    page.click(f"{card} .key-limits button[type=submit]")
+    page.wait_for_selector(f"{card} .alert.ok:has-text('Limits saved')")
+    page.click(f"{card} summary")
+    page.fill(f"{card} .key-budget-form input[name=limit_usd]", "3")
+    page.click(f"{card} .key-budget-form button[type=submit]")
+    page.wait_for_selector(f"{card} .alert.ok:has-text('Key budget saved')")
+    assert "of $3" in page.inner_text(f"{card} .key-budget-figure")
+
+    assert chat(console_gateway.url, secret).status_code == 200
+    refused = chat(console_gateway.url, secret)
+    assert refused.status_code == 429, refused.text
+    with console_gateway.admin() as admin:
+        status = admin.get(f"/admin/keys/{key['id']}/status").json()
+    assert status["key"]["limits"]["rpm"] == 1
+    assert status["key"]["limits"]["allowed_models"] == ["default", "synthetic:tiny"]
+    assert status["budget"]["budget"]["limit_usd"] == "3"
+    page.reload()
+    assert "last used never" not in page.inner_text(card)
+    shoot(page, "tenant-keys")
+    assert page.broken == []
+
+
+def test_spend_chart_draws_the_cost_of_priced_requests(page, console_gateway) -> None:
+    with console_gateway.admin() as admin:
+        price = {"model": "synthetic:tiny", "prompt_per_m": 1000, "completion_per_m": 2000}
+        assert admin.put("/admin/prices/", json=price).status_code == 200
+        # the tiny model's KV is a few KiB: a price high enough to show in micro-dollars
+        assert admin.put("/admin/kv-prices/", json={"device": 1e6}).status_code == 200
+    tenant_id, secret = console_gateway.new_tenant()
+    for _ in range(2):
+        assert chat(console_gateway.url, secret).status_code == 200
+    with console_gateway.admin() as admin:
+        deadline = time.monotonic() + 30  # the ledger is written just after each response
+        while True:
+            report = admin.get(f"/admin/tenants/{tenant_id}/spend").json()
+            held = admin.get(
+                "/admin/kv-residency/", params={"tenant": tenant_id, "format": "json"}
+            ).json()
+            kv_cost = sum(Decimal(str(r["cost"])) for r in held if r["tier"] == "device")
+            done = report["requests"] == 2 and kv_cost > 0
+            if done or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    assert report["requests"] == 2
+    assert report["cost_nanos"] > 0
+    assert kv_cost > 0
+    sign_in(page)
+    page.locator("nav").get_by_role("link", name="Spend").click()
+    page.select_option("#spend-filter select[name=tenant]", tenant_id)
+    page.click("#spend-filter button[type=submit]")
+    page.wait_for_url(f"**/ui/spend?tenant={tenant_id}**")
+    chart = page.locator("#spend-chart")
+    chart.locator("canvas").wait_for()
+    assert int(chart.get_attribute("data-points") or "0") == 1
+    assert page.inner_text("#spend-requests") == f"${report['cost_usd']}"
+    cells = page.locator("#spend-rows tbody td:last-child").all_inner_texts()
+    assert cells == [report["rows"][0]["cost_usd"]]
+    kv_rows = page.locator("#kv-rows tbody tr", has_text="device")
+    assert kv_rows.count() == 1
+    assert Decimal(kv_rows.locator("td:last-child").inner_text()) > 0
+    assert '"device":' in (page.locator("#spend-data").text_content() or "")
+    shoot(page, "spend")
+    page.goto(f"/ui/spend?tenant={tenant_id}&by=hour")
+    page.locator("#spend-chart canvas").wait_for()
+    assert page.inner_text("#spend-requests") == f"${report['cost_usd']}"
+    assert page.broken == []
+
+
+def test_kv_prices_are_set_on_the_models_page(page, console_gateway) -> None:
+    sign_in(page)
+    page.goto("/ui/models")
+    page.fill("#kv-prices input[name=host]", "-0.5")
+    page.click("#kv-prices button[type=submit]")
+    page.wait_for_selector("#kv-prices .alert.error")
+    assert "host" in page.inner_text("#kv-prices .alert.error")
+    assert page.locator("#kv-prices .field.invalid input[name=host]").count() == 1
+    page.fill("#kv-prices input[name=device]", "0.25")
+    page.fill("#kv-prices input[name=host]", "0.05")
+    page.click("#kv-prices button[type=submit]")
+    page.wait_for_selector("#kv-prices .alert.ok")
+    with console_gateway.admin() as admin:
+        assert admin.get("/admin/kv-prices/").json() == {"device": 0.25, "host": 0.05}
+    shoot(page, "models-kv-prices")
+    assert page.broken == []
+
+
+def test_a_viewer_cannot_submit_the_budget_form(console_gateway) -> None:
+    tenant_id, _ = console_gateway.new_tenant()
+    _, _, secret = new_admin_token(console_gateway, "viewer")
+    client, csrf = signed_in_client(console_gateway.url, secret)
+    try:
+        shown = client.get(f"/ui/tenants/{tenant_id}")
+        assert shown.status_code == 200
+        assert 'id="budget"' in shown.text
+        assert f'hx-post="/ui/tenants/{tenant_id}/budget"' not in shown.text
+        refused = client.post(
+            f"/ui/tenants/{tenant_id}/budget",
+            data={"limit_usd": "5", "_csrf": csrf},
+            headers={"hx-request": "true"},
+        )
+        assert refused.status_code == 403
+        assert client.get("/ui/spend").status_code == 200
+    finally:
+        client.close()
+    with console_gateway.admin() as admin:
+        assert admin.get(f"/admin/tenants/{tenant_id}/budget").json()["budget"] is None
+
+
 def test_other_pages_render_and_refuse_bad_input_in_place(page) -> None:
     sign_in(page)
     page.locator("nav").get_by_role("link", name="Models & prices").click()
@@ -436,13 +591,15 @@ def test_a_billing_session_sees_usage_and_prices_only(console_gateway):
     client, csrf = signed_in_client(console_gateway.url, secret)
     try:
         prices = client.get("/ui/models")
-        assert nav_titles(prices.text) == ["Models & prices", "Usage"]
+        assert nav_titles(prices.text) == ["Models & prices", "Usage", "Spend"]
         assert 'action="/ui/models/prices"' not in prices.text
+        assert 'action="/ui/models/kv-prices"' not in prices.text
         assert client.get("/ui/usage").status_code == 200
+        assert client.get("/ui/spend").status_code == 200
         for path in ("/ui", "/ui/tenants", "/ui/adapters", "/ui/audit"):
             refused = client.get(path)
             assert refused.status_code == 403, path
-            assert "sees usage and prices only" in refused.text
+            assert "sees usage, spend and prices only" in refused.text
         price = client.post("/ui/models/prices", data={"model": "default", "_csrf": csrf})
         assert price.status_code == 403
     finally:
