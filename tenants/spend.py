@@ -1,15 +1,19 @@
 """Live spend: the costs usage records carry, summed per UTC hour or day and per key, model
-and adapter. Spend is read from the ledger itself, so it always equals the ledger's sum."""
+and adapter, and beside them what the tenant's KV residency costs. Spend is read from the
+ledger itself, so it always equals the ledger's sum."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
+from decimal import Decimal
 from typing import Literal
 
 import msgspec
 
+from tenants.export import format_decimal
 from tenants.records import UsageRecord, nanos_to_usd
+from tenants.residency import ResidencyRow
 
 SpendGrouping = Literal["hour", "day", "total"]
 _SECONDS = {"hour": 3600, "day": 86400}
@@ -28,7 +32,19 @@ class SpendRow(msgspec.Struct, kw_only=True):
     cost_usd: str
 
 
+class KVSpendRow(msgspec.Struct, kw_only=True):
+    """KV cache the tenant held in one tier over one period, at today's KV prices."""
+
+    period_start: str | None  # ISO 8601 UTC; None when not grouped by time
+    tier: str
+    gib_hours: str
+    cost_usd: str  # 0 for a tier without a price
+
+
 class SpendReport(msgspec.Struct, kw_only=True):
+    """Requests' costs as billed (`cost_usd`, what budgets count) and, apart, the KV the
+    tenant kept in the tiers (`kv_cost_usd`; not for one key's report)."""
+
     tenant_id: str
     start: float
     end: float
@@ -37,6 +53,8 @@ class SpendReport(msgspec.Struct, kw_only=True):
     cost_nanos: int
     cost_usd: str
     rows: list[SpendRow]
+    kv_cost_usd: str = "0"
+    kv_rows: list[KVSpendRow] = msgspec.field(default_factory=list)
 
 
 def _period_start(at: float, group_by: SpendGrouping) -> str | None:
@@ -96,3 +114,27 @@ async def spend_report(
         cost_usd=nanos_to_usd(total),
         rows=rows,
     )
+
+
+def with_kv_residency(
+    report: SpendReport, rows: Sequence[ResidencyRow], group_by: SpendGrouping
+) -> SpendReport:
+    """`report` with the tenant's KV residency rows (hourly or daily, as priced by
+    `residency_rows`) summed by its grouping."""
+    sums: dict[tuple[str | None, str], list[Decimal]] = {}
+    for row in rows:
+        period = _period_start(row.period_start, group_by)
+        acc = sums.setdefault((period, row.tier), [Decimal(0), Decimal(0)])
+        acc[0] += row.gib_hours
+        acc[1] += row.cost
+    kv_rows = [
+        KVSpendRow(
+            period_start=period,
+            tier=tier,
+            gib_hours=format_decimal(acc[0].quantize(Decimal("1e-12"))),
+            cost_usd=format_decimal(acc[1]),
+        )
+        for (period, tier), acc in sums.items()
+    ]
+    total = sum((acc[1] for acc in sums.values()), Decimal(0))
+    return msgspec.structs.replace(report, kv_rows=kv_rows, kv_cost_usd=format_decimal(total))

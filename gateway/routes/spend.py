@@ -25,7 +25,8 @@ from tenants.keys import KeyManager
 from tenants.ledger import Ledger
 from tenants.records import ApiKey, Budget, KeyLimits, KeyUpdate
 from tenants.registry import TenantRegistry
-from tenants.spend import SpendGrouping, SpendReport, spend_report
+from tenants.residency import ResidencyLedger, residency_rows
+from tenants.spend import SpendGrouping, SpendReport, spend_report, with_kv_residency
 
 
 class BudgetEvent(msgspec.Struct, kw_only=True):
@@ -44,15 +45,26 @@ class BudgetEvent(msgspec.Struct, kw_only=True):
 
 async def _report(
     ledger: Ledger,
+    residency: ResidencyLedger,
     tenant_id: str,
     start: str | None,
     end: str | None,
     group_by: SpendGrouping,
     key_id: str | None,
 ) -> SpendReport:
+    """The spend report over [start, end), with the tenant's KV residency unless it is
+    one key's."""
     begin, stop = time_window(start, end, span_s=30 * 86400)
     records = ledger.iter_records(tenant_id, begin, stop)
-    return await spend_report(records, tenant_id, begin, stop, group_by=group_by, key_id=key_id)
+    report = await spend_report(records, tenant_id, begin, stop, group_by=group_by, key_id=key_id)
+    if key_id is not None:
+        return report
+    try:
+        hours = await residency.hours([tenant_id], begin, stop)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="start") from exc
+    rows = residency_rows(hours, await residency.prices(), 3600)
+    return with_kv_residency(report, rows, group_by)
 
 
 class TenantBudgetController(Controller):
@@ -97,6 +109,7 @@ class TenantBudgetController(Controller):
         self,
         registry: NamedDependency[TenantRegistry],
         ledger: NamedDependency[Ledger],
+        residency: NamedDependency[ResidencyLedger],
         tenant_id: FromPath[str],
         start: FromQuery[str | None] = None,
         end: FromQuery[str | None] = None,
@@ -106,7 +119,7 @@ class TenantBudgetController(Controller):
         """The tenant's spend over [start, end) (the last 30 days by default), from the
         costs its ledger records carry."""
         await registry.get_tenant(tenant_id)  # 404 for an unknown tenant
-        return await _report(ledger, tenant_id, start, end, group_by, key_id)
+        return await _report(ledger, residency, tenant_id, start, end, group_by, key_id)
 
 
 class KeyBudgetController(Controller):
@@ -225,6 +238,7 @@ class TenantSpendController(Controller):
         self,
         request: Request[Any, Any, Any],
         ledger: NamedDependency[Ledger],
+        residency: NamedDependency[ResidencyLedger],
         store: NamedDependency[Any],
         start: FromQuery[str | None] = None,
         end: FromQuery[str | None] = None,
@@ -233,7 +247,7 @@ class TenantSpendController(Controller):
         """The caller's own tenant's spend (never another's) and budgets."""
         auth = auth_of(request)
         tenant = auth.tenant
-        report = await _report(ledger, tenant.id, start, end, group_by, None)
+        report = await _report(ledger, residency, tenant.id, start, end, group_by, None)
         return TenantSpend(
             spend=report,
             tenant_budget=await budget_status(store, tenant.id, TENANT, tenant.budget),

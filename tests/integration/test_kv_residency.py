@@ -99,6 +99,20 @@ def test_each_byte_second_is_billed_once_at_the_tiers_price(replicas, store_serv
     exact = Decimal(str(row["gib_hours"])) * 1000
     assert abs(Decimal(str(row["cost"])) - exact) <= Decimal("0.000001")
 
+    # spend shows it beside the requests' costs, to the operator and to the tenant
+    with a.admin() as admin:
+        assert admin.put("/admin/kv-prices/", json={"device": 1e6}).status_code == 200
+        report = admin.get(f"/admin/tenants/{tenant}/spend", params={"group_by": "total"}).json()
+    (kv,) = [r for r in report["kv_rows"] if r["tier"] == "device"]
+    assert kv["period_start"] is None and Decimal(kv["cost_usd"]) > 0
+    assert Decimal(report["kv_cost_usd"]) == sum(Decimal(r["cost_usd"]) for r in report["kv_rows"])
+    own = httpx.get(
+        f"{b.url}/v1/usage/spend", headers={"authorization": f"Bearer {key}"}, timeout=30
+    ).json()
+    assert Decimal(own["spend"]["kv_cost_usd"]) >= Decimal(report["kv_cost_usd"])
+    with a.admin() as admin:
+        assert admin.put("/admin/kv-prices/", json={"device": 1000.0}).status_code == 200
+
     # both replicas record the worker every 0.2 s: had either counted what the other did,
     # the store would hold about twice what the worker has metered since
     time.sleep(1.0)
