@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,28 +20,33 @@ from gateway.admin_values import (
     price,
     seconds_at,
 )
+from tenants.export import PERIOD_COLUMNS
 
 # -- hooks -------------------------------------------------------------------------------------
 
 
-def _issue(call: Call) -> Any:
-    answer = call.send()
-    print(
-        "strata admin: the key's secret is shown only this once (the server keeps only its "
-        "hash): store it now",
-        file=sys.stderr,
-    )
-    return answer
+def _secret_once(warning: str) -> Callable[[Call], Any]:
+    """A hook that sends the command and warns on stderr that the answer's secret is shown
+    only this once."""
+
+    def run(call: Call) -> Any:
+        answer = call.send()
+        print(f"strata admin: {warning}", file=sys.stderr)
+        return answer
+
+    return run
 
 
-def _add_webhook(call: Call) -> Any:
-    answer = call.send()
-    print(
-        "strata admin: the webhook's signing secret is shown only this once: give it to the "
-        "receiver now",
-        file=sys.stderr,
-    )
-    return answer
+_issue = _secret_once(
+    "the key's secret is shown only this once (the server keeps only its hash): store it now"
+)
+_add_webhook = _secret_once(
+    "the webhook's signing secret is shown only this once: give it to the receiver now"
+)
+_create_token = _secret_once(
+    "the admin token is shown only this once (the server keeps only its hash): store it "
+    "now; it can do whatever its role allows"
+)
 
 
 def _in_force(call: Call, model: str) -> dict[str, Any] | None:
@@ -104,19 +110,10 @@ def _export(call: Call) -> None:
             raise AdminError(f"--output: cannot write {output}: {exc.strerror}", 2) from None
 
 
-def _usage(call: Call) -> Any:
+def _as_json(call: Call) -> Any:
+    """An export endpoint's rows as JSON, for a table."""
     params = {**call.fields("query"), "format": "json"}
-    return call.client.request("GET", "/admin/usage/export", params=params)
-
-
-def _create_token(call: Call) -> Any:
-    answer = call.send()
-    print(
-        "strata admin: the admin token is shown only this once (the server keeps only its "
-        "hash): store it now; it can do whatever its role allows",
-        file=sys.stderr,
-    )
-    return answer
+    return call.client.request("GET", call.command.path, params=params)
 
 
 def _audit_page(call: Call) -> Any:
@@ -132,11 +129,6 @@ def _set_kv_prices(call: Call) -> Any:
     """PUT the KV prices with the given tiers changed and the others as they were."""
     current: dict[str, Any] = call.client.request("GET", "/admin/kv-prices/")
     return call.client.request("PUT", "/admin/kv-prices/", json={**current, **call.fields("body")})
-
-
-def _kv_residency(call: Call) -> Any:
-    params = {**call.fields("query"), "format": "json"}
-    return call.client.request("GET", "/admin/kv-residency/", params=params)
 
 
 # -- the table ---------------------------------------------------------------------------------
@@ -524,18 +516,8 @@ COMMANDS: tuple[Command, ...] = (
                 default="day",
             ),
         ),
-        columns=(
-            "period_start",
-            "tenant_id",
-            "model",
-            "adapter",
-            "requests",
-            "prompt_tokens",
-            "cached_tokens",
-            "completion_tokens",
-            "cost_total",
-        ),
-        run=_usage,
+        columns=(*PERIOD_COLUMNS[:-5], "cost_total"),
+        run=_as_json,
     ),
     Command(
         "usage",
@@ -864,7 +846,7 @@ COMMANDS += (
             ),
         ),
         columns=("period_start", "tenant_id", "tier", "gib_hours", "price_per_gib_hour", "cost"),
-        run=_kv_residency,
+        run=_as_json,
     ),
 )
 
