@@ -20,7 +20,7 @@ from litestar.response import Template
 from gateway.admin_access import BILLING
 from gateway.ui.render import page
 from gateway.ui.session import requires_console_session
-from gateway.ui.usage import WINDOWS, Period
+from gateway.ui.usage import WINDOWS, Period, buckets
 from tenants.ledger import Ledger
 from tenants.registry import TenantRegistry
 from tenants.residency import TIERS, ResidencyLedger, ResidencyRow, residency_rows
@@ -112,10 +112,8 @@ class SpendPages(Controller):
         tenant_id = tenant or None
         if tenant_id is not None:
             await registry.get_tenant(tenant_id)  # 404 for an unknown tenant
-        period_s, num_buckets = WINDOWS[by]
-        last_bucket = int(time.time() // period_s) * period_s
-        starts = [last_bucket - (num_buckets - 1 - i) * period_s for i in range(num_buckets)]
-        end = last_bucket + period_s
+        starts, end = buckets(by, time.time())
+        period_s = WINDOWS[by][0]
         records = ledger.iter_records(tenant_id, starts[0], end)
         report = await spend_report(records, tenant_id or "*", starts[0], end, group_by=by)
         tenant_ids = [tenant_id] if tenant_id is not None else [t.id for t in tenants]

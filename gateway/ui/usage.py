@@ -26,6 +26,14 @@ Period = Literal["hour", "day"]
 WINDOWS: dict[str, tuple[int, int]] = {"hour": (3600, 48), "day": (86400, 30)}
 
 
+def buckets(by: Period, now: float) -> tuple[list[int], int]:
+    """The starts of the chart's buckets up to the one holding `now`, and the end of it."""
+    period_s, num_buckets = WINDOWS[by]
+    last_bucket = int(now // period_s) * period_s
+    starts = [last_bucket - (num_buckets - 1 - i) * period_s for i in range(num_buckets)]
+    return starts, last_bucket + period_s
+
+
 @dataclass
 class UsageSeries:
     """Totals per bucket, oldest first; `starts` are the buckets' unix start times."""
@@ -89,12 +97,9 @@ class UsagePages(Controller):
         tenant_id = tenant or None
         if tenant_id is not None:
             await registry.get_tenant(tenant_id)  # 404 for an unknown tenant
-        period_s, num_buckets = WINDOWS[by]
-        last_bucket = int(time.time() // period_s) * period_s
-        first_bucket = last_bucket - (num_buckets - 1) * period_s
-        end = last_bucket + period_s
-        records = ledger.iter_records(tenant_id, first_bucket, end)
-        series = await usage_series(records, first_bucket, period_s, num_buckets)
+        starts, end = buckets(by, time.time())
+        records = ledger.iter_records(tenant_id, starts[0], end)
+        series = await usage_series(records, starts[0], WINDOWS[by][0], len(starts))
         return page(
             request,
             "usage.html",
