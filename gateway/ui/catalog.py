@@ -1,21 +1,30 @@
-"""Console pages for what tenants can call: LoRA adapters (list, register) and the served
+"""Console pages for what tenants can call: LoRA adapters (list, register, upload) and the served
 models with their aliases and prices (list, set a price), and the price of KV cache held
 per tier."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
+import msgspec
 from litestar import Controller, Request, get, post
+from litestar.datastructures import UploadFile
 from litestar.di import NamedDependency
 from litestar.enums import RequestEncodingType
 from litestar.params import Body, QueryParameter
 from litestar.response import Template
 
-from gateway.adapters import register_adapter
+from gateway.adapters import (
+    MAX_ADAPTER_UPLOAD_BYTES,
+    AdapterUpload,
+    register_adapter,
+    register_upload,
+)
 from gateway.admin_access import BILLING
 from gateway.fleet import Fleet
+from gateway.settings import GatewaySettings
 from gateway.ui import forms
 from gateway.ui.render import FORM_ERRORS, page, paginate, refusal
 from gateway.ui.session import requires_console_session
@@ -112,6 +121,48 @@ class AdapterPages(Controller):
                 form=data,
             )
         return await self._render(request, registry, fleet, "_adapters.html", registered=adapter)
+
+    @post("/upload", request_max_body_size=MAX_ADAPTER_UPLOAD_BYTES)
+    async def upload(
+        self,
+        request: Request[Any, Any, Any],
+        registry: NamedDependency[TenantRegistry],
+        fleet: NamedDependency[Fleet],
+        settings: NamedDependency[GatewaySettings],
+        data: Annotated[dict[str, Any], Body(media_type=RequestEncodingType.MULTI_PART)],
+    ) -> Template:
+        """Register an adapter from its two PEFT files, as `POST /admin/adapters/upload`."""
+        try:
+            allowed = forms.names(data, "allowed_tenants")
+            upload = AdapterUpload(
+                name=forms.text(data, "name", required=True) or "",
+                adapter_config=_file(data, "adapter_config"),
+                adapter_model=_file(data, "adapter_model"),
+                allowed_tenants=None if allowed is None else msgspec.json.encode(allowed).decode(),
+                base_model=forms.text(data, "base_model"),
+            )
+            root = Path(settings.data_dir) / "adapters"
+            adapter = await register_upload(upload, registry, fleet, root)
+        except FORM_ERRORS as exc:
+            fields = {k: v for k, v in data.items() if isinstance(v, str)}
+            return await self._render(
+                request,
+                registry,
+                fleet,
+                "_adapters.html",
+                status=400,
+                error=refusal(exc),
+                form=fields,
+                uploading=True,
+            )
+        return await self._render(request, registry, fleet, "_adapters.html", registered=adapter)
+
+
+def _file(data: dict[str, Any], name: str) -> UploadFile:
+    value = data.get(name)
+    if not isinstance(value, UploadFile) or not value.filename:
+        raise forms.FormError(name, "choose the file")
+    return value
 
 
 class ModelPages(Controller):

@@ -38,13 +38,20 @@ def console_gateway(tmp_path_factory, strata_cache_dir) -> Iterator[GatewayServe
     root = tmp_path_factory.mktemp("console")
     store = EmbeddedStore(root / "store")
     store.start()
+    data_dir = root / "data"
     worker = WorkerProcess(
         root / "engine.sock",
-        ["--model", "synthetic:tiny", "--num-kv-blocks", "64", "--block-size", "4"],
+        [
+            *("--model", "synthetic:tiny", "--num-kv-blocks", "64", "--block-size", "4"),
+            *("--max-loras", "1", "--max-lora-rank", "8"),
+            *("--adapter-dir", str(data_dir / "adapters")),
+        ],
         strata_cache_dir,
     )
     worker.start()
-    settings = gateway_settings(store.url, worker, strata_cache_dir, kv_residency_interval_s=0.5)
+    settings = gateway_settings(
+        store.url, worker, strata_cache_dir, kv_residency_interval_s=0.5, data_dir=str(data_dir)
+    )
     server = GatewayServer(settings)
     server.start()
     yield server
@@ -435,11 +442,11 @@ def test_other_pages_render_and_refuse_bad_input_in_place(page) -> None:
 
     page.locator("nav").get_by_role("link", name="Adapters").click()
     assert page.get_by_text("No adapters yet — register one").is_visible()
-    page.fill("#adapters input[name=name]", "support-bot")
-    page.fill("#adapters input[name=path]", "/nonexistent/adapter")
-    page.click("#adapters button[type=submit]")
+    page.fill("#register input[name=name]", "support-bot")
+    page.fill("#register input[name=path]", "/nonexistent/adapter")
+    page.click("#register button[type=submit]")
     page.wait_for_selector("#adapters .alert.error")
-    assert page.locator("#adapters .field.invalid input[name=path]").count() == 1
+    assert page.locator("#register .field.invalid input[name=path]").count() == 1
     shoot(page, "adapters")
 
     page.get_by_role("button", name="Sign out").click()
@@ -720,3 +727,32 @@ def test_every_mutating_console_route_writes_an_audit_entry(console_gateway):
     recorded = [e for e in audit_entries(console_gateway) if e["user_agent"] == agent]
     assert {e["actor"] for e in recorded} == {token_id}
     assert sent <= {(e["method"], e["path"], e["status"]) for e in recorded}
+
+
+def test_an_adapter_uploaded_in_the_console_serves_requests(page, console_gateway, tmp_path):
+    from engine.model_specs import PRESETS
+    from tests.lora_files import write_adapter
+
+    folder = tmp_path / "upload"
+    write_adapter(folder, PRESETS["tiny"], rank=4, seed=3)
+    sign_in(page)
+    page.goto("/ui/adapters")
+    page.fill("#upload input[name=name]", "uploaded-bot")
+    page.click("#upload button[type=submit]")  # no files chosen: refused in place
+    page.wait_for_selector("#adapters .alert.error")
+    assert page.locator("#upload .field.invalid input[name=adapter_config]").count() == 1
+    page.fill("#upload input[name=name]", "uploaded-bot")
+    page.set_input_files("#upload input[name=adapter_config]", folder / "adapter_config.json")
+    page.set_input_files("#upload input[name=adapter_model]", folder / "adapter_model.safetensors")
+    page.click("#upload button[type=submit]")
+    page.wait_for_selector("#adapters .alert.ok")
+    assert page.locator("#adapters td", has_text="uploaded-bot").count() == 1
+    shoot(page, "adapters-uploaded")
+    _, key = console_gateway.new_tenant()
+    r = httpx.post(
+        f"{console_gateway.url}/v1/completions",
+        json={"model": "uploaded-bot", "prompt": "Hello", "max_tokens": 2},
+        headers={"authorization": f"Bearer {key}"},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
