@@ -16,6 +16,17 @@ PREFILL_CHUNK = 2048
 MODE = "batched"  # N sequences in one llama_batch, one decode call per step
 
 
+_quiet: Any = None  # the log callback, kept alive while llama.cpp may call it
+
+
+def _silence(llama_cpp: Any) -> None:
+    """No llama.cpp log lines on stderr: the bench prints its own."""
+    global _quiet
+    if _quiet is None:
+        _quiet = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+        llama_cpp.llama_log_set(_quiet, ctypes.c_void_p(0))
+
+
 def available() -> bool:
     try:
         import llama_cpp  # noqa: F401
@@ -38,6 +49,7 @@ class LlamaCppPeer:
         import llama_cpp
 
         self._lib = llama_cpp
+        _silence(llama_cpp)
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
         self._model = llama_cpp.llama_model_load_from_file(gguf_path.encode(), mparams)
