@@ -16,15 +16,14 @@ PREFILL_CHUNK = 2048
 MODE = "batched"  # N sequences in one llama_batch, one decode call per step
 
 
-_quiet: Any = None  # the log callback, kept alive while llama.cpp may call it
+_LOG_CALLBACK: list[Any] = []  # kept alive while llama.cpp may call it
 
 
 def _silence(llama_cpp: Any) -> None:
     """No llama.cpp log lines on stderr: the bench prints its own."""
-    global _quiet
-    if _quiet is None:
-        _quiet = llama_cpp.llama_log_callback(lambda level, text, user_data: None)
-        llama_cpp.llama_log_set(_quiet, ctypes.c_void_p(0))
+    if not _LOG_CALLBACK:
+        _LOG_CALLBACK.append(llama_cpp.llama_log_callback(lambda level, text, user_data: None))
+        llama_cpp.llama_log_set(_LOG_CALLBACK[0], ctypes.c_void_p(0))
 
 
 def available() -> bool:
