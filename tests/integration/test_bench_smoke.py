@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench import (
     engine_throughput,
     fleet,
@@ -19,6 +21,7 @@ from bench import (
     speculative,
 )
 from bench.common import instruction_level
+from bench.llamacpp_peer import available as llamacpp_available
 
 
 def published(name: str, summary: dict, out: str, out_dir: Path) -> dict[str, Any]:
@@ -34,34 +37,82 @@ def published(name: str, summary: dict, out: str, out_dir: Path) -> dict[str, An
     return record
 
 
+def _throughput_args(tmp_path: Path, cache_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--quick",
+        "--device",
+        "cpu",
+        "--batches",
+        "1,2",
+        "--prompt-len",
+        "16",
+        "--new-tokens",
+        "8",
+        "--prefill-len",
+        "32",
+        "--kv-cache-gb",
+        "0.01",
+        "--cache-dir",
+        str(cache_dir),
+        "--out-dir",
+        str(tmp_path),
+        *extra,
+    ]
+
+
 def test_engine_throughput_quick_run_measures_both_engines(
     tmp_path, capsys, strata_cache_dir, empty_tempdir
 ):
     summary = engine_throughput.main(
-        [
-            "--quick",
-            "--model",
-            "synthetic:tiny",
-            "--device",
-            "cpu",
-            "--batches",
-            "1,2",
-            "--prompt-len",
-            "16",
-            "--new-tokens",
-            "8",
-            "--kv-cache-gb",
-            "0.01",
-            "--cache-dir",
-            str(strata_cache_dir),
-            "--out-dir",
-            str(tmp_path),
-        ]
+        _throughput_args(tmp_path, strata_cache_dir, "--model", "synthetic:tiny")
     )
     record = published("engine_throughput", summary, capsys.readouterr().out, tmp_path)
     assert set(summary["strata_tok_s"]) == set(summary["hf_tok_s"]) == {"1", "2"}
     assert min(summary["strata_tok_s"].values()) > 0 and min(summary["hf_tok_s"].values()) > 0
+    assert set(summary["ratio"]) == {"1", "2"}
+    assert "ratio_vs_llamacpp" not in summary, "llama.cpp runs only when asked for"
+    assert set(summary["prefill_tok_s"]) == {"strata"} and summary["prefill_tok_s"]["strata"] > 0
     assert record["synthetic_weights"] and record["new_tokens"] == 8
+    assert record["peers"] == ["transformers"] and record["prefill_len"] == 32
+    assert set(record["rounds"]) == {"1", "2", "prefill_32"}
+    assert not list(empty_tempdir.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--peer", "vllm"], "--peer: unknown engine 'vllm'"),
+        (["--peer", "llama.cpp", "--model", "synthetic:tiny"], "--peer llama.cpp runs a GGUF"),
+    ],
+)
+def test_engine_throughput_refuses_a_peer_it_cannot_run(
+    tmp_path, capsys, strata_cache_dir, extra, message
+):
+    with pytest.raises(SystemExit) as exc:
+        engine_throughput.main(_throughput_args(tmp_path, strata_cache_dir, *extra))
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir()), "no result written"
+
+
+@pytest.mark.skipif(
+    not llamacpp_available(),
+    reason="llama-cpp-python is not installed: `make bench-peers` builds it",
+)
+def test_engine_throughput_quick_run_against_llamacpp_on_the_same_gguf(
+    tmp_path, capsys, strata_cache_dir, empty_tempdir
+):
+    summary = engine_throughput.main(
+        _throughput_args(tmp_path, strata_cache_dir, "--model", "default", "--peer", "llama.cpp")
+    )
+    record = published("engine_throughput", summary, capsys.readouterr().out, tmp_path)
+    assert summary["hf_tok_s"] == {}, "transformers was not asked for"
+    assert set(summary["llamacpp_tok_s"]) == set(summary["ratio_vs_llamacpp"]) == {"1", "2"}
+    assert min(summary["llamacpp_tok_s"].values()) > 0
+    assert set(summary["prefill_tok_s"]) == {"strata", "llamacpp"}
+    assert summary["prefill_ratio_vs_llamacpp"] > 0
+    assert record["llamacpp_mode"] == "batched" and record["llamacpp_version"]
+    assert record["gguf"].endswith(".gguf") and record["peers"] == ["llama.cpp"]
     assert not list(empty_tempdir.iterdir())
 
 
