@@ -133,6 +133,11 @@ def _set_kv_prices(call: Call) -> Any:
 
 # -- the table ---------------------------------------------------------------------------------
 
+OUTPUT = opt(
+    "--output", "-o", help="the file to write (default: -, stdout)", to="local", default="-"
+)
+
+
 KEY = pos("key_id", "the key's id (key_...)")
 WEBHOOK = pos("webhook_id", "the webhook's id (wh_...), as `webhooks list` shows it")
 WORKER = opt("worker_id", help="the worker's id, as `workers list` shows it")
@@ -242,13 +247,7 @@ AUDIT_COMMANDS = (
         args=(
             *WINDOW[1:],
             AUDIT_TARGET,
-            opt(
-                "--output",
-                "-o",
-                help="the file to write (default: -, stdout)",
-                to="local",
-                default="-",
-            ),
+            OUTPUT,
         ),
         run=_export,
     ),
@@ -542,13 +541,7 @@ COMMANDS: tuple[Command, ...] = (
                 choices=["request", "hour", "day"],
                 default="request",
             ),
-            opt(
-                "--output",
-                "-o",
-                help="the file to write (default: -, stdout)",
-                to="local",
-                default="-",
-            ),
+            OUTPUT,
         ),
         run=_export,
     ),
