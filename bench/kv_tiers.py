@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_info, publish, scratch_dir
-from kvstore import transfer
+from kvstore import transfer_cuda
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
 from kvstore.tiers import KVOffloader, TieredKVStore
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     seconds["raw_device_to_host"] = best_seconds(lambda: src.copy_(dst), args.repeats, sync)
     seconds["raw_host_to_device"] = best_seconds(lambda: dst.copy_(src), args.repeats, sync)
-    cupy = transfer._cupy() if device.type == "cuda" else None
+    cupy = transfer_cuda._cupy() if device.type == "cuda" else None
     if cupy is not None:  # the copy the layer-wise loads issue, on a stream of their own
         stream = cupy.cuda.Stream(non_blocking=True)
 

@@ -9,13 +9,29 @@ import torch
 from kvstore.base import KVCacheSpec
 from kvstore.fp8 import SCALE_DTYPE
 from kvstore.hostmem import host_zeros
-from kvstore.transfer import HostReads, LoadMode, PageLoads
+from kvstore.transfer import HostReads, LoadMode, PageLoads, PagePool, SyncLoads
+from kvstore.transfer_cuda import StreamLoads
+from kvstore.transfer_thread import ThreadLoads
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":  # every decode step reads the batch's pages: huge pages
         return host_zeros(*shape, dtype=dtype)
     return torch.zeros(*shape, dtype=dtype, device=device)
+
+
+def make_page_loads(
+    pool: PagePool,
+    mode: LoadMode | str = LoadMode.AUTO,
+    host_reads: HostReads | str = HostReads.AUTO,
+) -> PageLoads:
+    """The page loads of `pool` in copy mode `mode` (`auto`: a CUDA stream on a GPU, sync
+    elsewhere)."""
+    mode = LoadMode(mode)
+    if mode is LoadMode.AUTO:
+        mode = LoadMode.STREAM if pool.device.type == "cuda" else LoadMode.SYNC
+    loads = {LoadMode.SYNC: SyncLoads, LoadMode.THREAD: ThreadLoads, LoadMode.STREAM: StreamLoads}
+    return loads[mode](pool, host_reads)
 
 
 class DeviceKVPool:
@@ -45,7 +61,7 @@ class DeviceKVPool:
         # kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv = _zeros((*shape, spec.head_dim), spec.dtype, device)
         self.scales = _zeros(shape, SCALE_DTYPE, device) if spec.quantized else None
-        self.loads = PageLoads(self, load_mode, host_reads)
+        self.loads = make_page_loads(self, load_mode, host_reads)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) page tensors of one layer, each [num_blocks, block_size, kv_heads, D], once

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore import transfer
+from kvstore import transfer, transfer_cuda
 from kvstore.base import KVCacheSpec
 from kvstore.device_pool import DeviceKVPool
 from kvstore.fp8 import quantize_fp8
@@ -40,7 +40,7 @@ def pinned_pages(spec: KVCacheSpec, n: int) -> list[torch.Tensor]:
 def test_stream_loads_land_bit_for_bit_and_use_cupy_where_installed(name):
     spec = SPECS[name]
     pool = DeviceKVPool(spec, 64, torch.device("cuda"))  # auto: a CUDA stream
-    assert pool.loads.backend == ("cupy" if transfer._cupy() is not None else "torch")
+    assert pool.loads.backend == ("cupy" if transfer_cuda._cupy() is not None else "torch")
     pages = pinned_pages(spec, 24)
     blocks = list(range(63, 15, -2))
     pool.load_pages(blocks, pages)
@@ -80,7 +80,7 @@ def test_a_large_load_starts_copying_at_once_and_an_error_there_fails_the_step(m
     def broken(*args):
         raise RuntimeError("no copy engine")
 
-    monkeypatch.setattr(pool.loads, "_issue_batch", broken)
+    monkeypatch.setattr(pool.loads, "_issue", broken)
     pool.load_pages(list(range(20, 26)), pages[:6])  # the scheduler goes on
     with pytest.raises(RuntimeError, match="no copy engine"):
         pool.loads.issue()
@@ -115,7 +115,7 @@ def test_host_tier_rows_are_read_in_place_bit_for_bit(name, reads, monkeypatch):
     with pages from elsewhere (staged), and land bit for bit: read by the Triton kernel, or
     by CuPy 2-D copies per run of neighbouring slots (the kernel where the runs are too
     many)."""
-    if reads != "kernel" and transfer._cupy() is None:
+    if reads != "kernel" and transfer_cuda._cupy() is None:
         pytest.skip("2-D copies need CuPy")
     spec = SPECS[name]
     pool = DeviceKVPool(spec, 64, torch.device("cuda"), host_reads=reads.split("-")[0])
@@ -133,7 +133,7 @@ def test_host_tier_rows_are_read_in_place_bit_for_bit(name, reads, monkeypatch):
         pool.loads._reader, "load_layer", lambda *a: kernel_reads.append(a[0]) or load_layer(*a)
     )
     if reads == "copy-too-many-runs":
-        monkeypatch.setattr(transfer, "_MAX_RUN_COPIES", 5)
+        monkeypatch.setattr(transfer_cuda, "_MAX_RUN_COPIES", 5)
     others = pinned_pages(spec, 3)  # not host rows: staged
     pool.load_pages(blocks, [host[s] for s in slots])
     pool.load_pages([50, 51, 52], others)

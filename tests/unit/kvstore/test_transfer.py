@@ -174,7 +174,7 @@ def test_host_reads_are_named_and_checked():
     loads = DeviceKVPool(SPECS[0], 4, CPU, "sync", "copy").loads
     assert loads.host_reads is transfer.HostReads.COPY
     with pytest.raises(ValueError, match="dma"):
-        transfer.PageLoads(DeviceKVPool(SPECS[0], 4, CPU), host_reads="dma")
+        transfer.SyncLoads(DeviceKVPool(SPECS[0], 4, CPU), host_reads="dma")
     with pytest.raises(ConfigError, match="kv_host_reads"):
         CacheConfig(kv_host_reads="dma")
 
