@@ -1,6 +1,7 @@
 """The tiers below the device pool: host RAM (pinned on CUDA), then a disk file
-(kvstore/disk.py). Pages move whole under their prefix-cache hash, each tier keeps its own
-LRU order, and the tiers are inclusive. `KVOffloader` spills, loads and reads ahead. The
+(kvstore/disk.py), and a remote store shared by a fleet (kvstore/remote.py). Pages move
+whole under their prefix-cache hash, each tier keeps its own LRU order, and the tiers are
+inclusive. `KVOffloader` spills, loads and reads ahead. The
 design is in docs/design/kv-pages-and-tiers.md.
 """
 
@@ -19,6 +20,7 @@ from kvstore.base import PageOwners
 from kvstore.device_pool import DeviceKVPool
 from kvstore.disk import DiskKVPool, DiskPrefetch, PageFormat
 from kvstore.hostmem import pinned_zeros
+from kvstore.remote import RemoteFetch, RemoteKVTier
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,7 @@ class Tier(enum.Enum):
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
+    REMOTE = "remote"
 
 
 class HostKVPool:
@@ -116,10 +119,14 @@ class TieredKVStore:
         disk_persistent: bool = False,
         page_format: PageFormat | None = None,
         pin: bool = False,
+        remote: RemoteKVTier | None = None,
     ) -> None:
         """`disk_persistent`: the disk tier's file stays in `disk_dir` and what an earlier
-        run left there written as `page_format` is found again (kvstore/disk.py)."""
+        run left there written as `page_format` is found again (kvstore/disk.py).
+        `remote`: a store shared by the fleet; every page leaving host RAM (or the device,
+        without a host tier) is also saved there, written behind."""
         self.page_nbytes = page_nbytes
+        self.remote = remote
         self.host = HostKVPool(page_nbytes, host_blocks, pin=pin) if host_blocks > 0 else None
         self.disk: DiskKVPool | None = None
         if disk_blocks > 0:
@@ -145,7 +152,7 @@ class TieredKVStore:
 
     @property
     def enabled(self) -> bool:
-        return self.host is not None or self.disk is not None
+        return self.host is not None or self.disk is not None or self.remote is not None
 
     def tier_of(self, key: bytes, *, touch: bool = False) -> Tier | None:
         """Where `key` is; `touch` also marks it recently used there."""
@@ -265,7 +272,10 @@ class TieredKVStore:
         return slots
 
     def to_disk(self, key: bytes, page: torch.Tensor, owner: str = "") -> None:
-        """Write a page to the disk tier (within the owner's allowance), or drop it."""
+        """Write a page to the disk tier (within the owner's allowance), or drop it; and
+        save it to the remote tier (written behind)."""
+        if self.remote is not None:
+            self.remote.save(key, page, owner)
         limit = self.allowances.get(owner, (None, None))[1]
         if self.disk is not None and self.disk.write(key, page, owner, limit):
             self.num_spilled[Tier.DISK] += 1
@@ -279,6 +289,9 @@ class TieredKVStore:
             if pool is not None:
                 for owner, n in pool.owners.counts.items():
                     out.setdefault(owner, {})[tier.value] = n
+        if self.remote is not None:
+            for owner, n in self.remote.pages_by_owner().items():
+                out.setdefault(owner, {})[Tier.REMOTE.value] = n
         return out
 
     def host_row(self, key: bytes) -> int | None:
@@ -312,6 +325,8 @@ class TieredKVStore:
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+        if self.remote is not None:
+            self.remote.close()
 
 
 class KVOffloader:
@@ -382,18 +397,37 @@ class KVOffloader:
                 self.store.to_disk(key, page, owner)
         return ticket
 
-    def find(self, keys: Sequence[bytes], fetch: DiskPrefetch | None = None) -> int:
+    def find(
+        self,
+        keys: Sequence[bytes],
+        fetch: DiskPrefetch | None = None,
+        remote: RemoteFetch | None = None,
+    ) -> int:
         """How many of `keys`, from the first, some tier below the device (or `fetch`, the
-        pages read ahead for them) holds, marking them recently used, as a load normally
-        follows."""
+        pages read ahead for them, or `remote`, those fetched from the remote tier) holds,
+        marking them recently used, as a load normally follows."""
         n = 0
         for key in keys:
-            if self.store.tier_of(key, touch=True) is None and (
-                fetch is None or key not in fetch.good
+            if (
+                self.store.tier_of(key, touch=True) is None
+                and (fetch is None or key not in fetch.good)
+                and (remote is None or key not in remote.good)
             ):
                 break
             n += 1
         return n
+
+    def save_remote(self, blocks: Sequence[int], keys: Sequence[bytes], owner: str) -> None:
+        """Save the pages of device `blocks` (full, their KV written) to the remote tier
+        under `keys`, written behind; pages it has already are skipped."""
+        remote = self.store.remote
+        if remote is None:
+            return
+        todo = [(b, k) for b, k in zip(blocks, keys, strict=True) if not remote.knows(k)]
+        if todo:
+            pages = self.pool.read_pages([b for b, _ in todo])
+            for (_, key), page in zip(todo, pages, strict=True):
+                remote.save(key, page, owner)
 
     def on_disk(self, keys: Sequence[bytes]) -> list[bytes]:
         """Those of `keys` whose pages are on disk (and not in host RAM)."""
@@ -425,13 +459,19 @@ class KVOffloader:
         is in flight)."""
         if self.store.disk is not None:
             self.store.disk.wait_reads(timeout)
+        elif self.store.remote is not None:
+            self.store.remote.wait_reads(timeout)
 
     def load(
-        self, blocks: Sequence[int], keys: Sequence[bytes], fetch: DiskPrefetch | None = None
+        self,
+        blocks: Sequence[int],
+        keys: Sequence[bytes],
+        fetch: DiskPrefetch | None = None,
+        remote: RemoteFetch | None = None,
     ) -> list[Tier]:
         """Copy the pages of `keys` into device `blocks`, in order, up to the first page
         that cannot be read; returns the tier each loaded page came from. Pages in `fetch`
-        (read ahead, settled) come from its memory."""
+        (read ahead, settled) or `remote` (fetched, settled) come from their memory."""
         pages: list[torch.Tensor] = []
         page_blocks: list[int] = []
         rows: list[int] = []  # host slots read in place, known by number
@@ -446,7 +486,13 @@ class KVOffloader:
                     row_blocks.append(block)
                     tiers.append(Tier.HOST)
                     continue
-            got = self.store.get(key) if page is None else (page, Tier.DISK)
+            if page is not None:
+                got: tuple[torch.Tensor, Tier] | None = (page, Tier.DISK)
+            else:
+                got = self.store.get(key)
+                if got is None and remote is not None:
+                    fetched = remote.page(key)
+                    got = None if fetched is None else (fetched, Tier.REMOTE)
             if got is None:
                 break
             pages.append(got[0])
