@@ -1,0 +1,163 @@
+"""Two workers sharing one remote KV tier, each behind its own gateway on one control
+store: a document computed on one is a hit on the other, with the same greedy tokens; another
+tenant's identical prompt is not; a corrupted page is a miss and counted; a remote store
+that goes away mid-run costs recomputes, never failed requests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from engine.client import EngineClient
+from engine.protocol import EngineStats
+from kvstore.remote import KEY_PREFIX, TENANT_PREFIX
+from tenants.store import EmbeddedStore
+from tests.integration.conftest import GatewayServer, WorkerProcess, gateway_settings
+
+TINY = ["--model", "synthetic:tiny", "--num-kv-blocks", "128", "--block-size", "4"]
+TINY += ["--dtype", "float32", "--kv-remote-timeout-ms", "1000"]
+DOC = " ".join(f"Clause {i}: the lessee keeps the premises in good repair." for i in range(4))
+
+
+class Pair:
+    def __init__(self, root: Path, cache_dir: Path, store_url: str, remote_url: str) -> None:
+        args = [*TINY, "--kv-remote-url", remote_url]
+        self.workers = [WorkerProcess(root / f"{n}.sock", args, cache_dir) for n in "ab"]
+        self.gateways: list[GatewayServer] = []
+        for worker in self.workers:
+            worker.start()
+            gw = GatewayServer(
+                gateway_settings(store_url, worker, cache_dir, model="synthetic:tiny")
+            )
+            gw.start()
+            self.gateways.append(gw)
+
+    def stop(self) -> None:
+        for gw in self.gateways:
+            gw.stop()
+        for worker in self.workers:
+            worker.stop()
+
+    def stats(self, i: int) -> EngineStats:
+        async def get() -> EngineStats:
+            client = EngineClient(self.workers[i].address)
+            try:
+                return await client.stats()
+            finally:
+                await client.close()
+
+        return asyncio.run(get())
+
+    def wait_saved(self, i: int, at_least: int) -> EngineStats:
+        deadline = time.monotonic() + 30
+        while (stats := self.stats(i)).kv_remote.get("saved", 0) < at_least:
+            assert time.monotonic() < deadline, f"saves not sent: {stats.kv_remote}"
+            time.sleep(0.05)
+        return stats
+
+
+def complete(gw: GatewayServer, key: str, prompt: str) -> dict:
+    with httpx.Client(base_url=gw.url, timeout=120) as http:
+        r = http.post(
+            "/v1/completions",
+            headers={"authorization": f"Bearer {key}"},
+            json={"model": "synthetic:tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0},
+        )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.fixture(scope="module")
+def remote_store(tmp_path_factory) -> Iterator[EmbeddedStore]:
+    store = EmbeddedStore(tmp_path_factory.mktemp("kv-remote"), max_bytes=64 << 20)
+    store.start()
+    yield store
+    store.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, strata_cache_dir, store_server, remote_store) -> Iterator[Pair]:
+    fleet = Pair(
+        tmp_path_factory.mktemp("pair"), strata_cache_dir, store_server.url, remote_store.url
+    )
+    yield fleet
+    fleet.stop()
+
+
+def test_a_document_computed_on_one_worker_is_a_remote_hit_on_another(pair):
+    a, b = pair.gateways
+    _, key = a.new_tenant()
+    _, other_key = a.new_tenant()
+    prompt = f"{DOC}\nWho keeps the premises in repair?"
+    first = complete(a, key, prompt)
+    assert cached(first) == 0
+    num_blocks = first["usage"]["prompt_tokens"] // 4
+    saved = pair.wait_saved(0, num_blocks - 1).kv_remote["saved"]
+    assert saved >= num_blocks - 1  # every full block of the prompt, written behind
+    # another tenant's identical prompt: its chain is salted apart, so B computes it
+    stranger = complete(b, other_key, prompt)
+    assert cached(stranger) == 0
+    hits_before = pair.stats(1).num_cache_hit_blocks.get("remote", 0)
+    second = complete(b, key, prompt)  # the same tenant on the other worker
+    hits = pair.stats(1).num_cache_hit_blocks["remote"] - hits_before
+    assert cached(second) >= (num_blocks - 1) * 4 and hits * 4 == cached(second)
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert second["choices"][0]["text"] == stranger["choices"][0]["text"]
+    assert pair.stats(1).kv_remote["rejected"] == 0
+
+
+def test_a_corrupted_remote_page_is_a_miss_and_counted(pair, remote_store):
+    a, b = pair.gateways
+    tenant, key = a.new_tenant()
+    prompt = f"{DOC}\nWhat does clause 3 say?"
+    first = complete(a, key, prompt)
+    pair.wait_saved(0, pair.stats(0).kv_remote["saved"])
+    client = redis.Redis.from_url(remote_store.url)
+    deadline = time.monotonic() + 30
+    while not (pages := client.zrange(TENANT_PREFIX + tenant + ":pages", 0, -1)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    for page_key in pages:  # every page of the tenant's: the prefix breaks at once
+        value = bytearray(client.get(page_key))
+        value[-1] ^= 0x5A
+        client.set(page_key, bytes(value))
+    assert all(k.startswith(KEY_PREFIX) for k in pages)
+    rejected = pair.stats(1).kv_remote["rejected"]
+    second = complete(b, key, prompt)
+    assert cached(second) == 0
+    assert pair.stats(1).kv_remote["rejected"] == rejected + 1
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_requests_complete_by_recompute_when_the_remote_store_dies(
+    tmp_path, strata_cache_dir, store_server
+):
+    store = EmbeddedStore(tmp_path / "kv-remote", max_bytes=16 << 20)
+    store.start()
+    fleet = Pair(tmp_path, strata_cache_dir, store_server.url, store.url)
+    try:
+        a, b = fleet.gateways
+        _, key = a.new_tenant()
+        warm = complete(a, key, f"{DOC}\nFirst question.")
+        fleet.wait_saved(0, 1)
+        store.kill()
+        # documents never seen: B finds nothing; A's saves of them are dropped and counted
+        replies = [complete(gw, key, f"{DOC}\nQuestion {i}.") for i in range(3) for gw in (a, b)]
+        assert all(r["usage"]["completion_tokens"] == 8 for r in replies)
+        again = complete(b, key, f"{DOC}\nFirst question.")  # was in the remote tier: gone
+        assert again["choices"][0]["text"] == warm["choices"][0]["text"]
+        assert fleet.stats(0).kv_remote["save_dropped"] > 0
+        assert fleet.stats(1).num_cache_hit_blocks.get("remote", 0) == 0
+    finally:
+        fleet.stop()
+        store.stop()
