@@ -261,8 +261,10 @@ def _prepare_data_dir(settings: GatewaySettings) -> Path:
 def _with_remote_url(args: list[str], url: str) -> list[str]:
     """A worker's options with `--kv-remote-url embedded` pointing at `url`."""
     out = list(args)
-    for i in range(len(out) - 1):
-        if out[i] == "--kv-remote-url" and out[i + 1] == EMBEDDED_REMOTE:
+    for i, arg in enumerate(out):
+        if arg == f"--kv-remote-url={EMBEDDED_REMOTE}":
+            out[i] = f"--kv-remote-url={url}"
+        elif arg == "--kv-remote-url" and out[i + 1 : i + 2] == [EMBEDDED_REMOTE]:
             out[i + 1] = url
     return out
 
