@@ -40,7 +40,7 @@ _MGET_PAGES = 16  # keys per MGET of a fetch's pipeline
 _SAVE_BATCH = 32  # saves sent in one pipeline
 _RETRY_S = 1.0  # after a store error, saves are dropped and fetches skipped this long
 _READ_THREADS = 2
-_KNOWN_PAGES = 1 << 20  # keys remembered as saved (not sent again)
+_KNOWN_PAGES = 1 << 18  # keys remembered as saved (not sent again, counted as held)
 
 # KEYS: page, tenant's pages (zset by time), tenant's bytes, tenant's page sizes (hash)
 # ARGV: value, score (time), page bytes, quota in bytes (-1: none)
@@ -134,6 +134,7 @@ class RemoteKVTier:
         self.quotas: dict[str, int] = {}  # tenant -> bytes
         self.owners = PageOwners()
         self._known: OrderedDict[bytes, None] = OrderedDict()  # saved or queued
+        self._num_pending = 0  # queued saves whose results are not yet taken in
         self._queue: queue.Queue[tuple[bytes, bytes, str, int] | None] = queue.Queue(
             config.max_queued_pages
         )
@@ -188,13 +189,16 @@ class RemoteKVTier:
         except queue.Full:
             self.num_save_dropped += 1
             return False
+        self._num_pending += 1
         self._remember(key)
         return True
 
     def _remember(self, key: bytes) -> None:
         self._known[key] = None
         if len(self._known) > _KNOWN_PAGES:
-            self._known.popitem(last=False)
+            oldest, _ = self._known.popitem(last=False)
+            if oldest in self.owners.of:  # no longer followed: not counted as held
+                self.owners.remove(oldest)
 
     def _drain(self) -> None:
         """Writer thread: send queued saves in pipelines of up to _SAVE_BATCH."""
@@ -246,12 +250,13 @@ class RemoteKVTier:
         results = self._results
         while results:
             key, owner, saved, evicted = results.popleft()
+            self._num_pending -= 1
             if not saved:
                 self.num_save_dropped += 1
                 self._known.pop(key, None)
                 continue
             self.num_saved += 1
-            if key not in self.owners.of:
+            if key not in self.owners.of and key in self._known:
                 self.owners.add(key, owner)
             self.num_quota_evicted += len(evicted)
             for victim in evicted:
@@ -259,6 +264,12 @@ class RemoteKVTier:
                 self._known.pop(page_key, None)
                 if page_key in self.owners.of:
                     self.owners.remove(page_key)
+
+    @property
+    def idle(self) -> bool:
+        """Whether every save queued so far has been sent (or dropped)."""
+        self.reap()
+        return self._num_pending == 0
 
     # -- fetches --------------------------------------------------------------------------
 
