@@ -479,6 +479,7 @@ class EngineCore:
             "rejected": remote.num_rejected,
             "load_timeouts": remote.num_load_timeouts,
             "quota_evicted": remote.num_quota_evicted,
+            "pending": remote.num_pending,
         }
 
     def _blocks_by_tenant(self) -> dict[str, dict[str, int]]:

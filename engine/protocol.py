@@ -253,7 +253,8 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_kv_disk_write_errors: int = 0
     # the remote tier since start, in pages: saved, saves dropped (queue full, store down),
     # values rejected (wrong header or checksum: misses), fetches timed out, and pages of a
-    # tenant evicted by this worker's saves to keep the tenant within its quota
+    # tenant evicted by this worker's saves to keep the tenant within its quota; and the
+    # saves queued now ("pending")
     kv_remote: dict[str, int] = msgspec.field(default_factory=dict)
     num_steps: int
     num_generated_tokens: int

@@ -266,10 +266,15 @@ class RemoteKVTier:
                     self.owners.remove(page_key)
 
     @property
+    def num_pending(self) -> int:
+        """Saves queued whose outcome is not yet known."""
+        self.reap()
+        return self._num_pending
+
+    @property
     def idle(self) -> bool:
         """Whether every save queued so far has been sent (or dropped)."""
-        self.reap()
-        return self._num_pending == 0
+        return self.num_pending == 0
 
     # -- fetches --------------------------------------------------------------------------
 

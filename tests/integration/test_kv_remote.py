@@ -54,9 +54,12 @@ class Pair:
 
         return asyncio.run(get())
 
-    def wait_saved(self, i: int, at_least: int) -> EngineStats:
+    def wait_saved(self, i: int, at_least: int = 0) -> EngineStats:
+        """Until worker i has saved `at_least` pages and has no save queued."""
         deadline = time.monotonic() + 30
-        while (stats := self.stats(i)).kv_remote.get("saved", 0) < at_least:
+        while (stats := self.stats(i)).kv_remote.get("saved", 0) < at_least or stats.kv_remote[
+            "pending"
+        ]:
             assert time.monotonic() < deadline, f"saves not sent: {stats.kv_remote}"
             time.sleep(0.05)
         return stats
@@ -121,7 +124,7 @@ def test_a_corrupted_remote_page_is_a_miss_and_counted(pair, remote_store):
     tenant, key = a.new_tenant()
     prompt = f"{DOC}\nWhat does clause 3 say?"
     first = complete(a, key, prompt)
-    pair.wait_saved(0, pair.stats(0).kv_remote["saved"])
+    pair.wait_saved(0)
     client = redis.Redis.from_url(remote_store.url)
     deadline = time.monotonic() + 30
     while not (pages := client.zrange(TENANT_PREFIX + tenant + ":pages", 0, -1)):
@@ -161,3 +164,28 @@ def test_requests_complete_by_recompute_when_the_remote_store_dies(
     finally:
         fleet.stop()
         store.stop()
+
+
+def test_a_tenants_policy_caps_its_pages_in_the_remote_tier(pair, remote_store):
+    a, _ = pair.gateways
+    capped, capped_key = a.new_tenant(kv_remote_tokens=16)  # 4 pages of 4 tokens
+    free, free_key = a.new_tenant()
+    client = redis.Redis.from_url(remote_store.url)
+    complete(a, free_key, f"{DOC}\nA question of the free tenant.")
+    pair.wait_saved(0)
+    free_pages = client.zrange(TENANT_PREFIX + free + ":pages", 0, -1)
+    assert len(free_pages) > 4
+    evicted = pair.stats(0).kv_remote["quota_evicted"]
+    complete(a, capped_key, f"{DOC}\nA question of the capped tenant.")
+    deadline = time.monotonic() + 30
+    while pair.stats(0).kv_remote["quota_evicted"] == evicted:
+        assert time.monotonic() < deadline, "no page was evicted for the quota"
+        time.sleep(0.05)
+    pair.wait_saved(0)
+    assert client.zcard(TENANT_PREFIX + capped + ":pages") == 4
+    page_nbytes = int(client.get(TENANT_PREFIX + capped + ":bytes")) // 4
+    assert page_nbytes > 0
+    # the other tenant's pages are all still there
+    assert all(client.exists(k) for k in free_pages)
+    residency = pair.stats(0).kv_blocks_by_tenant
+    assert residency[capped]["remote"] == 4 and residency[free]["remote"] == len(free_pages)
