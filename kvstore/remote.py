@@ -358,6 +358,11 @@ class RemoteKVTier:
         fetch.settled = True
         self._fetches = [f for f in self._fetches if f is not fetch]
 
+    @property
+    def fetching(self) -> bool:
+        """Whether a fetch is still running."""
+        return any(f.future is not None and not f.future.done() for f in self._fetches)
+
     def wait_reads(self, timeout: float) -> None:
         """Block until some fetch finishes or `timeout` seconds pass."""
         running = [f.future for f in self._fetches if f.future is not None and not f.settled]

@@ -232,7 +232,7 @@ class TieredKVStore:
             slot = host.release(victim)
             if before is not None:
                 before((slot,))
-            if self.disk is None:  # dropped (no view of the row needed)
+            if self.disk is None and self.remote is None:  # dropped (no view of the row needed)
                 self.num_dropped += 1
             else:
                 self.to_disk(victim, host.data[slot], victim_owner)
@@ -263,7 +263,7 @@ class TieredKVStore:
         slots = host.take_many(pages)  # the victims' slots among them: the free list is spent
         if self.before_host_use is not None:  # before the victims' rows are read, and all
             self.before_host_use(slots)  # of them are handed out
-        if self.disk is None:
+        if self.disk is None and self.remote is None:
             self.num_dropped += len(victims)
         else:  # read now, before the new pages are copied in
             for victim, slot, owner in zip(victims, freed, victim_owners, strict=True):
@@ -457,10 +457,11 @@ class KVOffloader:
     def wait_reads(self, timeout: float) -> None:
         """Block until some read ahead finishes or `timeout` seconds pass (at once if none
         is in flight)."""
-        if self.store.disk is not None:
+        remote = self.store.remote
+        if remote is not None and remote.fetching:
+            remote.wait_reads(timeout)
+        elif self.store.disk is not None:
             self.store.disk.wait_reads(timeout)
-        elif self.store.remote is not None:
-            self.store.remote.wait_reads(timeout)
 
     def load(
         self,

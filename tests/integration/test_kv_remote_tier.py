@@ -14,6 +14,7 @@ import torch
 
 from kvstore.disk_page import PageFormat
 from kvstore.remote import KEY_PREFIX, TENANT_PREFIX, RemoteConfig, RemoteKVTier
+from kvstore.tiers import TieredKVStore
 from tenants.store import EmbeddedStore
 
 PAGE = 1024
@@ -132,3 +133,17 @@ def test_a_store_that_is_gone_drops_saves_and_misses_within_the_bound(tmp_path):
         assert fetch.good == set()
     assert not remote.save(key(2), page(2), "alpha")  # dropped at once while it is down
     remote.close()
+
+
+def test_pages_leaving_host_ram_are_saved_to_the_remote_tier(cache_store):
+    remote = tier(cache_store.url)
+    store = TieredKVStore(PAGE, host_blocks=2, remote=remote)
+    for i in range(4):
+        store.put(key(i), page(i), owner="alpha")
+    flushed(remote, 2)  # the two oldest left host RAM: no disk, so only the remote keeps them
+    assert store.num_dropped == 2
+    reader = tier(cache_store.url)
+    assert fetched(reader, [key(0), key(1), key(2)]).good == {key(0), key(1)}
+    assert store.pages_by_owner() == {"alpha": {"host": 2, "remote": 2}}
+    store.close()
+    reader.close()
