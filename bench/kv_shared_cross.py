@@ -38,6 +38,7 @@ QUESTIONS = [
     "\n\nQuestion: Which keywords does it mention?\nAnswer:",
 ]
 BLOCK = 16
+REMOTE_TIMEOUT_MS = 2000  # fetches on a contended machine: a timeout would be a recompute
 ANSWER = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
@@ -111,7 +112,7 @@ def run_cross_worker(
                     block_size=BLOCK,
                     num_blocks=num_blocks,
                     remote_url=url if remote else None,
-                    remote_timeout_ms=2000,
+                    remote_timeout_ms=REMOTE_TIMEOUT_MS,
                 )
                 extra = {} if cache_dir is None else {"cache_dir": cache_dir}
                 return LLM(EngineConfig(dtype=dtype, device="cpu", cache=cache, **extra))
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": "default (SmolLM2-135M-Instruct)",
         "dtype": args.dtype,
         "remote_store": "embedded valkey-server, Unix socket, same machine",
+        "remote_timeout_ms": REMOTE_TIMEOUT_MS,
         "seed": args.seed,
         "quick": args.quick,
         **summary,

@@ -199,7 +199,7 @@ class CacheConfig:
         unit=InUnits(1 << 30, at_least=1 << 20),
     )
     remote_timeout_ms: int = option(
-        200,
+        1000,
         "--kv-remote-timeout-ms",
         "the most a fetch from the remote tier (and each store call) may take; a slower "
         "fetch is a miss, and the prompt is computed",

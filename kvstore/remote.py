@@ -75,7 +75,7 @@ class RemoteConfig:
     fetch (and on each store call) in seconds, and the saves that may wait to be sent."""
 
     url: str
-    timeout_s: float = 0.2
+    timeout_s: float = 1.0
     max_queued_pages: int = 256
 
 
