@@ -33,8 +33,8 @@ from kvstore.disk_page import HEADER_NBYTES, HeaderError, PageFormat, pack_heade
 
 log = logging.getLogger(__name__)
 
-KEY_PREFIX = b"strata:kv:"  # then the block hash
-TENANT_PREFIX = "strata:kvt:"  # then the tenant: its pages (zset), bytes, page sizes (hash)
+KEY_PREFIX = b"strata:kvp:"  # then the block hash
+TENANT_PREFIX = "strata:kvq:"  # then the tenant: its pages (zset), bytes, page sizes (hash)
 FETCH_BYTES = 256 << 20  # pages fetched and held for waiting requests, at most
 _MGET_PAGES = 16  # keys per MGET of a fetch's pipeline
 _SAVE_BATCH = 32  # saves sent in one pipeline

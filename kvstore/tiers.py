@@ -425,7 +425,7 @@ class KVOffloader:
             return
         todo = [(b, k) for b, k in zip(blocks, keys, strict=True) if not remote.knows(k)]
         if todo:
-            pages = self.pool.read_pages([b for b, _ in todo])
+            pages = self.pool.read_pages([b for b, _ in todo]).cpu()  # one copy off a GPU
             for (_, key), page in zip(todo, pages, strict=True):
                 remote.save(key, page, owner)
 

@@ -263,7 +263,7 @@ def test_serve_starts_an_embedded_remote_tier_its_workers_share(tmp_path, strata
             r = http.post("/completions", json=body)
             assert r.status_code == 200, r.text
         deadline = time.monotonic() + 30
-        while not client.keys("strata:kv:*"):  # the prompt's blocks, written behind
+        while not client.keys("strata:kvp:*"):  # the prompt's blocks, written behind
             assert time.monotonic() < deadline, "no page reached the remote tier"
             time.sleep(0.05)
     finally:
