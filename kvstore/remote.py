@@ -93,7 +93,8 @@ class RemoteFetch:
         self.buffer = bytearray(len(keys) * page_nbytes)
         self.rows = {k: i for i, k in enumerate(keys)}
         self.good: set[bytes] = set()
-        self.future: Future[tuple[int, int]] | None = None  # (pages good, pages rejected)
+        # (pages good, pages rejected, whether the store took too long)
+        self.future: Future[tuple[int, int, bool]] | None = None
         self.settled = False
 
     @property
@@ -296,9 +297,10 @@ class RemoteKVTier:
         self._fetches.append(fetch)
         return fetch
 
-    def _read(self, fetch: RemoteFetch) -> tuple[int, int]:
+    def _read(self, fetch: RemoteFetch) -> tuple[int, int, bool]:
         """Reader thread: one pipeline of MGETs; the leading pages that are there and pass
-        their checks land in the fetch's buffer. Returns (pages good, pages rejected)."""
+        their checks land in the fetch's buffer. Returns (pages good, pages rejected,
+        whether the store timed out)."""
         pipe = self.client.pipeline(transaction=False)
         keys = fetch.keys
         for i in range(0, len(keys), _MGET_PAGES):
@@ -307,16 +309,16 @@ class RemoteKVTier:
             values = [v for reply in pipe.execute() for v in reply]
         except (redis.RedisError, OSError) as exc:
             self._mark_down(exc)
-            return 0, 0
+            return 0, 0, isinstance(exc, (redis.TimeoutError, TimeoutError))
         n, size = 0, self.page_nbytes
         for key, value in zip(keys, values, strict=True):
             if value is None:
-                return n, 0
+                return n, 0, False
             if not self._intact(key, value):
-                return n, 1
+                return n, 1, False
             fetch.buffer[n * size : (n + 1) * size] = memoryview(value)[HEADER_NBYTES:]
             n += 1
-        return n, 0
+        return n, 0, False
 
     def _intact(self, key: bytes, value: bytes) -> bool:
         """Whether `value` is a whole page for `key`, written in this worker's format."""
@@ -342,7 +344,8 @@ class RemoteKVTier:
             self.num_load_timeouts += 1
             self._mark_down(TimeoutError(f"a fetch took over {self.config.timeout_s} s"))
         else:
-            num_good, num_rejected = fetch.future.result()
+            num_good, num_rejected, timed_out = fetch.future.result()
+            self.num_load_timeouts += timed_out
             self.num_rejected += num_rejected
             if num_rejected:
                 log.warning("KV remote tier: a page failed its checks; treating it as a miss")

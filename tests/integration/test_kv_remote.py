@@ -6,8 +6,10 @@ that goes away mid-run costs recomputes, never failed requests."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -153,9 +155,18 @@ def test_requests_complete_by_recompute_when_the_remote_store_dies(
         _, key = a.new_tenant()
         warm = complete(a, key, f"{DOC}\nFirst question.")
         fleet.wait_saved(0, 1)
-        store.kill()
-        # documents never seen: B finds nothing; A's saves of them are dropped and counted
-        replies = [complete(gw, key, f"{DOC}\nQuestion {i}.") for i in range(3) for gw in (a, b)]
+        assert store.proc is not None
+        with ThreadPoolExecutor(4) as pool:
+            asked = [
+                pool.submit(complete, gw, key, f"{DOC}\nQuestion {i}.")
+                for i in range(3)
+                for gw in (a, b)
+            ]
+            store.proc.send_signal(signal.SIGSTOP)  # mid-run: it answers nothing from here
+            replies = [f.result() for f in asked]
+        store.kill()  # then it is gone altogether
+        replies += [complete(gw, key, f"{DOC}\nQuestion {i}.") for i in (7, 8) for gw in (a, b)]
+        # every request completed: what the store could not give was computed
         assert all(r["usage"]["completion_tokens"] == 8 for r in replies)
         again = complete(b, key, f"{DOC}\nFirst question.")  # was in the remote tier: gone
         assert again["choices"][0]["text"] == warm["choices"][0]["text"]

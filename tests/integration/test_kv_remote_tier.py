@@ -4,6 +4,7 @@ own oldest pages only, and a store that is gone costs misses, never a wait past 
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,3 +148,26 @@ def test_pages_leaving_host_ram_are_saved_to_the_remote_tier(cache_store):
     assert store.pages_by_owner() == {"alpha": {"host": 2, "remote": 2}}
     store.close()
     reader.close()
+
+
+def test_a_frozen_store_is_a_timed_out_miss_and_the_tier_leaves_it_alone(tmp_path):
+    store = EmbeddedStore(tmp_path / "kv-remote", max_bytes=16 << 20)
+    store.start()
+    assert store.proc is not None
+    remote = tier(store.url, timeout_s=0.2)
+    remote.save(key(0), page(0), "alpha")
+    flushed(remote, 1)
+    store.proc.send_signal(signal.SIGSTOP)  # it accepts nothing, answers nothing
+    try:
+        fetch = remote.fetch([key(0)])
+        assert fetch is not None
+        while not remote.settle(fetch):
+            remote.wait_reads(0.05)
+        assert fetch.good == set() and remote.num_load_timeouts == 1
+        assert remote.down  # for a while, fetches are skipped and saves dropped at once
+        assert remote.fetch([key(0)]) is None
+        assert not remote.save(key(1), page(1), "alpha")
+    finally:
+        store.proc.send_signal(signal.SIGCONT)
+    remote.close()
+    store.stop()
