@@ -93,8 +93,8 @@ class RemoteFetch:
         self.buffer = bytearray(len(keys) * page_nbytes)
         self.rows = {k: i for i, k in enumerate(keys)}
         self.good: set[bytes] = set()
-        # (pages good, pages rejected, whether the store took too long)
-        self.future: Future[tuple[int, int, bool]] | None = None
+        # (pages good, pages rejected, None or why the store did not answer: "timeout", "error")
+        self.future: Future[tuple[int, int, str | None]] | None = None
         self.settled = False
 
     @property
@@ -261,10 +261,13 @@ class RemoteKVTier:
                 self.owners.add(key, owner)
             self.num_quota_evicted += len(evicted)
             for victim in evicted:
-                page_key = victim.removeprefix(KEY_PREFIX)
-                self._known.pop(page_key, None)
-                if page_key in self.owners.of:
-                    self.owners.remove(page_key)
+                self._forget(victim.removeprefix(KEY_PREFIX))
+
+    def _forget(self, key: bytes) -> None:
+        """`key` is not (or no longer) in the store, as far as this worker knows."""
+        self._known.pop(key, None)
+        if key in self.owners.of:
+            self.owners.remove(key)
 
     @property
     def num_pending(self) -> int:
@@ -297,10 +300,10 @@ class RemoteKVTier:
         self._fetches.append(fetch)
         return fetch
 
-    def _read(self, fetch: RemoteFetch) -> tuple[int, int, bool]:
+    def _read(self, fetch: RemoteFetch) -> tuple[int, int, str | None]:
         """Reader thread: one pipeline of MGETs; the leading pages that are there and pass
-        their checks land in the fetch's buffer. Returns (pages good, pages rejected,
-        whether the store timed out)."""
+        their checks land in the fetch's buffer. Returns (pages good, pages rejected, None
+        or why the store did not answer)."""
         pipe = self.client.pipeline(transaction=False)
         keys = fetch.keys
         for i in range(0, len(keys), _MGET_PAGES):
@@ -309,16 +312,17 @@ class RemoteKVTier:
             values = [v for reply in pipe.execute() for v in reply]
         except (redis.RedisError, OSError) as exc:
             self._mark_down(exc)
-            return 0, 0, isinstance(exc, (redis.TimeoutError, TimeoutError))
+            timed_out = isinstance(exc, (redis.TimeoutError, TimeoutError))
+            return 0, 0, "timeout" if timed_out else "error"
         n, size = 0, self.page_nbytes
         for key, value in zip(keys, values, strict=True):
             if value is None:
-                return n, 0, False
+                return n, 0, None
             if not self._intact(key, value):
-                return n, 1, False
+                return n, 1, None
             fetch.buffer[n * size : (n + 1) * size] = memoryview(value)[HEADER_NBYTES:]
             n += 1
-        return n, 0, False
+        return n, 0, None
 
     def _intact(self, key: bytes, value: bytes) -> bool:
         """Whether `value` is a whole page for `key`, written in this worker's format."""
@@ -344,14 +348,17 @@ class RemoteKVTier:
             self.num_load_timeouts += 1
             self._mark_down(TimeoutError(f"a fetch took over {self.config.timeout_s} s"))
         else:
-            num_good, num_rejected, timed_out = fetch.future.result()
-            self.num_load_timeouts += timed_out
+            num_good, num_rejected, failure = fetch.future.result()
+            self.num_load_timeouts += failure == "timeout"
             self.num_rejected += num_rejected
             if num_rejected:
                 log.warning("KV remote tier: a page failed its checks; treating it as a miss")
             fetch.good.update(fetch.keys[:num_good])
             for key in fetch.keys[:num_good]:
                 self._remember(key)
+            if failure is None:  # the store has not the rest (its LRU, a quota): when
+                for key in fetch.keys[num_good:]:  # computed again here, they are saved again
+                    self._forget(key)
         fetch.settled = True
         return True
 

@@ -171,3 +171,18 @@ def test_a_frozen_store_is_a_timed_out_miss_and_the_tier_leaves_it_alone(tmp_pat
         store.proc.send_signal(signal.SIGCONT)
     remote.close()
     store.stop()
+
+
+def test_a_page_the_store_evicted_is_saved_again_when_computed_again(cache_store):
+    remote = tier(cache_store.url)
+    remote.save(key(0), page(0), "alpha")
+    flushed(remote, 1)
+    assert remote.save(key(0), page(0), "alpha") and remote.num_saved == 1  # not sent twice
+    client = redis.Redis.from_url(cache_store.url)
+    client.delete(KEY_PREFIX + key(0))  # as the server's LRU would
+    assert fetched(remote, [key(0)]).good == set()
+    assert remote.pages_by_owner() == {}  # no longer counted as held
+    remote.save(key(0), page(0), "alpha")
+    flushed(remote, 2)
+    assert client.exists(KEY_PREFIX + key(0))
+    remote.close()
