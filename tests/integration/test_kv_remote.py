@@ -30,7 +30,11 @@ DOC = " ".join(f"Clause {i}: the lessee keeps the premises in good repair." for 
 class Pair:
     def __init__(self, root: Path, cache_dir: Path, store_url: str, remote_url: str) -> None:
         args = [*TINY, "--kv-remote-url", remote_url]
-        self.workers = [WorkerProcess(root / f"{n}.sock", args, cache_dir) for n in "ab"]
+        # B loads pages layer by layer on a worker thread, A before the step
+        self.workers = [
+            WorkerProcess(root / f"{n}.sock", [*args, "--kv-load", load], cache_dir)
+            for n, load in (("a", "sync"), ("b", "thread"))
+        ]
         self.gateways: list[GatewayServer] = []
         for worker in self.workers:
             worker.start()
