@@ -204,3 +204,13 @@ def test_a_tenants_policy_caps_its_pages_in_the_remote_tier(pair, remote_store):
     assert all(client.exists(k) for k in free_pages)
     residency = pair.stats(0).kv_blocks_by_tenant
     assert residency[capped]["remote"] == 4 and residency[free]["remote"] == len(free_pages)
+
+
+def test_a_negative_remote_quota_is_refused_naming_the_field(pair):
+    a, _ = pair.gateways
+    with a.admin() as admin:
+        r = admin.post(
+            "/admin/tenants/", json={"name": "negative", "policy": {"kv_remote_tokens": -5}}
+        )
+    assert r.status_code == 400, r.text
+    assert "kv_remote_tokens" in r.json()["error"]["message"]
