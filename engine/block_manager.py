@@ -121,19 +121,20 @@ class BlockManager:
         return self.offloader is not None and self.offloader.store.remote is not None
 
     def prefetch_below(
-        self, request_id: str, hashes: list[bytes], rest: Sequence[bytes] = ()
+        self, request_id: str, hashes: list[bytes], rest: Sequence[bytes] = (), owner: str = ""
     ) -> bool:
         """Start, or check on, reading ahead the request's pages of `hashes` that are on
         disk (from `lookup_below`), and fetching those of `rest` (what no tier here holds)
         from the remote tier, once per request; True once none is still being read, so
-        `load_below` will not wait. A request refused for lack of read-ahead room starts
-        first once there is room: no other starts before it."""
+        `load_below` will not wait. Pages fetched land in host RAM, for `owner`, where it
+        takes them. A request refused for lack of read-ahead room starts first once there
+        is room: no other starts before it."""
         if self.offloader is None:
             return True
-        remote_done = self._fetch_remote(request_id, rest)
+        remote_done = self._fetch_remote(request_id, rest, owner)
         return self._prefetch_disk(request_id, hashes) and remote_done
 
-    def _fetch_remote(self, request_id: str, rest: Sequence[bytes]) -> bool:
+    def _fetch_remote(self, request_id: str, rest: Sequence[bytes], owner: str) -> bool:
         remote = None if self.offloader is None else self.offloader.store.remote
         if remote is None:
             return True
@@ -145,7 +146,13 @@ class BlockManager:
             if fetch is None:  # the store is down, or fetches hold their budget: a miss
                 return True
             self._remote[request_id] = fetch
-        return remote.settle(fetch)
+        if fetch.settled:
+            return True
+        if not remote.settle(fetch):
+            return False
+        assert self.offloader is not None
+        self.offloader.land(fetch, owner)
+        return True
 
     def remote_pages_arrived(self, request_id: str) -> bool:
         """Whether the request has pages fetched from the remote tier, ready to load."""

@@ -170,7 +170,7 @@ class Scheduler:
                 assert req.num_computed_tokens == 0, "waiting requests hold no KV"
                 hits, below, rest = self._cache_hits(req)
                 if (below or rest) and not self.block_manager.prefetch_below(
-                    req.request_id, below, rest
+                    req.request_id, below, rest, req.tenant
                 ):
                     skipped.append(self.waiting.pop())
                     continue
@@ -274,7 +274,7 @@ class Scheduler:
         for req in itertools.islice(self.waiting, _READ_AHEAD_REQUESTS):
             _, below, rest = self._cache_hits(req)
             if below or rest:
-                bm.prefetch_below(req.request_id, below, rest)
+                bm.prefetch_below(req.request_id, below, rest, req.tenant)
 
     def _block_hashes(self, request: Request) -> list[bytes]:
         """The hash chain of the request's full blocks, extended to its current tokens."""

@@ -82,7 +82,9 @@ class RemoteConfig:
 class RemoteFetch:
     """Pages of one request fetched from the remote tier: page i of `keys` lands in row i
     of one buffer. Once settled, `good` holds the keys of the leading pages that arrived
-    and passed their checks (a missing or failing page ends the prefix).
+    and passed their checks (a missing or failing page ends the prefix); `landed`, those
+    since copied into host rows (`KVOffloader.land`), where loads read them like any host
+    page.
 
     Built by `RemoteKVTier.fetch`; `RemoteKVTier.settle` finishes it."""
 
@@ -93,6 +95,7 @@ class RemoteFetch:
         self.buffer = bytearray(len(keys) * page_nbytes)
         self.rows = {k: i for i, k in enumerate(keys)}
         self.good: set[bytes] = set()
+        self.landed: set[bytes] = set()
         # (pages good, pages rejected, None or why the store did not answer: "timeout", "error")
         self.future: Future[tuple[int, int, str | None]] | None = None
         self.settled = False

@@ -417,6 +417,28 @@ class KVOffloader:
             n += 1
         return n
 
+    def land(self, fetch: RemoteFetch, owner: str) -> int:
+        """Copy the pages `fetch` got from the remote tier into host rows, for `owner`, in
+        chain order, up to the first the host tier cannot take (the owner's allowance, or
+        every page there is one of these); they join the host tier and loads read them
+        there. Returns how many landed."""
+        host = self.store.host
+        if host is None:
+            return 0
+        keep = fetch.good
+        for key in fetch.keys:
+            if key not in keep:
+                break
+            if self.store.tier_of(key) is not None:
+                continue
+            slot = self.store.take_host_slot(key, keep, owner)
+            page = fetch.page(key)
+            if slot is None or page is None:
+                break
+            host.data[slot].copy_(page)
+            fetch.landed.add(key)
+        return len(fetch.landed)
+
     def save_remote(self, blocks: Sequence[int], keys: Sequence[bytes], owner: str) -> None:
         """Save the pages of device `blocks` (full, their KV written) to the remote tier
         under `keys`, written behind; pages it has already are skipped."""
@@ -480,17 +502,21 @@ class KVOffloader:
         tiers: list[Tier] = []
         for block, key in zip(blocks[: len(keys)], keys, strict=True):
             page = None if fetch is None else fetch.page(key)
+            # a page fetched from the remote tier and landed in host RAM: a remote hit
+            host_tier = Tier.REMOTE if remote is not None and key in remote.landed else Tier.HOST
             if page is None and self.in_place:
                 slot = self.store.host_row(key)
                 if slot is not None:
                     rows.append(slot)
                     row_blocks.append(block)
-                    tiers.append(Tier.HOST)
+                    tiers.append(host_tier)
                     continue
             if page is not None:
                 got: tuple[torch.Tensor, Tier] | None = (page, Tier.DISK)
             else:
                 got = self.store.get(key)
+                if got is not None and got[1] is Tier.HOST:
+                    got = (got[0], host_tier)
                 if got is None and remote is not None:
                     fetched = remote.page(key)
                     got = None if fetched is None else (fetched, Tier.REMOTE)

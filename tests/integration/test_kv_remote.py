@@ -23,7 +23,7 @@ from tenants.store import EmbeddedStore
 from tests.integration.conftest import GatewayServer, WorkerProcess, gateway_settings
 
 TINY = ["--model", "synthetic:tiny", "--num-kv-blocks", "128", "--block-size", "4"]
-TINY += ["--dtype", "float32", "--kv-remote-timeout-ms", "1000"]
+TINY += ["--dtype", "float32", "--kv-remote-timeout-ms", "1000", "--kv-host-gb", "0.01"]
 DOC = " ".join(f"Clause {i}: the lessee keeps the premises in good repair." for i in range(4))
 
 
@@ -118,8 +118,11 @@ def test_a_document_computed_on_one_worker_is_a_remote_hit_on_another(pair):
     assert cached(stranger) == 0
     hits_before = pair.stats(1).num_cache_hit_blocks.get("remote", 0)
     second = complete(b, key, prompt)  # the same tenant on the other worker
-    hits = pair.stats(1).num_cache_hit_blocks["remote"] - hits_before
+    stats = pair.stats(1)
+    hits = stats.num_cache_hit_blocks["remote"] - hits_before
     assert cached(second) >= (num_blocks - 1) * 4 and hits * 4 == cached(second)
+    # the pages landed in B's host RAM on their way to its device: B keeps them
+    assert stats.num_kv_host_blocks_used >= hits
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     assert second["choices"][0]["text"] == stranger["choices"][0]["text"]
     assert pair.stats(1).kv_remote["rejected"] == 0
