@@ -14,6 +14,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
 from kvstore.disk import DiskPrefetch
+from kvstore.remote import RemoteFetch
 from kvstore.tiers import KVOffloader, Tier
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,10 @@ class BlockManager:
         *,
         enable_caching: bool = True,
         offloader: KVOffloader | None = None,
+        save_remote_on_commit: bool = False,
     ) -> None:
+        """`save_remote_on_commit`: every newly full block is also saved to the remote tier
+        (written behind) when it is committed, not only when its page leaves host RAM."""
         assert num_blocks > 0
         assert block_size > 0
         self.num_blocks = num_blocks
@@ -54,9 +58,11 @@ class BlockManager:
         self.offloader = offloader if enable_caching else None
         self.num_hit_blocks = 0
         self.num_evicted_blocks = 0
-        self.num_tier_hit_blocks = {Tier.HOST: 0, Tier.DISK: 0}
+        self.num_tier_hit_blocks = {Tier.HOST: 0, Tier.DISK: 0, Tier.REMOTE: 0}
+        self.save_remote_on_commit = save_remote_on_commit
         self.num_spilled_ahead = 0
         self._prefetches: dict[str, DiskPrefetch] = {}  # request id -> its disk reads ahead
+        self._remote: dict[str, RemoteFetch] = {}  # request id -> its remote fetch
         self._next_prefetch: str | None = None  # refused for room: starts before any other
         # copies (kvstore/transfer.py tickets) still running, maybe finished since
         self._waits: dict[str, set[int]] = {}  # request id -> those its blocks wait for
@@ -101,19 +107,60 @@ class BlockManager:
         device hits."""
         if self.offloader is None:
             return []
-        return hashes[: self.offloader.find(hashes, self._prefetches.get(request_id))]
+        n = self.offloader.find(
+            hashes, self._prefetches.get(request_id), self._remote.get(request_id)
+        )
+        return hashes[:n]
 
     @property
     def has_disk_tier(self) -> bool:
         return self.offloader is not None and self.offloader.store.disk is not None
 
-    def prefetch_below(self, request_id: str, hashes: list[bytes]) -> bool:
+    @property
+    def has_remote_tier(self) -> bool:
+        return self.offloader is not None and self.offloader.store.remote is not None
+
+    def prefetch_below(
+        self, request_id: str, hashes: list[bytes], rest: Sequence[bytes] = (), owner: str = ""
+    ) -> bool:
         """Start, or check on, reading ahead the request's pages of `hashes` that are on
-        disk (from `lookup_below`); True once none is still being read, so `load_below`
-        will not wait on the disk. A request refused for lack of read-ahead room starts
-        first once there is room: no other starts before it."""
+        disk (from `lookup_below`), and fetching those of `rest` (what no tier here holds)
+        from the remote tier, once per request; True once none is still being read, so
+        `load_below` will not wait. Pages fetched land in host RAM, for `owner`, where it
+        takes them. A request refused for lack of read-ahead room starts first once there
+        is room: no other starts before it."""
         if self.offloader is None:
             return True
+        remote_done = self._fetch_remote(request_id, rest, owner)
+        return self._prefetch_disk(request_id, hashes) and remote_done
+
+    def _fetch_remote(self, request_id: str, rest: Sequence[bytes], owner: str) -> bool:
+        remote = None if self.offloader is None else self.offloader.store.remote
+        if remote is None:
+            return True
+        fetch = self._remote.get(request_id)
+        if fetch is None:
+            if not rest:
+                return True
+            fetch = remote.fetch(rest)
+            if fetch is None:  # the store is down, or fetches hold their budget: a miss
+                return True
+            self._remote[request_id] = fetch
+        if fetch.settled:
+            return True
+        if not remote.settle(fetch):
+            return False
+        assert self.offloader is not None
+        self.offloader.land(fetch, owner)
+        return True
+
+    def remote_pages_arrived(self, request_id: str) -> bool:
+        """Whether the request has pages fetched from the remote tier, ready to load."""
+        fetch = self._remote.get(request_id)
+        return fetch is not None and bool(fetch.good)
+
+    def _prefetch_disk(self, request_id: str, hashes: list[bytes]) -> bool:
+        assert self.offloader is not None
         fetch = self._prefetches.get(request_id)
         if fetch is None:
             if not self.offloader.on_disk(hashes):
@@ -145,7 +192,9 @@ class BlockManager:
         fetch = self._prefetches.get(request_id)
         loads = self.offloader.pool.loads
         started = loads.num_started
-        tiers = self.offloader.load(table[start : start + len(hashes)], hashes, fetch)
+        tiers = self.offloader.load(
+            table[start : start + len(hashes)], hashes, fetch, self._remote.get(request_id)
+        )
         self._release_prefetch(request_id)
         n = len(tiers)
         loaded = table[start : start + n]
@@ -204,6 +253,10 @@ class BlockManager:
     def _release_prefetch(self, request_id: str) -> None:
         if self._next_prefetch == request_id:
             self._next_prefetch = None
+        remote = self._remote.pop(request_id, None)
+        if remote is not None:
+            assert self.offloader is not None and self.offloader.store.remote is not None
+            self.offloader.store.remote.release(remote)
         fetch = self._prefetches.pop(request_id, None)
         if fetch is not None:
             assert self.offloader is not None
@@ -216,7 +269,10 @@ class BlockManager:
             return
         table = self._tables[request_id]
         end = min(len(hashes), len(table))
-        self._cache(table[start:end], hashes[start:end], self._owner.get(request_id, ""))
+        owner = self._owner.get(request_id, "")
+        self._cache(table[start:end], hashes[start:end], owner)
+        if self.save_remote_on_commit and self.offloader is not None and end > start:
+            self.offloader.save_remote(table[start:end], hashes[start:end], owner)
 
     def _cache(self, blocks: Sequence[int], hashes: Sequence[bytes], owner: str) -> None:
         """Make each of `blocks` findable under its hash of `hashes` (unless either is

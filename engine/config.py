@@ -117,6 +117,7 @@ def parse_dtype(name: str) -> torch.dtype:
 
 KV_LOADS = ("auto", "sync", "thread", "stream")
 KV_HOST_READS = ("auto", "kernel", "copy")
+KV_REMOTE_SAVES = ("prefill", "evict")
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,34 @@ class CacheConfig:
         "(sync); auto: stream on CUDA, sync elsewhere",
         choices=KV_LOADS,
     )
+    remote_url: str | None = option(
+        None,
+        "--kv-remote-url",
+        "a Redis-protocol store (redis://, rediss://, unix://) shared by the fleet as a KV "
+        "tier below host RAM and disk: pages saved there by one worker are hits on the "
+        "others; `embedded` (strata serve): a valkey-server of its own, sized by "
+        "--kv-remote-gb",
+    )
+    remote_memory_bytes: int = option(
+        1 << 30,
+        "--kv-remote-gb",
+        "with --kv-remote-url embedded: the store's memory (maxmemory, least recently used "
+        "pages evicted), in GiB",
+        unit=InUnits(1 << 30, at_least=1 << 20),
+    )
+    remote_timeout_ms: int = option(
+        1000,
+        "--kv-remote-timeout-ms",
+        "the most a fetch from the remote tier (and each store call) may take; a slower "
+        "fetch is a miss, and the prompt is computed",
+    )
+    remote_save: str = option(
+        "prefill",
+        "--kv-remote-save",
+        "which pages go to the remote tier: every full block once it is computed, written "
+        "behind (prefill), or only pages leaving host RAM (evict)",
+        choices=KV_REMOTE_SAVES,
+    )
     kv_host_reads: str = option(
         "auto",
         "--kv-host-reads",
@@ -213,6 +242,14 @@ class CacheConfig:
             raise ConfigError(f"kv_load must be one of {', '.join(KV_LOADS)}")
         if self.kv_host_reads not in KV_HOST_READS:
             raise ConfigError(f"kv_host_reads must be one of {', '.join(KV_HOST_READS)}")
+        if self.remote_save not in KV_REMOTE_SAVES:
+            raise ConfigError(f"remote_save must be one of {', '.join(KV_REMOTE_SAVES)}")
+        if self.remote_timeout_ms <= 0:
+            raise ConfigError("remote_timeout_ms must be positive")
+        if self.remote_url is not None and not self.remote_url.startswith(
+            ("redis://", "rediss://", "unix://", "embedded")
+        ):
+            raise ConfigError("kv_remote_url must be a redis://, rediss:// or unix:// URL")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 
 from engine.attention.triton_backend import load_triton_kernels
 from engine.block_manager import BlockManager
-from engine.config import CacheConfig, EngineConfig
+from engine.config import CacheConfig, ConfigError, EngineConfig
 from engine.kernels.cpu import CpuKernels
 from engine.lora.layers import LoRAManager, apply_lora
 from engine.model.llama import LlamaForCausalLM
@@ -45,6 +45,7 @@ from engine.structured.compilers import make_compiler
 from kvstore.base import KVCacheSpec, ResidencyMeter
 from kvstore.device_pool import DeviceKVPool
 from kvstore.disk import PageFormat, disk_slot_nbytes
+from kvstore.remote import RemoteConfig, RemoteKVTier
 from kvstore.tiers import KVOffloader, Tier, TieredKVStore
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class EngineCore:
             spec.block_size,
             enable_caching=config.cache.enable_prefix_caching,
             offloader=None if self.tiers is None else KVOffloader(self.pool, self.tiers),
+            save_remote_on_commit=config.cache.remote_save == "prefill",
         )
         limit = config.scheduler.max_model_len or mc.max_position_embeddings
         self.max_model_len = min(limit, mc.max_position_embeddings, num_blocks * spec.block_size)
@@ -198,6 +200,11 @@ class EngineCore:
                 None if sched.kv_host_tokens is None else sched.kv_host_tokens // bs,
                 None if sched.kv_disk_tokens is None else sched.kv_disk_tokens // bs,
             )
+            if self.tiers.remote is not None:
+                tokens = sched.kv_remote_tokens
+                self.tiers.remote.set_quota(
+                    sched.tenant, None if tokens is None else tokens // bs * self.tiers.page_nbytes
+                )
         slot: int | None = 0
         if lora is not None:
             if self.lora is None:
@@ -400,6 +407,7 @@ class EngineCore:
             num_cached_tokens=request.num_cached_tokens,
             num_cached_host_tokens=request.num_cached_host_tokens,
             num_cached_disk_tokens=request.num_cached_disk_tokens,
+            num_cached_remote_tokens=request.num_cached_remote_tokens,
             num_output_tokens=request.num_output_tokens,
             prompt_logprobs=prompt_logprobs,
         )
@@ -444,7 +452,9 @@ class EngineCore:
                 Tier.DEVICE.value: bm.num_hit_blocks,
                 Tier.HOST.value: bm.num_tier_hit_blocks[Tier.HOST],
                 Tier.DISK.value: bm.num_tier_hit_blocks[Tier.DISK],
+                Tier.REMOTE.value: bm.num_tier_hit_blocks[Tier.REMOTE],
             },
+            kv_remote=self._remote_stats(),
             num_preemptions=self.scheduler.num_preemptions,
             num_loading=len(self.scheduler.loading),
             num_kv_spilled_blocks={}
@@ -457,6 +467,20 @@ class EngineCore:
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_draft_tokens=self.num_accepted_draft_tokens,
         )
+
+    def _remote_stats(self) -> dict[str, int]:
+        remote = None if self.tiers is None else self.tiers.remote
+        if remote is None:
+            return {}
+        remote.reap()
+        return {
+            "saved": remote.num_saved,
+            "save_dropped": remote.num_save_dropped,
+            "rejected": remote.num_rejected,
+            "load_timeouts": remote.num_load_timeouts,
+            "quota_evicted": remote.num_quota_evicted,
+            "pending": remote.num_pending,
+        }
 
     def _blocks_by_tenant(self) -> dict[str, dict[str, int]]:
         by_tenant = {
@@ -501,6 +525,8 @@ class EngineCore:
                 out[Tier.HOST.value] = self.tiers.host.slots.keys()
             if self.tiers.disk is not None:
                 out[Tier.DISK.value] = self.tiers.disk.slots.keys()
+            if self.tiers.remote is not None:
+                out[Tier.REMOTE.value] = self.tiers.remote.owners.of.keys()
         return out
 
     def load(self) -> dict[str, int]:
@@ -540,12 +566,18 @@ def _lower_tiers(
     """Host and disk tiers for prefix-cache pages, as configured (None when there are none,
     or when prefix caching is off and they would hold nothing). With a `--kv-disk-path`
     the disk tier's file persists there; without, it is an unlinked temporary file."""
-    if not (cache.host_memory_bytes or cache.disk_bytes):
+    if not (cache.host_memory_bytes or cache.disk_bytes or cache.remote_url):
         return None
     if not cache.enable_prefix_caching:
         log.warning("KV host and disk tiers hold prefix-cache pages; caching is off, so none")
         return None
     page = spec.bytes_per_block
+    remote = None
+    if cache.remote_url is not None:
+        if cache.remote_url == "embedded":
+            raise ConfigError("--kv-remote-url embedded needs `strata serve`, which starts it")
+        remote_config = RemoteConfig(cache.remote_url, timeout_s=cache.remote_timeout_ms / 1000)
+        remote = RemoteKVTier(remote_config, page_format, page)
     store = TieredKVStore(
         page,
         host_blocks=cache.host_memory_bytes // page,
@@ -556,5 +588,6 @@ def _lower_tiers(
         disk_persistent=bool(cache.disk_path),
         page_format=page_format,
         pin=device.type == "cuda",
+        remote=remote,
     )
     return store if store.enabled else None

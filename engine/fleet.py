@@ -31,7 +31,7 @@ HEARTBEAT_S = 1.0
 # a worker that stops beating (a hang, a partition) leaves gateways' view after this; one
 # that dies leaves at once, when its connection to each gateway ends
 RECORD_TTL_MS = 10_000
-TIERS = ("device", "host", "disk")
+TIERS = ("device", "host", "disk", "remote")
 SNAPSHOT_TTL_S = 600  # a dead worker's snapshot goes with it
 _MAX_PENDING = 1000
 _SEAL_LABEL = b"strata fleet record v1\0"

@@ -145,8 +145,9 @@ class Scheduling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     policy shares the engine between `tenant`s in proportion to their `weight`.
     `cache_salt` is part of every prefix-cache key: requests reuse each other's KV only
     when their salts are equal (the gateway sets it from the tenant record).
-    `kv_host_tokens` and `kv_disk_tokens` cap the tenant's cached KV in host RAM and on disk
-    (None: no cap of its own; 0: none in that tier); the latest request's caps apply.
+    `kv_host_tokens`, `kv_disk_tokens` and `kv_remote_tokens` cap the tenant's cached KV in
+    host RAM, on disk and in the remote tier (None: no cap of its own; 0: none in that
+    tier); the latest request's caps apply.
     """
 
     priority: int = 0
@@ -155,11 +156,12 @@ class Scheduling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     cache_salt: str = ""
     kv_host_tokens: int | None = None
     kv_disk_tokens: int | None = None
+    kv_remote_tokens: int | None = None
 
     def validate(self) -> None:
         if not 0.0 < self.weight <= 1e6:
             raise InvalidRequestError("weight must be in (0, 1e6]")
-        for name in ("kv_host_tokens", "kv_disk_tokens"):
+        for name in ("kv_host_tokens", "kv_disk_tokens", "kv_remote_tokens"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise InvalidRequestError(f"{name} must not be negative")
@@ -200,10 +202,11 @@ class RequestOutput(msgspec.Struct, kw_only=True, array_like=True):
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
-    # of num_cached_tokens, those whose KV was copied back from host RAM or from disk (the
-    # rest were still in device memory)
+    # of num_cached_tokens, those whose KV was copied back from host RAM, from disk or from
+    # the remote tier (the rest were still in device memory)
     num_cached_host_tokens: int = 0
     num_cached_disk_tokens: int = 0
+    num_cached_remote_tokens: int = 0
     # with SamplingParams.prompt_logprobs: prompt tokens 1.. scored since the last output (all
     # of them arrive with the request's first output)
     prompt_logprobs: list[TokenLogprob] | None = None
@@ -248,6 +251,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_kv_spilled_blocks: dict[str, int] = msgspec.field(default_factory=dict)
     num_kv_dropped_blocks: int = 0
     num_kv_disk_write_errors: int = 0
+    # the remote tier since start, in pages: saved, saves dropped (queue full, store down),
+    # values rejected (wrong header or checksum: misses), fetches timed out, and pages of a
+    # tenant evicted by this worker's saves to keep the tenant within its quota; and the
+    # saves queued now ("pending")
+    kv_remote: dict[str, int] = msgspec.field(default_factory=dict)
     num_steps: int
     num_generated_tokens: int
     # speculative decoding since start: draft tokens proposed, and those the model agreed with

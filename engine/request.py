@@ -59,6 +59,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.num_cached_host_tokens = 0  # of those, copied back from host RAM
         self.num_cached_disk_tokens = 0  # and from disk
+        self.num_cached_remote_tokens = 0  # and from the remote tier
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None

@@ -168,10 +168,14 @@ class Scheduler:
             while len(self.waiting) and budget > 0 and self.num_running < self.config.max_num_seqs:
                 req = self.waiting.peek()
                 assert req.num_computed_tokens == 0, "waiting requests hold no KV"
-                hits, below = self._cache_hits(req)
-                if below and not self.block_manager.prefetch_below(req.request_id, below):
+                hits, below, rest = self._cache_hits(req)
+                if (below or rest) and not self.block_manager.prefetch_below(
+                    req.request_id, below, rest, req.tenant
+                ):
                     skipped.append(self.waiting.pop())
                     continue
+                if rest and self.block_manager.remote_pages_arrived(req.request_id):
+                    hits, below, _ = self._cache_hits(req)  # they continue the prefix
                 if busy and loaded and loaded + len(below) > self.config.max_loaded_blocks_per_step:
                     break  # the next step admits it: this one's bookkeeping is spent
                 loaded += len(below)
@@ -201,6 +205,7 @@ class Scheduler:
                     req.num_cached_tokens = cached
                     req.num_cached_host_tokens = tiers.count(Tier.HOST) * bs
                     req.num_cached_disk_tokens = tiers.count(Tier.DISK) * bs
+                    req.num_cached_remote_tokens = tiers.count(Tier.REMOTE) * bs
                 if busy and not self.block_manager.loads_ready(req.request_id):
                     req.status = RequestStatus.LOADING
                     self.loading.append(req)
@@ -263,12 +268,13 @@ class Scheduler:
     def _read_ahead_waiting(self) -> None:
         """Start reading from disk the pages of the next few waiting requests, which could
         not be admitted this step, so that they are in memory when their turn comes."""
-        if not len(self.waiting) or not self.block_manager.has_disk_tier:
+        bm = self.block_manager
+        if not len(self.waiting) or not (bm.has_disk_tier or bm.has_remote_tier):
             return
         for req in itertools.islice(self.waiting, _READ_AHEAD_REQUESTS):
-            _, below = self._cache_hits(req)
-            if below:
-                self.block_manager.prefetch_below(req.request_id, below)
+            _, below, rest = self._cache_hits(req)
+            if below or rest:
+                bm.prefetch_below(req.request_id, below, rest, req.tenant)
 
     def _block_hashes(self, request: Request) -> list[bytes]:
         """The hash chain of the request's full blocks, extended to its current tokens."""
@@ -281,18 +287,20 @@ class Scheduler:
             )
         return hashes
 
-    def _cache_hits(self, request: Request) -> tuple[list[int], list[bytes]]:
-        """Cached device blocks for the request's prefix, and the hashes of the blocks that
-        continue it in the tiers below; together they leave at least one token to compute
+    def _cache_hits(self, request: Request) -> tuple[list[int], list[bytes], list[bytes]]:
+        """Cached device blocks for the request's prefix, the hashes of the blocks that
+        continue it in the tiers below, and those of the usable blocks after them (what
+        the remote tier may hold); hits and tiers leave at least one token to compute
         (its logits are needed)."""
         if not self.block_manager.enable_caching:
-            return [], []
+            return [], [], []
         # a request scoring its prompt needs the logits of every position it has not scored
         usable = min(request.num_tokens - 1, request.num_scored_prefix)
         usable //= self.block_manager.block_size
         hashes = self._block_hashes(request)[:usable]
         hits = self.block_manager.lookup(hashes)
-        return hits, self.block_manager.lookup_below(request.request_id, hashes[len(hits) :])
+        below = self.block_manager.lookup_below(request.request_id, hashes[len(hits) :])
+        return hits, below, hashes[len(hits) + len(below) :]
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

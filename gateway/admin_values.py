@@ -127,6 +127,11 @@ POLICY_OPTIONS: dict[str, tuple[Any, str]] = {
         tokens_cap,
         "KV-cache tokens of the tenant's prefix cache kept on disk (0: none there)" + NONE,
     ),
+    "kv_remote_tokens": (
+        tokens_cap,
+        "KV-cache tokens of the tenant's prefix cache kept in the fleet's remote tier "
+        "(0: none there)" + NONE,
+    ),
     "allowed_models": (names, "comma-separated model names the tenant may call; none: all"),
     "allowed_adapters": (names, "comma-separated adapters the tenant may call; none: all"),
     "priority": (int, "-1000 to 1000, lower runs first in the engine (default 0)"),

@@ -271,7 +271,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvloop  # noqa: PLC0415
 
-    from gateway.serve import serve  # noqa: PLC0415
+    from gateway.serve import EMBEDDED_REMOTE, serve  # noqa: PLC0415
 
     models = args.models or [None]  # None: $STRATA_MODEL, else the default model
     if args.workers < 1:
@@ -291,8 +291,15 @@ def _serve(args: argparse.Namespace) -> int:
         for spec in specs
         for _ in range(args.workers)
     ]
+    remote_bytes = None
+    if args.kv_remote_url == EMBEDDED_REMOTE:
+        worker = argparse.Namespace(**vars(args))
+        worker.model = specs[0]
+        remote_bytes = _engine_config(worker).cache.remote_memory_bytes
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve(gateway_settings, worker_args, demo=args.demo))
+        runner.run(
+            serve(gateway_settings, worker_args, demo=args.demo, kv_remote_bytes=remote_bytes)
+        )
     return 0
 
 

@@ -3,6 +3,9 @@ KVEvents): the gateway's view for routing a request to the worker that holds the
 prefix of its block chain. Keys are the 64-bit block keys of engine/block_hash.py, salted
 per tenant like the cache itself, so one tenant's request never matches another's blocks.
 
+Blocks a worker reports in the remote tier (a store the fleet shares) are a hit on every
+worker: any of them can fetch those pages.
+
 Blocks a gateway has just sent a worker are noted as expected there (`expect`) until the
 worker's own events catch up, so a document asked about twice in a row routes the same way.
 """
@@ -32,10 +35,11 @@ class PrefixHit:
     device: int = 0
     host: int = 0
     disk: int = 0
+    remote: int = 0  # in the fleet's remote tier (saved by any worker)
 
     @property
     def blocks(self) -> int:
-        return self.device + self.host + self.disk
+        return self.device + self.host + self.disk + self.remote
 
 
 class KVIndex:
@@ -96,13 +100,15 @@ class KVIndex:
 
     def prefix(self, worker_id: str, keys: Sequence[int]) -> PrefixHit:
         """The worker's longest prefix of `keys`, each block counted in the fastest tier
-        that holds it (expected blocks count as on the device)."""
+        that holds it (expected blocks count as on the device; blocks any worker saved to
+        the remote tier count as there)."""
         blocks = self._workers.get(worker_id)
         if blocks is None:
             return PrefixHit()
         device, host, disk = blocks.tiers["device"], blocks.tiers["host"], blocks.tiers["disk"]
+        remote = [w.tiers["remote"] for w in self._workers.values() if w.tiers["remote"]]
         expected, now = blocks.expected, self._clock()
-        counts = {"device": 0, "host": 0, "disk": 0}
+        counts = {"device": 0, "host": 0, "disk": 0, "remote": 0}
         for key in keys:
             if key in device or expected.get(key, 0.0) > now:
                 counts["device"] += 1
@@ -110,6 +116,8 @@ class KVIndex:
                 counts["host"] += 1
             elif key in disk:
                 counts["disk"] += 1
+            elif any(key in saved for saved in remote):
+                counts["remote"] += 1
             else:
                 break
         if len(expected) > 4 * len(device) + 1024:  # keep the notes bounded

@@ -303,6 +303,36 @@ ENGINE_FIGURES = (
         lambda s: s.num_kv_dropped_blocks,
     ),
     _engine_figure(
+        "strata:kv_remote_saved_pages",
+        "counter",
+        "KV pages the worker saved to the fleet's remote tier",
+        lambda s: s.kv_remote.get("saved", 0),
+    ),
+    _engine_figure(
+        "strata:kv_remote_save_dropped",
+        "counter",
+        "KV page saves to the remote tier dropped: the queue was full, the store down or failing",
+        lambda s: s.kv_remote.get("save_dropped", 0),
+    ),
+    _engine_figure(
+        "strata:kv_remote_rejected_pages",
+        "counter",
+        "KV pages from the remote tier with a wrong header or checksum (served as misses)",
+        lambda s: s.kv_remote.get("rejected", 0),
+    ),
+    _engine_figure(
+        "strata:kv_remote_load_timeouts",
+        "counter",
+        "Fetches from the remote tier that missed their deadline (the prompt was computed)",
+        lambda s: s.kv_remote.get("load_timeouts", 0),
+    ),
+    _engine_figure(
+        "strata:kv_remote_quota_evicted",
+        "counter",
+        "A tenant's pages in the remote tier evicted by its own saves, to keep to its quota",
+        lambda s: s.kv_remote.get("quota_evicted", 0),
+    ),
+    _engine_figure(
         "strata:kv_disk_write_errors",
         "counter",
         "KV page writes to disk that failed (those pages were dropped)",

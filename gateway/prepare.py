@@ -439,6 +439,7 @@ class Preparer:
                 cache_salt=cache_salt(tenant),
                 kv_host_tokens=policy.kv_host_tokens,
                 kv_disk_tokens=policy.kv_disk_tokens,
+                kv_remote_tokens=policy.kv_remote_tokens,
             ),
             tools=tools,
             echo_texts=echo_texts,

@@ -2,10 +2,11 @@
 snapshot of the candidates).
 
 `kv_aware` (the default) weighs the prefill a worker's cached prefix saves, by the tier each
-block is in, against the work already waiting there, in tokens of prefill: a request goes
-where its prompt costs least, its own prefill counted twice since it also delays whatever
-queues behind it, so a worker far busier than the others loses even with the document
-cached (llm-d's precise prefix scorer and Dynamo's KV router weigh the same two).
+block is in (a block in the fleet's remote tier saves some prefill on every worker), against
+the work already waiting there, in tokens of prefill: a request goes where its prompt costs
+least, its own prefill counted twice since it also delays whatever queues behind it, so a
+worker far busier than the others loses even with the document cached (llm-d's precise
+prefix scorer and Dynamo's KV router weigh the same two).
 `least_loaded` takes the worker with the fewest requests; `round_robin` takes turns.
 """
 
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from gateway.kv_index import PrefixHit
 
 # of one block's prefill, what a hit in each tier saves (a copy up costs the rest)
-TIER_SAVING = {"device": 1.0, "host": 0.8, "disk": 0.5}
+TIER_SAVING = {"device": 1.0, "host": 0.8, "disk": 0.5, "remote": 0.4}
 # what other work on a worker costs a new request, in tokens of prefill
 WAITING_TOKENS = 256  # a request queued there by another gateway (its prompt unknown here)
 RUNNING_TOKENS = 16  # a request decoding there: its share of each step
@@ -57,6 +58,7 @@ def saved_tokens(hit: PrefixHit, block_size: int) -> float:
         hit.device * TIER_SAVING["device"]
         + hit.host * TIER_SAVING["host"]
         + hit.disk * TIER_SAVING["disk"]
+        + hit.remote * TIER_SAVING["remote"]
     )
 
 

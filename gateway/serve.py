@@ -30,6 +30,8 @@ from tenants.store import EmbeddedStore, StoreError, connect, die_with_parent
 
 log = logging.getLogger(__name__)
 
+EMBEDDED_REMOTE = "embedded"  # --kv-remote-url: a store `serve` starts for the workers
+
 
 class _Server(uvicorn.Server):
     """uvicorn, minus its own signal capture: `serve` owns SIGINT/SIGTERM so that, after the
@@ -256,11 +258,35 @@ def _prepare_data_dir(settings: GatewaySettings) -> Path:
     return data_dir
 
 
-async def serve(settings: GatewaySettings, worker_args: list[list[str]], *, demo: bool) -> None:
+def _with_remote_url(args: list[str], url: str) -> list[str]:
+    """A worker's options with `--kv-remote-url embedded` pointing at `url`."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        if arg == f"--kv-remote-url={EMBEDDED_REMOTE}":
+            out[i] = f"--kv-remote-url={url}"
+        elif arg == "--kv-remote-url" and out[i + 1 : i + 2] == [EMBEDDED_REMOTE]:
+            out[i + 1] = url
+    return out
+
+
+async def serve(
+    settings: GatewaySettings,
+    worker_args: list[list[str]],
+    *,
+    demo: bool,
+    kv_remote_bytes: int | None = None,
+) -> None:
     """The store (embedded unless STRATA_REDIS_URL names one), one supervised worker per entry
     of `worker_args` (each registered in the store, so the gateway finds them and the KV they
-    hold) and the gateway, until SIGINT/SIGTERM."""
+    hold) and the gateway, until SIGINT/SIGTERM. `kv_remote_bytes`: also a second embedded
+    store of that size, the workers' KV remote tier (`--kv-remote-url embedded`)."""
     data_dir = _prepare_data_dir(settings)
+    kv_remote: StoreSupervisor | None = None
+    if kv_remote_bytes is not None:
+        remote_store = EmbeddedStore(data_dir / "kv-remote", max_bytes=kv_remote_bytes)
+        kv_remote = StoreSupervisor(remote_store)
+        url = kv_remote.start()
+        worker_args = [_with_remote_url(args, url) for args in worker_args]
     store: StoreSupervisor | None = None
     if settings.redis_url is None:
         store = StoreSupervisor(EmbeddedStore(data_dir / "store"))
@@ -313,3 +339,5 @@ async def serve(settings: GatewaySettings, worker_args: list[list[str]], *, demo
         await asyncio.gather(*(worker.stop() for worker in workers))
         if store is not None:
             await store.stop()
+        if kv_remote is not None:
+            await kv_remote.stop()

@@ -1,7 +1,8 @@
 """The tiers below the device pool: host RAM (pinned on CUDA), then a disk file
-(kvstore/disk.py). Pages move whole under their prefix-cache hash, each tier keeps its own
-LRU order, and the tiers are inclusive. `KVOffloader` spills, loads and reads ahead. The
-design is in docs/design/kv-pages-and-tiers.md.
+(kvstore/disk.py), and a remote store shared by a fleet (kvstore/remote.py). Pages move
+whole under their prefix-cache hash, each tier keeps its own LRU order, and the tiers are
+inclusive. `KVOffloader` spills, loads, reads ahead and lands remote pages. The design is
+in docs/design/kv-pages-and-tiers.md.
 """
 
 from __future__ import annotations
@@ -9,16 +10,15 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import torch
 
-from kvstore.base import PageOwners
 from kvstore.device_pool import DeviceKVPool
 from kvstore.disk import DiskKVPool, DiskPrefetch, PageFormat
-from kvstore.hostmem import pinned_zeros
+from kvstore.host import HostKVPool
+from kvstore.remote import RemoteFetch, RemoteKVTier
 
 log = logging.getLogger(__name__)
 
@@ -27,80 +27,7 @@ class Tier(enum.Enum):
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
-
-
-class HostKVPool:
-    """`num_blocks` page slots in one preallocated host tensor."""
-
-    def __init__(self, page_nbytes: int, num_blocks: int, *, pin: bool) -> None:
-        assert num_blocks > 0
-        self.num_blocks = num_blocks
-        # pinned: page-locked for CUDA copies (and in-place reads), of exactly this size
-        rows = (num_blocks, page_nbytes)
-        self.data = (
-            pinned_zeros(*rows, dtype=torch.uint8) if pin else torch.empty(*rows, dtype=torch.uint8)
-        )
-        self.slots: OrderedDict[bytes, int] = OrderedDict()  # least recently used first
-        self.owners = PageOwners()
-        self._free = list(range(num_blocks - 1, -1, -1))
-
-    @property
-    def num_used(self) -> int:
-        return len(self.slots)
-
-    @property
-    def full(self) -> bool:
-        return not self._free
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def clear(self) -> None:
-        """Forget every page."""
-        self.slots.clear()
-        self.owners = PageOwners()
-        self._free = list(range(self.num_blocks - 1, -1, -1))
-
-    def take(self, key: bytes, owner: str) -> int:
-        """A free slot, now holding `key` for `owner`."""
-        slot = self._free.pop()
-        self.slots[key] = slot
-        self.owners.add(key, owner)
-        return slot
-
-    def release(self, key: bytes) -> int:
-        """Forget `key`; its slot goes back to the free list (returned)."""
-        slot = self.slots.pop(key)
-        self.owners.remove(key)
-        self._free.append(slot)
-        return slot
-
-    def take_many(self, pages: Sequence[tuple[bytes, str]]) -> list[int]:
-        """`take` for each (key, owner) of `pages` (none of them here yet), in order."""
-        free, slots = self._free, self.slots
-        assert len(pages) <= len(free)
-        taken = free[len(free) - len(pages) :][::-1]  # as many pop() would give
-        del free[len(free) - len(pages) :]
-        for (key, _), slot in zip(pages, taken, strict=True):
-            slots[key] = slot
-        self.owners.add_many(pages)
-        assert len(slots) + len(free) == self.num_blocks, "a page taken twice"
-        return taken
-
-    def release_many(self, keys: Sequence[bytes]) -> list[int]:
-        """`release` for each of `keys`, in order; their slots."""
-        slots = self.slots
-        freed = [slots.pop(key) for key in keys]
-        self.owners.remove_many(keys)
-        self._free += freed
-        return freed
-
-    def check_integrity(self) -> None:
-        used = list(self.slots.values())
-        assert len(set(used)) == len(used), "two host pages share a slot"
-        assert sorted(used + self._free) == list(range(self.num_blocks)), "host slots leak"
-        self.owners.check(self.slots)
+    REMOTE = "remote"
 
 
 class TieredKVStore:
@@ -116,10 +43,14 @@ class TieredKVStore:
         disk_persistent: bool = False,
         page_format: PageFormat | None = None,
         pin: bool = False,
+        remote: RemoteKVTier | None = None,
     ) -> None:
         """`disk_persistent`: the disk tier's file stays in `disk_dir` and what an earlier
-        run left there written as `page_format` is found again (kvstore/disk.py)."""
+        run left there written as `page_format` is found again (kvstore/disk.py).
+        `remote`: a store shared by the fleet; every page leaving host RAM (or the device,
+        without a host tier) is also saved there, written behind."""
         self.page_nbytes = page_nbytes
+        self.remote = remote
         self.host = HostKVPool(page_nbytes, host_blocks, pin=pin) if host_blocks > 0 else None
         self.disk: DiskKVPool | None = None
         if disk_blocks > 0:
@@ -145,7 +76,7 @@ class TieredKVStore:
 
     @property
     def enabled(self) -> bool:
-        return self.host is not None or self.disk is not None
+        return self.host is not None or self.disk is not None or self.remote is not None
 
     def tier_of(self, key: bytes, *, touch: bool = False) -> Tier | None:
         """Where `key` is; `touch` also marks it recently used there."""
@@ -225,7 +156,7 @@ class TieredKVStore:
             slot = host.release(victim)
             if before is not None:
                 before((slot,))
-            if self.disk is None:  # dropped (no view of the row needed)
+            if self.disk is None and self.remote is None:  # dropped (no view of the row needed)
                 self.num_dropped += 1
             else:
                 self.to_disk(victim, host.data[slot], victim_owner)
@@ -256,7 +187,7 @@ class TieredKVStore:
         slots = host.take_many(pages)  # the victims' slots among them: the free list is spent
         if self.before_host_use is not None:  # before the victims' rows are read, and all
             self.before_host_use(slots)  # of them are handed out
-        if self.disk is None:
+        if self.disk is None and self.remote is None:
             self.num_dropped += len(victims)
         else:  # read now, before the new pages are copied in
             for victim, slot, owner in zip(victims, freed, victim_owners, strict=True):
@@ -265,7 +196,10 @@ class TieredKVStore:
         return slots
 
     def to_disk(self, key: bytes, page: torch.Tensor, owner: str = "") -> None:
-        """Write a page to the disk tier (within the owner's allowance), or drop it."""
+        """Write a page to the disk tier (within the owner's allowance), or drop it; and
+        save it to the remote tier (written behind)."""
+        if self.remote is not None:
+            self.remote.save(key, page, owner)
         limit = self.allowances.get(owner, (None, None))[1]
         if self.disk is not None and self.disk.write(key, page, owner, limit):
             self.num_spilled[Tier.DISK] += 1
@@ -279,6 +213,9 @@ class TieredKVStore:
             if pool is not None:
                 for owner, n in pool.owners.counts.items():
                     out.setdefault(owner, {})[tier.value] = n
+        if self.remote is not None:
+            for owner, n in self.remote.pages_by_owner().items():
+                out.setdefault(owner, {})[Tier.REMOTE.value] = n
         return out
 
     def host_row(self, key: bytes) -> int | None:
@@ -312,6 +249,8 @@ class TieredKVStore:
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()
+        if self.remote is not None:
+            self.remote.close()
 
 
 class KVOffloader:
@@ -382,18 +321,59 @@ class KVOffloader:
                 self.store.to_disk(key, page, owner)
         return ticket
 
-    def find(self, keys: Sequence[bytes], fetch: DiskPrefetch | None = None) -> int:
+    def find(
+        self,
+        keys: Sequence[bytes],
+        fetch: DiskPrefetch | None = None,
+        remote: RemoteFetch | None = None,
+    ) -> int:
         """How many of `keys`, from the first, some tier below the device (or `fetch`, the
-        pages read ahead for them) holds, marking them recently used, as a load normally
-        follows."""
+        pages read ahead for them, or `remote`, those fetched from the remote tier) holds,
+        marking them recently used, as a load normally follows."""
         n = 0
         for key in keys:
-            if self.store.tier_of(key, touch=True) is None and (
-                fetch is None or key not in fetch.good
+            if (
+                self.store.tier_of(key, touch=True) is None
+                and (fetch is None or key not in fetch.good)
+                and (remote is None or key not in remote.good)
             ):
                 break
             n += 1
         return n
+
+    def land(self, fetch: RemoteFetch, owner: str) -> int:
+        """Copy the pages `fetch` got from the remote tier into host rows, for `owner`, in
+        chain order, up to the first the host tier cannot take (the owner's allowance, or
+        every page there is one of these); they join the host tier and loads read them
+        there. Returns how many landed."""
+        host = self.store.host
+        if host is None:
+            return 0
+        keep = fetch.good
+        for key in fetch.keys:
+            if key not in keep:
+                break
+            if self.store.tier_of(key) is not None:
+                continue
+            slot = self.store.take_host_slot(key, keep, owner)
+            page = fetch.page(key)
+            if slot is None or page is None:
+                break
+            host.data[slot].copy_(page)
+            fetch.landed.add(key)
+        return len(fetch.landed)
+
+    def save_remote(self, blocks: Sequence[int], keys: Sequence[bytes], owner: str) -> None:
+        """Save the pages of device `blocks` (full, their KV written) to the remote tier
+        under `keys`, written behind; pages it has already are skipped."""
+        remote = self.store.remote
+        if remote is None:
+            return
+        todo = [(b, k) for b, k in zip(blocks, keys, strict=True) if not remote.knows(k)]
+        if todo:
+            pages = self.pool.read_pages([b for b, _ in todo]).cpu()  # one copy off a GPU
+            for (_, key), page in zip(todo, pages, strict=True):
+                remote.save(key, page, owner)
 
     def on_disk(self, keys: Sequence[bytes]) -> list[bytes]:
         """Those of `keys` whose pages are on disk (and not in host RAM)."""
@@ -423,15 +403,22 @@ class KVOffloader:
     def wait_reads(self, timeout: float) -> None:
         """Block until some read ahead finishes or `timeout` seconds pass (at once if none
         is in flight)."""
-        if self.store.disk is not None:
+        remote = self.store.remote
+        if remote is not None and remote.fetching:
+            remote.wait_reads(timeout)
+        elif self.store.disk is not None:
             self.store.disk.wait_reads(timeout)
 
     def load(
-        self, blocks: Sequence[int], keys: Sequence[bytes], fetch: DiskPrefetch | None = None
+        self,
+        blocks: Sequence[int],
+        keys: Sequence[bytes],
+        fetch: DiskPrefetch | None = None,
+        remote: RemoteFetch | None = None,
     ) -> list[Tier]:
         """Copy the pages of `keys` into device `blocks`, in order, up to the first page
         that cannot be read; returns the tier each loaded page came from. Pages in `fetch`
-        (read ahead, settled) come from its memory."""
+        (read ahead, settled) or `remote` (fetched, settled) come from their memory."""
         pages: list[torch.Tensor] = []
         page_blocks: list[int] = []
         rows: list[int] = []  # host slots read in place, known by number
@@ -439,14 +426,24 @@ class KVOffloader:
         tiers: list[Tier] = []
         for block, key in zip(blocks[: len(keys)], keys, strict=True):
             page = None if fetch is None else fetch.page(key)
+            # a page fetched from the remote tier and landed in host RAM: a remote hit
+            host_tier = Tier.REMOTE if remote is not None and key in remote.landed else Tier.HOST
             if page is None and self.in_place:
                 slot = self.store.host_row(key)
                 if slot is not None:
                     rows.append(slot)
                     row_blocks.append(block)
-                    tiers.append(Tier.HOST)
+                    tiers.append(host_tier)
                     continue
-            got = self.store.get(key) if page is None else (page, Tier.DISK)
+            if page is not None:
+                got: tuple[torch.Tensor, Tier] | None = (page, Tier.DISK)
+            else:
+                got = self.store.get(key)
+                if got is not None and got[1] is Tier.HOST:
+                    got = (got[0], host_tier)
+                if got is None and remote is not None:
+                    fetched = remote.page(key)
+                    got = None if fetched is None else (fetched, Tier.REMOTE)
             if got is None:
                 break
             pages.append(got[0])

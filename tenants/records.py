@@ -108,8 +108,9 @@ class Policy(Base):
     rpm/tpm are token buckets refilled continuously (capacity = the per-minute figure);
     tpm is charged prompt + max_tokens at admission and credited back what went unused.
     `kv_budget_tokens` caps KV-cache tokens held at once by the tenant's in-flight requests.
-    `kv_host_tokens` and `kv_disk_tokens` cap the tenant's prefix-cache KV kept in the
-    engine's host-RAM and disk tiers (0: none there).
+    `kv_host_tokens`, `kv_disk_tokens` and `kv_remote_tokens` cap the tenant's prefix-cache
+    KV kept in the engine's host-RAM and disk tiers and in the fleet's remote tier (0: none
+    there).
     `priority` (lower is more urgent) and `weight` (fair share) are passed to the engine.
     """
 
@@ -121,6 +122,7 @@ class Policy(Base):
     kv_budget_tokens: int | None = None
     kv_host_tokens: int | None = None
     kv_disk_tokens: int | None = None
+    kv_remote_tokens: int | None = None
     allowed_models: list[str] | None = None
     allowed_adapters: list[str] | None = None
     priority: int = 0
@@ -135,7 +137,7 @@ class Policy(Base):
             value = getattr(self, field)
             if value is not None and value < 1:
                 raise RecordError(f"{field} must be a positive integer or null")
-        for field in ("kv_host_tokens", "kv_disk_tokens"):
+        for field in ("kv_host_tokens", "kv_disk_tokens", "kv_remote_tokens"):
             value = getattr(self, field)
             if value is not None and value < 0:
                 raise RecordError(f"{field} must be a non-negative integer or null")
@@ -175,6 +177,7 @@ class PolicyPatch(Base):
     kv_budget_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
     kv_host_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
     kv_disk_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
+    kv_remote_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
     allowed_models: list[str] | msgspec.UnsetType | None = msgspec.UNSET
     allowed_adapters: list[str] | msgspec.UnsetType | None = msgspec.UNSET
     priority: int | msgspec.UnsetType = msgspec.UNSET

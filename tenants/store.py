@@ -66,12 +66,21 @@ class EmbeddedStore:
     """A private valkey-server listening on `<data_dir>/store.sock`.
 
     `start()` blocks until the server answers PING; `stop()` asks it to SHUTDOWN (flushing the
-    AOF) and kills it if it does not exit in time.
+    AOF) and kills it if it does not exit in time. With `max_bytes` it is a cache instead
+    (the KV remote tier's): no persistence, at most that much memory, least recently used
+    keys evicted.
     """
 
-    def __init__(self, data_dir: str | os.PathLike[str], *, binary: str | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        *,
+        binary: str | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
         self.data_dir = Path(data_dir).resolve()  # valkey chdirs into it before other paths
         self.binary = binary or find_server_binary()
+        self.max_bytes = max_bytes
         self.socket_path = self.data_dir / "store.sock"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -94,10 +103,14 @@ class EmbeddedStore:
             "700",
             "--dir",
             str(self.data_dir),
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "everysec",
+            *(
+                ["--appendonly", "yes", "--appendfsync", "everysec"]
+                if self.max_bytes is None
+                else [
+                    *("--appendonly", "no", "--maxmemory", str(self.max_bytes)),
+                    *("--maxmemory-policy", "allkeys-lru"),
+                ]
+            ),
             "--save",
             "",
             "--daemonize",

@@ -24,7 +24,7 @@ from tenants.registry import TenantRegistry
 FormBody = Annotated[dict[str, Any], Body(media_type=RequestEncodingType.URL_ENCODED)]
 
 # the policy form's fields, as the Policy record names them
-CACHE_FIELDS = ("kv_host_tokens", "kv_disk_tokens")
+CACHE_FIELDS = ("kv_host_tokens", "kv_disk_tokens", "kv_remote_tokens")
 NAME_LIST_FIELDS = ("allowed_models", "allowed_adapters")
 
 

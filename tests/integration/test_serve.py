@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import redis
 
 from engine.client import EngineClient
 from engine.handshake import ClientAuth, SecretRefusedError
@@ -233,6 +234,38 @@ def test_serve_runs_a_worker_per_model_and_routes_by_model(tmp_path, strata_cach
             ("local-0", "synthetic:tiny"),
             ("local-1", "SmolLM2-135M-Instruct"),
         ]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+
+
+def test_serve_starts_an_embedded_remote_tier_its_workers_share(tmp_path, strata_cache_dir):
+    proc, key, url = _start_serve(
+        tmp_path,
+        strata_cache_dir,
+        *("--model", "synthetic:tiny", "--workers", "2", "--block-size", "4"),
+        *("--kv-remote-url", "embedded", "--kv-remote-gb", "0.01"),
+    )
+    try:
+        remote = (tmp_path / "data" / "kv-remote" / "store.sock").resolve()
+        workers = [p for p, cmd in _children(proc.pid).items() if " engine " in f" {cmd} "]
+        assert len(workers) == 2
+        for pid in workers:  # each worker was handed the embedded store's address
+            assert f"--kv-remote-url=unix://{remote}" in Path(f"/proc/{pid}/cmdline").read_text()
+        client = redis.Redis(unix_socket_path=str(remote))
+        config = client.config_get("maxmemory*")
+        assert config["maxmemory-policy"] == "allkeys-lru"
+        assert int(config["maxmemory"]) == int(0.01 * (1 << 30))
+        headers = {"authorization": f"Bearer {key}"}
+        with httpx.Client(base_url=url, headers=headers, timeout=120) as http:
+            prompt = "The harbour master logs every ship that enters the port. " * 3
+            body = {"model": "default", "prompt": prompt, "max_tokens": 2}
+            r = http.post("/completions", json=body)
+            assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 30
+        while not client.keys("strata:kvp:*"):  # the prompt's blocks, written behind
+            assert time.monotonic() < deadline, "no page reached the remote tier"
+            time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0

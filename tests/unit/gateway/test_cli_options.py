@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from engine.config import (
+    CacheConfig,
     ConfigError,
     EngineConfig,
     GemvKernel,
@@ -54,6 +55,10 @@ NON_DEFAULT: dict[str, str | None] = {
     "--kv-spill-ahead": None,
     "--kv-load": "thread",
     "--kv-host-reads": "copy",
+    "--kv-remote-url": "redis://kv.internal:6379/1",
+    "--kv-remote-gb": "2.5",
+    "--kv-remote-timeout-ms": "50",
+    "--kv-remote-save": "evict",
     "--max-num-seqs": "8",
     "--max-num-batched-tokens": "512",
     "--max-model-len": "1024",
@@ -189,6 +194,20 @@ def test_kv_tier_options_reach_the_config():
     assert default.kv_host_reads == "auto"
     copies = _engine_config(_parse("engine", "--kv-host-reads", "copy"))
     assert copies.cache.kv_host_reads == "copy"
+
+
+def test_kv_remote_options_reach_the_config_and_bad_ones_are_refused():
+    args = _parse("engine", "--kv-remote-url", "redis://kv:6379/2", "--kv-remote-timeout-ms", "50")
+    cache = _engine_config(args).cache
+    assert (cache.remote_url, cache.remote_timeout_ms) == ("redis://kv:6379/2", 50)
+    assert cache.remote_save == "prefill" and cache.remote_memory_bytes == 1 << 30
+    assert _engine_config(_parse("engine", "--kv-remote-gb", "0.5")).cache.remote_memory_bytes == (
+        1 << 29
+    )
+    with pytest.raises(ConfigError, match="kv_remote_url"):
+        CacheConfig(remote_url="http://kv:6379")
+    with pytest.raises(ConfigError, match="remote_timeout_ms"):
+        CacheConfig(remote_timeout_ms=0)
 
 
 def test_workers_load_adapters_only_from_the_adapter_directory():

@@ -61,3 +61,16 @@ def test_another_tenants_identical_prompt_matches_nothing():
     index.apply(event(1, added={"device": mine}))
     assert index.prefix("w1", mine).blocks == 4
     assert index.prefix("w1", theirs).blocks == 0
+
+
+def test_blocks_in_the_remote_tier_are_a_hit_on_every_worker():
+    index = KVIndex()
+    for w in ("w1", "w2"):
+        index.add_worker(w)
+    assert index.apply(event(1, added={"device": [1, 2], "remote": [1, 2, 3]}, worker="w1"))
+    assert index.apply(event(1, added={"device": [1]}, worker="w2"))
+    # w2 has block 1 itself; 2 and 3 are in the store w1 saved them to; 4 is nowhere
+    assert index.prefix("w2", [1, 2, 3, 4]) == PrefixHit(device=1, remote=2)
+    assert index.prefix("w1", [1, 2, 3]) == PrefixHit(device=2, remote=1)
+    assert index.apply(event(2, removed={"remote": [2]}, worker="w1"))  # evicted for a quota
+    assert index.prefix("w2", [1, 2, 3]) == PrefixHit(device=1)

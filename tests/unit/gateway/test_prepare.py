@@ -59,8 +59,10 @@ async def test_job_carries_the_tenants_priority_and_weight(preparer):
 
 async def test_job_carries_the_tenants_kv_tier_allowances(preparer):
     body = CompletionRequest(model="default", prompt="hi")
-    job = await preparer.completion(body, tenant(kv_host_tokens=4096, kv_disk_tokens=0), "c-1")
-    assert (job.scheduling.kv_host_tokens, job.scheduling.kv_disk_tokens) == (4096, 0)
+    caps = tenant(kv_host_tokens=4096, kv_disk_tokens=0, kv_remote_tokens=8192)
+    job = await preparer.completion(body, caps, "c-1")
+    sched = job.scheduling
+    assert (sched.kv_host_tokens, sched.kv_disk_tokens, sched.kv_remote_tokens) == (4096, 0, 8192)
 
 
 def test_kv_tier_allowances_must_not_be_negative():
@@ -68,6 +70,8 @@ def test_kv_tier_allowances_must_not_be_negative():
 
     with pytest.raises(RecordError, match="kv_host_tokens"):
         Policy(kv_host_tokens=-1)
+    with pytest.raises(RecordError, match="kv_remote_tokens"):
+        Policy(kv_remote_tokens=-1)
     assert Policy(kv_disk_tokens=0).kv_disk_tokens == 0  # 0 = nothing on disk
 
 

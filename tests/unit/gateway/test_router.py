@@ -28,6 +28,16 @@ def test_a_faster_tier_wins_over_a_slower_one():
     assert cost(on_disk, 2048, 16) < cost(Candidate("c"), 2048, 16)  # disk still beats nothing
 
 
+def test_a_remote_tier_hit_counts_below_a_disk_hit_and_above_nothing():
+    on_disk = Candidate("a", hit=PrefixHit(disk=100))
+    remote = Candidate("b", hit=PrefixHit(remote=100))
+    assert pick(KV, [remote, on_disk]) == "a"
+    assert cost(remote, 2048, 16) < cost(Candidate("c"), 2048, 16)
+    # an idle worker that can fetch the document beats a busy one that holds it on disk
+    busy = Candidate("d", num_running=4, queued_tokens=1024, hit=PrefixHit(disk=100))
+    assert pick(KV, [busy, remote]) == "b"
+
+
 def test_a_worker_far_busier_loses_even_with_the_prefix():
     busy = Candidate("a", num_in_flight=20, queued_tokens=40_000, hit=PrefixHit(device=128))
     idle = Candidate("b")
