@@ -31,6 +31,7 @@ from bench.common import machine_info, publish
 from engine.block_hash import chain_hashes, root_hash
 from engine.block_manager import BlockManager
 from kvstore.base import KVCacheSpec
+from kvstore.connector import TierConnector
 from kvstore.device_pool import DeviceKVPool
 from kvstore.tiers import KVOffloader, Tier, TieredKVStore
 
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     spec = KVCacheSpec(1, 1, 16, BLOCK, torch.float32)
     pool = DeviceKVPool(spec, num_blocks, torch.device("cpu"), "thread")
     store = TieredKVStore(spec.bytes_per_block, host_blocks=4 * args.batch * pages)
-    bm = BlockManager(num_blocks, BLOCK, offloader=KVOffloader(pool, store))
+    bm = BlockManager(num_blocks, BLOCK, connector=TierConnector(KVOffloader(pool, store)))
     g = torch.Generator().manual_seed(args.seed)
     root = root_hash("bench")
 

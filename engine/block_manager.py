@@ -1,8 +1,9 @@
 """Paged KV bookkeeping: which pool blocks each request holds, in token order, and which full
 blocks the prefix cache remembers, by a hash chain salted with the cache namespace.
 
-With an offloader (kvstore/tiers.py), reallocated cached blocks move their pages down a tier
-and later prompts load them back; the block manager tracks the copies' tickets. The design
+With a connector to the tiers below the device (kvstore/base.py `KVConnector`), reallocated
+cached blocks move their pages down a tier and later prompts load them back; the block
+manager tracks the copies' tickets. The design
 is in docs/design/kv-pages-and-tiers.md.
 """
 
@@ -13,9 +14,7 @@ import logging
 from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
-from kvstore.disk import DiskPrefetch
-from kvstore.remote import RemoteFetch
-from kvstore.tiers import KVOffloader, Tier
+from kvstore.base import KVConnector, Tier
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +35,8 @@ class BlockManager:
         block_size: int,
         *,
         enable_caching: bool = True,
-        offloader: KVOffloader | None = None,
-        save_remote_on_commit: bool = False,
+        connector: KVConnector | None = None,
     ) -> None:
-        """`save_remote_on_commit`: every newly full block is also saved to the remote tier
-        (written behind) when it is committed, not only when its page leaves host RAM."""
         assert num_blocks > 0
         assert block_size > 0
         self.num_blocks = num_blocks
@@ -55,15 +51,11 @@ class BlockManager:
         self._owner: dict[str, str] = {}  # request id -> the tenant it runs for
         self._block_owner: dict[int, str] = {}  # cached block -> tenant that cached it last
         self._cached_by_owner: dict[str, int] = {}  # cached blocks per tenant
-        self.offloader = offloader if enable_caching else None
+        self.connector = connector if enable_caching else None
         self.num_hit_blocks = 0
         self.num_evicted_blocks = 0
         self.num_tier_hit_blocks = {Tier.HOST: 0, Tier.DISK: 0, Tier.REMOTE: 0}
-        self.save_remote_on_commit = save_remote_on_commit
         self.num_spilled_ahead = 0
-        self._prefetches: dict[str, DiskPrefetch] = {}  # request id -> its disk reads ahead
-        self._remote: dict[str, RemoteFetch] = {}  # request id -> its remote fetch
-        self._next_prefetch: str | None = None  # refused for room: starts before any other
         # copies (kvstore/transfer.py tickets) still running, maybe finished since
         self._waits: dict[str, set[int]] = {}  # request id -> those its blocks wait for
         self._block_ticket: dict[int, int] = {}  # block -> the load writing it
@@ -105,20 +97,17 @@ class BlockManager:
         """The longest prefix of `hashes` that the tiers below the device, or the pages
         read ahead for the request, hold (changes nothing); call it with what follows the
         device hits."""
-        if self.offloader is None:
+        if self.connector is None:
             return []
-        n = self.offloader.find(
-            hashes, self._prefetches.get(request_id), self._remote.get(request_id)
-        )
-        return hashes[:n]
+        return hashes[: self.connector.find(request_id, hashes)]
 
     @property
     def has_disk_tier(self) -> bool:
-        return self.offloader is not None and self.offloader.store.disk is not None
+        return self.connector is not None and self.connector.has_disk
 
     @property
     def has_remote_tier(self) -> bool:
-        return self.offloader is not None and self.offloader.store.remote is not None
+        return self.connector is not None and self.connector.has_remote
 
     def prefetch_below(
         self, request_id: str, hashes: list[bytes], rest: Sequence[bytes] = (), owner: str = ""
@@ -126,59 +115,20 @@ class BlockManager:
         """Start, or check on, reading ahead the request's pages of `hashes` that are on
         disk (from `lookup_below`), and fetching those of `rest` (what no tier here holds)
         from the remote tier, once per request; True once none is still being read, so
-        `load_below` will not wait. Pages fetched land in host RAM, for `owner`, where it
-        takes them. A request refused for lack of read-ahead room starts first once there
-        is room: no other starts before it."""
-        if self.offloader is None:
+        `load_below` will not wait. Pages fetched land in host RAM, for `owner`. A request
+        refused for lack of read-ahead room starts first once there is room."""
+        if self.connector is None:
             return True
-        remote_done = self._fetch_remote(request_id, rest, owner)
-        return self._prefetch_disk(request_id, hashes) and remote_done
-
-    def _fetch_remote(self, request_id: str, rest: Sequence[bytes], owner: str) -> bool:
-        remote = None if self.offloader is None else self.offloader.store.remote
-        if remote is None:
-            return True
-        fetch = self._remote.get(request_id)
-        if fetch is None:
-            if not rest:
-                return True
-            fetch = remote.fetch(rest)
-            if fetch is None:  # the store is down, or fetches hold their budget: a miss
-                return True
-            self._remote[request_id] = fetch
-        if fetch.settled:
-            return True
-        if not remote.settle(fetch):
-            return False
-        assert self.offloader is not None
-        self.offloader.land(fetch, owner)
-        return True
+        return self.connector.read_ahead(request_id, hashes, rest, owner)
 
     def remote_pages_arrived(self, request_id: str) -> bool:
         """Whether the request has pages fetched from the remote tier, ready to load."""
-        fetch = self._remote.get(request_id)
-        return fetch is not None and bool(fetch.good)
-
-    def _prefetch_disk(self, request_id: str, hashes: list[bytes]) -> bool:
-        assert self.offloader is not None
-        fetch = self._prefetches.get(request_id)
-        if fetch is None:
-            if not self.offloader.on_disk(hashes):
-                return True
-            if self._next_prefetch not in (None, request_id):
-                return False  # an earlier request waits for room first
-            fetch = self.offloader.prefetch(hashes)
-            if fetch is None:  # other requests' reads hold the read-ahead budget
-                self._next_prefetch = request_id
-                return False
-            self._next_prefetch = None
-            self._prefetches[request_id] = fetch
-        return self.offloader.settle(fetch)
+        return self.connector is not None and self.connector.fetched(request_id)
 
     def wait_below(self, timeout: float) -> None:
         """Block until some read ahead finishes or `timeout` seconds pass."""
-        if self.offloader is not None:
-            self.offloader.wait_reads(timeout)
+        if self.connector is not None:
+            self.connector.wait_reads(timeout)
 
     def load_below(self, request_id: str, start: int, hashes: list[bytes]) -> list[Tier]:
         """Copy the pages of `hashes` from the lower tiers (or the request's reads ahead)
@@ -187,19 +137,12 @@ class BlockManager:
         block's tier."""
         if not hashes:
             return []
-        assert self.offloader is not None
+        assert self.connector is not None
         table = self._tables[request_id]
-        fetch = self._prefetches.get(request_id)
-        loads = self.offloader.pool.loads
-        started = loads.num_started
-        tiers = self.offloader.load(
-            table[start : start + len(hashes)], hashes, fetch, self._remote.get(request_id)
-        )
-        self._release_prefetch(request_id)
+        tiers, ticket = self.connector.load(request_id, table[start : start + len(hashes)], hashes)
         n = len(tiers)
         loaded = table[start : start + n]
-        if loads.num_started > started:  # copies in flight: the request, and hits, wait
-            ticket = loads.num_started
+        if ticket:  # copies in flight: the request, and hits, wait
             self._wait(request_id, [ticket])
             self._block_ticket.update(dict.fromkeys(loaded, ticket))
         self._cache(loaded, hashes[:n], self._owner.get(request_id, ""))
@@ -226,13 +169,12 @@ class BlockManager:
         waits = self._waits.get(request_id)
         if waits is None:
             return True
-        assert self.offloader is not None
-        loads = self.offloader.pool.loads
-        if not loads.done(waits):
+        assert self.connector is not None
+        if not self.connector.loads_done(waits):
             return False
         del self._waits[request_id]
         for blocks in (self._block_ticket, self._save_ticket):  # forget finished copies
-            if blocks and loads.done(set(blocks.values())):
+            if blocks and self.connector.loads_done(set(blocks.values())):
                 blocks.clear()
         return True
 
@@ -241,26 +183,9 @@ class BlockManager:
         the blocks of a load that failed are no longer cached."""
         if self.loads_ready(request_id):
             return
-        assert self.offloader is not None
-        loads = self.offloader.pool.loads
-        try:
-            loads.finish()
-        except Exception:
-            log.exception("a KV page load failed")
-        self.uncache(loads.take_failed())
+        assert self.connector is not None
+        self.uncache(self.connector.finish_loads())
         self._waits.pop(request_id, None)
-
-    def _release_prefetch(self, request_id: str) -> None:
-        if self._next_prefetch == request_id:
-            self._next_prefetch = None
-        remote = self._remote.pop(request_id, None)
-        if remote is not None:
-            assert self.offloader is not None and self.offloader.store.remote is not None
-            self.offloader.store.remote.release(remote)
-        fetch = self._prefetches.pop(request_id, None)
-        if fetch is not None:
-            assert self.offloader is not None
-            self.offloader.release(fetch)
 
     def commit(self, request_id: str, hashes: list[bytes], start: int = 0) -> None:
         """Remember the request's blocks `start..len(hashes)` (full, their KV written) under
@@ -271,8 +196,8 @@ class BlockManager:
         end = min(len(hashes), len(table))
         owner = self._owner.get(request_id, "")
         self._cache(table[start:end], hashes[start:end], owner)
-        if self.save_remote_on_commit and self.offloader is not None and end > start:
-            self.offloader.save_remote(table[start:end], hashes[start:end], owner)
+        if self.connector is not None and end > start:
+            self.connector.publish(table[start:end], hashes[start:end], owner)
 
     def _cache(self, blocks: Sequence[int], hashes: Sequence[bytes], owner: str) -> None:
         """Make each of `blocks` findable under its hash of `hashes` (unless either is
@@ -359,8 +284,8 @@ class BlockManager:
                 table.append(block)
         if self._save_ticket and need:  # blocks a save ahead may still be reading
             self._wait(request_id, [self._save_ticket.pop(b, 0) for b in table[-need:]])
-        if evicted and self.offloader is not None:  # saved before anything overwrites them
-            ticket = self.offloader.spill(evicted, keep=set(below), inline=not background)
+        if evicted and self.connector is not None:  # saved before anything overwrites them
+            ticket = self.connector.save(evicted, keep=set(below), inline=not background)
             self._wait(request_id, [ticket])
         return table
 
@@ -369,18 +294,17 @@ class BlockManager:
         out (the least recently freed) that no tier below holds yet; they stay cached on the
         device. Allocations that reuse those blocks then find their pages already saved and
         copy nothing. Returns how many pages were copied."""
-        if self.offloader is None or watermark <= 0:
+        if self.connector is None or watermark <= 0:
             return 0
-        store = self.offloader.store
         ahead: list[tuple[int, bytes, str]] = []
         for i, block in enumerate(self._free):
             if i >= watermark:
                 break
             h = self._hash_of.get(block)
-            if h is not None and store.tier_of(h) is None:
+            if h is not None and not self.connector.holds(h):
                 ahead.append((block, h, self._block_owner[block]))
         if ahead:
-            ticket = self.offloader.spill(ahead)
+            ticket = self.connector.save(ahead)
             if ticket:  # still copying: whoever gets one of these blocks waits for it
                 self._save_ticket.update(dict.fromkeys((b for b, _, _ in ahead), ticket))
             self.num_spilled_ahead += len(ahead)
@@ -450,7 +374,8 @@ class BlockManager:
         self._settle_loads(request_id)
         table = self._tables.pop(request_id, [])
         self._owner.pop(request_id, None)
-        self._release_prefetch(request_id)
+        if self.connector is not None:
+            self.connector.release(request_id)
         for block in reversed(table):
             self._refs[block] -= 1
             if self._refs[block] == 0:
@@ -504,5 +429,5 @@ class BlockManager:
         assert set(self._waits) <= set(self._tables), "copies waited for by no request"
         for h, b in self._cached.items():
             assert self._hash_of.get(b) == h, "a cached hash points at the wrong block"
-        if self.offloader is not None:
-            self.offloader.check_integrity(self._prefetches.values())
+        if self.connector is not None:
+            self.connector.check_integrity()

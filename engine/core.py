@@ -43,6 +43,7 @@ from engine.structured import SchemaError
 from engine.structured.backend import GrammarCompiler, TokenMatcher, Vocabulary
 from engine.structured.compilers import make_compiler
 from kvstore.base import KVCacheSpec, ResidencyMeter
+from kvstore.connector import TierConnector
 from kvstore.device_pool import DeviceKVPool
 from kvstore.disk import PageFormat, disk_slot_nbytes
 from kvstore.remote import RemoteConfig, RemoteKVTier
@@ -112,8 +113,12 @@ class EngineCore:
             num_blocks,
             spec.block_size,
             enable_caching=config.cache.enable_prefix_caching,
-            offloader=None if self.tiers is None else KVOffloader(self.pool, self.tiers),
-            save_remote_on_commit=config.cache.remote_save == "prefill",
+            connector=None
+            if self.tiers is None
+            else TierConnector(
+                KVOffloader(self.pool, self.tiers),
+                publish_on_commit=config.cache.remote_save == "prefill",
+            ),
         )
         limit = config.scheduler.max_model_len or mc.max_position_embeddings
         self.max_model_len = min(limit, mc.max_position_embeddings, num_blocks * spec.block_size)

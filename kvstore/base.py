@@ -1,15 +1,26 @@
-"""Types shared by every KV tier: what a page holds, how big it is, and whose it is."""
+"""Types shared by every KV tier: what a page holds, how big it is, whose it is, which tier
+holds it, and the interface (`KVConnector`) through which the block manager reaches the tiers
+below the device."""
 
 from __future__ import annotations
 
+import enum
 import functools
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from kvstore.fp8 import FP8_DTYPE, SCALE_DTYPE, can_rotate
+
+
+class Tier(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+    REMOTE = "remote"
 
 
 @dataclass(frozen=True)
@@ -134,3 +145,78 @@ class ResidencyMeter:
                     if n:
                         totals[tier] = totals.get(tier, 0.0) + n * self.bytes_per_page * elapsed
         self._pages, self._at = pages, max(now, self._at)
+
+
+class KVConnector(Protocol):
+    """The tiers below the device, as the block manager sees them: look up a chain's pages
+    below the device, read them ahead, load them into device blocks, save device blocks
+    down (evicted or ahead of eviction), and wait for the copies. `request_id` keys the
+    reads ahead a request holds until its load or `release`. Every tier, and every way of
+    copying, sits behind these calls (kvstore/connector.py)."""
+
+    @property
+    def has_disk(self) -> bool: ...
+
+    @property
+    def has_remote(self) -> bool: ...
+
+    def find(self, request_id: str, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` the tiers (or the request's reads ahead) hold; changes
+        nothing."""
+        ...
+
+    def read_ahead(
+        self, request_id: str, keys: Sequence[bytes], rest: Sequence[bytes], owner: str
+    ) -> bool:
+        """Start, or check on, reading the request's pages of `keys` from disk and fetching
+        those of `rest` from the remote tier; True once nothing is still being read."""
+        ...
+
+    def fetched(self, request_id: str) -> bool:
+        """Whether pages fetched from the remote tier wait for the request."""
+        ...
+
+    def wait_reads(self, timeout: float) -> None:
+        """Block until some read ahead finishes or `timeout` seconds pass."""
+        ...
+
+    def load(
+        self, request_id: str, blocks: Sequence[int], keys: Sequence[bytes]
+    ) -> tuple[list[Tier], int]:
+        """Copy the pages of `keys` into device `blocks`, up to the first no tier holds, and
+        release the request's reads ahead. Returns each loaded page's tier, and the ticket
+        of the copies still in flight (0: none)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Drop the request's reads ahead."""
+        ...
+
+    def holds(self, key: bytes) -> bool:
+        """Whether a tier below the device holds the page (changes no LRU order)."""
+        ...
+
+    def save(
+        self,
+        pages: Sequence[tuple[int, bytes, str]],
+        keep: Collection[bytes] = (),
+        inline: bool = False,
+    ) -> int:
+        """Copy device blocks' pages ((block, key, owner) each) down a tier, never evicting
+        `keep` for room. Returns the ticket of the copies still reading the blocks (0:
+        none)."""
+        ...
+
+    def publish(self, blocks: Sequence[int], keys: Sequence[bytes], owner: str) -> None:
+        """Newly full blocks: shared with the fleet where the tiers do that."""
+        ...
+
+    def loads_done(self, tickets: Collection[int]) -> bool:
+        """Whether the copies of these tickets have finished; never waits."""
+        ...
+
+    def finish_loads(self) -> list[int]:
+        """Wait for every copy; returns the blocks whose loads failed (they hold no KV)."""
+        ...
+
+    def check_integrity(self) -> None: ...

@@ -7,7 +7,6 @@ in docs/design/kv-pages-and-tiers.md.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import logging
 from collections.abc import Callable, Collection, Sequence
@@ -15,19 +14,13 @@ from pathlib import Path
 
 import torch
 
+from kvstore.base import Tier
 from kvstore.device_pool import DeviceKVPool
 from kvstore.disk import DiskKVPool, DiskPrefetch, PageFormat
 from kvstore.host import HostKVPool
 from kvstore.remote import RemoteFetch, RemoteKVTier
 
 log = logging.getLogger(__name__)
-
-
-class Tier(enum.Enum):
-    DEVICE = "device"
-    HOST = "host"
-    DISK = "disk"
-    REMOTE = "remote"
 
 
 class TieredKVStore:

@@ -54,7 +54,7 @@ def test_pages_back_from_host_and_disk_give_the_tokens_of_a_recompute(
         tokenizer=smollm2_fp32[1],
     )
     assert tiered.core.pool.loads.backend == load
-    offloader = tiered.core.block_manager.offloader
+    offloader = tiered.core.block_manager.connector.offloader
     assert offloader is not None and offloader.in_place == (load == "thread")  # host rows
     outs = [tiered.generate([p], GREEDY)[0] for p in prompts]
     assert [o.token_ids for o in outs] == reference

@@ -2,6 +2,7 @@ import pytest
 
 from engine.block_hash import chain_hashes, root_hash
 from engine.block_manager import BlockManager
+from kvstore.connector import TierConnector
 
 
 def test_allocates_on_demand_and_frees_everything():
@@ -169,7 +170,7 @@ def test_disk_reads_ahead_start_in_turn_within_their_budget(tmp_path, monkeypatc
     pool, store, offloader = on_disk(tmp_path, num_pages=6)
     disk = store.disk
     monkeypatch.setattr(disk_module, "PREFETCH_BYTES", 4 * disk.slot_nbytes)
-    bm = BlockManager(16, 4, offloader=offloader)
+    bm = BlockManager(16, 4, connector=TierConnector(offloader))
     big, small, tiny = [key(b) for b in range(3)], [key(3), key(4)], [key(5)]
     original = pool.read_pages([0, 1, 2, 3, 4, 5])
     held = HeldReaders(store)
@@ -199,7 +200,7 @@ def test_a_request_refused_read_ahead_room_that_leaves_gives_up_its_turn(tmp_pat
 
     _, store, offloader = on_disk(tmp_path)
     monkeypatch.setattr(disk_module, "PREFETCH_BYTES", 2 * store.disk.slot_nbytes)
-    bm = BlockManager(16, 4, offloader=offloader)
+    bm = BlockManager(16, 4, connector=TierConnector(offloader))
     held = HeldReaders(store)
     assert not bm.prefetch_below("first", [key(0), key(1)])
     assert not bm.prefetch_below("refused", [key(2)])

@@ -294,6 +294,7 @@ def _disk_backed(tmp_path, **cfg):
     import torch
 
     from kvstore.base import KVCacheSpec
+    from kvstore.connector import TierConnector
     from kvstore.device_pool import DeviceKVPool
     from kvstore.tiers import KVOffloader, TieredKVStore
 
@@ -301,7 +302,7 @@ def _disk_backed(tmp_path, **cfg):
     store = TieredKVStore(
         pool.spec.bytes_per_block, host_blocks=0, disk_blocks=16, disk_dir=tmp_path
     )
-    bm = BlockManager(8, 4, offloader=KVOffloader(pool, store))
+    bm = BlockManager(8, 4, connector=TierConnector(KVOffloader(pool, store)))
     return Scheduler(SchedulerConfig(**cfg), bm, max_model_len=32, cache_namespace="m"), store
 
 
@@ -312,7 +313,8 @@ def _push_to_disk(s: Scheduler, prompt: list[int]) -> None:
     _finish_alone(s, Request("doc", prompt, params))
     _finish_alone(s, Request("filler", list(range(100, 128)), params))
     assert s.block_manager.lookup(s._block_hashes(Request("probe", prompt, params))) == []
-    s.block_manager.offloader.store.disk.reap(wait=True)  # written: reads go to the file
+    connector = s.block_manager.connector
+    connector.offloader.store.disk.reap(wait=True)  # written: reads go to the file
 
 
 def test_a_request_waiting_for_a_slot_has_its_disk_pages_read_meanwhile(tmp_path):
@@ -376,12 +378,13 @@ def test_a_busy_step_admits_pages_from_host_up_to_its_cap(cap, first_step):
     import torch
 
     from kvstore.base import KVCacheSpec
+    from kvstore.connector import TierConnector
     from kvstore.device_pool import DeviceKVPool
     from kvstore.tiers import KVOffloader, TieredKVStore
 
     pool = DeviceKVPool(KVCacheSpec(1, 1, 16, 4, torch.float32), 12, torch.device("cpu"))
     store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=16)
-    bm = BlockManager(12, 4, offloader=KVOffloader(pool, store))
+    bm = BlockManager(12, 4, connector=TierConnector(KVOffloader(pool, store)))
     config = SchedulerConfig(max_loaded_blocks_per_step=cap)
     s = Scheduler(config, bm, max_model_len=48, cache_namespace="m")
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

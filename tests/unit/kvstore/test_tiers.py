@@ -20,6 +20,7 @@ from engine.block_hash import chain_hashes, root_hash
 from engine.block_manager import BlockManager
 from kvstore import disk as disk_module
 from kvstore.base import KVCacheSpec
+from kvstore.connector import TierConnector
 from kvstore.device_pool import DeviceKVPool
 from kvstore.tiers import KVOffloader, Tier, TieredKVStore
 from tests.held_copies import hold_saves
@@ -237,7 +238,7 @@ def test_block_manager_stress_keeps_every_tier_consistent(tmp_path, load):
     store = TieredKVStore(
         pool.spec.bytes_per_block, host_blocks=3, disk_blocks=5, disk_dir=tmp_path
     )
-    bm = BlockManager(6, 4, offloader=KVOffloader(pool, store))
+    bm = BlockManager(6, 4, connector=TierConnector(KVOffloader(pool, store)))
     rng = random.Random(7)
     docs = [[rng.randrange(50) for _ in range(12)] for _ in range(6)]
 
@@ -293,7 +294,7 @@ def test_block_manager_stress_keeps_every_tier_consistent(tmp_path, load):
         bm.check_integrity()
     assert loaded > 20 and read_ahead > 10 and aborted > 0
     assert bm.num_tier_hit_blocks[Tier.HOST] > 0 and bm.num_tier_hit_blocks[Tier.DISK] > 0
-    assert bm.offloader is not None and bm.offloader.in_place == (load == "thread")
+    assert bm.connector is not None and bm.connector.offloader.in_place == (load == "thread")
     pool.loads.close()
     store.close()
 
@@ -385,7 +386,7 @@ def test_spill_ahead_saves_the_next_reused_pages_so_allocation_copies_nothing(tm
     store = TieredKVStore(
         pool.spec.bytes_per_block, host_blocks=8, disk_blocks=0, disk_dir=tmp_path
     )
-    bm = BlockManager(8, 4, offloader=KVOffloader(pool, store))
+    bm = BlockManager(8, 4, connector=TierConnector(KVOffloader(pool, store)))
     docs = {f"r{i}": [10 * i + j for j in range(8)] for i in range(3)}  # two blocks each
     hashes = {rid: chain_hashes(root_hash("t"), toks, 4, 0) for rid, toks in docs.items()}
     for rid in docs:
@@ -422,7 +423,7 @@ def test_a_hit_on_pages_still_loading_waits_for_their_load(monkeypatch):
 
     pool = DeviceKVPool(KVCacheSpec(1, 1, 16, 4, torch.float32), 4, CPU, "thread")
     store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=4)
-    bm = BlockManager(4, 4, offloader=KVOffloader(pool, store))
+    bm = BlockManager(4, 4, connector=TierConnector(KVOffloader(pool, store)))
     tokens = list(range(9))
     hashes = chain_hashes(root_hash("t"), tokens, 4, 0)
     bm.allocate("doc", 9)
@@ -467,7 +468,7 @@ def test_blocks_handed_out_while_their_pages_are_saved_wait_for_the_save(monkeyp
     the background, a spill is saved before `allocate` returns, and nothing waits for it."""
     pool = DeviceKVPool(KVCacheSpec(1, 1, 16, 4, torch.float32), 4, CPU, "thread")
     store = TieredKVStore(pool.spec.bytes_per_block, host_blocks=8)
-    bm = BlockManager(4, 4, offloader=KVOffloader(pool, store))
+    bm = BlockManager(4, 4, connector=TierConnector(KVOffloader(pool, store)))
     gate = hold_saves(monkeypatch, pool)
 
     def cache(rid: str, tokens: list[int], value: float) -> list[bytes]:
