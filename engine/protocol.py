@@ -279,3 +279,4 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     prefix_caching: bool = True  # whether requests reuse each other's prompt KV
     cache_namespace: str = ""  # the root of its prefix-cache chains (engine/block_hash.py)
     model_spec: str = ""  # what it was started with: 'default', a file, synthetic:<preset>
+    role: str = "both"  # both, prefill or decode (engine/config.py WorkerRole)

@@ -33,6 +33,7 @@ import msgspec
 
 from engine.config import ConfigError
 from engine.core import EngineCore
+from engine.disagg import PageImports, PrefillJobs
 from engine.fleet import (
     FleetConfig,
     KVEvent,
@@ -54,8 +55,11 @@ from engine.wire import (
     GetTokenizer,
     Hello,
     Outputs,
+    Pages,
     Ping,
     Pong,
+    Prefill,
+    PutPages,
     Rejected,
     StatsReply,
     Submit,
@@ -150,6 +154,9 @@ class Worker:
         self._started_at = 0.0
         self._grammars = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._compiling: set[str] = set()  # request ids (with their connection's prefix)
+        # disaggregated prefill (engine/disagg.py): prefills run here, pages taken in here
+        self._prefills = PrefillJobs(core, self._post_pages)
+        self.page_imports = PageImports()
 
     # -- asyncio side -------------------------------------------------------------------
 
@@ -292,6 +299,10 @@ class Worker:
         for conn_id, outs in by_conn.items():
             self._send(conn_id, Outputs(outs))
 
+    def _post_pages(self, request_id: str, pages: Pages) -> None:
+        conn, _, _ = request_id.partition("/")
+        self._post(int(conn), pages)
+
     def _post(self, conn_id: int, msg: msgspec.Struct) -> None:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._send, conn_id, msg)
@@ -307,7 +318,7 @@ class Worker:
                 idle = not self.core.has_unfinished()
                 if not self._drain(block=idle, timeout=poll_s):
                     return
-                outputs = self.core.step()
+                outputs = self._prefills.settle(self.core.step())
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
                 if poll_s is not None and time.monotonic() >= next_poll:
@@ -346,8 +357,8 @@ class Worker:
         if msg is None:
             self._compiling = {r for r in self._compiling if not r.startswith(prefix)}
             aborted = [r for r in list(self.core.scheduler.requests) if r.startswith(prefix)]
-            for rid in aborted:
-                self.core.abort_request(rid)
+            outs = [self.core.abort_request(rid) for rid in aborted]
+            self._prefills.settle([o for o in outs if o is not None])  # forgotten: no reply
             if aborted:
                 log.info("connection %d closed; aborted %d requests", cmd.conn_id, len(aborted))
         elif isinstance(msg, Submit) and msg.params.is_constrained:
@@ -376,10 +387,18 @@ class Worker:
             except InvalidRequestError as exc:
                 rejected = Rejected(submit.request_id, exc.code, str(exc), exc.param)
                 self._post(cmd.conn_id, rejected)
+        elif isinstance(msg, Prefill):
+            try:
+                self._prefills.start(prefix + msg.request_id, msg)
+            except InvalidRequestError as exc:
+                rejected = Rejected(msg.request_id, exc.code, str(exc), exc.param)
+                self._post(cmd.conn_id, rejected)
+        elif isinstance(msg, PutPages):
+            self.page_imports.take(self.core, msg.pages)
         elif isinstance(msg, Abort):
             self._compiling.difference_update(prefix + rid for rid in msg.request_ids)
             outs = [self.core.abort_request(prefix + rid) for rid in msg.request_ids]
-            done = [o for o in outs if o is not None]
+            done = self._prefills.settle([o for o in outs if o is not None])
             if done:
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(self._dispatch, done)

@@ -63,6 +63,13 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        self.disagg_prefills = Counter(
+            "strata:disagg_prefills",
+            "Prompts prefilled on a prefill worker for a decode worker, by outcome: sent (the "
+            "pages reached the decode worker) or failed (the decode worker computed it)",
+            ["model", "outcome"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "strata:time_to_first_token_seconds",
             "Time to first token",
@@ -150,6 +157,9 @@ class GatewayMetrics:
 
     def failed_over(self, model: str) -> None:
         self.failovers.labels(model).inc()
+
+    def disaggregated(self, model: str, outcome: str) -> None:
+        self.disagg_prefills.labels(model, outcome).inc()
 
     def store_bypassed(self, tenant: str) -> None:
         self.store_bypass.labels(tenant).inc()

@@ -68,6 +68,7 @@ NON_DEFAULT: dict[str, str | None] = {
     "--speculative-max-step-drafts": "4",
     "--speculative-always": None,
     "--grammar-backend": "xgrammar",
+    "--role": "prefill",
 }
 COMMANDS = (["engine"], ["generate", "hi"], ["serve"])
 
