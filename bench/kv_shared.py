@@ -260,7 +260,7 @@ def gateway(tmp: Path, store_url: str, workers: list[Worker], cache_dir: str) ->
     argv = [sys.executable, "-m", "gateway.cli", "gateway", "--redis-url", store_url]
     argv += [arg for w in workers for arg in ("--engine", w.address)]
     argv += ["--port", str(port), "--cache-dir", cache_dir, "--data-dir", str(data)]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
 
     def serving() -> bool:
@@ -300,7 +300,7 @@ async def _disagg_load(
         await _complete(http, shorts[0][::-1], 4)
         await _complete(http, [t + 1 for t in longs[0][:-8]] + longs[0][-8:], 4)
 
-        async def long_prompts() -> list[tuple[str, float]]:
+        async def long_prompts() -> list[tuple[str, float, int]]:
             for event in started:
                 await event.wait()
             out = []
@@ -316,26 +316,30 @@ async def _disagg_load(
             asyncio.gather(*streams), long_prompts()
         )
     gaps = [g for _, stream_gaps in stream_results for g in stream_gaps]
-    ttfts = [t for _, t in long_results]
+    latencies = [t for _, t, _ in long_results]
     return {
         "itl_p50_s": round(percentile(gaps, 0.5), 4),
         "itl_p99_s": round(percentile(gaps, 0.99), 4),
         "itl_max_s": round(max(gaps), 4),
         "num_gaps": len(gaps),
-        "long_prompt_latency_p50_s": round(statistics.median(ttfts), 3),
-        "outputs": [text for text, _ in stream_results] + [text for text, _ in long_results],
+        "long_prompt_latency_p50_s": round(statistics.median(latencies), 3),
+        # prompt tokens the long prompts found cached where they ran: the prefilled pages
+        "long_prompt_cached_tokens": sum(c for _, _, c in long_results),
+        "outputs": [text for text, _ in stream_results] + [text for text, _, _ in long_results],
     }
 
 
 async def _complete(
     http: httpx.AsyncClient, prompt: list[int], max_tokens: int
-) -> tuple[str, float]:
-    """A greedy completion: its text and its latency."""
+) -> tuple[str, float, int]:
+    """A greedy completion: its text, its latency and its cached prompt tokens."""
     start = time.perf_counter()
     body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     reply = await http.post("/v1/completions", json=body)
     assert reply.status_code == 200, reply.text
-    return reply.json()["choices"][0]["text"], time.perf_counter() - start
+    answer = reply.json()
+    cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return answer["choices"][0]["text"], time.perf_counter() - start, cached
 
 
 async def _stream(
