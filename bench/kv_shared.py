@@ -159,7 +159,7 @@ async def _restart(args: argparse.Namespace) -> dict[str, Any]:
     common = ["--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads)]
     common += ["--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(doc_blocks + 8)]
     with scratch_dir("strata-kv-shared-") as tmp:
-        disk = [*common, "--kv-disk-gb", "2", "--kv-disk-path", str(tmp / "kv")]
+        disk = [*common, "--kv-disk-gb", str(args.disk_gb), "--kv-disk-path", str(tmp / "kv")]
         first = Worker(tmp, "first", disk, args.cache_dir)
         with running(first):
             client = EngineClient(first.address)
@@ -176,7 +176,7 @@ async def _restart(args: argparse.Namespace) -> dict[str, Any]:
             from_disk = [await ttft(client, f"q-{i}", d + question, 8) for i, d in enumerate(docs)]
             stats = await client.stats()
             await client.close()
-        fresh = [*common, "--kv-disk-gb", "2", "--kv-disk-path", str(tmp / "fresh")]
+        fresh = [*common, "--kv-disk-gb", str(args.disk_gb), "--kv-disk-path", str(tmp / "fresh")]
         recompute = Worker(tmp, "recompute", fresh, args.cache_dir)
         with running(recompute):
             client = EngineClient(recompute.address)
@@ -202,13 +202,12 @@ async def _restart(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_disagg(args: argparse.Namespace) -> dict[str, Any]:
-    docs = document_ids(args.model, args.cache_dir, args.long_prompts, args.doc_tokens)
+    count = args.long_prompts + args.streams
+    docs = document_ids(args.model, args.cache_dir, count, args.doc_tokens)
+    random.Random(args.seed).shuffle(docs)
     question = question_ids(args.model, args.cache_dir)
-    rng = random.Random(args.seed)
-    shorts = [
-        [rng.randrange(1000, 20000) for _ in range(48)] + question for _ in range(args.streams)
-    ]
-    longs = [d + question for d in docs]
+    shorts = [d[:48] + question for d in docs[args.long_prompts :]]
+    longs = [d + question for d in docs[: args.long_prompts]]
     common = ["--model", args.model, "--dtype", args.dtype, "--block-size", str(BLOCK_SIZE)]
     common += ["--kv-cache-gb", "1"]
     runs: dict[str, Any] = {}
@@ -217,7 +216,8 @@ def run_disagg(args: argparse.Namespace) -> dict[str, Any]:
         store.start()
         try:
             both = Worker(tmp, "both", [*common, "--threads", "2"], args.cache_dir, "0,1")
-            with running(both), gateway(tmp, store.url, [both], args.cache_dir) as url:
+            one = gateway(tmp, store.url, [both], args.cache_dir, args.disagg_min_prompt_tokens)
+            with running(both), one as url:
                 runs["colocated"] = asyncio.run(_disagg_load(url, shorts, longs, args))
             prefill = [*common, "--threads", "1", "--role", "prefill"]
             decode = [*common, "--threads", "1", "--role", "decode", "--kv-host-gb", "1"]
@@ -225,7 +225,8 @@ def run_disagg(args: argparse.Namespace) -> dict[str, Any]:
                 Worker(tmp, "prefill", prefill, args.cache_dir, "0"),
                 Worker(tmp, "decode", decode, args.cache_dir, "1"),
             ]
-            with running(*workers), gateway(tmp, store.url, workers, args.cache_dir) as url:
+            split = gateway(tmp, store.url, workers, args.cache_dir, args.disagg_min_prompt_tokens)
+            with running(*workers), split as url:
                 runs["disaggregated"] = asyncio.run(_disagg_load(url, shorts, longs, args))
         finally:
             store.stop()
@@ -248,7 +249,9 @@ def run_disagg(args: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def gateway(tmp: Path, store_url: str, workers: list[Worker], cache_dir: str) -> Iterator[str]:
+def gateway(
+    tmp: Path, store_url: str, workers: list[Worker], cache_dir: str, min_prompt_tokens: int
+) -> Iterator[str]:
     """`strata gateway` over `workers` (by address); yields its URL once it serves."""
     port = _port()
     data = tmp / f"gateway-{port}"
@@ -260,6 +263,7 @@ def gateway(tmp: Path, store_url: str, workers: list[Worker], cache_dir: str) ->
     argv = [sys.executable, "-m", "gateway.cli", "gateway", "--redis-url", store_url]
     argv += [arg for w in workers for arg in ("--engine", w.address)]
     argv += ["--port", str(port), "--cache-dir", cache_dir, "--data-dir", str(data)]
+    argv += ["--disagg-min-prompt-tokens", str(min_prompt_tokens)]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
 
@@ -298,7 +302,7 @@ async def _disagg_load(
     async with httpx.AsyncClient(base_url=url, timeout=900, headers=headers) as http:
         # warm-up: both prompt sizes once, so no first-use cost lands in the figures
         await _complete(http, shorts[0][::-1], 4)
-        await _complete(http, [t + 1 for t in longs[0][:-8]] + longs[0][-8:], 4)
+        await _complete(http, longs[0][::-1], 4)
 
         async def long_prompts() -> list[tuple[str, float, int]]:
             for event in started:
@@ -400,11 +404,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=2, help="restart: torch threads")
     ap.add_argument("--docs", type=int, default=6, help="restart: documents")
     ap.add_argument("--doc-tokens", type=int, default=2000)
+    ap.add_argument("--disk-gb", type=float, default=1.0, help="restart: the disk tier")
     ap.add_argument("--streams", type=int, default=8, help="disagg: streams decoding")
     ap.add_argument("--stream-tokens", type=int, default=256)
     ap.add_argument("--long-prompts", type=int, default=6, help="disagg: long prompts")
     ap.add_argument("--long-tokens", type=int, default=16, help="disagg: tokens per long prompt")
     ap.add_argument("--long-every-s", type=float, default=1.5)
+    ap.add_argument("--disagg-min-prompt-tokens", type=int, default=512)
     add_cache_dir_argument(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
