@@ -1,7 +1,7 @@
 """bench/kv_shared.py runs end to end on CPU with the tiny synthetic model: a restarted
 worker serves the documents from disk with the tokens a recompute gives, and the long
 prompts of the disagg scenario are prefilled on the prefill worker with the tokens of a
-colocated run."""
+colocated run. It leaves nothing in the temporary directory."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import json
 from bench import kv_shared
 
 
-def test_kv_shared_small_run_reports_every_scenario(tmp_path, capsys, strata_cache_dir):
+def test_kv_shared_small_run_reports_every_scenario(
+    tmp_path, capsys, strata_cache_dir, empty_tempdir
+):
     shape = ["--quick", "--model", "synthetic:tiny", "--dtype", "float32"]
     shape += ["--docs", "2", "--doc-tokens", "128", "--disk-gb", "0.01"]
     shape += ["--streams", "2", "--stream-tokens", "16", "--long-prompts", "2"]
@@ -19,6 +21,7 @@ def test_kv_shared_small_run_reports_every_scenario(tmp_path, capsys, strata_cac
         [*shape, "--cache-dir", str(strata_cache_dir), "--out-dir", str(tmp_path)]
     )
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
+    assert not list(empty_tempdir.iterdir()), "the run's scratch directory is gone"
     restart = summary["restart"]
     assert restart["tokens_identical"]
     assert restart["disk_hit_blocks"] >= 2 * 128 // 16  # every document came back from disk
