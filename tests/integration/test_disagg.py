@@ -197,3 +197,11 @@ def test_a_decode_worker_needs_a_host_tier(tmp_path: Path, strata_cache_dir: Pat
     worker = WorkerProcess(tmp_path / "x.sock", [*TINY, "--role", "decode"], strata_cache_dir)
     with pytest.raises(RuntimeError, match="exited"):
         worker.start()
+
+
+def test_the_workers_list_shows_each_workers_role(disagg):
+    with disagg["split"].admin() as admin:
+        listed = admin.get("/admin/workers/").json()
+    workers = disagg["workers"]
+    roles = {w["address"]: w["role"] for w in listed}
+    assert roles == {workers["prefill"].address: "prefill", workers["decode"].address: "decode"}
