@@ -113,6 +113,34 @@ def export_pages(core: EngineCore, hashes: Sequence[bytes], owner: str) -> list[
     ]
 
 
+@dataclass(frozen=True)
+class CheckedPages:
+    """The pages of a `PutPages` that passed their checks, as (block hash, owner, page
+    bytes), in order, and how many did not."""
+
+    pages: list[tuple[bytes, str, torch.Tensor]]
+    num_refused: int
+
+
+def check_pages(core: EngineCore, blobs: Sequence[bytes]) -> CheckedPages:
+    """Check `blobs` against the worker's page format (header and CRC-32). Reads nothing
+    the engine thread changes, so it runs off it: only the copies into the tier are left to
+    the engine thread (`PageImports.take`)."""
+    pages, refused = [], 0
+    for blob in blobs:
+        try:
+            if core.tiers is None:
+                raise PageBlobError("this worker has no tier to take pages into")
+            page = unpack_page(blob, core.page_format, core.pool.spec.bytes_per_block)
+        except PageBlobError as exc:
+            refused += 1
+            log.warning("refused a prefilled KV page: %s", exc)
+            continue
+        data = torch.frombuffer(bytearray(page.payload), dtype=torch.uint8)
+        pages.append((page.key, page.owner, data))
+    return CheckedPages(pages, refused)
+
+
 @dataclass
 class PageImports:
     """Pages a decode worker took into its tiers, and those it refused (torn, corrupt or
@@ -121,22 +149,15 @@ class PageImports:
     num_taken: int = 0
     num_refused: int = 0
 
-    def take(self, core: EngineCore, blobs: Sequence[bytes]) -> None:
-        """Put each checked page of `blobs` into the host tier (or disk, without one) under
-        its block hash, unless a tier or the device holds it already."""
-        tiers, bs = core.tiers, core.pool.spec.bytes_per_block
+    def take(self, core: EngineCore, checked: CheckedPages) -> None:
+        """Put each checked page into the host tier (or disk, without one) under its block
+        hash, unless a tier or the device holds it already. On the engine thread."""
+        self.num_refused += checked.num_refused
+        tiers = core.tiers
+        if tiers is None:
+            return
         cached = core.block_manager.cached_hashes()
-        for blob in blobs:
-            try:
-                if tiers is None:
-                    raise PageBlobError("this worker has no tier to take pages into")
-                page = unpack_page(blob, core.page_format, bs)
-            except PageBlobError as exc:
-                self.num_refused += 1
-                log.warning("refused a prefilled KV page: %s", exc)
-                continue
+        for key, owner, data in checked.pages:
             self.num_taken += 1
-            if page.key in cached or tiers.tier_of(page.key) is not None:
-                continue
-            data = torch.frombuffer(bytearray(page.payload), dtype=torch.uint8)
-            tiers.put(page.key, data, owner=page.owner)
+            if key not in cached and tiers.tier_of(key) is None:
+                tiers.put(key, data, owner=owner)

@@ -33,7 +33,7 @@ import msgspec
 
 from engine.config import ConfigError
 from engine.core import EngineCore
-from engine.disagg import PageImports, PrefillJobs
+from engine.disagg import CheckedPages, PageImports, PrefillJobs, check_pages
 from engine.fleet import (
     FleetConfig,
     KVEvent,
@@ -75,7 +75,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class _Command:
     conn_id: int
-    msg: msgspec.Struct | _Compiled | None  # None: the connection closed
+    msg: msgspec.Struct | _Compiled | CheckedPages | None  # None: the connection closed
 
 
 @dataclass(frozen=True)
@@ -277,6 +277,11 @@ class Worker:
                 if isinstance(msg, GetTokenizer):  # answered here: the engine is not needed
                     self._send(conn_id, TokenizerReply(msg.call_id, self.tokenizer_files))
                     continue
+                if isinstance(msg, PutPages):  # checked off the engine thread, before the
+                    # frames after it are read: they reach the engine in order
+                    checked = await asyncio.to_thread(check_pages, self.core, msg.pages)
+                    self._commands.put(_Command(conn_id, checked))
+                    continue
                 self._commands.put(_Command(conn_id, msg))
         except (FrameError, ConnectionError) as exc:
             log.warning("dropping connection %d: %s", conn_id, exc)
@@ -393,8 +398,8 @@ class Worker:
             except InvalidRequestError as exc:
                 rejected = Rejected(msg.request_id, exc.code, str(exc), exc.param)
                 self._post(cmd.conn_id, rejected)
-        elif isinstance(msg, PutPages):
-            self.page_imports.take(self.core, msg.pages)
+        elif isinstance(msg, CheckedPages):
+            self.page_imports.take(self.core, msg)
         elif isinstance(msg, Abort):
             self._compiling.difference_update(prefix + rid for rid in msg.request_ids)
             outs = [self.core.abort_request(prefix + rid) for rid in msg.request_ids]
