@@ -1,7 +1,8 @@
-"""Disaggregated prefill on the engine thread: a prefill worker computes the KV of a long
-prompt's full blocks and reads their pages out as blobs (kvstore/page_blob.py); a decode
-worker takes such blobs into its host tier under their block hashes, so that the request
-sent after them finds its prefix there and loads it layer by layer. The flow, and why the
+"""Disaggregated prefill in a worker: a prefill worker computes the KV of a long prompt's
+full blocks and reads their pages out as blobs (kvstore/page_blob.py); a decode worker
+checks such blobs (off the engine thread) and takes them into its host tier under their
+block hashes (on it), so that the request sent after them finds its prefix there and loads
+it layer by layer. The flow, and why the
 gateway carries the pages: docs/design/disaggregation.md.
 
 The prefill covers the blocks a decode worker's prefix hit may use: every full block
