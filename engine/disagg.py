@@ -154,11 +154,11 @@ class PageImports:
         """Put each checked page into the host tier (or disk, without one) under its block
         hash, unless a tier or the device holds it already. On the engine thread."""
         self.num_refused += checked.num_refused
+        self.num_taken += len(checked.pages)
         tiers = core.tiers
         if tiers is None:
             return
         cached = core.block_manager.cached_hashes()
         for key, owner, data in checked.pages:
-            self.num_taken += 1
             if key not in cached and tiers.tier_of(key) is None:
                 tiers.put(key, data, owner=owner)

@@ -248,6 +248,10 @@ class EngineStats(msgspec.Struct, kw_only=True):
     num_kv_spilled_blocks: dict[str, int] = msgspec.field(default_factory=dict)
     num_kv_dropped_blocks: int = 0
     num_kv_disk_write_errors: int = 0
+    # prefilled pages a decode worker was sent (engine/disagg.py): taken into its tiers,
+    # and refused (torn, corrupt or of another format: misses)
+    num_kv_pages_received: int = 0
+    num_kv_pages_refused: int = 0
     num_steps: int
     num_generated_tokens: int
     # speculative decoding since start: draft tokens proposed, and those the model agreed with

@@ -408,7 +408,10 @@ class Worker:
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(self._dispatch, done)
         elif isinstance(msg, GetStats):
-            self._post(cmd.conn_id, StatsReply(msg.call_id, self.core.stats()))
+            stats = self.core.stats()
+            stats.num_kv_pages_received = self.page_imports.num_taken
+            stats.num_kv_pages_refused = self.page_imports.num_refused
+            self._post(cmd.conn_id, StatsReply(msg.call_id, stats))
         elif isinstance(msg, Ping):
             # a ping also audits the KV bookkeeping: a leak shows up as unhealthy
             try:

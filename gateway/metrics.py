@@ -338,6 +338,19 @@ ENGINE_FIGURES = (
         lambda s: s.num_kv_disk_pages_rejected,
     ),
     _engine_figure(
+        "strata:kv_pages_received",
+        "counter",
+        "Prefilled KV pages a decode worker took from a prefill worker",
+        lambda s: s.num_kv_pages_received,
+    ),
+    _engine_figure(
+        "strata:kv_pages_refused",
+        "counter",
+        "Prefilled KV pages a decode worker refused (torn, corrupt or of another format: "
+        "computed again)",
+        lambda s: s.num_kv_pages_refused,
+    ),
+    _engine_figure(
         "strata:kv_disk_read_ahead_bytes",
         "gauge",
         "Bytes of KV pages read from disk for waiting requests, held in memory",

@@ -183,14 +183,18 @@ async def test_torn_pages_are_misses_and_the_tokens_stay(disagg):
         torn[100] ^= 0xFF  # a payload byte: its CRC no longer matches
         header = bytearray(pages[7])
         header[-512 + 8] ^= 0x01  # the header's version: its own CRC no longer matches
+        before = await decode.stats()
         await decode.put_pages([*pages[:6], bytes(torn), bytes(header), *pages[8:]])
         outs = [o async for o in decode.generate("d", prompt, params)]
         refs = [o async for o in both.generate("b", prompt, params)]
+        after = await decode.stats()
     finally:
         for client in (prefill, decode, both):
             await client.close()
     assert [t for o in outs for t in o.new_token_ids] == [t for o in refs for t in o.new_token_ids]
     assert outs[-1].num_cached_tokens == outs[-1].num_cached_host_tokens == 6 * 4
+    assert after.num_kv_pages_refused == before.num_kv_pages_refused + 2
+    assert after.num_kv_pages_received == before.num_kv_pages_received + 18
 
 
 def test_a_decode_worker_needs_a_host_tier(tmp_path: Path, strata_cache_dir: Path):
