@@ -63,6 +63,9 @@ _ENV_NOTES = {
     "STRATA_MODEL_ALIASES": "Comma-separated `alias=model` pairs: other names clients may "
     "use for the served model (`model` is its id or the name it was started with). Usage "
     "records and metrics always use the model's own id.",
+    "STRATA_DISAGG_MIN_PROMPT_TOKENS": "With prefill and decode workers: a prompt with at "
+    "least this many tokens to compute on its decode worker is prefilled on a prefill worker "
+    "(default 512; `strata gateway --disagg-min-prompt-tokens`).",
     "STRATA_PORT": "The port the gateway listens on.",
     "STRATA_ROUTING": "How a gateway chooses a request's worker: `kv_aware` (the default: the "
     "worker holding the longest cached prefix of the prompt, weighed against its load), "

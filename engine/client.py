@@ -36,8 +36,11 @@ from engine.wire import (
     GetTokenizer,
     Hello,
     Outputs,
+    Pages,
     Ping,
     Pong,
+    Prefill,
+    PutPages,
     Rejected,
     StatsReply,
     Submit,
@@ -49,7 +52,7 @@ from engine.wire import (
 
 log = logging.getLogger(__name__)
 
-_Item = RequestOutput | BaseException
+_Item = RequestOutput | Pages | BaseException
 
 
 class EngineClient:
@@ -165,6 +168,8 @@ class EngineClient:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                if isinstance(item, Pages):
+                    continue
                 finished = item.finished
                 yield item
                 if finished:
@@ -173,6 +178,51 @@ class EngineClient:
             self._streams.pop(request_id, None)
             if not finished and self.connected:
                 self._send(Abort([request_id]))
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        *,
+        scheduling: Scheduling | None = None,
+        lora: LoRARequest | None = None,
+    ) -> AsyncGenerator[list[bytes], None]:
+        """Have a prefill worker compute the prompt's KV pages (engine/disagg.py) and yield
+        them as they arrive, a batch of page blobs at a time.
+
+        Raises InvalidRequestError if the worker rejects it, EngineDeadError if the worker
+        goes away or the prefill fails. Leaving the iteration early aborts it."""
+        await self.connect()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        stream: asyncio.Queue[_Item] = asyncio.Queue()
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            ids = list(prompt_token_ids)
+            self._send(Prefill(request_id, ids, scheduling or Scheduling(), lora))
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if not isinstance(item, Pages):
+                    continue
+                finished = item.last
+                if item.error is not None:
+                    raise EngineDeadError(f"prefill failed: {item.error}")
+                if item.pages:
+                    yield item.pages
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self.connected:
+                self._send(Abort([request_id]))
+
+    async def put_pages(self, pages: list[bytes]) -> None:
+        """Send prefilled page blobs for the worker's tiers: they are taken in before any
+        request submitted after this call. Raises EngineDeadError."""
+        await self.connect()
+        self._send(PutPages(pages))
 
     async def abort(self, request_id: str) -> None:
         if self.connected:
@@ -250,6 +300,10 @@ class EngineClient:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put_nowait(out)
+        elif isinstance(msg, Pages):
+            stream = self._streams.get(msg.request_id)
+            if stream is not None:
+                stream.put_nowait(msg)
         elif isinstance(msg, Rejected):
             stream = self._streams.get(msg.request_id)
             if stream is not None:

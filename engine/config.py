@@ -80,6 +80,17 @@ class GrammarBackend(enum.Enum):
     XGRAMMAR = "xgrammar"
 
 
+class WorkerRole(enum.Enum):
+    """What a worker does with requests (docs/design/disaggregation.md). `both`: everything.
+    `prefill`: computes long prompts' KV pages for decode workers (and serves whole
+    requests only when no other worker can). `decode`: runs requests, taking the pages of
+    long prompts from a prefill worker into its host tier first."""
+
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 class KVCacheDtype(enum.Enum):
     """Storage of KV pages. `auto`: the model's compute dtype. `fp8_e4m3`: float8_e4m3fn
     values with a float32 scale per (token, KV head), about half the bytes of 16-bit pages."""
@@ -421,6 +432,12 @@ class EngineConfig:
         "the grammar engine that constrains structured output and tool calls: llguidance, "
         "or xgrammar (JSON Schemas only; an optional extra, for comparison)",
     )
+    role: WorkerRole = option(
+        WorkerRole.BOTH,
+        "--role",
+        "what this worker does: both (prefill and decode), prefill (long prompts' KV "
+        "pages, for decode workers) or decode (takes those pages; needs --kv-host-gb)",
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -431,6 +448,10 @@ class EngineConfig:
             raise ConfigError("num_threads must be positive")
         if self.cuda_graph_max_batch < 1:
             raise ConfigError("cuda_graph_max_batch must be positive")
+        if self.role is WorkerRole.DECODE and self.cache.host_memory_bytes == 0:
+            raise ConfigError(
+                "a decode worker takes prefilled KV pages into host RAM: give it --kv-host-gb"
+            )
         device = resolve_device(self.device)
         parse_dtype(self.dtype)
         if self.weights is WeightFormat.FP8:

@@ -108,6 +108,7 @@ class EngineCore:
             kv_dtype=_dtype_name(spec.dtype),
             layout=(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size),
         )
+        self.page_format = page_format  # pages from other workers are checked against it
         self.tiers = _lower_tiers(config.cache, spec, self.device, page_format)
         self.block_manager = BlockManager(
             num_blocks,
@@ -519,6 +520,7 @@ class EngineCore:
             prefix_caching=self.config.cache.enable_prefix_caching,
             cache_namespace=self.scheduler.cache_namespace,
             model_spec=self.config.model,
+            role=self.config.role.value,
         )
 
     def cached_block_hashes(self) -> dict[str, Collection[bytes]]:

@@ -37,7 +37,7 @@ _MAX_PENDING = 1000
 _SEAL_LABEL = b"strata fleet record v1\0"
 
 
-ROLES = ("both",)  # what a worker does with a request: everything (prefill and decode)
+ROLES = ("both", "prefill", "decode")  # engine/config.py WorkerRole
 
 
 @dataclasses.dataclass(frozen=True)

@@ -256,6 +256,10 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # tenant evicted by this worker's saves to keep the tenant within its quota; and the
     # saves queued now ("pending")
     kv_remote: dict[str, int] = msgspec.field(default_factory=dict)
+    # prefilled pages a decode worker was sent (engine/disagg.py): taken into its tiers,
+    # and refused (torn, corrupt or of another format: misses)
+    num_kv_pages_received: int = 0
+    num_kv_pages_refused: int = 0
     num_steps: int
     num_generated_tokens: int
     # speculative decoding since start: draft tokens proposed, and those the model agreed with
@@ -287,3 +291,4 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     prefix_caching: bool = True  # whether requests reuse each other's prompt KV
     cache_namespace: str = ""  # the root of its prefix-cache chains (engine/block_hash.py)
     model_spec: str = ""  # what it was started with: 'default', a file, synthetic:<preset>
+    role: str = "both"  # both, prefill or decode (engine/config.py WorkerRole)

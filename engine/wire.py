@@ -52,6 +52,23 @@ class GetTokenizer(msgspec.Struct, tag="get_tokenizer"):
     call_id: int
 
 
+class Prefill(msgspec.Struct, tag="prefill"):
+    """Compute the KV of the prompt's full blocks that a decode worker's hit may use (all
+    but a last token) and send them back as `Pages` (engine/disagg.py)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    scheduling: Scheduling = msgspec.field(default_factory=Scheduling)
+    lora: LoRARequest | None = None
+
+
+class PutPages(msgspec.Struct, tag="put_pages"):
+    """Prefilled KV pages for the host tier, each a page in flight (engine/disagg.py); taken
+    in before any request sent after them on the connection."""
+
+    pages: list[bytes]
+
+
 # -- worker -> client ----------------------------------------------------------------------
 
 
@@ -81,6 +98,16 @@ class Pong(msgspec.Struct, tag="pong"):
     detail: str = ""
 
 
+class Pages(msgspec.Struct, tag="pages"):
+    """Pages of a `Prefill`, in order; `last` on the final frame. `error` says why a
+    prefill ended without (all of) them."""
+
+    request_id: str
+    pages: list[bytes]
+    last: bool = False
+    error: str | None = None
+
+
 class TokenizerReply(msgspec.Struct, tag="tokenizer_reply"):
     """The worker's tokenizer and chat template as the files `Tokenizer.save` writes, so a
     gateway tokenizes exactly as the model expects without a copy of the model."""
@@ -89,8 +116,8 @@ class TokenizerReply(msgspec.Struct, tag="tokenizer_reply"):
     files: dict[str, bytes]
 
 
-ToWorker = Submit | Abort | GetStats | Ping | GetTokenizer
-ToClient = Hello | Outputs | Rejected | StatsReply | Pong | TokenizerReply
+ToWorker = Submit | Abort | GetStats | Ping | GetTokenizer | Prefill | PutPages
+ToClient = Hello | Outputs | Rejected | StatsReply | Pong | TokenizerReply | Pages
 
 
 class FrameError(Exception):

@@ -33,6 +33,7 @@ import msgspec
 
 from engine.config import ConfigError
 from engine.core import EngineCore
+from engine.disagg import CheckedPages, PageImports, PrefillJobs, check_pages
 from engine.fleet import (
     FleetConfig,
     KVEvent,
@@ -54,8 +55,11 @@ from engine.wire import (
     GetTokenizer,
     Hello,
     Outputs,
+    Pages,
     Ping,
     Pong,
+    Prefill,
+    PutPages,
     Rejected,
     StatsReply,
     Submit,
@@ -71,7 +75,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class _Command:
     conn_id: int
-    msg: msgspec.Struct | _Compiled | None  # None: the connection closed
+    msg: msgspec.Struct | _Compiled | CheckedPages | None  # None: the connection closed
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,9 @@ class Worker:
         self._started_at = 0.0
         self._grammars = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._compiling: set[str] = set()  # request ids (with their connection's prefix)
+        # disaggregated prefill (engine/disagg.py): prefills run here, pages taken in here
+        self._prefills = PrefillJobs(core, self._post_pages)
+        self.page_imports = PageImports()
 
     # -- asyncio side -------------------------------------------------------------------
 
@@ -270,6 +277,11 @@ class Worker:
                 if isinstance(msg, GetTokenizer):  # answered here: the engine is not needed
                     self._send(conn_id, TokenizerReply(msg.call_id, self.tokenizer_files))
                     continue
+                if isinstance(msg, PutPages):  # checked off the engine thread, before the
+                    # frames after it are read: they reach the engine in order
+                    checked = await asyncio.to_thread(check_pages, self.core, msg.pages)
+                    self._commands.put(_Command(conn_id, checked))
+                    continue
                 self._commands.put(_Command(conn_id, msg))
         except (FrameError, ConnectionError) as exc:
             log.warning("dropping connection %d: %s", conn_id, exc)
@@ -292,6 +304,10 @@ class Worker:
         for conn_id, outs in by_conn.items():
             self._send(conn_id, Outputs(outs))
 
+    def _post_pages(self, request_id: str, pages: Pages) -> None:
+        conn, _, _ = request_id.partition("/")
+        self._post(int(conn), pages)
+
     def _post(self, conn_id: int, msg: msgspec.Struct) -> None:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._send, conn_id, msg)
@@ -307,7 +323,7 @@ class Worker:
                 idle = not self.core.has_unfinished()
                 if not self._drain(block=idle, timeout=poll_s):
                     return
-                outputs = self.core.step()
+                outputs = self._prefills.settle(self.core.step())
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
                 if poll_s is not None and time.monotonic() >= next_poll:
@@ -346,8 +362,8 @@ class Worker:
         if msg is None:
             self._compiling = {r for r in self._compiling if not r.startswith(prefix)}
             aborted = [r for r in list(self.core.scheduler.requests) if r.startswith(prefix)]
-            for rid in aborted:
-                self.core.abort_request(rid)
+            outs = [self.core.abort_request(rid) for rid in aborted]
+            self._prefills.settle([o for o in outs if o is not None])  # forgotten: no reply
             if aborted:
                 log.info("connection %d closed; aborted %d requests", cmd.conn_id, len(aborted))
         elif isinstance(msg, Submit) and msg.params.is_constrained:
@@ -376,15 +392,26 @@ class Worker:
             except InvalidRequestError as exc:
                 rejected = Rejected(submit.request_id, exc.code, str(exc), exc.param)
                 self._post(cmd.conn_id, rejected)
+        elif isinstance(msg, Prefill):
+            try:
+                self._prefills.start(prefix + msg.request_id, msg)
+            except InvalidRequestError as exc:
+                rejected = Rejected(msg.request_id, exc.code, str(exc), exc.param)
+                self._post(cmd.conn_id, rejected)
+        elif isinstance(msg, CheckedPages):
+            self.page_imports.take(self.core, msg)
         elif isinstance(msg, Abort):
             self._compiling.difference_update(prefix + rid for rid in msg.request_ids)
             outs = [self.core.abort_request(prefix + rid) for rid in msg.request_ids]
-            done = [o for o in outs if o is not None]
+            done = self._prefills.settle([o for o in outs if o is not None])
             if done:
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(self._dispatch, done)
         elif isinstance(msg, GetStats):
-            self._post(cmd.conn_id, StatsReply(msg.call_id, self.core.stats()))
+            stats = self.core.stats()
+            stats.num_kv_pages_received = self.page_imports.num_taken
+            stats.num_kv_pages_refused = self.page_imports.num_refused
+            self._post(cmd.conn_id, StatsReply(msg.call_id, stats))
         elif isinstance(msg, Ping):
             # a ping also audits the KV bookkeeping: a leak shows up as unhealthy
             try:

@@ -554,6 +554,7 @@ COMMANDS: tuple[Command, ...] = (
         columns=(
             "worker_id",
             "model",
+            "role",
             "address",
             "drained",
             "connected",

@@ -121,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="how a request's worker is chosen (default: $STRATA_ROUTING or kv_aware: the "
         "worker holding the longest cached prefix of the prompt, weighed against its load)",
     )
+    gw.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=None,
+        help="with prefill and decode workers: a prompt with at least this many tokens to "
+        "compute on its decode worker is prefilled on a prefill worker (default: "
+        "$STRATA_DISAGG_MIN_PROMPT_TOKENS or 512)",
+    )
     gw.add_argument("--host", default=None)
     gw.add_argument("--port", type=int, default=None)
     gw.add_argument(
@@ -170,7 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="this worker's id in the fleet (default: host name and port or socket name; a "
         "restarted worker keeps it)",
     )
-    fleet.add_argument("--role", default="both", choices=["both"], help="what it serves")
     _engine_options(eng)
     return parser
 
@@ -316,6 +323,7 @@ def _gateway(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         redis_url=args.redis_url,
         routing=args.routing,
+        disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
         engine_addresses=tuple(args.engine) or None,
         model_aliases=tuple(args.alias) or None,
     )

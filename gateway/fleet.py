@@ -81,6 +81,14 @@ class WorkerHandle:
         return info.model_id if info is not None else None
 
     @property
+    def role(self) -> str:
+        """both, prefill or decode: as its greeting said, else its record."""
+        info = self.client.info
+        if info is not None:
+            return info.role
+        return self.record.role if self.record is not None else "both"
+
+    @property
     def usable(self) -> bool:
         """Takes new requests: not drained, and connected or not known to be down."""
         return not self.drained and (self.client.connected or self.client.last_error is None)
@@ -129,8 +137,12 @@ class Fleet:
         policy: RoutingPolicy = RoutingPolicy.KV_AWARE,
         default_model: str = "default",
         aliases: Mapping[str, str] | None = None,
+        disagg_min_prompt_tokens: int = 512,
     ) -> None:
         self.auth = auth
+        # a prompt with this many tokens to compute on a decode worker is prefilled on a
+        # prefill worker (docs/design/disaggregation.md)
+        self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
         self.store = redis  # drains are kept there, for every gateway to see
         self.default_model = default_model  # an id, or the spec the default's workers run
         self.aliases = dict(aliases or {})  # alias -> a model id, or "default"
@@ -149,6 +161,8 @@ class Fleet:
         self._tasks: list[asyncio.Task[None]] = []
         self._refresh_now = asyncio.Event()
         self._refused: dict[str, float] = {}  # worker id -> when it may be tried again
+        # prefill workers being connected again
+        self._reconnecting: dict[str, asyncio.Task[None]] = {}
         self.on_lost: Callable[[WorkerHandle], None] | None = None
         for address in addresses:
             handle = WorkerHandle(address, address, self._client(address), static=True)
@@ -426,21 +440,64 @@ class Fleet:
             workers = [w for w in group.available if w.worker_id not in exclude]
         if not workers:
             raise NoWorkerError(f"no worker of {group.model_id} is available")
+        # prefill workers run whole requests only when no other worker can
+        workers = [w for w in workers if w.role != "prefill"] or workers
         keys = prompt_keys(
             group.info.cache_namespace, cache_salt, lora_key, token_ids, group.info.kv_block_size
         )
+        worker, prefill = self._choose(group, workers, keys, len(token_ids))
+        self.index.expect(worker.worker_id, keys)
+        return worker, prefill
+
+    def _choose(
+        self, group: ModelGroup, workers: Sequence[WorkerHandle], keys: Sequence[int], n: int
+    ) -> tuple[WorkerHandle, int]:
+        """The worker of `workers` the policy picks for a prompt of `n` tokens whose block
+        keys are `keys`, and the tokens it would compute."""
         by_id = {w.worker_id: w for w in workers}
         chosen = choose(
             self.policy,
             [w.candidate(self.index, keys) for w in workers],
-            prompt_tokens=len(token_ids),
+            prompt_tokens=n,
             block_size=group.info.kv_block_size,
             turn=self._turn,
         )
         self._turn += 1
-        prefill = prefill_tokens(chosen, len(token_ids), group.info.kv_block_size)
-        self.index.expect(chosen.worker_id, keys)
-        return by_id[chosen.worker_id], round(prefill)
+        return by_id[chosen.worker_id], round(prefill_tokens(chosen, n, group.info.kv_block_size))
+
+    def _reconnected(self, worker_id: str, _: asyncio.Task[None]) -> None:
+        self._reconnecting.pop(worker_id, None)
+
+    def prefill_worker(
+        self,
+        group: ModelGroup,
+        worker: WorkerHandle,
+        num_prefill_tokens: int,
+        *,
+        token_ids: Sequence[int],
+        cache_salt: str,
+        lora_key: str,
+    ) -> WorkerHandle | None:
+        """The prefill worker that computes the prompt's KV for `worker`, a decode worker
+        that would compute `num_prefill_tokens` of it itself; None where the prompt stays
+        there: a worker that is not a decode worker, a prompt mostly cached there or shorter
+        than `disagg_min_prompt_tokens`, or no prefill worker available."""
+        if worker.role != "decode" or num_prefill_tokens < self.disagg_min_prompt_tokens:
+            return None
+        prefills = [w for w in group.available if w.role == "prefill"]
+        for down in [w for w in prefills if not w.client.connected]:  # back for later prompts
+            if down.worker_id not in self._reconnecting:
+                task = asyncio.create_task(_try_connect(down.client, 1.0))
+                self._reconnecting[down.worker_id] = task
+                task.add_done_callback(partial(self._reconnected, down.worker_id))
+        prefills = [w for w in prefills if w.client.connected]
+        if not prefills:
+            return None
+        keys = prompt_keys(
+            group.info.cache_namespace, cache_salt, lora_key, token_ids, group.info.kv_block_size
+        )
+        chosen, _ = self._choose(group, prefills, keys, len(token_ids))
+        return chosen
 
     # -- operations -----------------------------------------------------------------------
 

@@ -63,6 +63,13 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        self.disagg_prefills = Counter(
+            "strata:disagg_prefills",
+            "Prompts prefilled on a prefill worker for a decode worker, by outcome: sent (the "
+            "pages reached the decode worker) or failed (the decode worker computed it)",
+            ["model", "outcome"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "strata:time_to_first_token_seconds",
             "Time to first token",
@@ -150,6 +157,9 @@ class GatewayMetrics:
 
     def failed_over(self, model: str) -> None:
         self.failovers.labels(model).inc()
+
+    def disaggregated(self, model: str, outcome: str) -> None:
+        self.disagg_prefills.labels(model, outcome).inc()
 
     def store_bypassed(self, tenant: str) -> None:
         self.store_bypass.labels(tenant).inc()
@@ -356,6 +366,19 @@ ENGINE_FIGURES = (
         "KV pages of an earlier run turned away (torn, garbage, another model's, or failing "
         "their checksum when read): misses",
         lambda s: s.num_kv_disk_pages_rejected,
+    ),
+    _engine_figure(
+        "strata:kv_pages_received",
+        "counter",
+        "Prefilled KV pages a decode worker took from a prefill worker",
+        lambda s: s.num_kv_pages_received,
+    ),
+    _engine_figure(
+        "strata:kv_pages_refused",
+        "counter",
+        "Prefilled KV pages a decode worker refused (torn, corrupt or of another format: "
+        "computed again)",
+        lambda s: s.num_kv_pages_refused,
     ),
     _engine_figure(
         "strata:kv_disk_read_ahead_bytes",

@@ -57,6 +57,9 @@ class Route:
     worker: WorkerHandle
     num_prefill_tokens: int  # of its first prompt: the tokens not cached on the worker
     failed: set[str] = field(default_factory=set)
+    # the prefill worker that computes its first prompt's KV for `worker` (a decode
+    # worker), once; None: the worker computes it
+    prefill: WorkerHandle | None = None
 
     async def fail(self, worker: WorkerHandle, fleet: Fleet, job: Job) -> bool:
         """`worker` failed this job before any output: move the job to another worker of
@@ -64,6 +67,7 @@ class Route:
         self.failed.add(worker.worker_id)
         if self.worker is not worker:
             return True  # another choice of the job moved it already
+        self.prefill = None  # the worker it moves to computes the prompt itself
         try:
             self.worker, self.num_prefill_tokens = await fleet.route(
                 self.group,
@@ -204,7 +208,15 @@ class Pipeline:
                 code="model_unavailable",
                 headers={"retry-after": "2"},
             ) from exc
-        return Route(group, worker, num_prefill_tokens)
+        prefill = self.fleet.prefill_worker(
+            group,
+            worker,
+            num_prefill_tokens,
+            token_ids=job.prompts[0],
+            cache_salt=job.scheduling.cache_salt,
+            lora_key="" if job.lora is None else job.lora.key,
+        )
+        return Route(group, worker, num_prefill_tokens, prefill=prefill)
 
     async def _rates(self, job: Job) -> Rates | None:
         """The prices in force now for the job's model (its adapter's, when priced)."""
@@ -438,11 +450,13 @@ class Pipeline:
         prefilled = job.prefilled.setdefault(prompt, asyncio.Event())
         if job.staggered and not leader:
             await prefilled.wait()
+        if tally.engine_started is None:
+            tally.engine_started = time.perf_counter()
+        if prompt == 0 and leader and worker is route.worker and route.prefill is not None:
+            await self._prefill_elsewhere(route, route.prefill, worker, job, rid)
         outputs = worker.client.generate(
             rid, prompt_ids, params, scheduling=job.scheduling, lora=job.lora
         )
-        if tally.engine_started is None:
-            tally.engine_started = time.perf_counter()
         # until its first output: work waiting on that worker (a prompt routed to its
         # cached prefix there waits on the rest only)
         routed = prompt == 0 and worker is route.worker
@@ -478,6 +492,37 @@ class Pipeline:
                         return
         finally:
             worker.queued_tokens -= queued
+
+    async def _prefill_elsewhere(
+        self, route: Route, prefill: WorkerHandle, worker: WorkerHandle, job: Job, rid: str
+    ) -> None:
+        """Have `prefill` compute the job's first prompt's KV pages and hand them to
+        `worker`'s tiers, ahead of the request itself (docs/design/disaggregation.md). A
+        prefill that fails leaves the prompt to `worker`, which computes what it lacks:
+        the job goes on, and its one ledger record is written as for any other."""
+        route.prefill = None  # once per job
+        queued = route.num_prefill_tokens
+        prefill.queued_tokens += queued
+        outcome = "sent"
+        try:
+            pages = prefill.client.prefill(
+                rid, job.prompts[0], scheduling=job.scheduling, lora=job.lora
+            )
+            async with contextlib.aclosing(pages):
+                async for batch in pages:
+                    await worker.client.put_pages(batch)
+        except (EngineDeadError, InvalidRequestError) as exc:
+            outcome = "failed"
+            log.warning(
+                "%s: prefill on %s failed (%s); %s computes the prompt",
+                job.request_id,
+                prefill.worker_id,
+                exc,
+                worker.worker_id,
+            )
+        finally:
+            prefill.queued_tokens -= queued
+        self.metrics.disaggregated(job.base_model, outcome)
 
     async def complete(self, job: Job, ticket: Ticket) -> tuple[list[ChoiceResult], Tally]:
         """Run every choice to the end (non-streaming); settles the job however it ends."""

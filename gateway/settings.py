@@ -62,6 +62,9 @@ class GatewaySettings:
     # other names of served models, each `alias=model` (model: an id, or `default`)
     model_aliases: tuple[str, ...] = ()
     routing: str = "kv_aware"  # how a request's worker is chosen: kv_aware, least_loaded, ...
+    # a prompt with at least this many tokens to compute on a decode worker is prefilled on
+    # a prefill worker (docs/design/disaggregation.md)
+    disagg_min_prompt_tokens: int = 512
     engine_addresses: tuple[str, ...] = ()
     redis_url: str | None = None  # None: the caller runs an embedded store
     admin_token: str | None = None
@@ -97,6 +100,8 @@ class GatewaySettings:
             alias, eq, target = spec.partition("=")
             if not (eq and alias.strip() and target.strip()):
                 raise ValueError(f"a model alias is written alias=model, not {spec!r}")
+        if self.disagg_min_prompt_tokens < 1:
+            raise ValueError("disagg_min_prompt_tokens must be at least 1")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}")
         if self.worker_secret is not None:
@@ -132,6 +137,12 @@ class GatewaySettings:
             "json_logs": json_logs(),
             "routing": env.get("STRATA_ROUTING", "kv_aware"),
         }
+        disagg = env.get("STRATA_DISAGG_MIN_PROMPT_TOKENS", "")
+        if disagg:
+            try:
+                values["disagg_min_prompt_tokens"] = int(disagg)
+            except ValueError:
+                raise ValueError("STRATA_DISAGG_MIN_PROMPT_TOKENS must be an integer") from None
         aliases = env.get("STRATA_MODEL_ALIASES", "")
         if aliases:
             values["model_aliases"] = tuple(a.strip() for a in aliases.split(",") if a.strip())

@@ -274,6 +274,7 @@ class WorkerView(msgspec.Struct, kw_only=True):
     address: str
     model: str | None
     static: bool  # given by --engine rather than registered
+    role: str = "both"  # both, prefill or decode
     drained: bool
     connected: bool
     num_running: int | None = None  # from its latest heartbeat (registered workers)
@@ -296,6 +297,7 @@ def _worker_view(handle: WorkerHandle, index: KVIndex) -> WorkerView:
         address=handle.address,
         model=handle.model_id,
         static=handle.static,
+        role=handle.role,
         drained=handle.drained,
         connected=handle.client.connected,
         num_running=rec.num_running if rec else None,

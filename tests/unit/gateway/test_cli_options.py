@@ -73,6 +73,7 @@ NON_DEFAULT: dict[str, str | None] = {
     "--speculative-max-step-drafts": "4",
     "--speculative-always": None,
     "--grammar-backend": "xgrammar",
+    "--role": "prefill",
 }
 COMMANDS = (["engine"], ["generate", "hi"], ["serve"])
 
@@ -260,4 +261,23 @@ def test_weights_option_reaches_every_command(command):
 def test_fp8_weights_on_a_cpu_are_refused_before_any_model_loads():
     args = _parse("engine", "--weights", "fp8", "--device", "cpu")
     with pytest.raises(ConfigError, match="fp8 weights need the Triton kernels"):
+        _engine_config(args)
+
+
+def test_a_workers_role_reaches_its_config_and_its_fleet_record():
+    from engine.config import WorkerRole
+    from engine.worker import ListenConfig
+    from gateway.cli import _fleet_config
+
+    argv = ["engine", "--role", "decode", "--kv-host-gb", "1"]
+    argv += ["--registry-url", "redis://store:6379", "--worker-id", "d-1"]
+    args = build_parser().parse_args(argv)
+    assert _engine_config(args).role is WorkerRole.DECODE
+    fleet = _fleet_config(args, ListenConfig(secret="s" * 32))
+    assert fleet is not None and fleet.role == "decode"
+
+
+def test_a_decode_worker_without_a_host_tier_is_refused():
+    args = build_parser().parse_args(["engine", "--role", "decode"])
+    with pytest.raises(ConfigError, match="--kv-host-gb"):
         _engine_config(args)

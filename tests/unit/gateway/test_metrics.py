@@ -61,6 +61,8 @@ def test_each_workers_figures_carry_its_address() -> None:
         num_kv_disk_checksum_failures=3,
         num_kv_disk_pages_recovered=40,
         num_kv_disk_pages_rejected=5,
+        num_kv_pages_received=12,
+        num_kv_pages_refused=1,
     )
     metrics.set_engine({A: a, B: b})
     v = _values(metrics)
@@ -75,6 +77,8 @@ def test_each_workers_figures_carry_its_address() -> None:
     assert v[f'strata:kv_disk_checksum_failures_total{{worker="{B}"}}'] == 3
     assert v[f'strata:kv_disk_pages_recovered_total{{worker="{B}"}}'] == 40
     assert v[f'strata:kv_disk_pages_rejected_total{{worker="{B}"}}'] == 5
+    assert v[f'strata:kv_pages_received_total{{worker="{B}"}}'] == 12
+    assert v[f'strata:kv_pages_refused_total{{worker="{B}"}}'] == 1
     assert v[f'strata:spec_decode_num_draft_tokens_total{{worker="{A}"}}'] == 40
     assert v[f'strata:spec_decode_num_accepted_tokens_total{{worker="{A}"}}'] == 31
     assert v[f'strata:kv_cache_bytes_per_token{{worker="{A}"}}'] == 18_432
