@@ -339,7 +339,7 @@ static void lora_expand(const LoRAUpdate* u, const LoRAGroups* g) {
         for (int64_t c = 0; c < chunks; c++) lora_expand_item(u, g, gi, c, u->y, u->ldy);
 }
 
-#ifdef STRATA_AVX512BF16  // the decode path of lin_packed (linear.h)
+#if defined(STRATA_AVX512BF16) || defined(STRATA_AVX2)  // lin_packed's decode path (linear.h)
 // The update of groups [g0, g1) alone, in the calling thread, into delta ([T, N], rows of
 // those groups' tokens; added to y by lora_add_delta once the linear's output is complete):
 // the decode path of lin_packed, which runs it a few groups at a time between its items of the

@@ -18,10 +18,21 @@
 #include "common.h"
 #include "fp8.h"
 
-int strata_kernels_abi(void) { return 8; }
+int strata_kernels_abi(void) { return 9; }
 
 int strata_has_avx512(void) {
 #ifdef STRATA_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// The vector paths compiled in: 2 AVX-512, 1 AVX2 + FMA, 0 none (the scalar C).
+int strata_isa(void) {
+#if defined(STRATA_AVX512)
+    return 2;
+#elif defined(STRATA_AVX2)
     return 1;
 #else
     return 0;
