@@ -62,24 +62,26 @@ def fastest_cpu_dtype(kernels: CpuKernels, cache_dir: str | None) -> torch.dtype
 
 
 def probe_cpu_dtype(kernels: CpuKernels) -> dict[torch.dtype, float]:
-    """Seconds per candidate dtype: the best of `_RUNS` of each probe product, summed."""
+    """Seconds per candidate dtype: each probe product's best of `_RUNS`, summed. The runs
+    take turns between the candidates, so that a neighbour's load on a shared machine falls
+    on both alike."""
     g = torch.Generator().manual_seed(0)
     n, k = _SHAPE
     weight = torch.randn(n, k, generator=g) * k**-0.5
-    out: dict[torch.dtype, float] = {}
-    for dtype in _CANDIDATES:
-        packed = kernels.pack(weight.to(dtype))
-        total = 0.0
-        for rows in _ROWS:
-            x = torch.randn(rows, k, generator=g).to(dtype)
-            kernels.linear_packed(x, packed, None, n, dtype)  # warm: pages, caches, threads
-            best = float("inf")
-            for _ in range(_RUNS):
-                start = time.perf_counter()
-                kernels.linear_packed(x, packed, None, n, dtype)
-                best = min(best, time.perf_counter() - start)
-            total += best
-        out[dtype] = total
+    xs = [torch.randn(rows, k, generator=g) for rows in _ROWS]
+    cases = [
+        (dtype, kernels.pack(weight.to(dtype)), x.to(dtype)) for dtype in _CANDIDATES for x in xs
+    ]
+    best = [float("inf")] * len(cases)
+    for run in range(_RUNS + 1):  # the first run warms pages, caches and threads
+        for i, (dtype, packed, x) in enumerate(cases):
+            start = time.perf_counter()
+            kernels.linear_packed(x, packed, None, n, dtype)
+            if run:
+                best[i] = min(best[i], time.perf_counter() - start)
+    out = dict.fromkeys(_CANDIDATES, 0.0)
+    for (dtype, _, _), seconds in zip(cases, best, strict=True):
+        out[dtype] += seconds
     return out
 
 
