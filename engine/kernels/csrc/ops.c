@@ -74,6 +74,26 @@ void strata_argmax_f32(const float* x, int64_t* out, int64_t rows, int64_t cols)
             for (int i = 0; i < 16; i++)
                 if (lanes[i] > best || (lanes[i] == best && idx[i] < at)) best = lanes[i], at = idx[i];
         }
+#elif defined(STRATA_AVX2)
+        if (cols >= 8) {
+            __m256 vbest = _mm256_set1_ps(-INFINITY);
+            __m256i vidx = _mm256_setzero_si256(), cur = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            const __m256i step = _mm256_set1_epi32(8);
+            for (; c + 8 <= cols; c += 8) {
+                const __m256 v = _mm256_loadu_ps(xr + c);
+                const __m256 gt = _mm256_cmp_ps(v, vbest, _CMP_GT_OQ);
+                vbest = _mm256_blendv_ps(vbest, v, gt);
+                vidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx),
+                                                            _mm256_castsi256_ps(cur), gt));
+                cur = _mm256_add_epi32(cur, step);
+            }
+            float lanes[8];
+            int32_t idx[8];
+            _mm256_storeu_ps(lanes, vbest);
+            _mm256_storeu_si256((__m256i*)idx, vidx);
+            for (int i = 0; i < 8; i++)
+                if (lanes[i] > best || (lanes[i] == best && idx[i] < at)) best = lanes[i], at = idx[i];
+        }
 #endif
         for (; c < cols; c++)
             if (xr[c] > best) best = xr[c], at = c;
