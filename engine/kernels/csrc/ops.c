@@ -3,7 +3,7 @@
 // scales, fp8.h), the packed linears (linear.h, linear_f32.h) and the whole bf16 decoder layer built
 // from them (layer.h). Built on first use by engine/kernels/cpu.py, which compiles the
 // translation units below in parallel and links them, and called through ctypes:
-//   ops.c                 ABI, CPU features, argmax
+//   ops.c                 ABI, CPU features (the vector paths built in), argmax
 //   ops_f32.c             fp32 element-wise ops, KV writes, attention (fp32 and FP8 pages),
 //                         the packed fp32 linear (linear_f32.h)
 //   ops_bf16.c            bf16 element-wise ops and KV writes
