@@ -1,6 +1,7 @@
 """The native CPU attention kernel (engine/kernels/cpu.py `paged_decode`) over 32-bit, bf16
-and FP8 pages, for both builds of the kernels: `native` (this CPU's vector units: the
-AVX-512 paths where it has them) and `portable` (x86-64-v2, the scalar C paths).
+and FP8 pages, for the builds of the kernels that `--builds` names: `native` (this CPU's
+vector units: the AVX-512 paths where it has them), `avx2` (x86-64-v3, the AVX2 paths) and
+`portable` (x86-64-v2, the scalar C paths); native and portable by default.
 
 Two shapes of SmolLM2-135M's attention (9 query heads over 3 KV heads of 64):
 - a prefill chunk: 256 query rows after 768 cached tokens (each row attends to its prefix,
@@ -10,6 +11,7 @@ Pages are random (seeded) and scattered over the pool; queries and outputs are f
 with bf16 pages). Each point is the median of a few calls after one untimed call.
 
     python bench/cpu_attention.py
+    python bench/cpu_attention.py --builds native,avx2,portable
     python bench/cpu_attention.py --quick
 
 The last printed line is one JSON object; the full record goes to bench/results/.

@@ -4,6 +4,7 @@ figures: docs/benchmarks.md.
 
     python bench/engine_throughput.py            # SmolLM2, bf16, CPU: 1/8/32/64 concurrent
     python bench/engine_throughput.py --quick    # a fast smoke run
+    python bench/engine_throughput.py --quick --cpu-isa avx2   # the AVX2 kernels, here
     python bench/engine_throughput.py --temperature 0.8   # sampled, not greedy
     python bench/engine_throughput.py --model synthetic:llama3.2-1b --device cuda
     python bench/engine_throughput.py --peer transformers,llama.cpp   # `make bench-peers`
@@ -33,9 +34,8 @@ from bench.common import (
     publish,
     timed_calls,
 )
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.factory import create_engine
-from engine.kernels.cpu import load_cpu_kernels
+from engine.config import CacheConfig, CpuIsa, EngineConfig, SchedulerConfig
+from engine.factory import create_engine, native_kernels
 from engine.model_specs import resolve_model_path
 from engine.protocol import SamplingParams
 
@@ -119,7 +119,7 @@ def _rate(fn, work: float, repeats: int = 5, best: bool = True) -> float:
 def cpu_roofline(core, batches: list[int], prompt_len: int, new_tokens: int) -> dict | None:
     """The workload's ceiling on this CPU (see the module docstring); None off the bf16
     native-kernel path."""
-    kernels = load_cpu_kernels(core.config.cache_dir)
+    kernels = native_kernels(core.config, core.dtype)  # the build the engine runs
     if kernels is None or core.device.type != "cpu" or core.dtype != torch.bfloat16:
         return None
     mc = core.model_config
@@ -159,6 +159,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="auto")
+    ap.add_argument(
+        "--cpu-isa",
+        default="auto",
+        choices=[i.value for i in CpuIsa],
+        help="instruction level of the native CPU kernels (auto: the best this CPU has)",
+    )
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -202,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        cpu_isa=CpuIsa(args.cpu_isa),
         seed=args.seed,
         cache_dir=args.cache_dir,
         cache=CacheConfig(
@@ -301,12 +308,14 @@ def main(argv: list[str] | None = None) -> dict:
             f"{roofline['read_gb_s']} GB/s -> ceiling tok/s {roofline['ceiling_tok_s']}",
             flush=True,
         )
+    kernels = native_kernels(config, core.dtype)
     record = {
         **engine_record("engine_throughput", core, args.model),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "prefill_len": args.prefill_len,
         "quick": args.quick,
+        "isa": kernels.isa if kernels is not None else None,  # the instruction level
         "repeats": args.repeats,
         "seed": args.seed,
         "temperature": args.temperature,

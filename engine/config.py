@@ -59,6 +59,18 @@ class GemvKernel(enum.Enum):
     TRITON = "triton"
 
 
+class CpuIsa(enum.Enum):
+    """The instruction level the native CPU kernels are built for (engine/kernels/cpu.py).
+    `auto`: the best this CPU has. `avx512`: the AVX-512 paths (AVX512-BF16 dot products
+    where the CPU has them). `avx2`: the AVX2 + FMA paths. `portable`: the scalar C paths.
+    A level above the CPU's is refused; a lower one runs, to compare levels on one machine."""
+
+    AUTO = "auto"
+    AVX512 = "avx512"
+    AVX2 = "avx2"
+    PORTABLE = "portable"
+
+
 class WeightFormat(enum.Enum):
     """How the projections' weights are held. `auto`: as the checkpoint holds them (today
     every loader gives the compute dtype). `16bit`: in the compute dtype (`dtype`). `fp8`:
@@ -112,7 +124,8 @@ _DTYPES = {
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    """Resolve a dtype option; `auto` is bf16 everywhere (fast on AVX512-BF16 CPUs and GPUs)."""
+    """Resolve a dtype option; `auto` is bf16 here. On a CPU with the native kernels the
+    engine resolves `auto` by measurement instead (engine/kernels/cpu_dtype.py)."""
     import torch  # noqa: PLC0415
 
     if name == "auto":
@@ -383,7 +396,12 @@ class EngineConfig:
         "--model",
         "'default' (SmolLM2-135M-Instruct), a .gguf file, an HF directory, or synthetic:<preset>",
     )
-    dtype: str = option("auto", "--dtype", "auto (bf16), bfloat16, float16 or float32")
+    dtype: str = option(
+        "auto",
+        "--dtype",
+        "auto (bf16; on a CPU with the native kernels, bf16 or float32, whichever its "
+        "linears run faster), bfloat16, float16 or float32",
+    )
     device: str = option("auto", "--device", "auto, cpu, cuda, cuda:N")
     seed: int = not_an_option(
         0,
@@ -401,6 +419,12 @@ class EngineConfig:
         "--backend",
         "auto: native kernels on CPU, Triton on CUDA; torch: torch ops only; "
         "triton: force the Triton kernels (interpreted on CPU, slow)",
+    )
+    cpu_isa: CpuIsa = option(
+        CpuIsa.AUTO,
+        "--cpu-isa",
+        "instruction level of the native CPU kernels: auto (the best this CPU has), avx512, "
+        "avx2 or portable (scalar C)",
     )
     enforce_eager: bool = option(  # engine/cuda_graphs.py
         False,

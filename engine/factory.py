@@ -9,7 +9,8 @@ import torch
 from engine.attention.triton_backend import TritonUnavailableError, load_triton_kernels
 from engine.config import ConfigError, EngineConfig, KernelBackend, WeightFormat
 from engine.core import EngineCore
-from engine.kernels.cpu import CpuKernels, load_cpu_kernels
+from engine.kernels.cpu import CpuKernels, isa_build, load_cpu_kernels, resolve_cpu_isa
+from engine.kernels.cpu_dtype import fastest_cpu_dtype
 from engine.loader import (
     Checkpoint,
     build_model,
@@ -44,7 +45,7 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
         config.model, config.cache_dir, progress=progress, seed=config.seed
     )
     tokenizer = load_tokenizer(checkpoint, config.cache_dir)
-    model = build_model(checkpoint, config.torch_dtype(), config.torch_device())
+    model = build_model(checkpoint, compute_dtype(config), config.torch_device())
     kernels = native_kernels(config, model.embed_tokens.weight.dtype)
     if kernels is not None:
         apply_native_cpu(model, kernels)
@@ -92,15 +93,30 @@ def _check_triton(device: torch.device) -> None:
         raise ConfigError(f"the Triton backend is unavailable: {exc}") from exc
 
 
+def compute_dtype(config: EngineConfig) -> torch.dtype:
+    """The model's dtype: `--dtype`, where `auto` on a CPU with the native kernels is the
+    dtype their linears run fastest (engine/kernels/cpu_dtype.py)."""
+    if config.dtype == "auto":
+        kernels = native_kernels(config, torch.bfloat16)
+        if kernels is not None:
+            return fastest_cpu_dtype(kernels, config.cache_dir)
+    return config.torch_dtype()
+
+
 def native_kernels(config: EngineConfig, dtype: torch.dtype) -> CpuKernels | None:
-    """The native CPU kernels when the config and device allow them (see KernelBackend)."""
+    """The native CPU kernels, built for `--cpu-isa`, when the config and device allow them
+    (see KernelBackend)."""
     if config.backend in (KernelBackend.TORCH, KernelBackend.TRITON) or (
         config.torch_device().type != "cpu"
     ):
         if config.backend is KernelBackend.NATIVE:
             raise ConfigError("the native backend runs on CPU devices only")
         return None
-    kernels = load_cpu_kernels(config.cache_dir)
+    try:
+        isa = resolve_cpu_isa(config.cpu_isa.value)
+    except ValueError as exc:
+        raise ConfigError(f"cpu_isa: {exc}") from None
+    kernels = load_cpu_kernels(config.cache_dir, arch=isa_build(isa))
     if kernels is None or not kernels.supports(dtype):
         if config.backend is KernelBackend.NATIVE:
             raise ConfigError(f"native CPU kernels are unavailable here for {dtype}")

@@ -52,10 +52,14 @@ _HEADERS = (
 )
 _PANEL = 64  # output columns per packed weight panel (linear.h)
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-fno-math-errno"]
-# `native` tunes for this CPU (AVX-512 paths where present); `portable` builds the scalar
-# fallbacks every kernel has, which tests compare against the same references
-_ARCH = {"native": "-march=native", "portable": "-march=x86-64-v2"}
-_ABI = 8
+# `native` tunes for this CPU (AVX-512 paths where present, else AVX2 ones); `avx2` builds
+# the AVX2 + FMA paths (x86-64-v3: no AVX-512) on any CPU that has them; `portable` builds the
+# scalar fallbacks every kernel has. Tests compare each against the same references.
+_ARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3", "portable": "-march=x86-64-v2"}
+# instruction level (`--cpu-isa`) -> build, and the CPU flags the level needs
+_ISA_BUILD = {"avx512": "native", "avx2": "avx2", "portable": "portable"}
+_ISA_FLAGS = {"avx512": {"avx512f", "avx512bw"}, "avx2": {"avx2", "fma", "f16c"}, "portable": set()}
+_ABI = 9
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _PAGE_SUFFIX = {torch.float8_e4m3fn: "fp8"}  # page formats other than the compute dtype
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -77,13 +81,37 @@ class KernelError(RuntimeError):
     """A native kernel rejected its inputs (an unsupported shape)."""
 
 
-def _cpu_fingerprint() -> str:
+def _cpuinfo_flags() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            return next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        flags = ""
-    return platform.machine() + flags
+        return ""
+
+
+def cpu_fingerprint() -> str:
+    """This machine's architecture and CPU flags: what a build, or a measurement, holds for."""
+    return platform.machine() + _cpuinfo_flags()
+
+
+def cpu_isa_levels() -> tuple[str, ...]:
+    """The instruction levels this CPU runs, best first (`portable` everywhere)."""
+    flags = set(_cpuinfo_flags().split())
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    return tuple(isa for isa, need in _ISA_FLAGS.items() if not need or (x86 and need <= flags))
+
+
+def resolve_cpu_isa(choice: str) -> str:
+    """`--cpu-isa` -> the instruction level to build for: `auto` is the best this CPU has;
+    a level it lacks raises ValueError."""
+    levels = cpu_isa_levels()
+    if choice == "auto":
+        return levels[0]
+    if choice not in _ISA_BUILD:
+        raise ValueError(f"unknown CPU instruction level {choice!r}")
+    if choice not in levels:
+        raise ValueError(f"this CPU lacks {choice} (it runs {', '.join(levels)})")
+    return choice
 
 
 def _build(cache_dir: Path, compiler: str, arch: str) -> Path:
@@ -91,8 +119,8 @@ def _build(cache_dir: Path, compiler: str, arch: str) -> Path:
     digest = hashlib.sha256()
     for name in (*_UNITS, *_HEADERS):
         digest.update((_SRC_DIR / name).read_bytes())
-    digest.update(" ".join([compiler, *flags, _cpu_fingerprint()]).encode())
-    target = cache_dir / f"strata-cpu-{digest.hexdigest()[:16]}.so"
+    digest.update(" ".join([compiler, *flags, cpu_fingerprint()]).encode())
+    target = cache_dir / f"strata-cpu-{arch}-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -133,8 +161,11 @@ class CpuKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         if lib.strata_kernels_abi() != _ABI:
             raise OSError("stale kernel library")
-        self.has_bf16_linear = bool(lib.strata_has_avx512_bf16())
-        self.has_f32_linear = bool(lib.strata_has_avx512())
+        # the vector paths compiled in: avx512, avx2 or portable (scalar C)
+        self.isa = {2: "avx512", 1: "avx2"}.get(lib.strata_isa(), "portable")
+        self.has_avx512_bf16 = bool(lib.strata_has_avx512_bf16())
+        self.has_bf16_linear = self.has_avx512_bf16 or self.isa == "avx2"
+        self.has_f32_linear = self.isa != "portable"
         # the packed linears, per weight dtype: (packable, pack, linear)
         self._packed: dict[torch.dtype, tuple[Any, Any, Any]] = {}
         for dtype, suffix in _SUFFIX.items():
@@ -391,8 +422,8 @@ class CpuKernels:
         return out
 
     def can_pack(self, weight: torch.Tensor) -> bool:
-        """True when `pack`/`linear_packed` cover this [N, K] weight (bf16 on AVX512-BF16
-        CPUs, fp32 on AVX-512 ones)."""
+        """True when `pack`/`linear_packed` cover this [N, K] weight (bf16 with AVX512-BF16
+        or AVX2, fp32 with AVX-512 or AVX2)."""
         n, k = weight.shape
         fns = self._packed.get(weight.dtype)
         return fns is not None and bool(fns[0](n, k))
@@ -824,10 +855,16 @@ def kernel_dir(cache_dir: str | None) -> Path:
     return base / "kernels"
 
 
+def isa_build(isa: str) -> str:
+    """The build (`load_cpu_kernels`' arch) of a resolved instruction level."""
+    return _ISA_BUILD[isa]
+
+
 def load_cpu_kernels(cache_dir: str | None, arch: str = "native") -> CpuKernels | None:
     """Build (once) and load the kernels; None when this machine cannot build them.
 
-    `arch="portable"` builds without CPU-specific instructions (the scalar fallbacks).
+    `arch="avx2"` builds the AVX2 paths (no AVX-512) and `arch="portable"` builds without
+    CPU-specific instructions (the scalar fallbacks).
     """
     compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None or platform.system() != "Linux":

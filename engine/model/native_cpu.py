@@ -2,7 +2,8 @@
 
 `apply_native_cpu(model, kernels)` replaces, in place, every RMSNorm (residual add fused),
 the rotary embedding (applied in place inside the fused qkv buffer), SiLU*up, and every
-linear layer (bf16 on AVX512-BF16 CPUs, fp32 on AVX-512 ones) with modules that call
+linear layer (bf16 on AVX512-BF16 and AVX2 CPUs, fp32 on AVX-512 and AVX2 ones: whatever
+`CpuKernels.can_pack` accepts) with modules that call
 `CpuKernels`. bf16 layers go further: one kernel call per layer, or per step. The model file
 itself never branches on the backend. Packed linears drop the original weight, except the LM
 head when it is tied to the embedding table (the lookup still needs the rows).

@@ -46,7 +46,11 @@
 #ifdef PAGE_FP8
 #define PELEM uint8_t
 #define PS_LOAD(x) e4m3_to_f32(x)
+#ifdef STRATA_AVX512
 #define PV_LOAD v_load_e4m3
+#else
+#define PV_LOAD v8_load_e4m3
+#endif
 #define ROW_SCALE(scales, slot) ((scales)[(slot) * kv_heads])
 #else
 #define PELEM ELEM
@@ -73,8 +77,8 @@ static void FN(attend_one)(const ELEM* q, const PELEM* k_pages, const PELEM* v_p
         if (rotated) fwht_f32(qf[g], head_dim);
         for (int64_t d = 0; d < head_dim; d++) qf[g][d] *= q_scale;
     }
-#ifdef STRATA_AVX512
-    const int vec = head_dim % 16 == 0;
+#ifdef STRATA_VEC
+    const int vec = head_dim % VF_W == 0;
 #else
     const int vec = 0;
 #endif
@@ -88,11 +92,11 @@ static void FN(attend_one)(const ELEM* q, const PELEM* k_pages, const PELEM* v_p
             for (int64_t g = 0; g < group; g++) {
                 float dot = 0.0f;
                 if (vec) {
-#ifdef STRATA_AVX512
-                    __m512 a = _mm512_setzero_ps();
-                    for (int64_t d = 0; d < head_dim; d += 16)
-                        a = _mm512_fmadd_ps(_mm512_loadu_ps(&qf[g][d]), PV_LOAD(kr + d), a);
-                    dot = _mm512_reduce_add_ps(a);
+#ifdef STRATA_VEC
+                    vf a = vf_zero();
+                    for (int64_t d = 0; d < head_dim; d += VF_W)
+                        a = vf_fmadd(vf_load_f32(&qf[g][d]), PV_LOAD(kr + d), a);
+                    dot = vf_reduce_add(a);
 #endif
                 } else {
                     for (int64_t d = 0; d < head_dim; d++) dot += qf[g][d] * PS_LOAD(kr[d]);
@@ -107,15 +111,15 @@ static void FN(attend_one)(const ELEM* q, const PELEM* k_pages, const PELEM* v_p
         float m = -INFINITY, sum = 0.0f;
         for (int64_t j = 0; j < len; j++) m = sg[j] > m ? sg[j] : m;
         int64_t j = 0;
-#ifdef STRATA_AVX512
-        __m512 vsum = _mm512_setzero_ps();
-        const __m512 vm = _mm512_set1_ps(m);
-        for (; j + 16 <= len; j += 16) {
-            __m512 e = v_exp(_mm512_sub_ps(_mm512_loadu_ps(sg + j), vm));
-            _mm512_storeu_ps(sg + j, e);
-            vsum = _mm512_add_ps(vsum, e);
+#ifdef STRATA_VEC
+        vf vsum = vf_zero();
+        const vf vm = vf_set1(m);
+        for (; j + VF_W <= len; j += VF_W) {
+            vf e = vf_exp(vf_sub(vf_load_f32(sg + j), vm));
+            vf_store_f32(sg + j, e);
+            vsum = vf_add(vsum, e);
         }
-        sum = _mm512_reduce_add_ps(vsum);
+        sum = vf_reduce_add(vsum);
 #endif
         for (; j < len; j++) {
             sg[j] = expf(sg[j] - m);
@@ -131,13 +135,12 @@ static void FN(attend_one)(const ELEM* q, const PELEM* k_pages, const PELEM* v_p
             const PELEM* vr = vb + t * row;
             const float vs = ROW_SCALE(v_scales, table[b] * block_size + t);
             if (vec) {
-#ifdef STRATA_AVX512
-                for (int64_t d = 0; d < head_dim; d += 16) {
-                    const __m512 vv = PV_LOAD(vr + d);
+#ifdef STRATA_VEC
+                for (int64_t d = 0; d < head_dim; d += VF_W) {
+                    const vf vv = PV_LOAD(vr + d);
                     for (int64_t g = 0; g < group; g++) {
-                        const __m512 p = _mm512_set1_ps(scores[g * score_stride + j0 + t] * vs);
-                        _mm512_storeu_ps(&acc[g][d],
-                                         _mm512_fmadd_ps(p, vv, _mm512_loadu_ps(&acc[g][d])));
+                        const vf p = vf_set1(scores[g * score_stride + j0 + t] * vs);
+                        vf_store_f32(&acc[g][d], vf_fmadd(p, vv, vf_load_f32(&acc[g][d])));
                     }
                 }
 #endif
@@ -647,6 +650,160 @@ static int FN(attend_dispatch)(const ELEM* qs, const PELEM* kp, const PELEM* vp,
 #undef STRATA_ATTEND_CASE
 #endif
 
+#ifdef STRATA_AVX2
+// The AVX2 decode path, specialised for compile-time (group, head_dim) like attend_fast: pass 1
+// takes 8 tokens at a time, their scores out of one 8-way horizontal sum (v8_hsum8), each
+// head's running maximum kept as it goes; the softmax runs 8 scores per exponential; pass 2
+// walks the V rows once per slice of head_dim whose G accumulators fit the 16 registers, the
+// softmax weights broadcast per token. bf16 and FP8 values are widened on load (AVX2 has no
+// bf16 dot product). The next sequence's pages are warmed as in attend_fast.
+static inline __attribute__((always_inline)) float FN(score_one8)(const __m256* qv,
+                                                                  const PELEM* kr, const int NV) {
+    __m256 a = _mm256_mul_ps(qv[0], PV_LOAD(kr));
+    for (int i = 1; i < NV; i++) a = _mm256_fmadd_ps(qv[i], PV_LOAD(kr + 8 * i), a);
+    return v8_reduce_add(a);
+}
+
+static inline __attribute__((always_inline)) void FN(attend_fast)(
+    const ELEM* q, const PELEM* k_pages, const PELEM* v_pages, const float* k_scales,
+    const float* v_scales, ELEM* out, const int64_t* table, int64_t len, int64_t block_shift,
+    int64_t kv_heads, int64_t row, int64_t page, float scale, int rotated, float* scores,
+    int64_t score_stride, KVWarm* warm, const int G, const int D) {
+    (void)k_scales, (void)v_scales, (void)kv_heads, (void)rotated, (void)page;
+    const int NV = D / 8;
+    const int head_bytes = (int)(D * (int64_t)sizeof(PELEM));
+    const int64_t block_mask = ((int64_t)1 << block_shift) - 1;
+    __m256 qv[8][16];
+    float qr[8][128];
+    const float q_scale = rotated ? scale / (float)D : scale;
+    for (int g = 0; g < G; g++) {
+        for (int d = 0; d < D; d++) qr[g][d] = S_LOAD(q[g * D + d]);
+#ifdef PAGE_FP8
+        if (rotated) fwht_f32(qr[g], D);
+#endif
+        for (int i = 0; i < NV; i++)
+            qv[g][i] = _mm256_mul_ps(_mm256_loadu_ps(&qr[g][8 * i]), _mm256_set1_ps(q_scale));
+    }
+    // pass 1: scores, 8 tokens per horizontal sum
+    __m256 vmax[8];
+    float m[8];
+    for (int g = 0; g < G; g++) vmax[g] = _mm256_set1_ps(-INFINITY), m[g] = -INFINITY;
+    int64_t j = 0;
+    for (; j + 8 <= len; j += 8) {
+        const PELEM* rows[8];
+        float row_scales[8];
+        for (int t = 0; t < 8; t++) {
+            const int64_t jj = j + t;
+            const int64_t slot = (table[jj >> block_shift] << block_shift) + (jj & block_mask);
+            rows[t] = k_pages + slot * row;
+            row_scales[t] = ROW_SCALE(k_scales, slot);
+            // pages are scattered: fetch the row 8 tokens ahead while these are used
+            const int64_t nx = jj + 8 < len ? jj + 8 : len - 1;
+            const char* ahead = (const char*)(k_pages + ((table[nx >> block_shift] << block_shift) +
+                                                         (nx & block_mask)) * row);
+            for (int c = 0; c < head_bytes; c += 64) _mm_prefetch(ahead + c, _MM_HINT_T0);
+            kv_warm(warm);
+        }
+        (void)row_scales;
+        for (int g = 0; g < G; g++) {
+            __m256 acc[8];
+            for (int t = 0; t < 8; t++) {
+                __m256 a = _mm256_mul_ps(qv[g][0], PV_LOAD(rows[t]));
+                for (int i = 1; i < NV; i++) a = _mm256_fmadd_ps(qv[g][i], PV_LOAD(rows[t] + 8 * i), a);
+                acc[t] = a;
+            }
+#ifdef PAGE_FP8
+            const __m256 sc = _mm256_mul_ps(v8_hsum8(acc), _mm256_loadu_ps(row_scales));
+#else
+            const __m256 sc = v8_hsum8(acc);
+#endif
+            _mm256_storeu_ps(scores + g * score_stride + j, sc);
+            vmax[g] = _mm256_max_ps(vmax[g], sc);
+        }
+    }
+    for (; j < len; j++) {
+        const int64_t slot = (table[j >> block_shift] << block_shift) + (j & block_mask);
+        const PELEM* kr = k_pages + slot * row;
+        const float ks = ROW_SCALE(k_scales, slot);
+        for (int g = 0; g < G; g++) {
+            const float sc = FN(score_one8)(qv[g], kr, NV) * ks;
+            scores[g * score_stride + j] = sc;
+            m[g] = sc > m[g] ? sc : m[g];
+        }
+    }
+    // softmax: the exponentials over the scores, and each head's 1 / sum
+    float inv_sum[8];
+    for (int g = 0; g < G; g++) {
+        const float vm_max = v8_reduce_max(vmax[g]);
+        m[g] = vm_max > m[g] ? vm_max : m[g];
+        float* sg = scores + g * score_stride;
+        const __m256 vm = _mm256_set1_ps(m[g]);
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 8 <= len; t += 8) {
+            const __m256 e = v8_exp(_mm256_sub_ps(_mm256_loadu_ps(sg + t), vm));
+            _mm256_storeu_ps(sg + t, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float sum = v8_reduce_add(vsum);
+        for (; t < len; t++) {
+            sg[t] = expf(sg[t] - m[g]);
+            sum += sg[t];
+        }
+        inv_sum[g] = 1.0f / sum;
+    }
+    // pass 2: slices of CW vectors of head_dim, G * CW accumulators in registers
+    const int CW = G <= 1 ? 8 : G <= 2 ? 4 : G <= 4 ? 2 : 1;
+    for (int i0 = 0; i0 < NV; i0 += CW) {
+        __m256 acc[8][8];
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < CW; i++) acc[g][i] = _mm256_setzero_ps();
+        for (int64_t tt = 0; tt < len; tt++) {
+            const int64_t slot = (table[tt >> block_shift] << block_shift) + (tt & block_mask);
+            const PELEM* vr = v_pages + slot * row + 8 * i0;
+            if (i0 == 0) {
+                const int64_t nx = tt + 8 < len ? tt + 8 : len - 1;
+                const char* ah = (const char*)(v_pages + ((table[nx >> block_shift] << block_shift) +
+                                                          (nx & block_mask)) * row);
+                for (int c = 0; c < head_bytes; c += 64) _mm_prefetch(ah + c, _MM_HINT_T0);
+                kv_warm(warm);
+            }
+            const float vs = ROW_SCALE(v_scales, slot);
+            __m256 vv[8];
+            for (int i = 0; i < CW; i++) vv[i] = PV_LOAD(vr + 8 * i);
+            for (int g = 0; g < G; g++) {
+                const __m256 p = _mm256_set1_ps(scores[g * score_stride + tt] * vs);
+                for (int i = 0; i < CW; i++) acc[g][i] = _mm256_fmadd_ps(p, vv[i], acc[g][i]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const __m256 vi = _mm256_set1_ps(inv_sum[g]);
+            for (int i = 0; i < CW; i++)
+                V_STORE(out + g * D + 8 * (i0 + i), _mm256_mul_ps(acc[g][i], vi));
+        }
+    }
+}
+
+#define STRATA_ATTEND_CASE(G_, D_)                                                          \
+    if (group == G_ && head_dim == D_) {                                                    \
+        FN(attend_fast)(qs, kp, vp, ks, vs, os, tb, len, block_shift, kv_heads, row, page,  \
+                        scale, rotated, scores, max_len, warm, G_, D_);                     \
+        return 1;                                                                           \
+    }
+
+// Returns 1 when a specialisation handled the item.
+static int FN(attend_dispatch)(const ELEM* qs, const PELEM* kp, const PELEM* vp,
+                               const float* ks, const float* vs, ELEM* os, const int64_t* tb,
+                               int64_t len, int64_t group, int64_t head_dim, int64_t block_shift,
+                               int64_t kv_heads, int64_t row, int64_t page, float scale,
+                               int rotated, float* scores, int64_t max_len,
+                               KVWarm* warm) {
+    STRATA_SPECIALISED_SHAPES(STRATA_ATTEND_CASE)
+    return 0;
+}
+#undef STRATA_ATTEND_CASE
+#endif
+
 int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const PELEM* k_pages,
                             const PELEM* v_pages, const float* k_scales, const float* v_scales,
                             ELEM* out, const int64_t* block_tables,
@@ -750,7 +907,7 @@ int FN(strata_paged_decode)(const ELEM* q, int64_t q_stride, const PELEM* k_page
                     const float* vs = v_scales ? v_scales + h : 0;
                     ELEM* os = out + (s * num_heads + h * group) * head_dim;
                     const int64_t* tb = block_tables + s * max_blocks;
-#ifdef STRATA_AVX512
+#ifdef STRATA_VEC
                     if (FN(attend_dispatch)(qs, kp, vp, ks, vs, os, tb, seq_lens[s], group,
                                             head_dim, block_shift, kv_heads, row, page, scale,
                                             rotated, scores, max_len, wp))

@@ -1,6 +1,8 @@
-// Shared helpers for Strata's CPU kernels: bf16 conversion, AVX-512 loads/stores, vector exp.
+// Shared helpers for Strata's CPU kernels: bf16 conversion, vector loads/stores, vector exp.
 // Every kernel has a portable scalar path; the AVX-512 paths are compiled in when the build
-// machine supports them (the library is built with -march=native on the machine that runs it).
+// targets them (the `native` build on an AVX-512 CPU), the AVX2 + FMA ones when it targets
+// AVX2 and not AVX-512 (the `avx2` build, or `native` on an AVX2 CPU). The `vf` layer at the
+// end names one vector of floats for either, so that short kernels are written once.
 #pragma once
 
 #include <math.h>
@@ -13,6 +15,13 @@
 #endif
 #if defined(STRATA_AVX512) && defined(__AVX512BF16__)
 #define STRATA_AVX512BF16 1
+#endif
+#if !defined(STRATA_AVX512) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define STRATA_AVX2 1
+#endif
+#if defined(STRATA_AVX512) || defined(STRATA_AVX2)
+#define STRATA_VEC 1
 #endif
 
 typedef uint16_t bf16_t;
@@ -114,10 +123,6 @@ static inline __m512 v_round_bf16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v_pack_bf16(v)), 16));
 }
 
-static inline __m512 v_load_f32(const float* p) { return _mm512_loadu_ps(p); }
-static inline void v_store_f32(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline __m512 v_id(__m512 v) { return v; }
-
 // exp(x) to ~2 ulp for x in [-87, 88]: 2^n * p(r), r = x - n ln2, degree-6 polynomial.
 static inline __m512 v_exp(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
@@ -180,4 +185,117 @@ static inline __m512 v_hsum16(const __m512 a[16]) {
                              _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(d, e, 0x88), _mm512_shuffle_f32x4(d, e, 0xDD));
 }
+#endif
+
+#ifdef STRATA_AVX2
+// 8 bf16 -> 8 floats: each value shifted into the high half of its lane.
+static inline __m256 v8_load_bf16(const bf16_t* p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i*)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// 8 floats -> 8 bf16, rounded to nearest even (f32_to_bf16 without its NaN case).
+static inline __m128i v8_pack_bf16(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+}
+
+static inline void v8_store_bf16(bf16_t* p, __m256 v) {
+    _mm_storeu_si128((__m128i*)p, v8_pack_bf16(v));
+}
+
+static inline __m256 v8_round_bf16(__m256 v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v8_pack_bf16(v)), 16));
+}
+
+// exp(x) as v_exp computes it, 2^n applied by building its exponent bits (n in [-126, 127]).
+static inline __m256 v8_exp(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float v8_reduce_add(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline float v8_reduce_max(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// Horizontal sums of 8 vectors at once: lane t of the result is the sum of a[t]'s lanes.
+static inline __m256 v8_hsum8(const __m256 a[8]) {
+    const __m256 b0 = _mm256_hadd_ps(a[0], a[1]), b1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 b2 = _mm256_hadd_ps(a[4], a[5]), b3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 c0 = _mm256_hadd_ps(b0, b1), c1 = _mm256_hadd_ps(b2, b3);
+    // c0: lanes 0-3 the low halves' sums of a[0..3], lanes 4-7 their high halves'
+    return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
+}
+#endif
+
+// One vector of floats: 16 lanes on AVX-512, 8 on AVX2. The AVX-512 names are the
+// intrinsics and helpers above themselves, so a kernel written on this layer compiles to
+// the same instructions as one written on them.
+#if defined(STRATA_AVX512)
+typedef __m512 vf;
+#define VF_W 16
+#define vf_zero _mm512_setzero_ps
+#define vf_set1 _mm512_set1_ps
+#define vf_add _mm512_add_ps
+#define vf_sub _mm512_sub_ps
+#define vf_mul _mm512_mul_ps
+#define vf_div _mm512_div_ps
+#define vf_max _mm512_max_ps
+#define vf_fmadd _mm512_fmadd_ps
+#define vf_fmsub _mm512_fmsub_ps
+#define vf_load_f32 _mm512_loadu_ps
+#define vf_store_f32 _mm512_storeu_ps
+#define vf_load_bf16 v_load_bf16
+#define vf_store_bf16 v_store_bf16
+#define vf_round_bf16 v_round_bf16
+#define vf_exp v_exp
+#define vf_reduce_add _mm512_reduce_add_ps
+#define vf_reduce_max _mm512_reduce_max_ps
+#elif defined(STRATA_AVX2)
+typedef __m256 vf;
+#define VF_W 8
+#define vf_zero _mm256_setzero_ps
+#define vf_set1 _mm256_set1_ps
+#define vf_add _mm256_add_ps
+#define vf_sub _mm256_sub_ps
+#define vf_mul _mm256_mul_ps
+#define vf_div _mm256_div_ps
+#define vf_max _mm256_max_ps
+#define vf_fmadd _mm256_fmadd_ps
+#define vf_fmsub _mm256_fmsub_ps
+#define vf_load_f32 _mm256_loadu_ps
+#define vf_store_f32 _mm256_storeu_ps
+#define vf_load_bf16 v8_load_bf16
+#define vf_store_bf16 v8_store_bf16
+#define vf_round_bf16 v8_round_bf16
+#define vf_exp v8_exp
+#define vf_reduce_add v8_reduce_add
+#define vf_reduce_max v8_reduce_max
+#endif
+#ifdef STRATA_VEC
+static inline vf vf_id(vf v) { return v; }
 #endif

@@ -5,6 +5,6 @@
 #define S_LOAD(x) bf16_to_f32(x)
 #define S_STORE(x) f32_to_bf16(x)
 #define S_ROUND(x) round_bf16(x)
-#define V_LOAD v_load_bf16
-#define V_STORE v_store_bf16
-#define V_ROUND v_round_bf16
+#define V_LOAD vf_load_bf16
+#define V_STORE vf_store_bf16
+#define V_ROUND vf_round_bf16

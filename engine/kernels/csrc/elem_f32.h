@@ -4,6 +4,6 @@
 #define S_LOAD(x) (x)
 #define S_STORE(x) (x)
 #define S_ROUND(x) (x)
-#define V_LOAD v_load_f32
-#define V_STORE v_store_f32
-#define V_ROUND v_id
+#define V_LOAD vf_load_f32
+#define V_STORE vf_store_f32
+#define V_ROUND vf_id

@@ -63,3 +63,13 @@ static inline __m512 v_load_e4m3(const uint8_t* p) {
     return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
 }
 #endif
+
+#ifdef STRATA_AVX2
+// 8 e4m3fn bytes -> 8 floats, as v_load_e4m3 (F16C widens the re-biased halves).
+static inline __m256 v8_load_e4m3(const uint8_t* p) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
+    const __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(0x3f80)),
+                                   _mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16((short)0x8000)));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+}
+#endif

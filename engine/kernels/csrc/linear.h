@@ -6,15 +6,29 @@
 // against four contiguous weight vectors: no horizontal sums, and each panel streams through
 // memory exactly once per 6 rows. The same kernel serves decode (M = 1: weight streaming at
 // memory bandwidth) and prefill (M in the thousands: close to the dot-product peak).
-// Returns -1 where it does not apply (no AVX512-BF16, N % 64 or K % 2) and the caller uses
-// torch instead.
+//
+// AVX2 has no bf16 dot product and 16 vector registers. Its microkernel reads the same
+// panels: one 256-bit load holds a k-pair of 8 columns, and a shift (the even k) and a mask
+// (the odd k) widen it to two fp32 vectors for two FMAs. The rows of x are widened to fp32
+// once per LIN2_KC k-pairs into a buffer that the FMAs broadcast from. A block of y is 4 rows
+// x 16 columns in 8 registers (2 x 32 or 1 x 64 for fewer rows: 8 accumulators either way),
+// so a panel is read in 64 / width passes, each pass over its own cache lines.
+// Returns -1 where it does not apply (neither AVX512-BF16 nor AVX2, N % 64 or K % 2) and the
+// caller uses torch instead.
 
 #define LIN_PANEL 64
+#if defined(STRATA_AVX512BF16)
 #define LIN_MR 6
+#define STRATA_LIN_BF16 1
+#elif defined(STRATA_AVX2)
+#define LIN_MR 4
+#define LIN2_KC 256
+#define STRATA_LIN_BF16 1
+#endif
 #define LIN_WARM_BLOCKS 4
 
 int strata_linear_packable_bf16(int64_t n, int64_t k) {
-#ifdef STRATA_AVX512BF16
+#ifdef STRATA_LIN_BF16
     return n % LIN_PANEL == 0 && k % 2 == 0;
 #else
     (void)n, (void)k;
@@ -80,6 +94,88 @@ static inline __attribute__((always_inline)) void lin_block(const bf16_t* x, con
 }
 #endif
 
+#ifdef STRATA_AVX2
+// MR rows of x against one panel (y and bias at the panel's first column), in passes of
+// 8 NG columns: NG = 8, 4, 2 for 1, 2, 3-4 rows.
+static inline __attribute__((always_inline)) void lin_block(const bf16_t* x, const bf16_t* panel,
+                                                           const bf16_t* bias, void* y,
+                                                           int64_t K, int64_t N, int out_f32,
+                                                           const char* warm, int64_t warm_lines,
+                                                           LoRAWarm* lw, int64_t lw_lines,
+                                                           const int MR) {
+    const int NG = MR == 1 ? 8 : MR == 2 ? 4 : 2;
+    const int passes = 8 / NG;
+    const int64_t pairs = K / 2, steps = pairs * passes;
+    float xw[LIN_MR][2 * LIN2_KC] __attribute__((aligned(32)));
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    int64_t warm_err = 0, lw_err = 0;
+    for (int ps = 0; ps < passes; ps++) {
+        const int64_t col0 = ps * NG * 8;
+        __m256 acc[LIN_MR][8];
+        for (int r = 0; r < MR; r++)
+            for (int g = 0; g < NG; g++) acc[r][g] = _mm256_setzero_ps();
+        for (int64_t k0 = 0; k0 < pairs; k0 += LIN2_KC) {
+            const int64_t kn = pairs - k0 < LIN2_KC ? pairs - k0 : LIN2_KC;
+            for (int r = 0; r < MR; r++) {
+                const bf16_t* xr = x + r * K + 2 * k0;
+                int64_t i = 0;
+                for (; i + 8 <= 2 * kn; i += 8) _mm256_store_ps(&xw[r][i], v8_load_bf16(xr + i));
+                for (; i < 2 * kn; i++) xw[r][i] = bf16_to_f32(xr[i]);
+            }
+            for (int64_t kk = 0; kk < kn; kk++) {
+                // the panel warm and the adapter lines, spread over every pass's k loop
+                for (warm_err += warm_lines; warm_err >= steps; warm_err -= steps, warm += 64)
+                    __builtin_prefetch(warm, 0, 2);
+                for (lw_err += lw_lines; lw_err >= steps; lw_err -= steps) lora_warm_one(lw);
+                const bf16_t* wk = panel + ((k0 + kk) * LIN_PANEL + col0) * 2;
+                if (MR <= 2) {  // columns outer: 2 weight and 2 MR broadcast registers
+                    __m256 xe[LIN_MR], xo[LIN_MR];
+                    for (int r = 0; r < MR; r++) {
+                        xe[r] = _mm256_broadcast_ss(&xw[r][2 * kk]);
+                        xo[r] = _mm256_broadcast_ss(&xw[r][2 * kk + 1]);
+                    }
+                    for (int g = 0; g < NG; g++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i*)(wk + 16 * g));
+                        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+                        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, hi));
+                        for (int r = 0; r < MR; r++) {
+                            acc[r][g] = _mm256_fmadd_ps(xe[r], we, acc[r][g]);
+                            acc[r][g] = _mm256_fmadd_ps(xo[r], wo, acc[r][g]);
+                        }
+                    }
+                } else {  // rows outer: 2 NG weight and 2 broadcast registers
+                    __m256 we[8], wo[8];
+                    for (int g = 0; g < NG; g++) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i*)(wk + 16 * g));
+                        we[g] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+                        wo[g] = _mm256_castsi256_ps(_mm256_and_si256(raw, hi));
+                    }
+                    for (int r = 0; r < MR; r++) {
+                        const __m256 xe = _mm256_broadcast_ss(&xw[r][2 * kk]);
+                        const __m256 xo = _mm256_broadcast_ss(&xw[r][2 * kk + 1]);
+                        for (int g = 0; g < NG; g++) {
+                            acc[r][g] = _mm256_fmadd_ps(xe, we[g], acc[r][g]);
+                            acc[r][g] = _mm256_fmadd_ps(xo, wo[g], acc[r][g]);
+                        }
+                    }
+                }
+            }
+        }
+        for (int g = 0; g < NG; g++) {
+            const int64_t c = col0 + 8 * g;
+            const __m256 b = bias ? v8_load_bf16(bias + c) : _mm256_setzero_ps();
+            for (int r = 0; r < MR; r++) {
+                const __m256 v = _mm256_add_ps(acc[r][g], b);
+                if (out_f32)
+                    _mm256_storeu_ps((float*)y + r * N + c, v);
+                else
+                    v8_store_bf16((bf16_t*)y + r * N + c, v);
+            }
+        }
+    }
+}
+#endif
+
 // The product, then `lora`'s update of its output (lora.h; NULL: none) in the same parallel
 // region. In a decode step (T <= LORA_WARM_MAX_TOKENS) each thread owns a share of the update's
 // groups of tokens and splits them into LORA_PHASES phases, as it splits its items of the
@@ -91,7 +187,7 @@ static inline __attribute__((always_inline)) void lin_block(const bf16_t* x, con
 
 static int lin_packed(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, void* y, int64_t M,
                       int64_t N, int64_t K, int out_f32, const LoRAUpdate* lora) {
-#ifndef STRATA_AVX512BF16
+#ifndef STRATA_LIN_BF16
     (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)out_f32, (void)lora;
     return -1;
 #else
@@ -153,9 +249,11 @@ static int lin_packed(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, voi
                     case 1: LIN_CASE(1); break;
                     case 2: LIN_CASE(2); break;
                     case 3: LIN_CASE(3); break;
+#if LIN_MR > 4
                     case 4: LIN_CASE(4); break;
                     case 5: LIN_CASE(5); break;
-                    default: LIN_CASE(6); break;
+#endif
+                    default: LIN_CASE(LIN_MR); break;
                 }
 #undef LIN_CASE
             }

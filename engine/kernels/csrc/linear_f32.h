@@ -6,13 +6,16 @@
 // four contiguous weight vectors, so each panel streams through memory once per 6 rows. In a
 // decode step (M = 1) that is a sequential read of every weight at memory bandwidth, where a
 // general GEMM library's row-major GEMV reaches a third of it on this class of machine.
-// Returns -1 where it does not apply (no AVX-512, N % 64) and the caller uses torch instead.
+// On AVX2 (16 registers of 8 floats) a block is 6 rows x 16 columns in 12 registers (1 x 64 or
+// 2 x 32 for fewer rows), and a panel is read in 64 / width passes over its own cache lines.
+// Returns -1 where it does not apply (neither AVX-512 nor AVX2, N % 64) and the caller uses
+// torch instead.
 
 #define LINF_PANEL 64
 #define LINF_MR 6
 
 int strata_linear_packable_f32(int64_t n, int64_t k) {
-#ifdef STRATA_AVX512
+#ifdef STRATA_VEC
     return n % LINF_PANEL == 0 && k > 0;
 #else
     (void)n, (void)k;
@@ -57,9 +60,46 @@ static inline __attribute__((always_inline)) void linf_block(const float* x, con
 }
 #endif
 
+#ifdef STRATA_AVX2
+static inline __attribute__((always_inline)) void linf_block(const float* x, const float* panel,
+                                                            const float* bias, float* y,
+                                                            int64_t K, int64_t N, const int MR) {
+    const int NG = MR == 1 ? 8 : MR == 2 ? 4 : 2;
+    for (int ps = 0; ps < 8 / NG; ps++) {
+        const int64_t col0 = ps * NG * 8;
+        __m256 acc[LINF_MR][8];
+        for (int r = 0; r < MR; r++)
+            for (int g = 0; g < NG; g++) acc[r][g] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k++) {
+            const float* wk = panel + k * LINF_PANEL + col0;
+            if (MR <= 2) {
+                __m256 xb[LINF_MR];
+                for (int r = 0; r < MR; r++) xb[r] = _mm256_broadcast_ss(x + r * K + k);
+                for (int g = 0; g < NG; g++) {
+                    const __m256 w = _mm256_loadu_ps(wk + 8 * g);
+                    for (int r = 0; r < MR; r++) acc[r][g] = _mm256_fmadd_ps(xb[r], w, acc[r][g]);
+                }
+            } else {
+                const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+                for (int r = 0; r < MR; r++) {
+                    const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
+                    acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+                }
+            }
+        }
+        for (int g = 0; g < NG; g++) {
+            const __m256 b = bias ? _mm256_loadu_ps(bias + col0 + 8 * g) : _mm256_setzero_ps();
+            for (int r = 0; r < MR; r++)
+                _mm256_storeu_ps(y + r * N + col0 + 8 * g, _mm256_add_ps(acc[r][g], b));
+        }
+    }
+}
+#endif
+
 int strata_linear_packed_f32(const float* x, const float* wp, const float* bias, float* y,
                              int64_t M, int64_t N, int64_t K) {
-#ifndef STRATA_AVX512
+#ifndef STRATA_VEC
     (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K;
     return -1;
 #else

@@ -178,6 +178,21 @@ static inline __attribute__((always_inline)) void lora_dots(const bf16_t* const*
     }
     for (int r = 0; r < NR; r++)
         for (int i = 0; i < NT; i++) acc[r][i] = _mm512_reduce_add_ps(v[r][i]);
+#elif defined(STRATA_AVX2)
+    // 8 products per FMA, both operands widened from bf16
+    __m256 v[LORA_SHRINK_ROWS][LORA_TOKENS];
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < NT; i++) v[r][i] = _mm256_setzero_ps();
+    for (; k + 8 <= k_len; k += 8) {
+        __m256 xv[LORA_TOKENS];
+        for (int i = 0; i < NT; i++) xv[i] = v8_load_bf16(x[i] + k);
+        for (int r = 0; r < NR; r++) {
+            const __m256 wv = v8_load_bf16(w + r * ldw + k);
+            for (int i = 0; i < NT; i++) v[r][i] = _mm256_fmadd_ps(xv[i], wv, v[r][i]);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < NT; i++) acc[r][i] = v8_reduce_add(v[r][i]);
 #endif
     for (int r = 0; r < NR; r++)
         for (int i = 0; i < NT; i++) {
@@ -188,7 +203,14 @@ static inline __attribute__((always_inline)) void lora_dots(const bf16_t* const*
 }
 
 #define LORA_COLS 128  // output columns per work item of the expand
-#define LORA_VECS 8    // 16-column vectors the expand keeps in registers per token at most
+#define LORA_VECS 8    // vectors the expand keeps in registers per token at most
+#ifdef STRATA_AVX512
+#define LORA_VW 16     // columns per vector
+#define LORA_WIDE 2    // tokens at most that take LORA_VECS vectors each
+#else
+#define LORA_VW 8
+#define LORA_WIDE 1
+#endif
 
 #ifdef STRATA_AVX512
 // y[0, 16 V) += round_bf16(sum over r in [2 q0, 2 q1) of h[r] B^T[r, 0, 16 V)), B^T in row
@@ -233,6 +255,32 @@ static inline __attribute__((always_inline)) void lora_expand_pairs(
         for (int i = 0; i < V; i++)
             v_store_bf16(y[k] + 16 * i,
                          _mm512_add_ps(v_load_bf16(y[k] + 16 * i), v_round_bf16(acc[k][i])));
+}
+#elif defined(STRATA_AVX2)
+// The AVX2 expand: 8 columns per vector, two FMAs per pair in the AVX-512 path's order.
+static inline __attribute__((always_inline)) void lora_expand_pairs(
+    const float* const* h, const bf16_t* bp, int64_t ld, int64_t q0, int64_t q1,
+    bf16_t* const* y, const int V, const int NT) {
+    __m256 acc[LORA_TOKENS][LORA_VECS];
+    for (int k = 0; k < NT; k++)
+        for (int i = 0; i < V; i++) acc[k][i] = _mm256_setzero_ps();
+    const __m256i hi = _mm256_set1_epi32(-65536);
+    for (int64_t q = q0; q < q1; q++) {
+        const bf16_t* b = bp + q * 2 * ld;
+        for (int i = 0; i < V; i++) {
+            const __m256i w = _mm256_loadu_si256((const __m256i*)(b + 16 * i));
+            const __m256 first = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+            const __m256 second = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+            for (int k = 0; k < NT; k++) {
+                acc[k][i] = _mm256_fmadd_ps(_mm256_set1_ps(h[k][2 * q]), first, acc[k][i]);
+                acc[k][i] = _mm256_fmadd_ps(_mm256_set1_ps(h[k][2 * q + 1]), second, acc[k][i]);
+            }
+        }
+    }
+    for (int k = 0; k < NT; k++)
+        for (int i = 0; i < V; i++)
+            v8_store_bf16(y[k] + 8 * i,
+                          _mm256_add_ps(v8_load_bf16(y[k] + 8 * i), v8_round_bf16(acc[k][i])));
 }
 #endif
 
@@ -299,10 +347,10 @@ static void lora_expand_item(const LoRAUpdate* u, const LoRAGroups* g, int64_t g
         while (part_ends[p] <= n) p++;
         const int64_t n1 = part_ends[p] < end ? part_ends[p] : end;
         const int64_t r0 = p * (R / parts), r1 = r0 + R / parts;
-#ifdef STRATA_AVX512
+#ifdef STRATA_VEC
         bf16_t* yn[LORA_TOKENS];
 #define LORA_EXPAND(V_)                                                                   \
-    for (; n + 16 * (V_) <= n1; n += 16 * (V_)) {                                         \
+    for (; n + LORA_VW * (V_) <= n1; n += LORA_VW * (V_)) {                               \
         for (int k = 0; k < nt; k++) yn[k] = ys[k] + n;                                   \
         switch (nt) {                                                                     \
             case 1: lora_expand_pairs(hs, bs + 2 * n, N, r0 / 2, r1 / 2, yn, V_, 1); break;  \
@@ -311,7 +359,7 @@ static void lora_expand_item(const LoRAUpdate* u, const LoRAGroups* g, int64_t g
             default: lora_expand_pairs(hs, bs + 2 * n, N, r0 / 2, r1 / 2, yn, V_, 4); break; \
         }                                                                                 \
     }
-        if (nt <= 2) {  // 128 columns in registers per token
+        if (nt <= LORA_WIDE) {  // LORA_VECS vectors in registers per token
             LORA_EXPAND(8)
         }
         LORA_EXPAND(4)
@@ -339,7 +387,7 @@ static void lora_expand(const LoRAUpdate* u, const LoRAGroups* g) {
         for (int64_t c = 0; c < chunks; c++) lora_expand_item(u, g, gi, c, u->y, u->ldy);
 }
 
-#ifdef STRATA_AVX512BF16  // the decode path of lin_packed (linear.h)
+#if defined(STRATA_AVX512BF16) || defined(STRATA_AVX2)  // lin_packed's decode path (linear.h)
 // The update of groups [g0, g1) alone, in the calling thread, into delta ([T, N], rows of
 // those groups' tokens; added to y by lora_add_delta once the linear's output is complete):
 // the decode path of lin_packed, which runs it a few groups at a time between its items of the
@@ -365,9 +413,9 @@ static void lora_add_delta(const LoRAUpdate* u, const LoRAGroups* g, int64_t g0,
             bf16_t* y = u->y + t * u->ldy;
             const bf16_t* d = delta + t * u->N;
             int64_t n = 0;
-#ifdef STRATA_AVX512
-            for (; n + 16 <= u->N; n += 16)
-                v_store_bf16(y + n, _mm512_add_ps(v_load_bf16(y + n), v_load_bf16(d + n)));
+#ifdef STRATA_VEC
+            for (; n + VF_W <= u->N; n += VF_W)
+                vf_store_bf16(y + n, vf_add(vf_load_bf16(y + n), vf_load_bf16(d + n)));
 #endif
             for (; n < u->N; n++) y[n] = f32_to_bf16(bf16_to_f32(y[n]) + bf16_to_f32(d[n]));
         }

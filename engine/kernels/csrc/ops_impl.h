@@ -1,6 +1,7 @@
 // Elementwise and memory-bound kernels, instantiated once per storage type by ops.c with:
 //   SUFFIX, ELEM, S_LOAD(e)->float, S_STORE(float)->ELEM, S_ROUND(float)->float (to ELEM
-//   precision), V_LOAD(p)->__m512, V_STORE(p, v), V_ROUND(v)->__m512.
+//   precision), V_LOAD(p)->vf, V_STORE(p, v), V_ROUND(v)->vf (common.h's vector layer: one
+//   source for the AVX-512 and the AVX2 builds).
 // Rounding mirrors what the equivalent torch ops do in ELEM precision, so the native and torch
 // paths agree to the last bit in most elements.
 
@@ -19,17 +20,17 @@ void FN(strata_rms_norm)(const ELEM* x, ELEM* residual, const ELEM* weight, ELEM
         ELEM* rr = add_residual ? residual + m * hidden : 0;
         float ss = 0.0f;
         int64_t h = 0;
-#ifdef STRATA_AVX512
-        __m512 acc = _mm512_setzero_ps();
-        for (; h + 16 <= hidden; h += 16) {
-            __m512 v = V_LOAD(xr + h);
+#ifdef STRATA_VEC
+        vf acc = vf_zero();
+        for (; h + VF_W <= hidden; h += VF_W) {
+            vf v = V_LOAD(xr + h);
             if (rr) {
-                v = V_ROUND(_mm512_add_ps(v, V_LOAD(rr + h)));
+                v = V_ROUND(vf_add(v, V_LOAD(rr + h)));
                 V_STORE(rr + h, v);
             }
-            acc = _mm512_fmadd_ps(v, v, acc);
+            acc = vf_fmadd(v, v, acc);
         }
-        ss = _mm512_reduce_add_ps(acc);
+        ss = vf_reduce_add(acc);
 #endif
         for (; h < hidden; h++) {
             float v = S_LOAD(xr[h]);
@@ -43,11 +44,11 @@ void FN(strata_rms_norm)(const ELEM* x, ELEM* residual, const ELEM* weight, ELEM
         const ELEM* src = rr ? rr : xr;
         ELEM* o = out + m * hidden;
         h = 0;
-#ifdef STRATA_AVX512
-        const __m512 vinv = _mm512_set1_ps(inv);
-        for (; h + 16 <= hidden; h += 16) {
-            __m512 n = V_ROUND(_mm512_mul_ps(V_LOAD(src + h), vinv));
-            V_STORE(o + h, _mm512_mul_ps(n, V_LOAD(weight + h)));
+#ifdef STRATA_VEC
+        const vf vinv = vf_set1(inv);
+        for (; h + VF_W <= hidden; h += VF_W) {
+            vf n = V_ROUND(vf_mul(V_LOAD(src + h), vinv));
+            V_STORE(o + h, vf_mul(n, V_LOAD(weight + h)));
         }
 #endif
         for (; h < hidden; h++) o[h] = S_STORE(S_ROUND(S_LOAD(src[h]) * inv) * S_LOAD(weight[h]));
@@ -56,12 +57,12 @@ void FN(strata_rms_norm)(const ELEM* x, ELEM* residual, const ELEM* weight, ELEM
 
 static inline void FN(rotate)(ELEM* x, const float* c, const float* s, int64_t half) {
     int64_t i = 0;
-#ifdef STRATA_AVX512
-    for (; i + 16 <= half; i += 16) {
-        __m512 x1 = V_LOAD(x + i), x2 = V_LOAD(x + half + i);
-        __m512 vc = _mm512_loadu_ps(c + i), vs = _mm512_loadu_ps(s + i);
-        V_STORE(x + i, _mm512_fmsub_ps(x1, vc, _mm512_mul_ps(x2, vs)));
-        V_STORE(x + half + i, _mm512_fmadd_ps(x2, vc, _mm512_mul_ps(x1, vs)));
+#ifdef STRATA_VEC
+    for (; i + VF_W <= half; i += VF_W) {
+        vf x1 = V_LOAD(x + i), x2 = V_LOAD(x + half + i);
+        vf vc = vf_load_f32(c + i), vs = vf_load_f32(s + i);
+        V_STORE(x + i, vf_fmsub(x1, vc, vf_mul(x2, vs)));
+        V_STORE(x + half + i, vf_fmadd(x2, vc, vf_mul(x1, vs)));
     }
 #endif
     for (; i < half; i++) {
@@ -94,12 +95,12 @@ void FN(strata_silu_mul)(const ELEM* gate_up, ELEM* out, int64_t rows, int64_t i
         const ELEM* u = g + inter;
         ELEM* o = out + m * inter;
         int64_t i = 0;
-#ifdef STRATA_AVX512
-        const __m512 one = _mm512_set1_ps(1.0f);
-        for (; i + 16 <= inter; i += 16) {
-            __m512 gv = V_LOAD(g + i);
-            __m512 act = _mm512_div_ps(gv, _mm512_add_ps(one, v_exp(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-            V_STORE(o + i, _mm512_mul_ps(V_ROUND(act), V_LOAD(u + i)));
+#ifdef STRATA_VEC
+        const vf one = vf_set1(1.0f);
+        for (; i + VF_W <= inter; i += VF_W) {
+            vf gv = V_LOAD(g + i);
+            vf act = vf_div(gv, vf_add(one, vf_exp(vf_sub(vf_zero(), gv))));
+            V_STORE(o + i, vf_mul(V_ROUND(act), V_LOAD(u + i)));
         }
 #endif
         for (; i < inter; i++) {

@@ -1,5 +1,6 @@
-"""Native CPU kernels against torch references, in fp32 and bf16, for both builds: `native`
-(AVX-512 paths on this CPU) and `portable` (the scalar fallbacks)."""
+"""Native CPU kernels against torch references, in fp32 and bf16, for every build: `native`
+(AVX-512 paths on an AVX-512 CPU), `avx2` (the AVX2 + FMA paths, where the CPU has them) and
+`portable` (the scalar fallbacks)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.paged import PagedAttention, SeqSlice
-from engine.kernels.cpu import CpuKernels, kernel_dir, load_cpu_kernels, pair_rows
+from engine.kernels.cpu import (
+    CpuKernels,
+    cpu_isa_levels,
+    kernel_dir,
+    load_cpu_kernels,
+    pair_rows,
+)
 from engine.model.llama import RMSNorm, RotaryEmbedding, SiluAndMul
 from engine.model_config import ModelConfig
 from kvstore.base import KVCacheSpec
@@ -24,8 +31,10 @@ DTYPES = [torch.float32, torch.bfloat16]
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
 def kernels(request, strata_cache_dir) -> CpuKernels:
+    if request.param == "avx2" and "avx2" not in cpu_isa_levels():
+        pytest.skip("this CPU has no AVX2")
     k = load_cpu_kernels(str(strata_cache_dir), arch=request.param)
     assert k is not None, "the C kernels must build on the test machine"
     return k
@@ -311,10 +320,21 @@ def test_a_failing_compiler_leaves_the_engine_on_torch_ops(tmp_path, monkeypatch
     assert [p.name for p in kernel_dir(str(tmp_path)).iterdir()] == [".build.lock"]
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 9])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_linear_rows_do_not_depend_on_batch_mates(strata_cache_dir, dtype):
-    kernels = load_cpu_kernels(str(strata_cache_dir))
-    assert kernels is not None
+def test_packed_linear_over_a_long_k(kernels, m, dtype):
+    """K = 1100: several chunks of x widened at a time on AVX2, and a tail of each."""
+    weight = torch.randn(128, 1100, generator=gen()).to(dtype)
+    x = torch.randn(m, 1100, generator=gen(2)).to(dtype)
+    if not has_packed_linear(kernels, dtype):
+        return
+    got = kernels.linear_packed(x, kernels.pack(weight), None, 128, torch.float32)
+    ref = F.linear(x.float(), weight.float())
+    torch.testing.assert_close(got, ref, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_rows_do_not_depend_on_batch_mates(kernels, dtype):
     weight = torch.randn(128, 64, generator=gen()).to(dtype)
     if not has_packed_linear(kernels, dtype):  # such CPUs keep torch's linear
         assert not kernels.can_pack(weight)

@@ -1,5 +1,6 @@
 """The native CPU model transforms: fused bf16 decoder layers are bit-identical to the
-per-module native path, and both track the torch path."""
+per-module native path, and both track the torch path, on the `native` build and on the
+`avx2` one (where the CPU has AVX2)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from engine.attention.paged import SeqSlice
 from engine.config import CacheConfig, EngineConfig, KVCacheDtype
 from engine.core import EngineCore
-from engine.kernels.cpu import load_cpu_kernels
+from engine.kernels.cpu import cpu_isa_levels, load_cpu_kernels
 from engine.loader import build_model, load_checkpoint
 from engine.model.native_cpu import (
     NativeDecoderLayer,
@@ -23,9 +24,11 @@ from tests.huge_pages import huge_kib, needs_thp
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def kernels(strata_cache_dir):
-    k = load_cpu_kernels(str(strata_cache_dir))
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def kernels(request, strata_cache_dir):
+    if request.param == "avx2" and "avx2" not in cpu_isa_levels():
+        pytest.skip("this CPU has no AVX2")
+    k = load_cpu_kernels(str(strata_cache_dir), arch=request.param)
     assert k is not None
     return k
 

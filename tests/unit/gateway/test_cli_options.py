@@ -40,6 +40,7 @@ NON_DEFAULT: dict[str, str | None] = {
     "--threads": "2",
     "--cache-dir": "/srv/cache",
     "--backend": "triton",
+    "--cpu-isa": "avx2",
     "--enforce-eager": None,
     "--cuda-graph-max-batch": "32",
     "--gemv": "cublas",
