@@ -87,6 +87,7 @@ class _Compiled:
 
 
 _STOP = _Command(-1, None)
+_SAVE_POLL_S = 0.005  # how often a remote prefill waiting for its saves is looked at
 
 
 @dataclass(frozen=True)
@@ -321,9 +322,14 @@ class Worker:
         try:
             while True:
                 idle = not self.core.has_unfinished()
-                if not self._drain(block=idle, timeout=poll_s):
+                # a remote prefill waiting for its saves is polled at least every 5 ms
+                saving = self._prefills.saving
+                timeout = min(poll_s or _SAVE_POLL_S, _SAVE_POLL_S) if saving else poll_s
+                if not self._drain(block=idle, timeout=timeout):
                     return
                 outputs = self._prefills.settle(self.core.step())
+                if saving:
+                    self._prefills.poll()
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
                 if poll_s is not None and time.monotonic() >= next_poll:
