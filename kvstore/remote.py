@@ -78,7 +78,8 @@ def store_id(url: str) -> str:
     netloc = parts.hostname or ""
     if parts.port is not None:
         netloc += f":{parts.port}"
-    plain = urlunsplit((parts.scheme, netloc, parts.path or "/0", parts.query, ""))
+    path = parts.path.rstrip("/") or "/0"  # database 0 when none is named
+    plain = urlunsplit((parts.scheme, netloc, path, parts.query, ""))
     return hashlib.sha256(plain.encode()).hexdigest()[:16]
 
 
