@@ -97,6 +97,11 @@ class PrefillJobs:
                 del self._saving[request_id]
                 self._send_pages(request_id, job)
 
+    def forget(self, gone: Callable[[str], bool]) -> None:
+        """Stop waiting for the saves of the remote prefills whose request id `gone` names
+        (aborted, or their connection closed): nobody reads their answer."""
+        self._saving = {rid: job for rid, job in self._saving.items() if not gone(rid)}
+
     def settle(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Answer the prefills among `outputs` that finished (their pages, read out now,
         while their blocks are still cached); returns the other outputs."""

@@ -370,6 +370,7 @@ class Worker:
             aborted = [r for r in list(self.core.scheduler.requests) if r.startswith(prefix)]
             outs = [self.core.abort_request(rid) for rid in aborted]
             self._prefills.settle([o for o in outs if o is not None])  # forgotten: no reply
+            self._prefills.forget(lambda rid: rid.startswith(prefix))
             if aborted:
                 log.info("connection %d closed; aborted %d requests", cmd.conn_id, len(aborted))
         elif isinstance(msg, Submit) and msg.params.is_constrained:
@@ -409,6 +410,8 @@ class Worker:
         elif isinstance(msg, Abort):
             self._compiling.difference_update(prefix + rid for rid in msg.request_ids)
             outs = [self.core.abort_request(prefix + rid) for rid in msg.request_ids]
+            stopped = {prefix + rid for rid in msg.request_ids}
+            self._prefills.forget(stopped.__contains__)
             done = self._prefills.settle([o for o in outs if o is not None])
             if done:
                 assert self._loop is not None
