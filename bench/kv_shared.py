@@ -243,10 +243,12 @@ def run_disagg(args: argparse.Namespace) -> dict[str, Any]:
             )
             with running(*workers), split as url:
                 runs["disaggregated"] = asyncio.run(_disagg_load(url, shorts, longs, args))
+                runs["disaggregated"]["prefills"] = _disagg_outcomes(url)
         finally:
             store.stop()
             kv_store.stop()
     colocated, split = runs["colocated"], runs["disaggregated"]
+    transport = "remote KV tier" if args.disagg_transport == "remote" else "gateway"
     return {
         "itl_p99_ratio": round(colocated["itl_p99_s"] / split["itl_p99_s"], 2),
         "tokens_identical": colocated["outputs"] == split["outputs"],
@@ -259,7 +261,7 @@ def run_disagg(args: argparse.Namespace) -> dict[str, Any]:
         "disagg_transport": args.disagg_transport,
         "setup": "2 cores: colocated is one `both` worker on cores 0-1 with 2 torch threads; "
         "disaggregated is a prefill worker on core 0 and a decode worker on core 1, one "
-        f"torch thread each (taskset), pages through the {args.disagg_transport}; one "
+        f"torch thread each (taskset), pages through the {transport}; one "
         "unpinned gateway in front of either, greedy "
         f"streams of {args.stream_tokens} tokens, a long prompt every "
         f"{args.long_every_s} s once every stream has its first token",
@@ -304,6 +306,18 @@ def gateway(
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def _disagg_outcomes(url: str) -> dict[str, float]:
+    """The gateway's prefills for decode workers by outcome (sent, remote, failed)."""
+    with httpx.Client(base_url=url, headers={"authorization": f"Bearer {ADMIN}"}) as admin:
+        text = admin.get("/metrics").text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("strata:disagg_prefills_total{"):
+            outcome = line.partition('outcome="')[2].partition('"')[0]
+            out[outcome] = out.get(outcome, 0.0) + float(line.split()[-1])
+    return out
 
 
 def _api_key(url: str) -> str:
