@@ -6,7 +6,9 @@
   (a fresh directory), and whether the tokens are the same.
 - `disagg`: streams decoding while long prompts arrive, through the gateway: one `both`
   worker against a prefill worker and a decode worker on the same cores. The running
-  streams' inter-token p99, and whether every output is the same.
+  streams' inter-token p99, and whether every output is the same. `--disagg-transport
+  remote` passes the pages through a remote KV tier the two workers share rather than
+  through the gateway.
 - `cross_worker` (bench/kv_shared_cross.py): documents read on one worker, questions on
   another that takes their KV from the shared remote tier, against recomputing them.
 
@@ -31,7 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +215,7 @@ def run_disagg(args: argparse.Namespace) -> dict[str, Any]:
     runs: dict[str, Any] = {}
     with scratch_dir("strata-kv-shared-") as tmp:
         store = EmbeddedStore(tmp / "store")
+        kv_store = EmbeddedStore(tmp / "kv-store", max_bytes=1 << 30)
         store.start()
         try:
             both = Worker(tmp, "both", [*common, "--threads", "2"], args.cache_dir, "0,1")
@@ -221,16 +224,31 @@ def run_disagg(args: argparse.Namespace) -> dict[str, Any]:
                 runs["colocated"] = asyncio.run(_disagg_load(url, shorts, longs, args))
             prefill = [*common, "--threads", "1", "--role", "prefill"]
             decode = [*common, "--threads", "1", "--role", "decode", "--kv-host-gb", "1"]
+            if args.disagg_transport == "remote":  # both workers share one remote tier
+                kv_store.start()
+                shared = ["--kv-remote-url", kv_store.url]
+                prefill += ["--kv-host-gb", "1", *shared]
+                decode += shared
             workers = [
                 Worker(tmp, "prefill", prefill, args.cache_dir, "0"),
                 Worker(tmp, "decode", decode, args.cache_dir, "1"),
             ]
-            split = gateway(tmp, store.url, workers, args.cache_dir, args.disagg_min_prompt_tokens)
+            split = gateway(
+                tmp,
+                store.url,
+                workers,
+                args.cache_dir,
+                args.disagg_min_prompt_tokens,
+                ["--disagg-transport", args.disagg_transport],
+            )
             with running(*workers), split as url:
                 runs["disaggregated"] = asyncio.run(_disagg_load(url, shorts, longs, args))
+                runs["disaggregated"]["prefills"] = _disagg_outcomes(url)
         finally:
             store.stop()
+            kv_store.stop()
     colocated, split = runs["colocated"], runs["disaggregated"]
+    transport = "remote KV tier" if args.disagg_transport == "remote" else "gateway"
     return {
         "itl_p99_ratio": round(colocated["itl_p99_s"] / split["itl_p99_s"], 2),
         "tokens_identical": colocated["outputs"] == split["outputs"],
@@ -240,9 +258,11 @@ def run_disagg(args: argparse.Namespace) -> dict[str, Any]:
         "stream_tokens": args.stream_tokens,
         "long_prompts": len(longs),
         "long_prompt_tokens": len(longs[0]),
+        "disagg_transport": args.disagg_transport,
         "setup": "2 cores: colocated is one `both` worker on cores 0-1 with 2 torch threads; "
         "disaggregated is a prefill worker on core 0 and a decode worker on core 1, one "
-        "torch thread each (taskset); one unpinned gateway in front of either, greedy "
+        f"torch thread each (taskset), pages through the {transport}; one "
+        "unpinned gateway in front of either, greedy "
         f"streams of {args.stream_tokens} tokens, a long prompt every "
         f"{args.long_every_s} s once every stream has its first token",
     }
@@ -250,7 +270,12 @@ def run_disagg(args: argparse.Namespace) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def gateway(
-    tmp: Path, store_url: str, workers: list[Worker], cache_dir: str, min_prompt_tokens: int
+    tmp: Path,
+    store_url: str,
+    workers: list[Worker],
+    cache_dir: str,
+    min_prompt_tokens: int,
+    extra: Sequence[str] = (),
 ) -> Iterator[str]:
     """`strata gateway` over `workers` (by address); yields its URL once it serves."""
     port = _port()
@@ -263,7 +288,7 @@ def gateway(
     argv = [sys.executable, "-m", "gateway.cli", "gateway", "--redis-url", store_url]
     argv += [arg for w in workers for arg in ("--engine", w.address)]
     argv += ["--port", str(port), "--cache-dir", cache_dir, "--data-dir", str(data)]
-    argv += ["--disagg-min-prompt-tokens", str(min_prompt_tokens)]
+    argv += ["--disagg-min-prompt-tokens", str(min_prompt_tokens), *extra]
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
 
@@ -281,6 +306,18 @@ def gateway(
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def _disagg_outcomes(url: str) -> dict[str, float]:
+    """The gateway's prefills for decode workers by outcome (sent, remote, failed)."""
+    with httpx.Client(base_url=url, headers={"authorization": f"Bearer {ADMIN}"}) as admin:
+        text = admin.get("/metrics").text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("strata:disagg_prefills_total{"):
+            outcome = line.partition('outcome="')[2].partition('"')[0]
+            out[outcome] = out.get(outcome, 0.0) + float(line.split()[-1])
+    return out
 
 
 def _api_key(url: str) -> str:
@@ -411,6 +448,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--long-tokens", type=int, default=16, help="disagg: tokens per long prompt")
     ap.add_argument("--long-every-s", type=float, default=1.5)
     ap.add_argument("--disagg-min-prompt-tokens", type=int, default=512)
+    ap.add_argument(
+        "--disagg-transport",
+        choices=["gateway", "remote"],
+        default="gateway",
+        help="disagg: the pages through the gateway, or through a remote KV tier both "
+        "workers share",
+    )
     add_cache_dir_argument(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

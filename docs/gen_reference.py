@@ -66,6 +66,10 @@ _ENV_NOTES = {
     "STRATA_DISAGG_MIN_PROMPT_TOKENS": "With prefill and decode workers: a prompt with at "
     "least this many tokens to compute on its decode worker is prefilled on a prefill worker "
     "(default 512; `strata gateway --disagg-min-prompt-tokens`).",
+    "STRATA_DISAGG_TRANSPORT": "How a prefill worker's pages reach the decode worker: "
+    "`gateway` (relayed by the gateway), `remote` (through the remote KV tier both workers "
+    "use) or `auto` (the default: the remote tier when both report the same store, else the "
+    "gateway; `strata gateway --disagg-transport`).",
     "STRATA_PORT": "The port the gateway listens on.",
     "STRATA_ROUTING": "How a gateway chooses a request's worker: `kv_aware` (the default: the "
     "worker holding the longest cached prefix of the prompt, weighed against its load), "

@@ -186,9 +186,12 @@ class EngineClient:
         *,
         scheduling: Scheduling | None = None,
         lora: LoRARequest | None = None,
-    ) -> AsyncGenerator[list[bytes], None]:
+        remote: bool = False,
+    ) -> AsyncGenerator[Pages, None]:
         """Have a prefill worker compute the prompt's KV pages (engine/disagg.py) and yield
-        them as they arrive, a batch of page blobs at a time.
+        the replies as they arrive, each a batch of page blobs; the last one says how many
+        pages are in the worker's remote tier, with `remote` (which asks it to put them
+        there rather than send them).
 
         Raises InvalidRequestError if the worker rejects it, EngineDeadError if the worker
         goes away or the prefill fails. Leaving the iteration early aborts it."""
@@ -200,7 +203,7 @@ class EngineClient:
         finished = False
         try:
             ids = list(prompt_token_ids)
-            self._send(Prefill(request_id, ids, scheduling or Scheduling(), lora))
+            self._send(Prefill(request_id, ids, scheduling or Scheduling(), lora, remote))
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -211,8 +214,8 @@ class EngineClient:
                 finished = item.last
                 if item.error is not None:
                     raise EngineDeadError(f"prefill failed: {item.error}")
-                if item.pages:
-                    yield item.pages
+                if item.pages or item.last:
+                    yield item
         finally:
             self._streams.pop(request_id, None)
             if not finished and self.connected:

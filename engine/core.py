@@ -46,7 +46,7 @@ from kvstore.base import KVCacheSpec, ResidencyMeter
 from kvstore.connector import TierConnector
 from kvstore.device_pool import DeviceKVPool
 from kvstore.disk import PageFormat, disk_slot_nbytes
-from kvstore.remote import RemoteConfig, RemoteKVTier
+from kvstore.remote import RemoteConfig, RemoteKVTier, store_id
 from kvstore.tiers import KVOffloader, Tier, TieredKVStore
 
 log = logging.getLogger(__name__)
@@ -521,6 +521,9 @@ class EngineCore:
             cache_namespace=self.scheduler.cache_namespace,
             model_spec=self.config.model,
             role=self.config.role.value,
+            kv_remote_id=""
+            if self.tiers is None or self.tiers.remote is None
+            else store_id(self.tiers.remote.config.url),
         )
 
     def cached_block_hashes(self) -> dict[str, Collection[bytes]]:

@@ -8,11 +8,18 @@ gateway carries the pages: docs/design/disaggregation.md.
 The prefill covers the blocks a decode worker's prefix hit may use: every full block
 before the prompt's last token (the scheduler's own rule, engine/scheduler.py). The decode
 worker computes the rest and the first token's logits, as it would after any prefix hit.
+
+A `remote` prefill (the remote transport) sends no pages when it can help it: it makes
+sure they are in the worker's remote tier (saving those not known to be there) and answers
+once the store has taken them, within the tier's timeout, with their number; pages the
+store did not take in time are sent back as blobs after all.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +48,8 @@ def prefill_tokens(num_prompt_tokens: int, block_size: int) -> int:
 class _Job:
     hashes: list[bytes]
     owner: str
+    remote: bool = False  # answer with the pages' number once they are in the remote tier
+    deadline: float = 0.0  # monotonic: past it, the pages not yet stored are sent instead
 
 
 class PrefillJobs:
@@ -53,6 +62,7 @@ class PrefillJobs:
         self.core = core
         self.send = send
         self._jobs: dict[str, _Job] = {}
+        self._saving: dict[str, _Job] = {}  # remote prefills whose saves are in flight
 
     def start(self, request_id: str, msg: Prefill) -> None:
         """Queue the prefill of `msg` (a prompt too short to have a block is answered at
@@ -69,7 +79,28 @@ class PrefillJobs:
             sched.cache_salt,
             "" if msg.lora is None else msg.lora.key,
         )
-        self._jobs[request_id] = _Job(chain_hashes(root_hash(space), tokens, bs, 0), sched.tenant)
+        hashes = chain_hashes(root_hash(space), tokens, bs, 0)
+        self._jobs[request_id] = _Job(hashes, sched.tenant, remote=msg.remote)
+
+    @property
+    def saving(self) -> bool:
+        """Whether a remote prefill waits for its saves (`poll` it)."""
+        return bool(self._saving)
+
+    def poll(self) -> None:
+        """Answer the remote prefills whose pages the store has taken, or whose wait is
+        over."""
+        remote = self.core.tiers.remote if self.core.tiers is not None else None
+        now = time.monotonic()
+        for request_id, job in list(self._saving.items()):
+            if remote is None or now >= job.deadline or not any(map(remote.queued, job.hashes)):
+                del self._saving[request_id]
+                self._send_pages(request_id, job)
+
+    def forget(self, gone: Callable[[str], bool]) -> None:
+        """Stop waiting for the saves of the remote prefills whose request id `gone` names
+        (aborted, or their connection closed): nobody reads their answer."""
+        self._saving = {rid: job for rid, job in self._saving.items() if not gone(rid)}
 
     def settle(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Answer the prefills among `outputs` that finished (their pages, read out now,
@@ -92,13 +123,54 @@ class PrefillJobs:
             error = out.error or "the prefill was aborted"
             self.send(out.request_id, Pages(client_id, [], last=True, error=error))
             return
+        remote = self.core.tiers.remote if self.core.tiers is not None else None
+        if job.remote and remote is not None:
+            save_pages(self.core, job.hashes, job.owner)
+            job.deadline = time.monotonic() + remote.config.timeout_s
+            self._saving[out.request_id] = job
+            self.poll()
+            return
+        self._send_pages(out.request_id, job)
+
+    def _send_pages(self, request_id: str, job: _Job) -> None:
+        """Answer the prefill: with the number of its pages in the remote tier when all of
+        them are there, else with the pages themselves."""
+        client_id = request_id.partition("/")[2]
+        remote = self.core.tiers.remote if self.core.tiers is not None else None
+        saved = 0
+        if job.remote and remote is not None:
+            saved = sum(1 for _ in itertools.takewhile(remote.stored, job.hashes))
+            if saved == len(job.hashes):
+                self.send(request_id, Pages(client_id, [], last=True, saved=saved))
+                return
+            log.warning(
+                "prefill %s: %d of %d pages in the remote tier; sending them instead",
+                client_id,
+                saved,
+                len(job.hashes),
+            )
         blobs = export_pages(self.core, job.hashes, job.owner)
         if len(blobs) < len(job.hashes):
             log.warning("prefill %s: %d of %d pages", client_id, len(blobs), len(job.hashes))
         per_frame = max(1, MAX_FRAME_PAYLOAD // self.core.pool.spec.bytes_per_block)
         for start in range(0, max(1, len(blobs)), per_frame):
             last = start + per_frame >= len(blobs)
-            self.send(out.request_id, Pages(client_id, blobs[start : start + per_frame], last))
+            batch = blobs[start : start + per_frame]
+            self.send(request_id, Pages(client_id, batch, last, saved=saved if last else 0))
+
+
+def save_pages(core: EngineCore, hashes: Sequence[bytes], owner: str) -> None:
+    """Queue saves to the remote tier of the device pages of the longest cached prefix of
+    `hashes` that the store is not known to hold (written behind)."""
+    remote = core.tiers.remote if core.tiers is not None else None
+    blocks = core.block_manager.lookup(list(hashes))
+    if remote is None or not blocks:
+        return
+    todo = [(b, k) for b, k in zip(blocks, hashes, strict=False) if not remote.knows(k)]
+    if todo:
+        rows = core.pool.read_pages([b for b, _ in todo]).cpu()
+        for (_, key), row in zip(todo, rows, strict=True):
+            remote.save(key, row, owner)
 
 
 def export_pages(core: EngineCore, hashes: Sequence[bytes], owner: str) -> list[bytes]:

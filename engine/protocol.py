@@ -292,3 +292,6 @@ class ModelInfo(msgspec.Struct, kw_only=True):
     cache_namespace: str = ""  # the root of its prefix-cache chains (engine/block_hash.py)
     model_spec: str = ""  # what it was started with: 'default', a file, synthetic:<preset>
     role: str = "both"  # both, prefill or decode (engine/config.py WorkerRole)
+    # a digest naming its remote KV tier's store (kvstore/remote.py `store_id`), or "": a
+    # prefill worker and a decode worker with the same one pass pages through the store
+    kv_remote_id: str = ""

@@ -54,12 +54,15 @@ class GetTokenizer(msgspec.Struct, tag="get_tokenizer"):
 
 class Prefill(msgspec.Struct, tag="prefill"):
     """Compute the KV of the prompt's full blocks that a decode worker's hit may use (all
-    but a last token) and send them back as `Pages` (engine/disagg.py)."""
+    but a last token) and send them back as `Pages` (engine/disagg.py). With `remote`, make
+    sure they are in the worker's remote tier instead and send back only their number (or
+    the pages after all, when the store did not take them)."""
 
     request_id: str
     prompt_token_ids: list[int]
     scheduling: Scheduling = msgspec.field(default_factory=Scheduling)
     lora: LoRARequest | None = None
+    remote: bool = False
 
 
 class PutPages(msgspec.Struct, tag="put_pages"):
@@ -100,12 +103,14 @@ class Pong(msgspec.Struct, tag="pong"):
 
 class Pages(msgspec.Struct, tag="pages"):
     """Pages of a `Prefill`, in order; `last` on the final frame. `error` says why a
-    prefill ended without (all of) them."""
+    prefill ended without (all of) them. `saved`: of a `remote` prefill, the pages in the
+    remote tier (on the last frame; all of them when no page is sent)."""
 
     request_id: str
     pages: list[bytes]
     last: bool = False
     error: str | None = None
+    saved: int = 0
 
 
 class TokenizerReply(msgspec.Struct, tag="tokenizer_reply"):

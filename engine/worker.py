@@ -87,6 +87,7 @@ class _Compiled:
 
 
 _STOP = _Command(-1, None)
+_SAVE_POLL_S = 0.005  # how often a remote prefill waiting for its saves is looked at
 
 
 @dataclass(frozen=True)
@@ -321,9 +322,14 @@ class Worker:
         try:
             while True:
                 idle = not self.core.has_unfinished()
-                if not self._drain(block=idle, timeout=poll_s):
+                # a remote prefill waiting for its saves is polled at least every 5 ms
+                saving = self._prefills.saving
+                timeout = min(poll_s or _SAVE_POLL_S, _SAVE_POLL_S) if saving else poll_s
+                if not self._drain(block=idle, timeout=timeout):
                     return
                 outputs = self._prefills.settle(self.core.step())
+                if saving:
+                    self._prefills.poll()
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
                 if poll_s is not None and time.monotonic() >= next_poll:
@@ -364,6 +370,7 @@ class Worker:
             aborted = [r for r in list(self.core.scheduler.requests) if r.startswith(prefix)]
             outs = [self.core.abort_request(rid) for rid in aborted]
             self._prefills.settle([o for o in outs if o is not None])  # forgotten: no reply
+            self._prefills.forget(lambda rid: rid.startswith(prefix))
             if aborted:
                 log.info("connection %d closed; aborted %d requests", cmd.conn_id, len(aborted))
         elif isinstance(msg, Submit) and msg.params.is_constrained:
@@ -403,6 +410,8 @@ class Worker:
         elif isinstance(msg, Abort):
             self._compiling.difference_update(prefix + rid for rid in msg.request_ids)
             outs = [self.core.abort_request(prefix + rid) for rid in msg.request_ids]
+            stopped = {prefix + rid for rid in msg.request_ids}
+            self._prefills.forget(stopped.__contains__)
             done = self._prefills.settle([o for o in outs if o is not None])
             if done:
                 assert self._loop is not None

@@ -89,6 +89,7 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
         default_model=settings.model,
         aliases=settings.alias_targets(),
         disagg_min_prompt_tokens=settings.disagg_min_prompt_tokens,
+        disagg_transport=settings.disagg_transport,
     )
     metrics = GatewayMetrics(process_index=settings.process_index, shared_dir=settings.metrics_dir)
     alert_store = AlertStore(redis, on_raised=metrics.alert_raised)

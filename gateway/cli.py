@@ -129,6 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
         "compute on its decode worker is prefilled on a prefill worker (default: "
         "$STRATA_DISAGG_MIN_PROMPT_TOKENS or 512)",
     )
+    gw.add_argument(
+        "--disagg-transport",
+        default=None,
+        choices=["auto", "gateway", "remote"],
+        help="how a prefill worker's pages reach the decode worker: gateway (relayed by "
+        "this gateway), remote (through the remote KV tier both workers use) or auto (the "
+        "remote tier when both report the same one, else the gateway; default: "
+        "$STRATA_DISAGG_TRANSPORT or auto)",
+    )
     gw.add_argument("--host", default=None)
     gw.add_argument("--port", type=int, default=None)
     gw.add_argument(
@@ -324,6 +333,7 @@ def _gateway(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         routing=args.routing,
         disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
+        disagg_transport=args.disagg_transport,
         engine_addresses=tuple(args.engine) or None,
         model_aliases=tuple(args.alias) or None,
     )

@@ -89,6 +89,12 @@ class WorkerHandle:
         return self.record.role if self.record is not None else "both"
 
     @property
+    def kv_remote_id(self) -> str:
+        """The digest naming its remote KV tier's store, as its greeting said ("": none)."""
+        info = self.client.info
+        return info.kv_remote_id if info is not None else ""
+
+    @property
     def usable(self) -> bool:
         """Takes new requests: not drained, and connected or not known to be down."""
         return not self.drained and (self.client.connected or self.client.last_error is None)
@@ -138,11 +144,13 @@ class Fleet:
         default_model: str = "default",
         aliases: Mapping[str, str] | None = None,
         disagg_min_prompt_tokens: int = 512,
+        disagg_transport: str = "auto",
     ) -> None:
         self.auth = auth
         # a prompt with this many tokens to compute on a decode worker is prefilled on a
         # prefill worker (docs/design/disaggregation.md)
         self.disagg_min_prompt_tokens = disagg_min_prompt_tokens
+        self.disagg_transport = disagg_transport  # auto, gateway or remote
         self.store = redis  # drains are kept there, for every gateway to see
         self.default_model = default_model  # an id, or the spec the default's workers run
         self.aliases = dict(aliases or {})  # alias -> a model id, or "default"
@@ -467,6 +475,15 @@ class Fleet:
 
     def _reconnected(self, worker_id: str, _: asyncio.Task[None]) -> None:
         self._reconnecting.pop(worker_id, None)
+
+    def through_remote(self, prefill: WorkerHandle, worker: WorkerHandle) -> bool:
+        """Whether `prefill` hands its pages to `worker` through the remote KV tier rather
+        than through this gateway: never with the `gateway` transport; with `remote`,
+        whenever both have a remote tier; with `auto`, when both report the same store."""
+        mine, theirs = prefill.kv_remote_id, worker.kv_remote_id
+        if self.disagg_transport == "gateway" or not (mine and theirs):
+            return False
+        return self.disagg_transport == "remote" or mine == theirs
 
     def prefill_worker(
         self,

@@ -66,7 +66,8 @@ class GatewayMetrics:
         self.disagg_prefills = Counter(
             "strata:disagg_prefills",
             "Prompts prefilled on a prefill worker for a decode worker, by outcome: sent (the "
-            "pages reached the decode worker) or failed (the decode worker computed it)",
+            "pages reached the decode worker through the gateway), remote (they went through "
+            "the remote KV tier) or failed (the decode worker computed it)",
             ["model", "outcome"],
             registry=r,
         )

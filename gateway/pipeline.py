@@ -505,12 +505,26 @@ class Pipeline:
         prefill.queued_tokens += queued
         outcome = "sent"
         try:
-            pages = prefill.client.prefill(
-                rid, job.prompts[0], scheduling=job.scheduling, lora=job.lora
+            await asyncio.gather(prefill.client.connect(), worker.client.connect())
+            remote = self.fleet.through_remote(prefill, worker)
+            replies = prefill.client.prefill(
+                rid, job.prompts[0], scheduling=job.scheduling, lora=job.lora, remote=remote
             )
-            async with contextlib.aclosing(pages):
-                async for batch in pages:
-                    await worker.client.put_pages(batch)
+            relayed = False
+            async with contextlib.aclosing(replies):
+                async for reply in replies:
+                    if reply.pages:
+                        relayed = True
+                        await worker.client.put_pages(reply.pages)
+            if remote and not relayed:
+                outcome = "remote"  # the decode worker fetches them from the remote tier
+            elif remote:
+                log.warning(
+                    "%s: the remote tier did not take %s's pages; relayed them to %s",
+                    job.request_id,
+                    prefill.worker_id,
+                    worker.worker_id,
+                )
         except (EngineDeadError, InvalidRequestError) as exc:
             outcome = "failed"
             log.warning(

@@ -52,6 +52,8 @@ def redis_url() -> str | None:
 
 
 ROUTING_POLICIES = ("kv_aware", "least_loaded", "round_robin")
+# how a prefill worker's pages reach a decode worker (docs/design/disaggregation.md)
+DISAGG_TRANSPORTS = ("auto", "gateway", "remote")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ class GatewaySettings:
     # a prompt with at least this many tokens to compute on a decode worker is prefilled on
     # a prefill worker (docs/design/disaggregation.md)
     disagg_min_prompt_tokens: int = 512
+    # how the prefilled pages reach the decode worker: through this gateway, through the
+    # remote KV tier both workers share, or auto (the tier when both report the same one)
+    disagg_transport: str = "auto"
     engine_addresses: tuple[str, ...] = ()
     redis_url: str | None = None  # None: the caller runs an embedded store
     admin_token: str | None = None
@@ -102,6 +107,8 @@ class GatewaySettings:
                 raise ValueError(f"a model alias is written alias=model, not {spec!r}")
         if self.disagg_min_prompt_tokens < 1:
             raise ValueError("disagg_min_prompt_tokens must be at least 1")
+        if self.disagg_transport not in DISAGG_TRANSPORTS:
+            raise ValueError(f"disagg_transport must be one of {', '.join(DISAGG_TRANSPORTS)}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}")
         if self.worker_secret is not None:
@@ -136,6 +143,7 @@ class GatewaySettings:
             "port": int(env.get("STRATA_PORT", "8000")),
             "json_logs": json_logs(),
             "routing": env.get("STRATA_ROUTING", "kv_aware"),
+            "disagg_transport": env.get("STRATA_DISAGG_TRANSPORT", "auto"),
         }
         disagg = env.get("STRATA_DISAGG_MIN_PROMPT_TOKENS", "")
         if disagg:

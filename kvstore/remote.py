@@ -15,6 +15,7 @@ changes on the caller's thread only. The design is in docs/design/kv-pages-and-t
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import queue
 import threading
@@ -24,6 +25,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import torch
@@ -67,6 +69,18 @@ while quota >= 0 and total > quota do
 end
 return evicted
 """
+
+
+def store_id(url: str) -> str:
+    """A short digest naming the store at `url` (its credentials left out): workers that
+    report the same id share one remote tier (docs/design/disaggregation.md)."""
+    parts = urlsplit(url)
+    netloc = parts.hostname or ""
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    path = parts.path.rstrip("/") or "/0"  # database 0 when none is named
+    plain = urlunsplit((parts.scheme, netloc, path, parts.query, ""))
+    return hashlib.sha256(plain.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,7 @@ class RemoteKVTier:
         self.quotas: dict[str, int] = {}  # tenant -> bytes
         self.owners = PageOwners()
         self._known: OrderedDict[bytes, None] = OrderedDict()  # saved or queued
+        self._queued: dict[bytes, int] = {}  # saves queued per key, outcome not taken in
         self._num_pending = 0  # queued saves whose results are not yet taken in
         self._queue: queue.Queue[tuple[bytes, bytes, str, int] | None] = queue.Queue(
             config.max_queued_pages
@@ -176,6 +191,17 @@ class RemoteKVTier:
     def knows(self, key: bytes) -> bool:
         return key in self._known
 
+    def stored(self, key: bytes) -> bool:
+        """Whether `key`'s page is in the store as far as this worker knows: saved (the
+        store answered) or fetched, and not queued to be saved again."""
+        self.reap()
+        return key in self._known and key not in self._queued
+
+    def queued(self, key: bytes) -> bool:
+        """Whether a save of `key` is queued whose outcome is not yet known."""
+        self.reap()
+        return key in self._queued
+
     def save(self, key: bytes, page: torch.Tensor, owner: str = "") -> bool:
         """Queue `page` (copied now) to be stored under `key` for `owner`; False when it is
         dropped (counted): the queue is full or the store is down. A page saved or fetched
@@ -194,6 +220,7 @@ class RemoteKVTier:
             self.num_save_dropped += 1
             return False
         self._num_pending += 1
+        self._queued[key] = self._queued.get(key, 0) + 1
         self._remember(key)
         return True
 
@@ -255,6 +282,9 @@ class RemoteKVTier:
         while results:
             key, owner, saved, evicted = results.popleft()
             self._num_pending -= 1
+            left = self._queued.pop(key, 1) - 1
+            if left:
+                self._queued[key] = left
             if not saved:
                 self.num_save_dropped += 1
                 self._known.pop(key, None)

@@ -177,7 +177,7 @@ async def test_torn_pages_are_misses_and_the_tokens_stay(disagg):
     prompt = [100 + (13 * i) % 350 for i in range(81)]  # 20 full blocks before the last token
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     try:
-        pages = [blob async for batch in prefill.prefill("p", prompt) for blob in batch]
+        pages = [blob async for reply in prefill.prefill("p", prompt) for blob in reply.pages]
         assert len(pages) == 20
         torn = bytearray(pages[6])
         torn[100] ^= 0xFF  # a payload byte: its CRC no longer matches
