@@ -1,0 +1,233 @@
+// Linears over quantized weights (quant.h): each output row is a sum over blocks of 32 of
+// d_w * d_x * dot(q_w, q_x), an integer dot product of the weight block and the activation
+// block quantized to int8, minus (q4) sum_b m_b * d_x * sum(q_x). The integer products run
+// 32 at a time: AVX512-VNNI `vpdpbusd` (unsigned x signed bytes into int32), or AVX2
+// `vpmaddubsw` + `vpmaddwd`; a scalar loop elsewhere. q4 values are unsigned (0..15) and
+// go straight in; q8 values are signed, so they use |x| and sign(x) * w (both within
+// -127..127: no int16 saturates). Threads split the output rows; the activation rows are
+// quantized once per call and every weight row is used for up to 4 of them at a time.
+
+#include <omp.h>
+#include <stdlib.h>
+
+#include "common.h"
+#include "quant.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define Q_SIMD 1
+#endif
+#if defined(Q_SIMD) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q_VNNI 1
+#endif
+
+#define Q_ROWS 4     // activation rows sharing one pass over a weight row
+#define Q_NCHUNK 16  // weight rows a thread keeps in cache while it walks the activation rows
+
+int strata_quant_isa(void) {
+#if defined(Q_VNNI)
+    return 3;
+#elif defined(Q_SIMD)
+    return 2;
+#else
+    return 0;
+#endif
+}
+
+int64_t strata_quant_row_bytes(int64_t format, int64_t K) {
+    const int64_t nb = K / QBLOCK;
+    return format == 8 ? K + 4 * nb : K / 2 + 8 * nb;
+}
+
+static void quant_row(const void* x, int x_bf16, int64_t K, int8_t* q, float* d, float* s) {
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        float v[QBLOCK];
+        for (int j = 0; j < QBLOCK; j++)
+            v[j] = x_bf16 ? bf16_to_f32(((const bf16_t*)x)[b * QBLOCK + j])
+                          : ((const float*)x)[b * QBLOCK + j];
+        float amax = 0.0f;
+        for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        const float db = amax / 127.0f;
+        const float id = db != 0.0f ? 1.0f / db : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QBLOCK; j++) {
+            float r = nearbyintf(v[j] * id);
+            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+            q[b * QBLOCK + j] = (int8_t)r;
+            sum += (int)r;
+        }
+        d[b] = db;
+        s[b] = db * (float)sum;
+    }
+}
+
+void strata_quant_activations(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* xq,
+                              float* xd, float* xs) {
+    const int64_t nb = K / QBLOCK, elem = x_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (M >= 4)
+    for (int64_t m = 0; m < M; m++)
+        quant_row((const char*)x + m * K * elem, x_bf16, K, xq + m * K, xd + m * nb, xs + m * nb);
+}
+
+#ifdef Q_SIMD
+// 8 int32 lanes, each the sum of 4 products of unsigned u and signed s bytes
+static inline __m256i q_dot(__m256i u, __m256i s) {
+#ifdef Q_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+// a q4 block's 16 bytes -> its 32 values (0..15) in order
+static inline __m256i q4_unpack(const uint8_t* qs) {
+    const __m128i b = _mm_loadu_si128((const __m128i*)qs);
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+}
+
+static inline __m256i q_block_dot(int format, __m256i wv, const int8_t* xq) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i*)xq);
+    if (format == 8) return q_dot(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
+    return q_dot(wv, xv);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256i q_load(int format, const uint8_t* w, int64_t b) {
+    return format == 8 ? _mm256_loadu_si256((const __m256i*)(w + b * QBLOCK))
+                       : q4_unpack(w + b * (QBLOCK / 2));
+}
+#endif
+
+// sums[r] = sum_b d_b xd[r, b] dot(q_b, xq[r, b]) over one packed weight row w, for R
+// activation rows of K at xq (scales xd, K / 32 per row)
+static inline __attribute__((always_inline)) void q_rows(const int format, const uint8_t* w,
+                                                         const int8_t* xq, const float* xd,
+                                                         int64_t K, float* sums, const int R) {
+    const int64_t nb = K / QBLOCK;
+    const float* d = (const float*)(w + (format == 8 ? K : K / 2));
+#ifdef Q_SIMD
+    // two accumulators per row (even and odd blocks): the FMA chains overlap
+    __m256 acc0[Q_ROWS], acc1[Q_ROWS];
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const __m256i w0 = q_load(format, w, b), w1 = q_load(format, w, b + 1);
+        for (int r = 0; r < R; r++) {
+            const int8_t* xr = xq + r * K + b * QBLOCK;
+            const float* dr = xd + r * nb + b;
+            const __m256i p0 = q_block_dot(format, w0, xr);
+            const __m256i p1 = q_block_dot(format, w1, xr + QBLOCK);
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d[b] * dr[0]), acc0[r]);
+            acc1[r] =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d[b + 1] * dr[1]), acc1[r]);
+        }
+    }
+    if (b < nb) {
+        const __m256i w0 = q_load(format, w, b);
+        for (int r = 0; r < R; r++) {
+            const __m256i p0 = q_block_dot(format, w0, xq + r * K + b * QBLOCK);
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0),
+                                      _mm256_set1_ps(d[b] * xd[r * nb + b]), acc0[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) sums[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+#else
+    for (int r = 0; r < R; r++) sums[r] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        int wv[QBLOCK];
+        for (int j = 0; j < QBLOCK; j++) {
+            if (format == 8) {
+                wv[j] = ((const int8_t*)w)[b * QBLOCK + j];
+            } else {
+                const uint8_t byte = w[b * (QBLOCK / 2) + (j & 15)];
+                wv[j] = j < 16 ? byte & 15 : byte >> 4;
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t* xr = xq + r * K + b * QBLOCK;
+            int32_t p = 0;
+            for (int j = 0; j < QBLOCK; j++) p += wv[j] * xr[j];
+            sums[r] += (float)p * (d[b] * xd[r * nb + b]);
+        }
+    }
+#endif
+}
+
+static inline float dot_f32(const float* a, const float* b, int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+int strata_quant_linear(int64_t format, const void* x, int x_bf16, const uint8_t* w,
+                        const void* bias, void* y, int out_f32, int64_t M, int64_t N, int64_t K) {
+    if (K % QBLOCK || M < 1 || N < 1 || (format != 8 && format != 4)) return -1;
+    const int64_t nb = K / QBLOCK, row_bytes = strata_quant_row_bytes(format, K);
+    // activation rows, quantized: xq [M, K], then xd and xs [M, nb]
+    int8_t* xq = malloc((size_t)(M * K + 2 * M * nb * (int64_t)sizeof(float)));
+    if (!xq) return -3;
+    float* xd = (float*)(xq + M * K);
+    float* xs = xd + M * nb;
+    const int64_t elem = x_bf16 ? 2 : 4;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            quant_row((const char*)x + m * K * elem, x_bf16, K, xq + m * K, xd + m * nb,
+                      xs + m * nb);
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t n0 = tid * N / nth, n1 = (tid + 1) * N / nth;
+        for (int64_t nc = n0; nc < n1; nc += Q_NCHUNK) {
+            const int64_t nc1 = nc + Q_NCHUNK < n1 ? nc + Q_NCHUNK : n1;
+            for (int64_t m0 = 0; m0 < M; m0 += Q_ROWS) {
+                const int64_t mr = M - m0 < Q_ROWS ? M - m0 : Q_ROWS;
+                const int8_t* xqm = xq + m0 * K;
+                const float* xdm = xd + m0 * nb;
+                for (int64_t n = nc; n < nc1; n++) {
+                    const uint8_t* wr = w + n * row_bytes;
+                    float sums[Q_ROWS];
+#define Q_CASE(F, R) q_rows(F, wr, xqm, xdm, K, sums, R)
+                    if (format == 8) {
+                        switch (mr) {
+                            case 1: Q_CASE(8, 1); break;
+                            case 2: Q_CASE(8, 2); break;
+                            case 3: Q_CASE(8, 3); break;
+                            default: Q_CASE(8, 4); break;
+                        }
+                    } else {
+                        switch (mr) {
+                            case 1: Q_CASE(4, 1); break;
+                            case 2: Q_CASE(4, 2); break;
+                            case 3: Q_CASE(4, 3); break;
+                            default: Q_CASE(4, 4); break;
+                        }
+                    }
+#undef Q_CASE
+                    const float* mins = format == 4 ? (const float*)(wr + K / 2) + nb : 0;
+                    const float b = !bias ? 0.0f
+                                    : x_bf16 ? bf16_to_f32(((const bf16_t*)bias)[n])
+                                             : ((const float*)bias)[n];
+                    for (int64_t r = 0; r < mr; r++) {
+                        float v = sums[r];
+                        if (mins) v -= dot_f32(mins, xs + (m0 + r) * nb, nb);
+                        v += b;
+                        const int64_t at = (m0 + r) * N + n;
+                        if (out_f32)
+                            ((float*)y)[at] = v;
+                        else
+                            ((bf16_t*)y)[at] = f32_to_bf16(v);
+                    }
+                }
+            }
+        }
+    }
+    free(xq);
+    return 0;
+}
