@@ -148,7 +148,7 @@ class QuantKernels:
         self._acts.restype = None
         isa: Any = lib.strata_quant_isa
         isa.restype = _C
-        self.isa = {3: "avx512-vnni", 2: "avx2"}.get(int(isa()), "scalar")
+        self.isa = {3: "avx512", 2: "avx2"}.get(int(isa()), "scalar")
 
     def linear(
         self,
@@ -159,7 +159,7 @@ class QuantKernels:
     ) -> torch.Tensor:
         """x [M, K] (bf16 or fp32, contiguous) @ W^T (+ bias, in x's dtype) -> [M, N] in
         `out_dtype` (fp32, or x's dtype), summed in fp32 over blocks of integer products of
-        W's values and x quantized to int8 per row and block of 32."""
+        W's values and x quantized to int16 per row and block of 32."""
         assert x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous() and x.dim() == 2
         assert out_dtype in (torch.float32, x.dtype)
         m, k = x.shape
@@ -187,12 +187,12 @@ class QuantKernels:
         return y
 
     def activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [M, K] as the linear quantizes it: (int8 values [M, K], scales [M, K / 32],
+        """x [M, K] as the linear quantizes it: (int16 values [M, K], scales [M, K / 32],
         each block's scale times its values' sum [M, K / 32])."""
         assert x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous()
         m, k = x.shape
         assert k % BLOCK == 0
-        xq = torch.empty(m, k, dtype=torch.int8)
+        xq = torch.empty(m, k, dtype=torch.int16)
         xd = torch.empty(m, k // BLOCK, dtype=torch.float32)
         xs = torch.empty_like(xd)
         self._acts(

@@ -1,11 +1,12 @@
 // Linears over quantized weights (quant.h): each output row is a sum over blocks of 32 of
 // d_w * d_x * dot(q_w, q_x), an integer dot product of the weight block and the activation
-// block quantized to int8, minus (q4) sum_b m_b * d_x * sum(q_x). The integer products run
-// 32 at a time: AVX512-VNNI `vpdpbusd` (unsigned x signed bytes into int32), or AVX2
-// `vpmaddubsw` + `vpmaddwd`; a scalar loop elsewhere. q4 values are unsigned (0..15) and
-// go straight in; q8 values are signed, so they use |x| and sign(x) * w (both within
-// -127..127: no int16 saturates). Threads split the output rows; the activation rows are
-// quantized once per call and every weight row is used for up to 4 of them at a time.
+// block quantized to int16, minus (q4) sum_b m_b * d_x * sum(q_x). The products run 32 at a
+// time as int16 pairs (`vpmaddwd`: AVX-512BW on 512 bits, AVX2 on 256), a scalar loop
+// elsewhere; weights are widened from their 4 or 8 bits in registers. Activations get 16
+// bits, not llama.cpp's 8: some channels of small models carry outliers hundreds of times
+// the rest of their block, and 8 bits then flip greedy answers (docs/design/kernels.md).
+// Threads split the output rows; the activation rows are quantized once per call and every
+// weight row is used for up to 4 of them at a time.
 
 #include <omp.h>
 #include <stdlib.h>
@@ -13,21 +14,21 @@
 #include "common.h"
 #include "quant.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(STRATA_AVX512)
+#define Q_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define Q_SIMD 1
-#endif
-#if defined(Q_SIMD) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define Q_VNNI 1
+#define Q_AVX2 1
 #endif
 
 #define Q_ROWS 4     // activation rows sharing one pass over a weight row
 #define Q_NCHUNK 16  // weight rows a thread keeps in cache while it walks the activation rows
+#define Q_XMAX 32767.0f
 
 int strata_quant_isa(void) {
-#if defined(Q_VNNI)
+#if defined(Q_AVX512)
     return 3;
-#elif defined(Q_SIMD)
+#elif defined(Q_AVX2)
     return 2;
 #else
     return 0;
@@ -39,7 +40,7 @@ int64_t strata_quant_row_bytes(int64_t format, int64_t K) {
     return format == 8 ? K + 4 * nb : K / 2 + 8 * nb;
 }
 
-static void quant_row(const void* x, int x_bf16, int64_t K, int8_t* q, float* d, float* s) {
+static void quant_row(const void* x, int x_bf16, int64_t K, int16_t* q, float* d, float* s) {
     for (int64_t b = 0; b < K / QBLOCK; b++) {
         float v[QBLOCK];
         for (int j = 0; j < QBLOCK; j++)
@@ -47,21 +48,21 @@ static void quant_row(const void* x, int x_bf16, int64_t K, int8_t* q, float* d,
                           : ((const float*)x)[b * QBLOCK + j];
         float amax = 0.0f;
         for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
-        const float db = amax / 127.0f;
+        const float db = amax / Q_XMAX;
         const float id = db != 0.0f ? 1.0f / db : 0.0f;
-        int sum = 0;
+        int32_t sum = 0;
         for (int j = 0; j < QBLOCK; j++) {
             float r = nearbyintf(v[j] * id);
-            r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-            q[b * QBLOCK + j] = (int8_t)r;
-            sum += (int)r;
+            r = r > Q_XMAX ? Q_XMAX : (r < -Q_XMAX ? -Q_XMAX : r);
+            q[b * QBLOCK + j] = (int16_t)r;
+            sum += (int32_t)r;
         }
         d[b] = db;
         s[b] = db * (float)sum;
     }
 }
 
-void strata_quant_activations(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* xq,
+void strata_quant_activations(const void* x, int x_bf16, int64_t M, int64_t K, int16_t* xq,
                               float* xd, float* xs) {
     const int64_t nb = K / QBLOCK, elem = x_bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) if (M >= 4)
@@ -69,79 +70,96 @@ void strata_quant_activations(const void* x, int x_bf16, int64_t M, int64_t K, i
         quant_row((const char*)x + m * K * elem, x_bf16, K, xq + m * K, xd + m * nb, xs + m * nb);
 }
 
-#ifdef Q_SIMD
-// 8 int32 lanes, each the sum of 4 products of unsigned u and signed s bytes
-static inline __m256i q_dot(__m256i u, __m256i s) {
-#ifdef Q_VNNI
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
-}
-
-// a q4 block's 16 bytes -> its 32 values (0..15) in order
+#if defined(Q_AVX512) || defined(Q_AVX2)
+// a q4 block's 16 bytes -> its 32 values (0..15) in order, as bytes
 static inline __m256i q4_unpack(const uint8_t* qs) {
     const __m128i b = _mm_loadu_si128((const __m128i*)qs);
     const __m128i mask = _mm_set1_epi8(0x0f);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
 }
+#endif
 
-static inline __m256i q_block_dot(int format, __m256i wv, const int8_t* xq) {
-    const __m256i xv = _mm256_loadu_si256((const __m256i*)xq);
-    if (format == 8) return q_dot(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(wv, xv));
-    return q_dot(wv, xv);
+#ifdef Q_AVX512
+typedef __m512 qacc_t;
+typedef __m512i qw_t;  // a block's 32 weights as int16
+static inline qw_t q_load(int format, const uint8_t* w, int64_t b) {
+    if (format == 8) return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + b * QBLOCK)));
+    return _mm512_cvtepu8_epi16(q4_unpack(w + b * (QBLOCK / 2)));
 }
-
-static inline float hsum8(__m256 v) {
+// acc += (sum of the block's 32 products, in 16 lanes) * scale
+static inline qacc_t q_fma(qacc_t acc, qw_t wv, const int16_t* xq, float scale) {
+    const __m512i p = _mm512_madd_epi16(wv, _mm512_loadu_si512(xq));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(scale), acc);
+}
+static inline qacc_t q_zero(void) { return _mm512_setzero_ps(); }
+static inline float q_hsum(qacc_t a, qacc_t b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+#define Q_SIMD 1
+#elif defined(Q_AVX2)
+typedef __m256 qacc_t;
+typedef struct {
+    __m256i lo, hi;  // values 0..15 and 16..31 as int16
+} qw_t;
+static inline qw_t q_load(int format, const uint8_t* w, int64_t b) {
+    qw_t v;
+    if (format == 8) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + b * QBLOCK));
+        v.lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
+        v.hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
+    } else {
+        const __m256i raw = q4_unpack(w + b * (QBLOCK / 2));
+        v.lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(raw));
+        v.hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(raw, 1));
+    }
+    return v;
+}
+static inline qacc_t q_fma(qacc_t acc, qw_t wv, const int16_t* xq, float scale) {
+    const __m256i p0 = _mm256_madd_epi16(wv.lo, _mm256_loadu_si256((const __m256i*)xq));
+    const __m256i p1 = _mm256_madd_epi16(wv.hi, _mm256_loadu_si256((const __m256i*)(xq + 16)));
+    const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1));
+    return _mm256_fmadd_ps(p, _mm256_set1_ps(scale), acc);
+}
+static inline qacc_t q_zero(void) { return _mm256_setzero_ps(); }
+static inline float q_hsum(qacc_t a, qacc_t b) {
+    const __m256 v = _mm256_add_ps(a, b);
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-
-static inline __m256i q_load(int format, const uint8_t* w, int64_t b) {
-    return format == 8 ? _mm256_loadu_si256((const __m256i*)(w + b * QBLOCK))
-                       : q4_unpack(w + b * (QBLOCK / 2));
-}
+#define Q_SIMD 1
 #endif
 
 // sums[r] = sum_b d_b xd[r, b] dot(q_b, xq[r, b]) over one packed weight row w, for R
 // activation rows of K at xq (scales xd, K / 32 per row)
 static inline __attribute__((always_inline)) void q_rows(const int format, const uint8_t* w,
-                                                         const int8_t* xq, const float* xd,
+                                                         const int16_t* xq, const float* xd,
                                                          int64_t K, float* sums, const int R) {
     const int64_t nb = K / QBLOCK;
     const float* d = (const float*)(w + (format == 8 ? K : K / 2));
 #ifdef Q_SIMD
     // two accumulators per row (even and odd blocks): the FMA chains overlap
-    __m256 acc0[Q_ROWS], acc1[Q_ROWS];
-    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    qacc_t acc0[Q_ROWS], acc1[Q_ROWS];
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = q_zero();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
-        const __m256i w0 = q_load(format, w, b), w1 = q_load(format, w, b + 1);
+        const qw_t w0 = q_load(format, w, b), w1 = q_load(format, w, b + 1);
         for (int r = 0; r < R; r++) {
-            const int8_t* xr = xq + r * K + b * QBLOCK;
+            const int16_t* xr = xq + r * K + b * QBLOCK;
             const float* dr = xd + r * nb + b;
-            const __m256i p0 = q_block_dot(format, w0, xr);
-            const __m256i p1 = q_block_dot(format, w1, xr + QBLOCK);
-            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d[b] * dr[0]), acc0[r]);
-            acc1[r] =
-                _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d[b + 1] * dr[1]), acc1[r]);
+            acc0[r] = q_fma(acc0[r], w0, xr, d[b] * dr[0]);
+            acc1[r] = q_fma(acc1[r], w1, xr + QBLOCK, d[b + 1] * dr[1]);
         }
     }
     if (b < nb) {
-        const __m256i w0 = q_load(format, w, b);
-        for (int r = 0; r < R; r++) {
-            const __m256i p0 = q_block_dot(format, w0, xq + r * K + b * QBLOCK);
-            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0),
-                                      _mm256_set1_ps(d[b] * xd[r * nb + b]), acc0[r]);
-        }
+        const qw_t w0 = q_load(format, w, b);
+        for (int r = 0; r < R; r++)
+            acc0[r] = q_fma(acc0[r], w0, xq + r * K + b * QBLOCK, d[b] * xd[r * nb + b]);
     }
-    for (int r = 0; r < R; r++) sums[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+    for (int r = 0; r < R; r++) sums[r] = q_hsum(acc0[r], acc1[r]);
 #else
     for (int r = 0; r < R; r++) sums[r] = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
-        int wv[QBLOCK];
+        int32_t wv[QBLOCK];
         for (int j = 0; j < QBLOCK; j++) {
             if (format == 8) {
                 wv[j] = ((const int8_t*)w)[b * QBLOCK + j];
@@ -151,7 +169,7 @@ static inline __attribute__((always_inline)) void q_rows(const int format, const
             }
         }
         for (int r = 0; r < R; r++) {
-            const int8_t* xr = xq + r * K + b * QBLOCK;
+            const int16_t* xr = xq + r * K + b * QBLOCK;
             int32_t p = 0;
             for (int j = 0; j < QBLOCK; j++) p += wv[j] * xr[j];
             sums[r] += (float)p * (d[b] * xd[r * nb + b]);
@@ -170,8 +188,8 @@ int strata_quant_linear(int64_t format, const void* x, int x_bf16, const uint8_t
                         const void* bias, void* y, int out_f32, int64_t M, int64_t N, int64_t K) {
     if (K % QBLOCK || M < 1 || N < 1 || (format != 8 && format != 4)) return -1;
     const int64_t nb = K / QBLOCK, row_bytes = strata_quant_row_bytes(format, K);
-    // activation rows, quantized: xq [M, K], then xd and xs [M, nb]
-    int8_t* xq = malloc((size_t)(M * K + 2 * M * nb * (int64_t)sizeof(float)));
+    // activation rows, quantized: xq [M, K] int16, then xd and xs [M, nb]
+    int16_t* xq = malloc((size_t)(M * K * 2 + 2 * M * nb * (int64_t)sizeof(float)));
     if (!xq) return -3;
     float* xd = (float*)(xq + M * K);
     float* xs = xd + M * nb;
@@ -188,7 +206,7 @@ int strata_quant_linear(int64_t format, const void* x, int x_bf16, const uint8_t
             const int64_t nc1 = nc + Q_NCHUNK < n1 ? nc + Q_NCHUNK : n1;
             for (int64_t m0 = 0; m0 < M; m0 += Q_ROWS) {
                 const int64_t mr = M - m0 < Q_ROWS ? M - m0 : Q_ROWS;
-                const int8_t* xqm = xq + m0 * K;
+                const int16_t* xqm = xq + m0 * K;
                 const float* xdm = xd + m0 * nb;
                 for (int64_t n = nc; n < nc1; n++) {
                     const uint8_t* wr = w + n * row_bytes;

@@ -5,7 +5,8 @@
 //   q4: [K / 2] bytes, then d[K / 32], then m[K / 32]:        w = d * q - m, q in 0..15
 // A q4 block is 16 bytes: byte j holds value j in its low nibble and value j + 16 in its
 // high nibble (GGML's Q4_0/Q4_1 order). Activations are quantized on the fly, per row and
-// block of 32, to int8 with one fp32 scale (round to nearest even of x * 127 / amax).
+// block of 32, to int16 with one fp32 scale d = amax / 32767 (round to nearest even of
+// x * (1 / d)).
 #pragma once
 
 #include <stdint.h>
@@ -20,10 +21,10 @@ int64_t strata_quant_row_bytes(int64_t format, int64_t K);
 int strata_quant_linear(int64_t format, const void* x, int x_bf16, const uint8_t* w,
                         const void* bias, void* y, int out_f32, int64_t M, int64_t N, int64_t K);
 
-// The activation quantizer on its own (tests): xq [M, K] int8, xd [M, K / 32] scales, xs
+// The activation quantizer on its own (tests): xq [M, K] int16, xd [M, K / 32] scales, xs
 // [M, K / 32] each block's xd * sum(xq).
-void strata_quant_activations(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* xq,
+void strata_quant_activations(const void* x, int x_bf16, int64_t M, int64_t K, int16_t* xq,
                               float* xd, float* xs);
 
-// Which integer dot product this build uses: 3 AVX512-VNNI (256-bit), 2 AVX2, 0 scalar.
+// Which integer dot product this build uses: 3 AVX-512BW, 2 AVX2, 0 scalar.
 int strata_quant_isa(void);

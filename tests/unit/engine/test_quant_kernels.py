@@ -30,14 +30,14 @@ def gen(seed: int = 0) -> torch.Generator:
 
 
 def ref_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] quantized per block of 32 as csrc/quant.c does: d = amax / 127, values
+    """x [M, K] quantized per block of 32 as csrc/quant.c does: d = amax / 32767, values
     round-half-even(x * (1 / d)), and d times the values' sum."""
     m, k = x.shape
     xf = x.float().reshape(m, k // BLOCK, BLOCK)
-    d = xf.abs().amax(dim=2) / 127
+    d = xf.abs().amax(dim=2) / 32767
     inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    q = torch.round(xf * inv[..., None]).clamp(-127, 127)
-    return q.to(torch.int8).reshape(m, k), d, d * q.sum(dim=2)
+    q = torch.round(xf * inv[..., None]).clamp(-32767, 32767)
+    return q.to(torch.int16).reshape(m, k), d, d * q.sum(dim=2)
 
 
 def ref_integer_product(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
