@@ -33,9 +33,10 @@ from bench.common import (
     publish,
     timed_calls,
 )
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig, WeightFormat
 from engine.factory import create_engine
 from engine.kernels.cpu import load_cpu_kernels
+from engine.model.quant_weights import QuantLinear
 from engine.model_specs import resolve_model_path
 from engine.protocol import SamplingParams
 
@@ -118,9 +119,11 @@ def _rate(fn, work: float, repeats: int = 5, best: bool = True) -> float:
 
 def cpu_roofline(core, batches: list[int], prompt_len: int, new_tokens: int) -> dict | None:
     """The workload's ceiling on this CPU (see the module docstring); None off the bf16
-    native-kernel path."""
+    native-kernel path, and with quantized weights (their bytes and products differ)."""
     kernels = load_cpu_kernels(core.config.cache_dir)
     if kernels is None or core.device.type != "cpu" or core.dtype != torch.bfloat16:
+        return None
+    if any(isinstance(m, QuantLinear) for m in core.runner.model.modules()):
         return None
     mc = core.model_config
     hidden, inter = mc.hidden_size, mc.intermediate_size
@@ -159,6 +162,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="auto")
+    ap.add_argument(
+        "--weights",
+        default="auto",
+        choices=[w.value for w in WeightFormat],
+        help="the engine's --weights (auto: as the model file holds them)",
+    )
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -202,6 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        weights=WeightFormat(args.weights),
         seed=args.seed,
         cache_dir=args.cache_dir,
         cache=CacheConfig(
@@ -306,6 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "prefill_len": args.prefill_len,
+        "weights": args.weights,
         "quick": args.quick,
         "repeats": args.repeats,
         "seed": args.seed,

@@ -184,9 +184,133 @@ static inline float dot_f32(const float* a, const float* b, int64_t n) {
     return s;
 }
 
+#ifdef STRATA_AVX512BF16
+// Many rows (prefill, large batches): the integer path's per-block scaling costs three
+// instructions per 32 products, where the bf16 dot product needs one. So each thread turns
+// one panel of 64 weight rows at a time back into bf16, interleaved by pairs of inputs as
+// linear.h packs them ([K / 2][64][2], 64 * K * 2 bytes, kept in its L2), and runs a 6 x 64
+// bf16 register block over every activation row against it. The weights still cross the
+// memory bus once, quantized.
+#define QG_PANEL 64
+#define QG_MR 6
+#define QG_MIN_ROWS 16
+
+// one block of 16 weight rows: 32 values each, dequantized to bf16 and stored as 16 pairs
+// of inputs per row, transposed so that each pair index kk is one 64-byte run of 16 rows
+static void qg_dequant16(int format, const uint8_t* w, int64_t row_bytes, int64_t K, int64_t b,
+                         bf16_t* panel, int64_t j0) {
+    __m512 rows[16];
+    for (int j = 0; j < 16; j++) {
+        const uint8_t* wr = w + (j0 + j) * row_bytes;
+        const float* d = (const float*)(wr + (format == 8 ? K : K / 2));
+        __m512i lo, hi;  // values 0..15 and 16..31 as int32
+        if (format == 8) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)(wr + b * QBLOCK));
+            lo = _mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw));
+            hi = _mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1));
+        } else {
+            const __m256i raw = q4_unpack(wr + b * (QBLOCK / 2));
+            lo = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(raw));
+            hi = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(raw, 1));
+        }
+        const __m512 dv = _mm512_set1_ps(d[b]);
+        __m512 flo = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), dv);
+        __m512 fhi = _mm512_mul_ps(_mm512_cvtepi32_ps(hi), dv);
+        if (format == 4) {
+            const __m512 mv = _mm512_set1_ps(d[K / QBLOCK + b]);
+            flo = _mm512_sub_ps(flo, mv);
+            fhi = _mm512_sub_ps(fhi, mv);
+        }
+        // 32 bf16 in input order = 16 words, word i the pair (2i, 2i + 1)
+        rows[j] = _mm512_castsi512_ps(
+            _mm512_inserti64x4(_mm512_castsi256_si512(v_pack_bf16(flo)), v_pack_bf16(fhi), 1));
+    }
+    v_transpose16(rows);  // rows[i]: pair i of the 16 rows
+    for (int i = 0; i < 16; i++)
+        _mm512_storeu_ps((float*)(panel + ((b * 16 + i) * QG_PANEL + j0 % QG_PANEL) * 2),
+                         rows[i]);
+}
+
+static inline __attribute__((always_inline)) void qg_block(const bf16_t* x, const bf16_t* panel,
+                                                          const bf16_t* bias, void* y, int64_t K,
+                                                          int64_t N, int out_f32, const int MR) {
+    __m512 acc[QG_MR][4];
+    for (int r = 0; r < MR; r++)
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
+    const int32_t* xp = (const int32_t*)x;
+    const int64_t pairs = K / 2;
+    for (int64_t kk = 0; kk < pairs; kk++) {
+        const bf16_t* wk = panel + kk * 2 * QG_PANEL;
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
+        const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
+        const __m512bh w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+        for (int r = 0; r < MR; r++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp[r * pairs + kk]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xb, w2);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xb, w3);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512 bv = bias ? v_load_bf16(bias + 16 * i) : _mm512_setzero_ps();
+        for (int r = 0; r < MR; r++) {
+            const __m512 v = _mm512_add_ps(acc[r][i], bv);
+            if (out_f32)
+                _mm512_storeu_ps((float*)y + r * N + 16 * i, v);
+            else
+                v_store_bf16((bf16_t*)y + r * N + 16 * i, v);
+        }
+    }
+}
+
+static int qg_linear(int64_t format, const bf16_t* x, const uint8_t* w, const bf16_t* bias,
+                     void* y, int out_f32, int64_t M, int64_t N, int64_t K) {
+    const int64_t row_bytes = strata_quant_row_bytes(format, K), panels = N / QG_PANEL;
+    const size_t elem = out_f32 ? sizeof(float) : sizeof(bf16_t);
+    int failed = 0;
+#pragma omp parallel
+    {
+        bf16_t* panel = aligned_alloc(64, (size_t)(QG_PANEL * K) * sizeof(bf16_t));
+        if (!panel) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t p0 = tid * panels / nth, p1 = (tid + 1) * panels / nth;
+        for (int64_t p = p0; panel && p < p1; p++) {
+            for (int64_t b = 0; b < K / QBLOCK; b++)
+                for (int64_t j0 = p * QG_PANEL; j0 < (p + 1) * QG_PANEL; j0 += 16)
+                    qg_dequant16((int)format, w, row_bytes, K, b, panel, j0);
+            const bf16_t* bs = bias ? bias + p * QG_PANEL : 0;
+            for (int64_t m0 = 0; m0 < M; m0 += QG_MR) {
+                const bf16_t* xs = x + m0 * K;
+                void* ys = (char*)y + (size_t)(m0 * N + p * QG_PANEL) * elem;
+                switch (M - m0 < QG_MR ? M - m0 : QG_MR) {
+                    case 1: qg_block(xs, panel, bs, ys, K, N, out_f32, 1); break;
+                    case 2: qg_block(xs, panel, bs, ys, K, N, out_f32, 2); break;
+                    case 3: qg_block(xs, panel, bs, ys, K, N, out_f32, 3); break;
+                    case 4: qg_block(xs, panel, bs, ys, K, N, out_f32, 4); break;
+                    case 5: qg_block(xs, panel, bs, ys, K, N, out_f32, 5); break;
+                    default: qg_block(xs, panel, bs, ys, K, N, out_f32, 6); break;
+                }
+            }
+        }
+        free(panel);
+    }
+    return failed ? -3 : 0;
+}
+#endif
+
+
 int strata_quant_linear(int64_t format, const void* x, int x_bf16, const uint8_t* w,
                         const void* bias, void* y, int out_f32, int64_t M, int64_t N, int64_t K) {
     if (K % QBLOCK || M < 1 || N < 1 || (format != 8 && format != 4)) return -1;
+#ifdef STRATA_AVX512BF16
+    if (x_bf16 && M >= QG_MIN_ROWS && N % QG_PANEL == 0)
+        return qg_linear(format, x, w, bias, y, out_f32, M, N, K);
+#endif
     const int64_t nb = K / QBLOCK, row_bytes = strata_quant_row_bytes(format, K);
     // activation rows, quantized: xq [M, K] int16, then xd and xs [M, nb]
     int16_t* xq = malloc((size_t)(M * K * 2 + 2 * M * nb * (int64_t)sizeof(float)));

@@ -143,3 +143,20 @@ def test_packed_rows_round_trip_their_parts():
 def test_weight_needs_whole_blocks():
     with pytest.raises(AssertionError, match="multiple of 32"):
         QuantWeight(QuantFormat.Q8, torch.zeros(2, 50, dtype=torch.uint8), 40)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [16, 23])  # many rows: bf16 panels on AVX512-BF16 CPUs
+def test_many_rows_within_bf16_rounding_of_the_dequantized_product(kernels, fmt, rows):
+    n, k = 128, 96
+    w = random_weight(fmt, n, k, seed=14)
+    x = torch.randn(rows, k, generator=gen(15)).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen(16)).to(torch.bfloat16)
+    y = kernels.quant.linear(x, w, bias, torch.float32)
+    wf = w.dequantize().double()
+    ref = x.double() @ wf.T + bias.double()
+    # weights rounded to bf16 (a relative 2^-9) or activations to 16 bits: either way far
+    # within 2^-8 of the sum of the products' magnitudes
+    bound = x.double().abs() @ wf.abs().T * 2**-8 + 1e-5
+    assert ((y.double() - ref).abs() <= bound).all()
+    assert torch.equal(kernels.quant.linear(x, w, bias, torch.bfloat16), y.to(torch.bfloat16))
