@@ -24,6 +24,7 @@
 #define Q_ROWS 4     // activation rows sharing one pass over a weight row
 #define Q_NCHUNK 16  // weight rows a thread keeps in cache while it walks the activation rows
 #define Q_XMAX 32767.0f
+#define Q_SERIAL_ROWS 8  // activation rows quantized by the calling thread alone
 
 int strata_quant_isa(void) {
 #if defined(Q_AVX512)
@@ -84,7 +85,10 @@ typedef __m512 qacc_t;
 typedef __m512i qw_t;  // a block's 32 weights as int16
 static inline qw_t q_load(int format, const uint8_t* w, int64_t b) {
     if (format == 8) return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + b * QBLOCK)));
-    return _mm512_cvtepu8_epi16(q4_unpack(w + b * (QBLOCK / 2)));
+    // the 16 bytes widened to int16 first: the low nibbles are values 0..15, the high 16..31
+    const __m256i b16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(w + b * 16)));
+    const __m256i lo = _mm256_and_si256(b16, _mm256_set1_epi16(0x0f));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), _mm256_srli_epi16(b16, 4), 1);
 }
 // acc += (sum of the block's 32 products, in 16 lanes) * scale
 static inline qacc_t q_fma(qacc_t acc, qw_t wv, const int16_t* xq, float scale) {
@@ -179,9 +183,19 @@ static inline __attribute__((always_inline)) void q_rows(const int format, const
 }
 
 static inline float dot_f32(const float* a, const float* b, int64_t n) {
+#ifdef Q_AVX512
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 live = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(live, a + i), _mm512_maskz_loadu_ps(live, b + i),
+                              acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+#else
     float s = 0.0f;
     for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
     return s;
+#endif
 }
 
 #ifdef STRATA_AVX512BF16
@@ -318,12 +332,19 @@ int strata_quant_linear(int64_t format, const void* x, int x_bf16, const uint8_t
     float* xd = (float*)(xq + M * K);
     float* xs = xd + M * nb;
     const int64_t elem = x_bf16 ? 2 : 4;
+    // a few rows (decode) are quantized before the parallel region: a barrier inside it
+    // costs more than they do, and far more when the threads share their cores
+    const int serial = M <= Q_SERIAL_ROWS;
+    for (int64_t m = 0; serial && m < M; m++)
+        quant_row((const char*)x + m * K * elem, x_bf16, K, xq + m * K, xd + m * nb, xs + m * nb);
 #pragma omp parallel
     {
+        if (!serial) {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            quant_row((const char*)x + m * K * elem, x_bf16, K, xq + m * K, xd + m * nb,
-                      xs + m * nb);
+            for (int64_t m = 0; m < M; m++)
+                quant_row((const char*)x + m * K * elem, x_bf16, K, xq + m * K, xd + m * nb,
+                          xs + m * nb);
+        }
         const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t n0 = tid * N / nth, n1 = (tid + 1) * N / nth;
         for (int64_t nc = n0; nc < n1; nc += Q_NCHUNK) {
