@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.attention.paged import SeqSlice
 from engine.config import (
@@ -131,10 +132,18 @@ def test_fp8_kv_pages_with_quantized_weights(strata_cache_dir, default_engines):
         chat=True,
     )
     assert "Paris" in answer.text
-    ref = [c.token_ids for c in default_engines["auto"].generate(PROMPTS, GREEDY)]
-    got = [c.token_ids for c in fp8.generate(PROMPTS, GREEDY)]
-    # FP8 pages round keys and values: continuations part after a few tokens, not before
-    assert [r[:4] for r in ref] == [g[:4] for g in got]
+    # teacher-forced next-token distributions against 16-bit pages (measured: mean KL 0.007,
+    # top-1 agreement 0.96 over this text)
+    text = (
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who "
+        "every morning went out before dawn to cast his nets, and every evening came back to "
+        "tell his wife what the sea had given him."
+    )
+    ids = fp8.tokenizer.encode(text)
+    ref, got = all_position_logits(default_engines["auto"], ids), all_position_logits(fp8, ids)
+    kl = F.kl_div(F.log_softmax(got, -1), F.log_softmax(ref, -1), log_target=True, reduction="none")
+    assert kl.sum(-1).mean() < 0.03
+    assert (ref.argmax(-1) == got.argmax(-1)).float().mean() >= 0.85
 
 
 def test_lora_adds_its_update_on_top_of_quantized_products(strata_cache_dir, tmp_path):
