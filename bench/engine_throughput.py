@@ -34,8 +34,9 @@ from bench.common import (
     publish,
     timed_calls,
 )
-from engine.config import CacheConfig, CpuIsa, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, CpuIsa, EngineConfig, SchedulerConfig, WeightFormat
 from engine.factory import create_engine, native_kernels
+from engine.model.quant_weights import QuantLinear
 from engine.model_specs import resolve_model_path
 from engine.protocol import SamplingParams
 
@@ -118,9 +119,11 @@ def _rate(fn, work: float, repeats: int = 5, best: bool = True) -> float:
 
 def cpu_roofline(core, batches: list[int], prompt_len: int, new_tokens: int) -> dict | None:
     """The workload's ceiling on this CPU (see the module docstring); None off the bf16
-    native-kernel path."""
+    native-kernel path, and with quantized weights (their bytes and products differ)."""
     kernels = native_kernels(core.config, core.dtype)  # the build the engine runs
     if kernels is None or core.device.type != "cpu" or core.dtype != torch.bfloat16:
+        return None
+    if any(isinstance(m, QuantLinear) for m in core.runner.model.modules()):
         return None
     mc = core.model_config
     hidden, inter = mc.hidden_size, mc.intermediate_size
@@ -164,6 +167,12 @@ def main(argv: list[str] | None = None) -> dict:
         default="auto",
         choices=[i.value for i in CpuIsa],
         help="instruction level of the native CPU kernels (auto: the best this CPU has)",
+    )
+    ap.add_argument(
+        "--weights",
+        default="auto",
+        choices=[w.value for w in WeightFormat],
+        help="the engine's --weights (auto: as the model file holds them)",
     )
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -209,6 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
         dtype=args.dtype,
         device=args.device,
         cpu_isa=CpuIsa(args.cpu_isa),
+        weights=WeightFormat(args.weights),
         seed=args.seed,
         cache_dir=args.cache_dir,
         cache=CacheConfig(
@@ -314,6 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "prefill_len": args.prefill_len,
+        "weights": args.weights,
         "quick": args.quick,
         "isa": kernels.isa if kernels is not None else None,  # the instruction level
         "repeats": args.repeats,

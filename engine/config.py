@@ -72,15 +72,22 @@ class CpuIsa(enum.Enum):
 
 
 class WeightFormat(enum.Enum):
-    """How the projections' weights are held. `auto`: as the checkpoint holds them (today
-    every loader gives the compute dtype). `16bit`: in the compute dtype (`dtype`). `fp8`:
-    the decoder's projections, and an LM head not tied to the embedding table, in
-    float8_e4m3fn with a float32 scale per output row (engine/model/fp8_weights.py), their
-    products by the Triton kernels (engine/kernels/triton_fp8_linear.py): CUDA devices only,
-    or a CPU under `KernelBackend.TRITON` (interpreted, for tests)."""
+    """How the projections' weights are held. `auto`: as the checkpoint holds them: on the
+    native CPU backend a GGUF's Q8_0, Q4_0, Q4_1 and Q4_K weights stay quantized (other
+    block types become q8), float ones are in the compute dtype. `16bit`: in the compute
+    dtype (`dtype`). `q8` / `q4`: every projection quantized at load in blocks of 32 (int8
+    with a scale; 4-bit with a scale and a min), the LM head in q8, multiplied with integer
+    dot products by the native CPU kernels (engine/model/quant_weights.py); elsewhere the
+    quantized values are dequantized into the compute dtype. `fp8`: the decoder's
+    projections, and an LM head not tied to the embedding table, in float8_e4m3fn with a
+    float32 scale per output row (engine/model/fp8_weights.py), their products by the
+    Triton kernels (engine/kernels/triton_fp8_linear.py): CUDA devices only, or a CPU under
+    `KernelBackend.TRITON` (interpreted, for tests)."""
 
     AUTO = "auto"
     SIXTEEN_BIT = "16bit"
+    Q8 = "q8"
+    Q4 = "q4"
     FP8 = "fp8"
 
 
@@ -446,9 +453,11 @@ class EngineConfig:
     weights: WeightFormat = option(
         WeightFormat.AUTO,
         "--weights",
-        "the projections' weights: auto (as the model file holds them), 16bit (the "
-        "--dtype), or fp8 (e4m3 with a scale per output channel, quantized at load, about "
-        "half the bytes of 16-bit ones; CUDA only)",
+        "the projections' weights: auto (as the model file holds them: a GGUF's Q8_0/Q4_0/"
+        "Q4_1/Q4_K weights stay quantized on the native CPU backend), 16bit (the --dtype), "
+        "q8 or q4 (quantized at load in blocks of 32, integer products on the native CPU "
+        "backend, dequantized elsewhere), or fp8 (e4m3 with a scale per output channel, "
+        "quantized at load; CUDA only)",
     )
     grammar_backend: GrammarBackend = option(
         GrammarBackend.LLGUIDANCE,

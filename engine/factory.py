@@ -18,6 +18,7 @@ from engine.loader import (
 )
 from engine.model.fp8_weights import apply_fp8_weights, choose_plans
 from engine.model.native_cpu import apply_native_cpu
+from engine.model.quant_weights import apply_quant_weights, describe, quantize_model
 from engine.model.triton_layers import apply_triton_layers
 from engine.model_specs import tokenizer_from_source
 from engine.structured.backend import Vocabulary
@@ -47,6 +48,14 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
     tokenizer = load_tokenizer(checkpoint, config.cache_dir)
     model = build_model(checkpoint, compute_dtype(config), config.torch_device())
     kernels = native_kernels(config, model.embed_tokens.weight.dtype)
+    quantized = config.weights in (WeightFormat.Q8, WeightFormat.Q4) or (
+        config.weights is WeightFormat.AUTO and kernels is not None
+    )
+    if quantized:  # before the native swap, which leaves the quantized linears alone
+        weights = quantize_model(model, checkpoint, config.weights)
+        apply_quant_weights(model, weights, None if kernels is None else kernels.quant)
+        if weights:
+            log.info("quantized weights: %s", describe(weights))
     if kernels is not None:
         apply_native_cpu(model, kernels)
     if config.weights is WeightFormat.FP8:  # before the one-token products are chosen

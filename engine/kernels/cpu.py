@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from engine.kernels.cpu_quant import QuantKernels
+
 log = logging.getLogger(__name__)
 
 _SRC_DIR = Path(__file__).parent / "csrc"
@@ -35,6 +37,7 @@ _UNITS = (
     "layer.c",
     "ops_bf16.c",
     "ops.c",
+    "quant.c",
 )
 _HEADERS = (
     "common.h",
@@ -49,6 +52,7 @@ _HEADERS = (
     "linear.h",
     "lora.h",
     "layer.h",
+    "quant.h",
 )
 _PANEL = 64  # output columns per packed weight panel (linear.h)
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-fno-math-errno"]
@@ -241,6 +245,7 @@ class CpuKernels:
         self._linear_lora = lib.strata_linear_lora_bf16
         self._linear_lora.argtypes = [*[_P] * 4, *[_I] * 3, *[_P] * 3, _I, _P, _I, _P]
         self._linear_lora.restype = ctypes.c_int
+        self.quant = QuantKernels(lib)  # linears over q8 / q4 weights (csrc/quant.h)
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:

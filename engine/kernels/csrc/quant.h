@@ -1,0 +1,30 @@
+// Quantized linears: weights stay in blocks of 32 along the input dimension and are
+// multiplied with integer dot products (quant.c). Two weight formats, one packed row per
+// output channel, each row its blocks' values first, then their fp32 scales:
+//   q8: [K] int8 values (-127..127), then d[K / 32]:          w = d * q
+//   q4: [K / 2] bytes, then d[K / 32], then m[K / 32]:        w = d * q - m, q in 0..15
+// A q4 block is 16 bytes: byte j holds value j in its low nibble and value j + 16 in its
+// high nibble (GGML's Q4_0/Q4_1 order). Activations are quantized on the fly, per row and
+// block of 32, to int16 with one fp32 scale d = amax / 32767 (round to nearest even of
+// x * (1 / d)).
+#pragma once
+
+#include <stdint.h>
+
+#define QBLOCK 32
+
+// Bytes of one packed row of K inputs.
+int64_t strata_quant_row_bytes(int64_t format, int64_t K);
+
+// y[M, N] = x[M, K] W^T (+ bias): x bf16 (x_bf16) or fp32, bias NULL or [N] in x's type, y
+// fp32 (out_f32) or bf16. format 8: q8, 4: q4. Returns 0, -1 for K % 32, -3 out of memory.
+int strata_quant_linear(int64_t format, const void* x, int x_bf16, const uint8_t* w,
+                        const void* bias, void* y, int out_f32, int64_t M, int64_t N, int64_t K);
+
+// The activation quantizer on its own (tests): xq [M, K] int16, xd [M, K / 32] scales, xs
+// [M, K / 32] each block's xd * sum(xq).
+void strata_quant_activations(const void* x, int x_bf16, int64_t M, int64_t K, int16_t* xq,
+                              float* xd, float* xs);
+
+// Which integer dot product this build uses: 3 AVX-512BW, 2 AVX2, 0 scalar.
+int strata_quant_isa(void);
