@@ -451,10 +451,12 @@ class EngineConfig:
         "and Triton's GEMV timed faster at start), cublas, or triton",
     )
     weights: WeightFormat = option(
-        WeightFormat.AUTO,
+        WeightFormat.SIXTEEN_BIT,
         "--weights",
-        "the projections' weights: auto (as the model file holds them: a GGUF's Q8_0/Q4_0/"
-        "Q4_1/Q4_K weights stay quantized on the native CPU backend), 16bit (the --dtype), "
+        "the projections' weights: 16bit (the --dtype; the default, fastest on the CPUs "
+        "measured at the default model's size), auto (as the model file holds them: a GGUF's "
+        "Q8_0/Q4_0/Q4_1/Q4_K weights stay quantized on the native CPU backend, a third of "
+        "the memory), "
         "q8 or q4 (quantized at load in blocks of 32, integer products on the native CPU "
         "backend, dequantized elsewhere), or fp8 (e4m3 with a scale per output channel, "
         "quantized at load; CUDA only)",
