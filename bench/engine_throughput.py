@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument(
         "--weights",
-        default="auto",
+        default=EngineConfig.weights.value,
         choices=[w.value for w in WeightFormat],
         help="the engine's --weights (auto: as the model file holds them)",
     )
