@@ -153,11 +153,7 @@ class EngineClient:
         Raises InvalidRequestError if the worker rejects the request and EngineDeadError
         if the worker goes away. Leaving the iteration early aborts the request.
         """
-        await self.connect()
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
-        stream: asyncio.Queue[_Item] = asyncio.Queue()
-        self._streams[request_id] = stream
+        stream = await self._open_stream(request_id)
         finished = False
         try:
             self._send(
@@ -179,6 +175,15 @@ class EngineClient:
             if not finished and self.connected:
                 self._send(Abort([request_id]))
 
+    async def _open_stream(self, request_id: str) -> asyncio.Queue[_Item]:
+        """Connect, and register the queue the replies for `request_id` go to."""
+        await self.connect()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
+        stream: asyncio.Queue[_Item] = asyncio.Queue()
+        self._streams[request_id] = stream
+        return stream
+
     async def prefill(
         self,
         request_id: str,
@@ -195,11 +200,7 @@ class EngineClient:
 
         Raises InvalidRequestError if the worker rejects it, EngineDeadError if the worker
         goes away or the prefill fails. Leaving the iteration early aborts it."""
-        await self.connect()
-        if request_id in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in flight")
-        stream: asyncio.Queue[_Item] = asyncio.Queue()
-        self._streams[request_id] = stream
+        stream = await self._open_stream(request_id)
         finished = False
         try:
             ids = list(prompt_token_ids)

@@ -7,10 +7,12 @@ worker, billed once; torn or foreign pages are misses, never wrong KV."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -42,24 +44,33 @@ def disagg(tmp_path_factory, strata_cache_dir, store_server):
         "decode": WorkerProcess(root / "d.sock", DECODE, strata_cache_dir),
         "both": WorkerProcess(root / "b.sock", TINY, strata_cache_dir),
     }
+    with split_and_colocated(workers, store_server.url, strata_cache_dir) as fleet:
+        yield fleet
+
+
+@contextlib.contextmanager
+def split_and_colocated(
+    workers: dict[str, WorkerProcess], store_url: str, cache_dir: Path
+) -> Iterator[dict]:
+    """`workers` (prefill, decode, both) started, the first two behind one gateway and the
+    third behind another; everything stopped after."""
     for worker in workers.values():
         worker.start()
     settings = gateway_settings(
-        store_server.url,
-        workers["decode"],
-        strata_cache_dir,
-        disagg_min_prompt_tokens=MIN_PROMPT_TOKENS,
+        store_url, workers["decode"], cache_dir, disagg_min_prompt_tokens=MIN_PROMPT_TOKENS
     )
     addresses = (workers["prefill"].address, workers["decode"].address)
     split = GatewayServer(dataclasses.replace(settings, engine_addresses=addresses))
-    colocated = GatewayServer(gateway_settings(store_server.url, workers["both"], strata_cache_dir))
+    colocated = GatewayServer(gateway_settings(store_url, workers["both"], cache_dir))
     split.start()
     colocated.start()
-    yield {"workers": workers, "split": split, "colocated": colocated, "store": store_server.url}
-    split.stop()
-    colocated.stop()
-    for worker in workers.values():
-        worker.stop()
+    try:
+        yield {"workers": workers, "split": split, "colocated": colocated, "store": store_url}
+    finally:
+        split.stop()
+        colocated.stop()
+        for worker in workers.values():
+            worker.stop()
 
 
 def complete(gateway: GatewayServer, key: str, prompt: str, **extra) -> dict:

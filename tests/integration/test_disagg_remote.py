@@ -7,7 +7,6 @@ travel through the gateway after all, and the request is still answered (billed 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 
 import pytest
@@ -16,8 +15,15 @@ from engine.client import EngineClient
 from engine.protocol import EngineStats
 from tenants.ledger import Ledger
 from tenants.store import EmbeddedStore, connect
-from tests.integration.conftest import GatewayServer, WorkerProcess, gateway_settings
-from tests.integration.test_disagg import DECODE, MIN_PROMPT_TOKENS, TINY, complete, disagg_count
+from tests.integration.conftest import WorkerProcess
+from tests.integration.test_disagg import (
+    DECODE,
+    MIN_PROMPT_TOKENS,
+    TINY,
+    complete,
+    disagg_count,
+    split_and_colocated,
+)
 from tests.integration.test_disagg import document as _document
 
 REMOTE = ["--kv-remote-timeout-ms", "1000"]
@@ -44,30 +50,8 @@ def shared(tmp_path_factory, strata_cache_dir, store_server):
         "decode": WorkerProcess(root / "d.sock", [*DECODE, *through], strata_cache_dir),
         "both": WorkerProcess(root / "b.sock", TINY, strata_cache_dir),
     }
-    for worker in workers.values():
-        worker.start()
-    settings = gateway_settings(
-        store_server.url,
-        workers["decode"],
-        strata_cache_dir,
-        disagg_min_prompt_tokens=MIN_PROMPT_TOKENS,
-    )
-    addresses = (workers["prefill"].address, workers["decode"].address)
-    split = GatewayServer(dataclasses.replace(settings, engine_addresses=addresses))
-    colocated = GatewayServer(gateway_settings(store_server.url, workers["both"], strata_cache_dir))
-    split.start()
-    colocated.start()
-    yield {
-        "workers": workers,
-        "split": split,
-        "colocated": colocated,
-        "store": store_server.url,
-        "remote": remote,
-    }
-    split.stop()
-    colocated.stop()
-    for worker in workers.values():
-        worker.stop()
+    with split_and_colocated(workers, store_server.url, strata_cache_dir) as fleet:
+        yield {**fleet, "remote": remote}
     remote.stop()
 
 
