@@ -113,8 +113,8 @@ def test_default_model_keeps_its_q4_1_blocks_and_follows_the_16bit_run(default_e
 
 def test_speculative_decoding_on_quantized_weights_keeps_the_tokens(strata_cache_dir):
     spec = SpeculativeConfig(num_speculative_tokens=4, adaptive=False)
-    drafted = engine(strata_cache_dir, speculative=spec)
-    plain = engine(strata_cache_dir)
+    drafted = engine(strata_cache_dir, weights=WeightFormat.AUTO, speculative=spec)
+    plain = engine(strata_cache_dir, weights=WeightFormat.AUTO)
     assert quant_linears(drafted)
     prompts = ["1, 2, 3, 4, 5, 6, 7, 8,", "the cat sat on the mat. the cat sat on the"]
     assert [c.token_ids for c in drafted.generate(prompts, GREEDY)] == [
@@ -124,7 +124,7 @@ def test_speculative_decoding_on_quantized_weights_keeps_the_tokens(strata_cache
 
 def test_fp8_kv_pages_with_quantized_weights(strata_cache_dir, default_engines):
     cache = CacheConfig(kv_cache_dtype=KVCacheDtype.FP8_E4M3)
-    fp8 = engine(strata_cache_dir, cache=cache)
+    fp8 = engine(strata_cache_dir, weights=WeightFormat.AUTO, cache=cache)
     assert quant_linears(fp8)
     (answer,) = fp8.generate(
         ["What is the capital of France?"],
