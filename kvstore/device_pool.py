@@ -30,8 +30,11 @@ def make_page_loads(
     mode = LoadMode(mode)
     if mode is LoadMode.AUTO:
         mode = LoadMode.STREAM if pool.device.type == "cuda" else LoadMode.SYNC
-    loads = {LoadMode.SYNC: SyncLoads, LoadMode.THREAD: ThreadLoads, LoadMode.STREAM: StreamLoads}
-    return loads[mode](pool, host_reads)
+    if mode is LoadMode.STREAM:
+        return StreamLoads(pool, host_reads)
+    if mode is LoadMode.THREAD:
+        return ThreadLoads(pool, host_reads)
+    return SyncLoads(pool, host_reads)
 
 
 class DeviceKVPool:

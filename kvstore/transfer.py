@@ -10,6 +10,7 @@ picks one. The design is in docs/design/kv-pages-and-tiers.md.
 
 from __future__ import annotations
 
+import abc
 import enum
 import itertools
 import logging
@@ -160,7 +161,7 @@ def _words(*views: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return views
 
 
-class PageLoads:
+class PageLoads(abc.ABC):
     """The page loads of one device pool: queued by `start`, issued together by the first
     wait (layer 0's copies of every queued load, then layer 1's, ...), then in flight. A
     subclass issues the copies of one mode (`_issue`, `_save`) and waits for them
@@ -234,7 +235,7 @@ class PageLoads:
     def _save(self, blocks: list[int], slots: list[int], inline: bool) -> Any:
         """Start the copies of a save (`save_host_rows`): the in-flight record, or None when
         they are done already."""
-        raise NotImplementedError(f"{self.mode.value} loads read no host rows in place")
+        raise AssertionError(f"{self.mode.value} loads read no host rows in place")
 
     def _saves_before(self, ticket: int) -> list[Any]:
         """The saves still pending that were started before `ticket`, oldest first: a load
@@ -361,10 +362,10 @@ class PageLoads:
         load.host_slots = [s for src, _ in queued if isinstance(src, _HostRows) for s in src.slots]
         self._pending.append(load)
 
+    @abc.abstractmethod
     def _issue(self, queued: list[tuple[_Staged | _HostRows, list[int]]]) -> Any:
         """Issue the copies of `queued` (each a load's source and its blocks), layer-major,
         after the saves started before the newest of them: the in-flight record."""
-        raise NotImplementedError
 
     def need(self, tickets: Collection[int] | None) -> None:
         """Make the waits (`wait_layer`, `wait_all`, `finish`) cover the copies of these
@@ -400,8 +401,9 @@ class PageLoads:
         if needed:
             self._wait_layer(needed, layer)
 
+    @abc.abstractmethod
     def _wait_layer(self, loads: list[Any], layer: int) -> None:
-        raise NotImplementedError
+        """Make what runs next wait for layer `layer` of `loads`."""
 
     def wait_all(self) -> None:
         """`wait_layer` for the last layer, which every earlier layer's copy precedes."""
@@ -468,6 +470,9 @@ class SyncLoads(PageLoads):
         if pages:
             self.pool.write_pages(blocks, pages)
         return 0
+
+    def _issue(self, queued: list[tuple[_Staged | _HostRows, list[int]]]) -> Any:
+        raise AssertionError("synchronous loads queue nothing")
 
     def _wait_layer(self, loads: list[Any], layer: int) -> None:
         raise AssertionError("synchronous loads leave nothing in flight")

@@ -162,18 +162,7 @@ async def test_a_prefill_worker_killed_mid_request_leaves_it_to_the_decode_worke
     assert reply["choices"][0]["text"] == reference["choices"][0]["text"]
     assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed in place
     assert disagg_count(split, "failed") >= 1
-    store = connect(disagg["store"])
-    try:
-        ledger = Ledger(store)
-        deadline = time.monotonic() + 20
-        while (record := await ledger.get(reply["id"])) is None:
-            assert time.monotonic() < deadline, "no usage record"
-            await asyncio.sleep(0.1)
-        assert record.tenant_id == tenant
-        assert record.prompt_tokens == reply["usage"]["prompt_tokens"]
-        assert record.completion_tokens == reply["usage"]["completion_tokens"] == 12
-    finally:
-        await store.aclose()
+    await assert_billed_once(disagg["store"], reply, tenant)
 
 
 async def test_torn_pages_are_misses_and_the_tokens_stay(disagg):
@@ -220,3 +209,19 @@ def test_the_workers_list_shows_each_workers_role(disagg):
     workers = disagg["workers"]
     roles = {w["address"]: w["role"] for w in listed}
     assert roles == {workers["prefill"].address: "prefill", workers["decode"].address: "decode"}
+
+
+async def assert_billed_once(store_url: str, reply: dict, tenant: str) -> None:
+    """The request's one usage record appears in the ledger with the reply's counts."""
+    store = connect(store_url)
+    try:
+        ledger = Ledger(store)
+        deadline = time.monotonic() + 20
+        while (record := await ledger.get(reply["id"])) is None:
+            assert time.monotonic() < deadline, "no usage record"
+            await asyncio.sleep(0.1)
+        assert record.tenant_id == tenant
+        assert record.prompt_tokens == reply["usage"]["prompt_tokens"]
+        assert record.completion_tokens == reply["usage"]["completion_tokens"] == 12
+    finally:
+        await store.aclose()

@@ -6,20 +6,17 @@ travel through the gateway after all, and the request is still answered (billed 
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 
 from engine.client import EngineClient
 from engine.protocol import EngineStats
-from tenants.ledger import Ledger
-from tenants.store import EmbeddedStore, connect
+from tenants.store import EmbeddedStore
 from tests.integration.conftest import WorkerProcess
 from tests.integration.test_disagg import (
     DECODE,
     MIN_PROMPT_TOKENS,
     TINY,
+    assert_billed_once,
     complete,
     disagg_count,
     split_and_colocated,
@@ -120,15 +117,4 @@ async def test_with_the_remote_store_gone_the_pages_go_through_the_gateway(share
     after = await stats(decode)
     assert after.num_kv_pages_received == before.num_kv_pages_received + num_blocks
     assert disagg_count(split, "sent") == relayed + 1
-    store = connect(shared["store"])
-    try:
-        ledger = Ledger(store)
-        deadline = time.monotonic() + 20
-        while (record := await ledger.get(reply["id"])) is None:
-            assert time.monotonic() < deadline, "no usage record"
-            await asyncio.sleep(0.1)
-        assert record.tenant_id == tenant
-        assert record.prompt_tokens == reply["usage"]["prompt_tokens"]
-        assert record.completion_tokens == reply["usage"]["completion_tokens"] == 12
-    finally:
-        await store.aclose()
+    await assert_billed_once(shared["store"], reply, tenant)
