@@ -124,16 +124,18 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
         log.info("gateway ready: serving %s", ", ".join(sorted(fleet.groups)))
         try:
             yield
-            await pipeline.drain()
+            async with _slow_step_logged("settling running requests"):
+                await pipeline.drain()
         finally:
             recorder.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await recorder
             with contextlib.suppress(Exception):
-                async with asyncio.timeout(5.0):
+                async with asyncio.timeout(5.0), _slow_step_logged("recording KV residency"):
                     await record_once(fleet, residency)  # what was held up to the stop
     finally:
-        left = await writer.drain(timeout=10.0)
+        async with _slow_step_logged("writing usage records"):
+            left = await writer.drain(timeout=10.0)
         writer.close()
         if left:
             log.error(
@@ -142,10 +144,26 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
                 left,
                 journal.root,
             )
-        await keys.stop()
-        await dispatcher.close()
-        await fleet.close()
+        async with _slow_step_logged("closing the key cache"):
+            await keys.stop()
+        async with _slow_step_logged("closing the alert dispatcher"):
+            await dispatcher.close()
+        async with _slow_step_logged("closing the fleet"):
+            await fleet.close()
         await redis.aclose()
+
+
+@asynccontextmanager
+async def _slow_step_logged(step: str, slow_s: float = 2.0) -> AsyncIterator[None]:
+    """A shutdown step that takes longer than `slow_s` is logged with how long it took, so
+    that a slow stop says where its time went."""
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        took = time.monotonic() - started
+        if took > slow_s:
+            log.warning("shutdown: %s took %.1fs", step, took)
 
 
 async def _decode_json_strictly(request: Request[Any, Any, Any]) -> None:

@@ -287,7 +287,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvloop  # noqa: PLC0415
 
-    from gateway.serve import EMBEDDED_REMOTE, serve  # noqa: PLC0415
+    from gateway.serve import EMBEDDED_REMOTE, exit_after, serve  # noqa: PLC0415
 
     models = args.models or [None]  # None: $STRATA_MODEL, else the default model
     if args.workers < 1:
@@ -316,6 +316,9 @@ def _serve(args: argparse.Namespace) -> int:
         runner.run(
             serve(gateway_settings, worker_args, demo=args.demo, kv_remote_bytes=remote_bytes)
         )
+        # every child has stopped: the event loop's own teardown (cancelling what is left,
+        # joining its executor's threads) gets a few seconds, not an unbounded wait
+        exit_after(10.0, code=0, why="the event loop's teardown hung after a clean stop")
     return 0
 
 

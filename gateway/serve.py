@@ -12,6 +12,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,13 +44,24 @@ class _Server(uvicorn.Server):
         yield
 
     def request_exit(self) -> None:
+        """The first stop signal drains; a second one stops without waiting for streams.
+        Either way the whole stop is bounded (`STOP_BUDGET_S`): past it, `serve` logs where
+        it is stuck and exits 1 (its children die with it)."""
+        if self.should_exit:
+            log.warning("second stop signal: not waiting for open streams")
+            self.force_exit = True
+            return
         self.should_exit = True
+        exit_after(STOP_BUDGET_S, code=1, why="the stop took longer than its budget")
 
     async def wait_started(self, running: asyncio.Task[None]) -> None:
         while not self.started and not running.done():  # noqa: ASYNC110 (uvicorn has a flag)
             await asyncio.sleep(0.05)
 
 
+# a stop's bound: the gateway's 30 s drain of open streams, its ledger flush, then 15 s for
+# each worker and 10 s for the store, with room to spare
+STOP_BUDGET_S = 90.0
 RESTART_FIRST_S = 1.0
 RESTART_MAX_S = 30.0
 HEALTHY_RUN_S = 60.0
@@ -69,6 +81,23 @@ def server_config(settings: GatewaySettings) -> uvicorn.Config:
         access_log=False,
         timeout_graceful_shutdown=30,
     )
+
+
+def exit_after(seconds: float, *, code: int, why: str) -> None:
+    """End the process `seconds` from now unless it has ended by then: a stop must not hang
+    on a stuck thread or task. The threads still alive are logged, then the process exits
+    with `code` at once (no further teardown: that is what hangs)."""
+
+    def fire() -> None:
+        stuck = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+        log.error("%s (%.0fs); exiting %d with threads still alive: %s", why, seconds, code, stuck)
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(code)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
 
 
 def restart_delay(previous_s: float | None, ran_for_s: float, healthy_after_s: float) -> float:
@@ -153,6 +182,7 @@ class WorkerSupervisor:
             try:
                 await asyncio.wait_for(self.proc.wait(), timeout=15)
             except TimeoutError:
+                log.warning("engine worker %s did not stop within 15s; killing it", self.address)
                 self.proc.kill()
                 await self.proc.wait()
 
@@ -336,8 +366,10 @@ async def serve(
             )
         await running
     finally:
+        log.info("stopping %d engine worker(s), then the store", len(workers))
         await asyncio.gather(*(worker.stop() for worker in workers))
         if store is not None:
             await store.stop()
         if kv_remote is not None:
             await kv_remote.stop()
+        log.info("stopped")

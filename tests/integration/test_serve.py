@@ -5,6 +5,7 @@ clean shutdown of every child on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -36,12 +37,13 @@ def _start_serve(tmp_path, strata_cache_dir, *extra: str) -> tuple[subprocess.Po
     env = dict(
         os.environ,
         STRATA_CACHE_DIR=str(strata_cache_dir),
-        STRATA_LOG_LEVEL="WARNING",
+        STRATA_LOG_LEVEL="INFO",
         STRATA_DATA_DIR=str(tmp_path / "data"),
     )
     env.pop("STRATA_ADMIN_TOKEN", None)
     env.pop("STRATA_REDIS_URL", None)
     env.pop("STRATA_WORKER_SECRET", None)
+    log = (tmp_path / "serve.log").open("a")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -57,9 +59,10 @@ def _start_serve(tmp_path, strata_cache_dir, *extra: str) -> tuple[subprocess.Po
         ],
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=log,
         text=True,
     )
+    log.close()
     assert proc.stdout is not None
     key = url = None
     deadline = time.monotonic() + 180
@@ -73,6 +76,26 @@ def _start_serve(tmp_path, strata_cache_dir, *extra: str) -> tuple[subprocess.Po
             url = match.group(1)
     assert key is not None
     return proc, key, url
+
+
+def _stop(proc: subprocess.Popen[str], tmp_path: Path, timeout: float = 120) -> None:
+    """SIGTERM `serve`, which must exit 0; a stop that hangs or fails shows what `serve`
+    logged (and its children are killed, so that nothing outlives the test). `serve` bounds
+    its own stop (`STOP_BUDGET_S`) below `timeout`, so a hang shows its own account first."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        left = _children(proc.pid)
+        for pid in (*left, proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        code = proc.wait()
+        tail = (tmp_path / "serve.log").read_text(errors="replace")[-6000:]
+        pytest.fail(f"serve did not stop within {timeout:.0f}s; children {left}; log:\n{tail}")
+    if code != 0:
+        tail = (tmp_path / "serve.log").read_text(errors="replace")[-6000:]
+        pytest.fail(f"serve stopped with {code}; log:\n{tail}")
 
 
 def _children(pid: int) -> dict[int, str]:
@@ -181,9 +204,7 @@ def test_serve_demo_end_to_end(tmp_path, strata_cache_dir):
         (new_pid,) = [p for p, cmd in _children(proc.pid).items() if "valkey-server" in cmd]
         assert new_pid != store_pid
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=60)
-    assert code == 0
+        _stop(proc, tmp_path)
 
     # a second start prints the same demo key: nothing new minted
     again, same_key, url = _start_serve(tmp_path, strata_cache_dir)
@@ -198,8 +219,7 @@ def test_serve_demo_end_to_end(tmp_path, strata_cache_dir):
             (tenant,) = admin.get("/admin/tenants/").json()
             assert len(admin.get(f"/admin/tenants/{tenant['id']}/keys").json()) == 1
     finally:
-        again.send_signal(signal.SIGTERM)
-        assert again.wait(timeout=60) == 0
+        _stop(again, tmp_path)
     # every child is gone: the store's and the worker's sockets were removed
     assert not (tmp_path / "data" / "engine.sock").exists()
     assert not (tmp_path / "data" / "store" / "store.sock").exists()
@@ -235,8 +255,7 @@ def test_serve_runs_a_worker_per_model_and_routes_by_model(tmp_path, strata_cach
             ("local-1", "SmolLM2-135M-Instruct"),
         ]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        _stop(proc, tmp_path)
 
 
 def test_serve_starts_an_embedded_remote_tier_its_workers_share(tmp_path, strata_cache_dir):
@@ -267,5 +286,4 @@ def test_serve_starts_an_embedded_remote_tier_its_workers_share(tmp_path, strata
             assert time.monotonic() < deadline, "no page reached the remote tier"
             time.sleep(0.05)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        _stop(proc, tmp_path)

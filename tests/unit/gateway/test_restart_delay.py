@@ -1,7 +1,10 @@
 """Supervised children (engine worker, embedded store): the restart delay doubles while a
-child keeps dying young and starts over once it has run healthily."""
+child keeps dying young and starts over once it has run healthily; a stop is bounded."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 from gateway.serve import RESTART_FIRST_S, RESTART_MAX_S, restart_delay
 
@@ -27,3 +30,18 @@ def test_a_healthy_run_resets_the_delay():
         delay = restart_delay(delay, ran_for_s=1.0, healthy_after_s=60.0)
     assert delay == RESTART_MAX_S
     assert restart_delay(delay, ran_for_s=61.0, healthy_after_s=60.0) == RESTART_FIRST_S
+
+
+def test_a_stop_stuck_on_a_thread_ends_at_its_bound_naming_the_thread():
+    # a non-daemon thread that never ends would keep the interpreter from exiting
+    script = (
+        "import threading\n"
+        "from gateway.serve import exit_after\n"
+        "threading.Thread(target=threading.Event().wait, name='stuck-join').start()\n"
+        "exit_after(0.3, code=3, why='stop over budget')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 3
+    assert "stop over budget" in done.stderr and "stuck-join" in done.stderr
