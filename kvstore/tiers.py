@@ -352,7 +352,9 @@ class KVOffloader:
         tier_of = self.store.tier_of
         n = 0
         for key in keys:
-            if tier_of(key, touch=True) is None and not any(key in f.good for f in fetches):
+            if tier_of(key, touch=True) is None and not (
+                fetches and any(key in f.good for f in fetches)
+            ):
                 break
             n += 1
         return n

@@ -19,8 +19,8 @@ from kvstore.disk_page import PageFormat
 from kvstore.host import HostKVPool
 from kvstore.remote import RemoteConfig, RemoteKVTier
 from kvstore.tiers import KVOffloader, TieredKVStore
-from tests.unit.kvstore.test_tiers import filled_pool, key
 from tenants.store import EmbeddedStore
+from tests.unit.kvstore.test_tiers import filled_pool, key
 
 PAGE = 4096
 FORMAT = PageFormat(model_id="m", namespace="m|bf16", kv_dtype="bfloat16", layout=(3, 2, 64, 4))
