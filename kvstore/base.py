@@ -203,7 +203,9 @@ class KVTier(Protocol):
         """Pages each owner holds here."""
         ...
 
-    def check_integrity(self) -> None: ...
+    def check_integrity(self) -> None:
+        """Assert the tier's invariants (its index, owners and budgets agree)."""
+        ...
 
     def close(self) -> None:
         """Let go of what the tier holds (files, connections, threads); nothing is called
@@ -230,8 +232,9 @@ class ReadAheadTier(KVTier, Protocol[FetchT]):
         ...
 
     def settle(self, fetch: FetchT) -> bool:
-        """True once no page of `fetch` is still being read (never waits); its `good` pages
-        are then known. Pages that failed are misses."""
+        """True once no page of `fetch` is still being read, or the shared tier's bound on a
+        fetch has passed (never waits); its `good` pages are then known. Pages that failed
+        are misses."""
         ...
 
     def release(self, fetch: FetchT) -> None:

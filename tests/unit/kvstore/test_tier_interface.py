@@ -53,15 +53,17 @@ def settled(tier: ReadAheadTier[PageFetch], fetch: PageFetch) -> PageFetch:
     return fetch
 
 
+def make_tier(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> KVTier:
+    if kind == "host":
+        return HostKVPool(PAGE, 8, pin=False)
+    if kind == "disk":
+        return DiskKVPool(tmp_path, PAGE, 8)
+    return remote_tier(request.getfixturevalue("private_store"))
+
+
 @pytest.fixture(params=["host", "disk", "remote"])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[KVTier]:
-    made: KVTier
-    if request.param == "host":
-        made = HostKVPool(PAGE, 8, pin=False)
-    elif request.param == "disk":
-        made = DiskKVPool(tmp_path, PAGE, 8)
-    else:
-        made = remote_tier(request.getfixturevalue("private_store"))
+    made = make_tier(request.param, request, tmp_path)
     yield made
     made.close()
 
@@ -105,14 +107,19 @@ def test_each_tier_holds_counts_and_gives_back_the_pages_written(tier: KVTier):
     tier.check_integrity()
 
 
-def test_pages_beyond_an_owners_limit_are_not_kept(tier: KVTier):
-    if tier.shared:  # the store bounds a tenant by bytes (its quota), not by pages
-        pytest.skip("the remote tier has no page limit")
+@pytest.mark.parametrize("kind", ["host", "disk"])  # the remote tier bounds bytes, not pages
+def test_pages_beyond_an_owners_limit_are_not_kept(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+):
+    tier = make_tier(kind, request, tmp_path)
     assert tier.write(key(1), page(1), "a", limit=1)
-    assert not tier.write(key(2), page(2), "none", limit=0)
-    assert not tier.holds(key(2))
+    kept = tier.write(key(2), page(2), "a", limit=1)  # disk: in place of page 1; host: refused
+    assert [tier.holds(key(1)), tier.holds(key(2))] == [not kept, kept]
+    assert not tier.write(key(3), page(3), "none", limit=0)
+    assert not tier.holds(key(3))
     assert tier.pages_by_owner() == {"a": 1}
     tier.check_integrity()
+    tier.close()
 
 
 def test_one_request_reads_ahead_from_disk_and_the_remote_tier_at_once(
