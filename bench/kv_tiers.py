@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
             disk_seconds["write"] = min(disk_seconds["write"], time.perf_counter() - start)
             disk_seconds["caller"] = min(disk_seconds["caller"], caller)
             start = time.perf_counter()  # read ahead, as the scheduler does for a waiting request
-            fetch = disk.prefetch(tagged)
+            fetch = disk.fetch(tagged)
             assert fetch is not None
             while not disk.settle(fetch):
                 disk.wait_reads(1.0)

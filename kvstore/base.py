@@ -1,6 +1,7 @@
 """Types shared by every KV tier: what a page holds, how big it is, whose it is, which tier
-holds it, and the interface (`KVConnector`) through which the block manager reaches the tiers
-below the device."""
+holds it, the interface every tier below the device implements (`KVTier`, and `ReadAheadTier`
+for those read into memory ahead of a load), and the one (`KVConnector`) through which the
+block manager reaches them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import functools
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -145,6 +146,115 @@ class ResidencyMeter:
                     if n:
                         totals[tier] = totals.get(tier, 0.0) + n * self.bytes_per_page * elapsed
         self._pages, self._at = pages, max(now, self._at)
+
+
+class PageFetch(Protocol):
+    """Pages of one request read ahead from a tier into memory: `keys`, in chain order, each
+    read into its own row. Once `settled` (the tier's `settle`), `good` holds the keys whose
+    pages arrived and passed their checks, and `page(key)` gives each of those (a view of
+    the fetch's buffer; None for any other key)."""
+
+    @property
+    def tier(self) -> Tier:
+        """The tier the pages are read from."""
+        ...
+
+    @property
+    def keys(self) -> Sequence[bytes]: ...
+
+    @property
+    def good(self) -> Collection[bytes]: ...
+
+    @property
+    def settled(self) -> bool: ...
+
+    def page(self, key: bytes) -> torch.Tensor | None: ...
+
+
+class KVTier(Protocol):
+    """One tier below the device pool (kvstore/host.py, disk.py, remote.py): pages under
+    their prefix-cache hash, each with the tenant it belongs to. Where pages move between
+    tiers is the tiers' policy (kvstore/tiers.py), not a tier's.
+
+    `shared`: a store the fleet shares. What it holds is known by reading it, not from an
+    index here, so it is never looked up page by page: its pages are written behind, read
+    ahead past what this worker's tiers hold, and land in host RAM."""
+
+    @property
+    def tier(self) -> Tier: ...
+
+    @property
+    def shared(self) -> bool: ...
+
+    def holds(self, key: bytes, *, touch: bool = False) -> bool:
+        """Whether the tier holds `key`'s page (the shared tier: as far as this worker
+        knows); `touch` also marks it recently used here."""
+        ...
+
+    def write(
+        self, key: bytes, page: torch.Tensor, owner: str = "", limit: int | None = None
+    ) -> bool:
+        """Keep a copy of `page` (taken now) under `key` for `owner`, who may keep at most
+        `limit` pages here (None: no limit of its own). False when the page is not kept.
+        A page held already is only marked recently used."""
+        ...
+
+    def pages_by_owner(self) -> dict[str, int]:
+        """Pages each owner holds here."""
+        ...
+
+    def check_integrity(self) -> None:
+        """Assert the tier's invariants (its index, owners and budgets agree)."""
+        ...
+
+    def close(self) -> None:
+        """Let go of what the tier holds (files, connections, threads); nothing is called
+        on it afterwards."""
+        ...
+
+
+FetchT = TypeVar("FetchT", bound=PageFetch)
+
+
+class ReadAheadTier(KVTier, Protocol[FetchT]):
+    """A tier whose pages are read into memory ahead of their load, on threads of its own
+    (the disk tier's file, the remote tier's store): a load then copies them from memory,
+    never waiting on the tier. Host RAM is read in place and has nothing to read ahead, so
+    this is a capability of some tiers, not a call every tier answers.
+
+    Every fetch started is `release`d once its request is done with it."""
+
+    def fetch(self, keys: Sequence[bytes]) -> FetchT | None:
+        """Start reading the pages of `keys` (a chain, in order; a tier indexed here reads
+        those of them it holds). None when it cannot start now: nothing to read, or the
+        reads alive take the tier's read-ahead budget (the shared tier: also when the store
+        is down)."""
+        ...
+
+    def settle(self, fetch: FetchT) -> bool:
+        """True once no page of `fetch` is still being read, or the shared tier's bound on a
+        fetch has passed (never waits); its `good` pages are then known. Pages that failed
+        are misses."""
+        ...
+
+    def release(self, fetch: FetchT) -> None:
+        """Done with `fetch`: its buffer goes once its reads have finished."""
+        ...
+
+    @property
+    def fetching(self) -> bool:
+        """Whether a read ahead is still in flight."""
+        ...
+
+    def wait_reads(self, timeout: float) -> None:
+        """Block until some read ahead finishes or `timeout` seconds pass (at once when
+        none is in flight)."""
+        ...
+
+    @property
+    def open_fetches(self) -> list[FetchT]:
+        """The reads ahead not yet released."""
+        ...
 
 
 class KVConnector(Protocol):

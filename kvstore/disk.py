@@ -1,5 +1,6 @@
 """The disk tier: KV pages in one preallocated file, each with a header and a CRC-32
-(kvstore/disk_page.py). The file is anonymous (unlinked at once), or persistent: kept in its
+(kvstore/disk_page.py), read ahead into memory before their load (a `ReadAheadTier`,
+kvstore/base.py). The file is anonymous (unlinked at once), or persistent: kept in its
 directory and indexed again, in the background, when the next worker opens it.
 
 Writes, reads ahead and that indexing run on a few threads; the pool's state changes on the
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kvstore.base import PageOwners
+from kvstore.base import PageOwners, Tier
 from kvstore.disk_file import open_anonymous, open_persistent
 from kvstore.disk_page import HEADER_NBYTES, PageFormat, disk_slot_nbytes, pack_header
 from kvstore.disk_recovery import Recovery
@@ -55,7 +56,9 @@ class DiskPrefetch:
     one page-aligned buffer and is checked against the checksum it had when the read began
     (None: the page was copied from its staging buffer, not read).
 
-    Built by `DiskKVPool.prefetch`; `DiskKVPool.settle` turns failed reads into misses."""
+    Built by `DiskKVPool.fetch`; `DiskKVPool.settle` turns failed reads into misses."""
+
+    tier = Tier.DISK
 
     def __init__(
         self,
@@ -109,6 +112,9 @@ class DiskKVPool:
     Raises OSError when the file cannot be created or preallocated at all; a partial
     preallocation (a nearly full disk) keeps the slots that fit.
     """
+
+    tier = Tier.DISK
+    shared = False
 
     def __init__(
         self,
@@ -183,6 +189,16 @@ class DiskKVPool:
     @property
     def num_used(self) -> int:
         return len(self.slots)
+
+    def holds(self, key: bytes, *, touch: bool = False) -> bool:
+        if key not in self.slots:
+            return False
+        if touch:
+            self.slots.move_to_end(key)
+        return True
+
+    def pages_by_owner(self) -> dict[str, int]:
+        return dict(self.owners.counts)
 
     def write(
         self, key: bytes, page: torch.Tensor, owner: str = "", limit: int | None = None
@@ -318,11 +334,11 @@ class DiskKVPool:
         return sum(f.nbytes for f in self._prefetches if not (f.released and f.done))
 
     @property
-    def open_prefetches(self) -> list[DiskPrefetch]:
+    def open_fetches(self) -> list[DiskPrefetch]:
         """Reads ahead not yet released."""
         return [f for f in self._prefetches if not f.released]
 
-    def prefetch(self, keys: Sequence[bytes]) -> DiskPrefetch | None:
+    def fetch(self, keys: Sequence[bytes]) -> DiskPrefetch | None:
         """Start reading the pages of `keys` held here on the reader threads. None when it
         cannot start: no key is here, or the other reads ahead alive would exceed
         PREFETCH_BYTES with it (alone, any size starts). Marks the pages recently used."""
@@ -388,6 +404,11 @@ class DiskKVPool:
         """The request is done with `fetch`; its buffer goes once its reads have finished."""
         fetch.released = True
         self._retire()
+
+    @property
+    def fetching(self) -> bool:
+        """Whether a read ahead is still in flight."""
+        return any(not f.done for f in self._prefetches)
 
     def wait_reads(self, timeout: float) -> None:
         """Block until some read ahead finishes, or `timeout` seconds (none in flight: at

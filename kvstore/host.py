@@ -1,6 +1,7 @@
 """The host tier's pool: KV pages in one preallocated host tensor (pinned on CUDA), each
 slot known by the page's prefix-cache hash, in least recently used order, with its owner.
-The tier's policy (what moves where) is kvstore/tiers.py's."""
+A `KVTier` (kvstore/base.py) with nothing to read ahead: loads read its rows. The tier's
+policy (what moves where) is kvstore/tiers.py's."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ from collections.abc import Sequence
 
 import torch
 
-from kvstore.base import PageOwners
+from kvstore.base import PageOwners, Tier
 from kvstore.hostmem import pinned_zeros
 
 
 class HostKVPool:
-    """`num_blocks` page slots in one preallocated host tensor."""
+    """`num_blocks` page slots in one preallocated host tensor. The pool never evicts on
+    its own: a page leaving host RAM moves down a tier, which is the tiers' policy
+    (`TieredKVStore.take_host_slot`)."""
+
+    tier = Tier.HOST
+    shared = False
 
     def __init__(self, page_nbytes: int, num_blocks: int, *, pin: bool) -> None:
         assert num_blocks > 0
@@ -39,6 +45,32 @@ class HostKVPool:
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    def holds(self, key: bytes, *, touch: bool = False) -> bool:
+        if key not in self.slots:
+            return False
+        if touch:
+            self.slots.move_to_end(key)
+        return True
+
+    def write(
+        self, key: bytes, page: torch.Tensor, owner: str = "", limit: int | None = None
+    ) -> bool:
+        """Copy `page` into a free slot under `key` for `owner`. False, with nothing
+        changed, when no slot is free or the owner holds `limit` pages already."""
+        if self.holds(key, touch=True):
+            return True
+        if self.full or (limit is not None and self.owners.counts.get(owner, 0) >= limit):
+            return False
+        self.data[self.take(key, owner)].copy_(page)
+        return True
+
+    def pages_by_owner(self) -> dict[str, int]:
+        return dict(self.owners.counts)
+
+    def close(self) -> None:
+        """Forget every page (the rows stay allocated while the pool lives)."""
+        self.clear()
 
     def clear(self) -> None:
         """Forget every page."""

@@ -9,7 +9,8 @@ the store is down); fetches run on reader threads, one pipelined MGET per reques
 and are bounded in time: a slow or absent store costs a recompute, never a stall. Per
 tenant, a Lua script keeps a byte count and a time-ordered set of the pages the tenant
 saved, and at its quota evicts the tenant's own oldest pages. The tier's bookkeeping
-changes on the caller's thread only. The design is in docs/design/kv-pages-and-tiers.md.
+changes on the caller's thread only. The tier is a shared `ReadAheadTier` (kvstore/base.py).
+The design is in docs/design/kv-pages-and-tiers.md.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import torch
 
-from kvstore.base import PageOwners
+from kvstore.base import PageOwners, Tier
 from kvstore.disk_page import HEADER_NBYTES, HeaderError, PageFormat, pack_header, unpack_header
 
 log = logging.getLogger(__name__)
@@ -96,11 +97,11 @@ class RemoteConfig:
 class RemoteFetch:
     """Pages of one request fetched from the remote tier: page i of `keys` lands in row i
     of one buffer. Once settled, `good` holds the keys of the leading pages that arrived
-    and passed their checks (a missing or failing page ends the prefix); `landed`, those
-    since copied into host rows (`KVOffloader.land`), where loads read them like any host
-    page.
+    and passed their checks (a missing or failing page ends the prefix).
 
     Built by `RemoteKVTier.fetch`; `RemoteKVTier.settle` finishes it."""
+
+    tier = Tier.REMOTE
 
     def __init__(self, keys: list[bytes], page_nbytes: int, deadline: float) -> None:
         self.keys = keys
@@ -109,7 +110,6 @@ class RemoteFetch:
         self.buffer = bytearray(len(keys) * page_nbytes)
         self.rows = {k: i for i, k in enumerate(keys)}
         self.good: set[bytes] = set()
-        self.landed: set[bytes] = set()
         # (pages good, pages rejected, None or why the store did not answer: "timeout", "error")
         self.future: Future[tuple[int, int, str | None]] | None = None
         self.settled = False
@@ -140,6 +140,9 @@ class RemoteKVTier:
     `num_quota_evicted` (this worker's saves that pushed out their tenant's own pages).
     `owners` holds the pages this worker saved that it knows to be there, per tenant."""
 
+    tier = Tier.REMOTE
+    shared = True
+
     def __init__(self, config: RemoteConfig, page_format: PageFormat, page_nbytes: int) -> None:
         self.config = config
         self.page_format = page_format
@@ -160,7 +163,7 @@ class RemoteKVTier:
         # (key, owner, saved, evicted keys): results of the writer, taken in by `reap`
         self._results: deque[tuple[bytes, str, bool, list[bytes]]] = deque()
         self._down_until = 0.0  # monotonic; written by any thread
-        self._fetches: list[RemoteFetch] = []
+        self._fetches: list[RemoteFetch] = []  # not yet released
         self._readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="strata-kv-remote")
         self._writer = threading.Thread(target=self._drain, name="strata-kv-remote-w", daemon=True)
         self.num_saved = 0
@@ -190,6 +193,23 @@ class RemoteKVTier:
 
     def knows(self, key: bytes) -> bool:
         return key in self._known
+
+    def holds(self, key: bytes, *, touch: bool = False) -> bool:
+        """Whether `key`'s page was saved or fetched here, or a save of it is queued (it is
+        not sent again)."""
+        if key not in self._known:
+            return False
+        if touch:
+            self._known.move_to_end(key)
+        return True
+
+    def write(
+        self, key: bytes, page: torch.Tensor, owner: str = "", limit: int | None = None
+    ) -> bool:
+        """`save`: the store bounds a tenant by bytes (`set_quota`), never by a count of
+        pages, so `limit` is None."""
+        assert limit is None, "the remote tier bounds tenants by bytes"
+        return self.save(key, page, owner)
 
     def stored(self, key: bytes) -> bool:
         """Whether `key`'s page is in the store as far as this worker knows: saved (the
@@ -317,13 +337,19 @@ class RemoteKVTier:
 
     @property
     def num_fetch_bytes(self) -> int:
-        return sum(f.nbytes for f in self._fetches)
+        """Bytes of the fetches that hold pages, or may: a settled fetch that holds none
+        takes nothing from the budget."""
+        return sum(f.nbytes for f in self._fetches if not f.settled or f.good)
+
+    @property
+    def open_fetches(self) -> list[RemoteFetch]:
+        """Fetches not yet released."""
+        return list(self._fetches)
 
     def fetch(self, keys: Sequence[bytes]) -> RemoteFetch | None:
         """Start fetching the pages of `keys` (a chain, in order) on a reader thread. None
         when it cannot start: nothing to fetch, the store is down, or the fetches held
         would exceed FETCH_BYTES (the chain is cut to fit that alone)."""
-        self._fetches = [f for f in self._fetches if not f.settled or f.good]
         room = FETCH_BYTES - self.num_fetch_bytes
         keys = list(keys[: max(0, room // self.page_nbytes)])
         if not keys or self.down:
@@ -415,6 +441,13 @@ class RemoteKVTier:
     def pages_by_owner(self) -> dict[str, int]:
         self.reap()
         return dict(self.owners.counts)
+
+    def check_integrity(self) -> None:
+        self.reap()
+        owners = self.owners
+        assert sum(owners.counts.values()) == len(owners.of), "owner counts disagree"
+        assert sum(self._queued.values()) == self._num_pending, "queued saves leak"
+        assert self.num_fetch_bytes <= FETCH_BYTES, "fetches exceed their budget"
 
     def close(self) -> None:
         """Send the saves still queued (each bounded by the timeout), then let go."""

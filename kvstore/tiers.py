@@ -1,20 +1,23 @@
-"""The tiers below the device pool: host RAM (pinned on CUDA), then a disk file
-(kvstore/disk.py), and a remote store shared by a fleet (kvstore/remote.py). Pages move
-whole under their prefix-cache hash, each tier keeps its own LRU order, and the tiers are
-inclusive. `KVOffloader` spills, loads, reads ahead and lands remote pages. The design is
-in docs/design/kv-pages-and-tiers.md.
+"""The tiers below the device pool, each a `KVTier` (kvstore/base.py): host RAM (pinned on
+CUDA), then a disk file (kvstore/disk.py), and a remote store shared by a fleet
+(kvstore/remote.py). Pages move whole under their prefix-cache hash, each tier keeps its
+own LRU order, and the tiers are inclusive. `TieredKVStore` holds the policy of their order
+(what leaves host RAM moves down, what is fetched lands in host RAM); `KVOffloader`
+spills, loads, reads ahead and lands fetched pages. The design is in
+docs/design/kv-pages-and-tiers.md.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from kvstore.base import Tier
+from kvstore.base import KVTier, PageFetch, ReadAheadTier, Tier
 from kvstore.device_pool import DeviceKVPool
 from kvstore.disk import DiskKVPool, DiskPrefetch, PageFormat
 from kvstore.host import HostKVPool
@@ -22,9 +25,24 @@ from kvstore.remote import RemoteFetch, RemoteKVTier
 
 log = logging.getLogger(__name__)
 
+_NO_LIMITS: Mapping[Tier, int] = {}
+_NO_PAGES: Mapping[bytes, Tier] = {}
+
+
+def _page_in(fetches: Sequence[PageFetch], key: bytes) -> tuple[torch.Tensor, Tier] | None:
+    """`key`'s page in the first of `fetches` that holds it, and its tier."""
+    for fetch in fetches:
+        page = fetch.page(key)
+        if page is not None:
+            return page, fetch.tier
+    return None
+
 
 class TieredKVStore:
-    """The host and disk tiers, keyed by page hash, with their hit and spill counters."""
+    """The tiers below the device, keyed by page hash, with their spill counters and each
+    owner's allowances. `tiers` holds them nearest first, `readers` those read ahead;
+    `host`, `disk` and `remote` name each for what only it does (host rows read in place,
+    disk pages read at once, the remote tier's quotas and counters)."""
 
     def __init__(
         self,
@@ -43,7 +61,6 @@ class TieredKVStore:
         `remote`: a store shared by the fleet; every page leaving host RAM (or the device,
         without a host tier) is also saved there, written behind."""
         self.page_nbytes = page_nbytes
-        self.remote = remote
         self.host = HostKVPool(page_nbytes, host_blocks, pin=pin) if host_blocks > 0 else None
         self.disk: DiskKVPool | None = None
         if disk_blocks > 0:
@@ -59,9 +76,19 @@ class TieredKVStore:
                 )
             except OSError as exc:
                 log.warning("KV disk tier disabled: %s", exc)
+        self.remote = remote
+        # each a KVTier, the disk and remote tiers also read ahead (typed: mypy checks it)
+        fetchers: tuple[ReadAheadTier[DiskPrefetch] | None, ReadAheadTier[RemoteFetch] | None]
+        fetchers = (self.disk, remote)
+        self.tiers: tuple[KVTier, ...] = tuple(t for t in (self.host, *fetchers) if t is not None)
+        self.by_tier: dict[Tier, KVTier] = {t.tier: t for t in self.tiers}
+        self.readers: dict[Tier, ReadAheadTier[Any]] = {
+            t.tier: t for t in fetchers if t is not None
+        }
+        self._below_host = tuple(t for t in self.tiers if t.tier is not Tier.HOST)
         self.num_spilled = {Tier.HOST: 0, Tier.DISK: 0}
         self.num_dropped = 0
-        self.allowances: dict[str, tuple[int | None, int | None]] = {}  # owner -> pages
+        self.allowances: dict[str, dict[Tier, int]] = {}  # owner -> pages per tier
         # called with a host slot before its row is read to move the page to disk, and
         # before it is handed out to be rewritten: copies in flight on that row finish first
         # (KVOffloader: loads that read host rows in place, spills that write them)
@@ -69,11 +96,16 @@ class TieredKVStore:
 
     @property
     def enabled(self) -> bool:
-        return self.host is not None or self.disk is not None or self.remote is not None
+        return bool(self.tiers)
+
+    def has(self, tier: Tier) -> bool:
+        return tier in self.by_tier
 
     def tier_of(self, key: bytes, *, touch: bool = False) -> Tier | None:
-        """Where `key` is; `touch` also marks it recently used there."""
-        host, disk = self.host, self.disk  # a few lookups per page of a load: kept short
+        """Which tier indexed here (host RAM, then disk) holds `key`; `touch` also marks it
+        recently used there. The shared tier is not looked up: it is read ahead."""
+        # per page of every lookup and load: the two indexes directly, not through `holds`
+        host, disk = self.host, self.disk
         if host is not None and key in host.slots:
             if touch:
                 host.slots.move_to_end(key)
@@ -91,10 +123,16 @@ class TieredKVStore:
 
     def set_allowance(self, owner: str, host_blocks: int | None, disk_blocks: int | None) -> None:
         """At most this many of `owner`'s pages in each tier (None: no limit of its own)."""
-        if host_blocks is None and disk_blocks is None:
-            self.allowances.pop(owner, None)
+        limits = {Tier.HOST: host_blocks, Tier.DISK: disk_blocks}
+        pages = {tier: n for tier, n in limits.items() if n is not None}
+        if pages:
+            self.allowances[owner] = pages
         else:
-            self.allowances[owner] = (host_blocks, disk_blocks)
+            self.allowances.pop(owner, None)
+
+    def allowance(self, owner: str, tier: Tier) -> int | None:
+        """How many of `owner`'s pages `tier` may keep (None: no limit of its own)."""
+        return self.allowances.get(owner, _NO_LIMITS).get(tier)
 
     def put(
         self, key: bytes, page: torch.Tensor, keep: Collection[bytes] = (), owner: str = ""
@@ -105,7 +143,7 @@ class TieredKVStore:
             return
         row = self.host_slot(key, keep, owner)
         if row is None:
-            self.to_disk(key, page, owner)
+            self.move_down(key, page, owner)
         else:
             row.copy_(page)
 
@@ -131,7 +169,7 @@ class TieredKVStore:
         if host is None:
             return None
         assert key not in host.slots
-        limit = self.allowances.get(owner, (None, None))[0] if self.allowances else None
+        limit = self.allowance(owner, Tier.HOST) if self.allowances else None
         if limit == 0:
             return None
         victim: bytes | None = None
@@ -149,10 +187,10 @@ class TieredKVStore:
             slot = host.release(victim)
             if before is not None:
                 before((slot,))
-            if self.disk is None and self.remote is None:  # dropped (no view of the row needed)
+            if not self._below_host:  # dropped (no view of the row needed)
                 self.num_dropped += 1
             else:
-                self.to_disk(victim, host.data[slot], victim_owner)
+                self.move_down(victim, host.data[slot], victim_owner)
         self.num_spilled[Tier.HOST] += 1
         slot = host.take(key, owner)
         if before is not None:
@@ -180,35 +218,32 @@ class TieredKVStore:
         slots = host.take_many(pages)  # the victims' slots among them: the free list is spent
         if self.before_host_use is not None:  # before the victims' rows are read, and all
             self.before_host_use(slots)  # of them are handed out
-        if self.disk is None and self.remote is None:
+        if not self._below_host:
             self.num_dropped += len(victims)
         else:  # read now, before the new pages are copied in
             for victim, slot, owner in zip(victims, freed, victim_owners, strict=True):
-                self.to_disk(victim, host.data[slot], owner)
+                self.move_down(victim, host.data[slot], owner)
         self.num_spilled[Tier.HOST] += len(pages)
         return slots
 
-    def to_disk(self, key: bytes, page: torch.Tensor, owner: str = "") -> None:
-        """Write a page to the disk tier (within the owner's allowance), or drop it; and
-        save it to the remote tier (written behind)."""
-        if self.remote is not None:
-            self.remote.save(key, page, owner)
-        limit = self.allowances.get(owner, (None, None))[1]
-        if self.disk is not None and self.disk.write(key, page, owner, limit):
-            self.num_spilled[Tier.DISK] += 1
-        else:
+    def move_down(self, key: bytes, page: torch.Tensor, owner: str = "") -> None:
+        """A page leaving host RAM (or the device, without a host tier): written to each
+        tier below, within the owner's allowance there (the shared tier behind); dropped
+        when no tier indexed here keeps it."""
+        kept = False
+        for tier in self._below_host:
+            if tier.write(key, page, owner, self.allowance(owner, tier.tier)) and not tier.shared:
+                self.num_spilled[tier.tier] += 1
+                kept = True
+        if not kept:
             self.num_dropped += 1
 
     def pages_by_owner(self) -> dict[str, dict[str, int]]:
         """Pages each owner holds in each tier below the device."""
         out: dict[str, dict[str, int]] = {}
-        for tier, pool in ((Tier.HOST, self.host), (Tier.DISK, self.disk)):
-            if pool is not None:
-                for owner, n in pool.owners.counts.items():
-                    out.setdefault(owner, {})[tier.value] = n
-        if self.remote is not None:
-            for owner, n in self.remote.pages_by_owner().items():
-                out.setdefault(owner, {})[Tier.REMOTE.value] = n
+        for tier in self.tiers:
+            for owner, n in tier.pages_by_owner().items():
+                out.setdefault(owner, {})[tier.tier.value] = n
         return out
 
     def host_row(self, key: bytes) -> int | None:
@@ -234,16 +269,12 @@ class TieredKVStore:
         return None
 
     def check_integrity(self) -> None:
-        if self.host is not None:
-            self.host.check_integrity()
-        if self.disk is not None:
-            self.disk.check_integrity()
+        for tier in self.tiers:
+            tier.check_integrity()
 
     def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
-        if self.remote is not None:
-            self.remote.close()
+        for tier in self.tiers:
+            tier.close()
 
 
 class KVOffloader:
@@ -251,10 +282,10 @@ class KVOffloader:
 
     Spills into host rows read in place run asynchronously, after the loads started before
     them (on CUDA a kernel writes the pinned host rows, all of a spill's pages at once; on
-    CPU the loads' worker thread copies them); other spills are synchronous. Pages on disk
-    can be read ahead into memory (`prefetch`) before they are loaded. Loads go through the
-    pool's layer-wise loads: on CUDA they run on their own stream while earlier layers
-    compute.
+    CPU the loads' worker thread copies them); other spills are synchronous. Pages of the
+    tiers that read ahead (`TieredKVStore.readers`) can be read into memory (`fetch`)
+    before they are loaded. Loads go through the pool's layer-wise loads: on CUDA they run
+    on their own stream while earlier layers compute.
     """
 
     def __init__(self, pool: DeviceKVPool, store: TieredKVStore) -> None:
@@ -287,12 +318,12 @@ class KVOffloader:
     ) -> int:
         """Save the pages of device blocks about to be reused, as (block, hash, owner), without
         pushing the pages under `keep` (the ones about to be loaded) out of host RAM. Pages
-        go straight into their host slots; what host RAM cannot take goes to disk.
+        go straight into their host slots; what host RAM cannot take moves down a tier.
         Copies into host rows read in place may still be running: returns their ticket
         (kvstore/transfer.py; 0 if none), and the blocks are not to be rewritten before it
         is done. `inline`: in the order of the device's work instead, waited for by
         nothing (`PageLoads.save_host_rows`)."""
-        to_disk: list[tuple[int, bytes, str]] = []
+        no_room: list[tuple[int, bytes, str]] = []  # what host RAM cannot take
         # those loaded from host RAM earlier: the host copy is still good
         todo = [e for e in evicted if self.store.tier_of(e[1], touch=True) is not Tier.HOST]
         at_once = self.store.take_host_slots([(key, owner) for _, key, owner in todo], keep)
@@ -301,48 +332,81 @@ class KVOffloader:
                 at_once[i] if at_once is not None else self.store.take_host_slot(key, keep, owner)
             )
             if slot is None:
-                to_disk.append((block, key, owner))
+                no_room.append((block, key, owner))
             elif self.in_place:  # copied with the others below, or sooner if its row is used
                 self._saving[slot] = block
             else:  # filled now: the next slot may push this very page down to disk
                 assert self.store.host is not None
                 self.pool.read_pages_into([block], [self.store.host.data[slot]])
         ticket = self._save(inline)
-        if to_disk:
-            pages = self.pool.read_pages([b for b, _, _ in to_disk]).cpu()
-            for (_, key, owner), page in zip(to_disk, pages, strict=True):
-                self.store.to_disk(key, page, owner)
+        if no_room:
+            pages = self.pool.read_pages([b for b, _, _ in no_room]).cpu()
+            for (_, key, owner), page in zip(no_room, pages, strict=True):
+                self.store.move_down(key, page, owner)
         return ticket
 
-    def find(
-        self,
-        keys: Sequence[bytes],
-        fetch: DiskPrefetch | None = None,
-        remote: RemoteFetch | None = None,
-    ) -> int:
-        """How many of `keys`, from the first, some tier below the device (or `fetch`, the
-        pages read ahead for them, or `remote`, those fetched from the remote tier) holds,
-        marking them recently used, as a load normally follows."""
+    def find(self, keys: Sequence[bytes], *fetches: PageFetch) -> int:
+        """How many of `keys`, from the first, some tier indexed here (or one of `fetches`,
+        the pages read ahead for them) holds, marking them recently used, as a load
+        normally follows."""
+        tier_of = self.store.tier_of
         n = 0
         for key in keys:
-            if (
-                self.store.tier_of(key, touch=True) is None
-                and (fetch is None or key not in fetch.good)
-                and (remote is None or key not in remote.good)
+            if tier_of(key, touch=True) is None and not (
+                fetches and any(key in f.good for f in fetches)
             ):
                 break
             n += 1
         return n
 
-    def land(self, fetch: RemoteFetch, owner: str) -> int:
-        """Copy the pages `fetch` got from the remote tier into host rows, for `owner`, in
+    def to_fetch(self, reader: ReadAheadTier[Any], keys: Sequence[bytes]) -> list[bytes]:
+        """Which of `keys` (a chain) `reader` is to read ahead: for the shared tier, all of
+        them (what it holds is known by reading it); for a tier indexed here, those it
+        holds and no nearer tier does."""
+        if reader.shared:
+            return list(keys)
+        tier_of = self.store.tier_of
+        return [k for k in keys if tier_of(k) is reader.tier]
+
+    def fetch(self, tier: Tier, keys: Sequence[bytes]) -> PageFetch | None:
+        """Start reading ahead from `tier`, on its own threads, its pages of `keys`
+        (`to_fetch`). None when they cannot start now: `tier` reads nothing ahead, nothing
+        to read, or its budget is taken (`ReadAheadTier.fetch`). Poll it with `settle`;
+        `release` it once loaded or no longer wanted."""
+        reader = self.store.readers.get(tier)
+        todo = [] if reader is None else self.to_fetch(reader, keys)
+        return None if reader is None or not todo else reader.fetch(todo)
+
+    def prefetch(self, keys: Sequence[bytes]) -> PageFetch | None:
+        """`fetch` from the disk tier."""
+        return self.fetch(Tier.DISK, keys)
+
+    def settle(self, fetch: PageFetch) -> bool:
+        """True once no page of `fetch` is still being read (never waits). Pages whose read
+        failed are misses: `find` stops before them."""
+        return self.store.readers[fetch.tier].settle(fetch)
+
+    def release(self, fetch: PageFetch) -> None:
+        """Done with `fetch`: its buffer goes once its reads have finished."""
+        self.store.readers[fetch.tier].release(fetch)
+
+    def wait_reads(self, timeout: float) -> None:
+        """Block until some read ahead finishes or `timeout` seconds pass (at once if none
+        is in flight). The farthest tier's reads, the slowest, are waited for first."""
+        for reader in reversed(self.store.readers.values()):
+            if reader.fetching:
+                reader.wait_reads(timeout)
+                return
+
+    def land(self, fetch: PageFetch, owner: str) -> list[bytes]:
+        """Copy the pages `fetch` got from the shared tier into host rows, for `owner`, in
         chain order, up to the first the host tier cannot take (the owner's allowance, or
         every page there is one of these); they join the host tier and loads read them
-        there. Returns how many landed."""
+        there. Returns the keys landed."""
         host = self.store.host
         if host is None:
-            return 0
-        keep = fetch.good
+            return []
+        keep, landed = fetch.good, []
         for key in fetch.keys:
             if key not in keep:
                 break
@@ -353,90 +417,57 @@ class KVOffloader:
             if slot is None or page is None:
                 break
             host.data[slot].copy_(page)
-            fetch.landed.add(key)
-        return len(fetch.landed)
+            landed.append(key)
+        return landed
 
-    def save_remote(self, blocks: Sequence[int], keys: Sequence[bytes], owner: str) -> None:
-        """Save the pages of device `blocks` (full, their KV written) to the remote tier
-        under `keys`, written behind; pages it has already are skipped."""
-        remote = self.store.remote
-        if remote is None:
-            return
-        todo = [(b, k) for b, k in zip(blocks, keys, strict=True) if not remote.knows(k)]
-        if todo:
-            pages = self.pool.read_pages([b for b, _ in todo]).cpu()  # one copy off a GPU
-            for (_, key), page in zip(todo, pages, strict=True):
-                remote.save(key, page, owner)
-
-    def on_disk(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Those of `keys` whose pages are on disk (and not in host RAM)."""
-        if self.store.disk is None:
-            return []
-        return [k for k in keys if self.store.tier_of(k) is Tier.DISK]
-
-    def prefetch(self, keys: Sequence[bytes]) -> DiskPrefetch | None:
-        """Start reading the pages of `keys` that are on disk into memory, on the disk
-        tier's reader threads. None when they cannot start now: nothing to read, or the
-        reads ahead alive take the whole budget (kvstore/disk.py). Poll it with `settle`;
-        `release` it once loaded or no longer wanted."""
-        disk = self.store.disk
-        return None if disk is None else disk.prefetch(self.on_disk(keys))
-
-    def settle(self, fetch: DiskPrefetch) -> bool:
-        """True once no page of `fetch` is still being read (never waits). Pages whose read
-        failed are forgotten: `find` stops before them."""
-        assert self.store.disk is not None
-        return self.store.disk.settle(fetch)
-
-    def release(self, fetch: DiskPrefetch) -> None:
-        """Done with `fetch`: its buffer goes once its reads have finished."""
-        assert self.store.disk is not None
-        self.store.disk.release(fetch)
-
-    def wait_reads(self, timeout: float) -> None:
-        """Block until some read ahead finishes or `timeout` seconds pass (at once if none
-        is in flight)."""
-        remote = self.store.remote
-        if remote is not None and remote.fetching:
-            remote.wait_reads(timeout)
-        elif self.store.disk is not None:
-            self.store.disk.wait_reads(timeout)
+    def publish(self, blocks: Sequence[int], keys: Sequence[bytes], owner: str) -> None:
+        """Save the pages of device `blocks` (full, their KV written) to the shared tier
+        under `keys`, written behind; pages it holds already are skipped."""
+        for tier in self.store.tiers:
+            if not tier.shared:
+                continue
+            todo = [(b, k) for b, k in zip(blocks, keys, strict=True) if not tier.holds(k)]
+            if todo:
+                pages = self.pool.read_pages([b for b, _ in todo]).cpu()  # one copy off a GPU
+                for (_, key), page in zip(todo, pages, strict=True):
+                    tier.write(key, page, owner)
 
     def load(
         self,
         blocks: Sequence[int],
         keys: Sequence[bytes],
-        fetch: DiskPrefetch | None = None,
-        remote: RemoteFetch | None = None,
+        *fetches: PageFetch,
+        landed: Mapping[bytes, Tier] = _NO_PAGES,
     ) -> list[Tier]:
         """Copy the pages of `keys` into device `blocks`, in order, up to the first page
-        that cannot be read; returns the tier each loaded page came from. Pages in `fetch`
-        (read ahead, settled) or `remote` (fetched, settled) come from their memory."""
+        that cannot be read; returns the tier each loaded page came from. Pages read ahead
+        from a tier indexed here come from `fetches` (settled) first; then host rows, then
+        the disk; pages fetched from the shared tier last, unless they `landed` in host
+        rows (a hit of the tier they came from)."""
+        readers = self.store.readers
+        near = [f for f in fetches if not readers[f.tier].shared]
+        far = [f for f in fetches if readers[f.tier].shared]
         pages: list[torch.Tensor] = []
         page_blocks: list[int] = []
         rows: list[int] = []  # host slots read in place, known by number
         row_blocks: list[int] = []
         tiers: list[Tier] = []
         for block, key in zip(blocks[: len(keys)], keys, strict=True):
-            page = None if fetch is None else fetch.page(key)
-            # a page fetched from the remote tier and landed in host RAM: a remote hit
-            host_tier = Tier.REMOTE if remote is not None and key in remote.landed else Tier.HOST
-            if page is None and self.in_place:
+            got = _page_in(near, key) if near else None
+            host_tier = landed.get(key, Tier.HOST) if landed else Tier.HOST
+            if got is None and self.in_place:
                 slot = self.store.host_row(key)
                 if slot is not None:
                     rows.append(slot)
                     row_blocks.append(block)
                     tiers.append(host_tier)
                     continue
-            if page is not None:
-                got: tuple[torch.Tensor, Tier] | None = (page, Tier.DISK)
-            else:
+            if got is None:
                 got = self.store.get(key)
-                if got is not None and got[1] is Tier.HOST:
+                if got is None and far:
+                    got = _page_in(far, key)
+                elif got is not None and got[1] is Tier.HOST:
                     got = (got[0], host_tier)
-                if got is None and remote is not None:
-                    fetched = remote.page(key)
-                    got = None if fetched is None else (fetched, Tier.REMOTE)
             if got is None:
                 break
             pages.append(got[0])
@@ -449,9 +480,8 @@ class KVOffloader:
             self.pool.load_pages(page_blocks, pages)
         return tiers
 
-    def check_integrity(self, open_fetches: Collection[DiskPrefetch] = ()) -> None:
+    def check_integrity(self, open_fetches: Collection[PageFetch] = ()) -> None:
         """Also checks that the reads ahead not yet released are exactly `open_fetches`."""
         self.store.check_integrity()
-        if self.store.disk is not None:
-            mine = {id(f) for f in open_fetches}
-            assert mine == {id(f) for f in self.store.disk.open_prefetches}, "reads ahead leak"
+        alive = {id(f) for r in self.store.readers.values() for f in r.open_fetches}
+        assert alive == {id(f) for f in open_fetches}, "reads ahead leak"

@@ -177,7 +177,7 @@ def test_disk_reads_ahead_start_in_turn_within_their_budget(tmp_path, monkeypatc
     assert not bm.prefetch_below("big", big)
     assert not bm.prefetch_below("small", small), "3 + 2 pages exceed the budget of 4"
     assert not bm.prefetch_below("tiny", tiny), "it would fit, but `small` asked first"
-    assert len(disk.open_prefetches) == 1
+    assert len(disk.open_fetches) == 1
     held.release()
     _until_read(bm, "big", big)
     assert not bm.prefetch_below("tiny", tiny), "still `small`'s turn"
@@ -188,7 +188,7 @@ def test_disk_reads_ahead_start_in_turn_within_their_budget(tmp_path, monkeypatc
         blocks += bm.allocate(rid, 4 * len(hashes))
         assert bm.load_below(rid, 0, hashes) == [Tier.DISK] * len(hashes)
     assert torch.equal(pool.read_pages(blocks), original)
-    assert not disk.open_prefetches
+    assert not disk.open_fetches
     bm.check_integrity()
     store.close()
 

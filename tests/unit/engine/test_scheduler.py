@@ -331,17 +331,17 @@ def test_a_request_waiting_for_a_slot_has_its_disk_pages_read_meanwhile(tmp_path
     reader = Request("reader", doc, GREEDY)
     s.add_request(reader)
     run_step(s)
-    assert reader.status is RequestStatus.WAITING and len(disk.open_prefetches) == 1
+    assert reader.status is RequestStatus.WAITING and len(disk.open_fetches) == 1
     held.release()
     for _ in range(50):
         disk.wait_reads(0.1)
-    assert disk.open_prefetches[0].done, "read while the runner holds the only slot"
+    assert disk.open_fetches[0].done, "read while the runner holds the only slot"
     while not runner.is_finished:
         run_step(s)
     run_step(s)
     assert reader.status is RequestStatus.RUNNING
     assert reader.num_cached_tokens == reader.num_cached_disk_tokens == 12
-    assert not disk.open_prefetches
+    assert not disk.open_fetches
     store.close()
 
 
