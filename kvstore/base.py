@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -146,6 +146,16 @@ class ResidencyMeter:
                     if n:
                         totals[tier] = totals.get(tier, 0.0) + n * self.bytes_per_page * elapsed
         self._pages, self._at = pages, max(now, self._at)
+
+
+def holds_in_lru(order: OrderedDict[bytes, Any], key: bytes, touch: bool) -> bool:
+    """`KVTier.holds` over a tier's LRU index (an OrderedDict, least recently used first):
+    whether `key` is in it, and with `touch` moved to its most recent end."""
+    if key not in order:
+        return False
+    if touch:
+        order.move_to_end(key)
+    return True
 
 
 class PageFetch(Protocol):

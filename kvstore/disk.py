@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kvstore.base import PageOwners, Tier
+from kvstore.base import PageOwners, Tier, holds_in_lru
 from kvstore.disk_file import open_anonymous, open_persistent
 from kvstore.disk_page import HEADER_NBYTES, PageFormat, disk_slot_nbytes, pack_header
 from kvstore.disk_recovery import Recovery
@@ -191,11 +191,7 @@ class DiskKVPool:
         return len(self.slots)
 
     def holds(self, key: bytes, *, touch: bool = False) -> bool:
-        if key not in self.slots:
-            return False
-        if touch:
-            self.slots.move_to_end(key)
-        return True
+        return holds_in_lru(self.slots, key, touch)
 
     def pages_by_owner(self) -> dict[str, int]:
         return dict(self.owners.counts)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvstore.base import PageOwners, Tier
+from kvstore.base import PageOwners, Tier, holds_in_lru
 from kvstore.hostmem import pinned_zeros
 
 
@@ -47,11 +47,7 @@ class HostKVPool:
         return len(self._free)
 
     def holds(self, key: bytes, *, touch: bool = False) -> bool:
-        if key not in self.slots:
-            return False
-        if touch:
-            self.slots.move_to_end(key)
-        return True
+        return holds_in_lru(self.slots, key, touch)
 
     def write(
         self, key: bytes, page: torch.Tensor, owner: str = "", limit: int | None = None

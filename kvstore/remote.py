@@ -31,7 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 import torch
 
-from kvstore.base import PageOwners, Tier
+from kvstore.base import PageOwners, Tier, holds_in_lru
 from kvstore.disk_page import HEADER_NBYTES, HeaderError, PageFormat, pack_header, unpack_header
 
 log = logging.getLogger(__name__)
@@ -197,11 +197,7 @@ class RemoteKVTier:
     def holds(self, key: bytes, *, touch: bool = False) -> bool:
         """Whether `key`'s page was saved or fetched here, or a save of it is queued (it is
         not sent again)."""
-        if key not in self._known:
-            return False
-        if touch:
-            self._known.move_to_end(key)
-        return True
+        return holds_in_lru(self._known, key, touch)
 
     def write(
         self, key: bytes, page: torch.Tensor, owner: str = "", limit: int | None = None
