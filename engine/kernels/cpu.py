@@ -44,6 +44,7 @@ _HEADERS = (
     "fp8.h",
     "elem_f32.h",
     "elem_bf16.h",
+    "linear_f32_block.h",
     "linear_f32.h",
     "kernels.h",
     "ops_impl.h",

@@ -8,5 +8,6 @@
 #include "kernels.h"
 
 #include "lora.h"
+#include "linear_f32_block.h"
 #include "linear.h"
 #include "layer.h"

@@ -12,7 +12,9 @@
 // (the odd k) widen it to two fp32 vectors for two FMAs. The rows of x are widened to fp32
 // once per LIN2_KC k-pairs into a buffer that the FMAs broadcast from. A block of y is 4 rows
 // x 16 columns in 8 registers (2 x 32 or 1 x 64 for fewer rows: 8 accumulators either way),
-// so a panel is read in 64 / width passes, each pass over its own cache lines.
+// so a panel is read in 64 / width passes, each pass over its own cache lines. From
+// LIN2_WIDE_ROWS rows on, panels are widened to fp32 once and run linear_f32.h's block
+// (lin_widened, below).
 // Returns -1 where it does not apply (neither AVX512-BF16 nor AVX2, N % 64 or K % 2) and the
 // caller uses torch instead.
 
@@ -176,6 +178,95 @@ static inline __attribute__((always_inline)) void lin_block(const bf16_t* x, con
 }
 #endif
 
+#ifdef STRATA_AVX2
+// Many rows on AVX2 (LIN2_WIDE_ROWS or more, without the decode-step LoRA warm): each panel is
+// widened to fp32 once, into a buffer of the thread's in linear_f32.h's panel layout ([K][64]),
+// and every block of LINF_MR rows of x (widened once too) runs the fp32 microkernel on it: 12
+// independent accumulators and no widening in the loop, where lin_block's 8 accumulators each
+// take two dependent FMAs per k-pair. The sums are lin_block's, in the same order, so the
+// results are the same bits.
+#define LIN2_WIDE_ROWS 24
+
+static void lin_widen_panel(const bf16_t* src, float* dst, int64_t K) {
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    for (int64_t kk = 0; kk < K / 2; kk++)
+        for (int j = 0; j < LIN_PANEL; j += 8) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)(src + (kk * LIN_PANEL + j) * 2));
+            _mm256_storeu_ps(dst + 2 * kk * LIN_PANEL + j,
+                             _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)));
+            _mm256_storeu_ps(dst + (2 * kk + 1) * LIN_PANEL + j,
+                             _mm256_castsi256_ps(_mm256_and_si256(raw, hi)));
+        }
+}
+
+static int lin_widened(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, void* y, int64_t M,
+                       int64_t N, int64_t K, int out_f32, const LoRAUpdate* lora,
+                       LoRAGroups* groups) {
+    const int64_t panels = N / LIN_PANEL, blocks = (M + LINF_MR - 1) / LINF_MR;
+    const int64_t items = panels * blocks;
+    float* xf = malloc((size_t)(M * K) * sizeof(float));
+    if (!xf) return -3;
+    int failed = 0;
+#pragma omp parallel
+    {
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; r++) {
+            const bf16_t* xr = x + r * K;
+            float* fr = xf + r * K;
+            int64_t i = 0;
+            for (; i + 8 <= K; i += 8) _mm256_storeu_ps(fr + i, v8_load_bf16(xr + i));
+            for (; i < K; i++) fr[i] = bf16_to_f32(xr[i]);
+        }
+        float* panel = aligned_alloc(64, (size_t)(K * LIN_PANEL) * sizeof(float));
+        if (!panel) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            float tile[LINF_MR * LIN_PANEL] __attribute__((aligned(32)));
+            float bw[LIN_PANEL];
+            int64_t have = -1;
+            for (int64_t item = tid * items / nth; item < (tid + 1) * items / nth; item++) {
+                const int64_t p = item / blocks, blk = item % blocks;
+                if (p != have) {
+                    lin_widen_panel(wp + p * K * LIN_PANEL, panel, K);
+                    for (int j = 0; bias && j < LIN_PANEL; j++)
+                        bw[j] = bf16_to_f32(bias[p * LIN_PANEL + j]);
+                    have = p;
+                }
+                const int64_t m0 = blk * LINF_MR;
+                const int64_t mr = M - m0 < LINF_MR ? M - m0 : LINF_MR;
+                const float* xs = xf + m0 * K;
+                const float* bs = bias ? bw : 0;
+                float* ys = out_f32 ? (float*)y + m0 * N + p * LIN_PANEL : tile;
+                const int64_t ld = out_f32 ? N : LIN_PANEL;
+                switch (mr) {
+                    case 1: linf_block(xs, panel, bs, ys, K, ld, 1); break;
+                    case 2: linf_block(xs, panel, bs, ys, K, ld, 2); break;
+                    case 3: linf_block(xs, panel, bs, ys, K, ld, 3); break;
+                    case 4: linf_block(xs, panel, bs, ys, K, ld, 4); break;
+                    case 5: linf_block(xs, panel, bs, ys, K, ld, 5); break;
+                    default: linf_block(xs, panel, bs, ys, K, ld, LINF_MR); break;
+                }
+                if (!out_f32)
+                    for (int64_t r = 0; r < mr; r++)
+                        for (int j = 0; j < LIN_PANEL; j += 8)
+                            v8_store_bf16((bf16_t*)y + (m0 + r) * N + p * LIN_PANEL + j,
+                                          _mm256_load_ps(tile + r * LIN_PANEL + j));
+            }
+            free(panel);
+        }
+        if (lora) {
+            lora_shrink(lora, groups);
+#pragma omp barrier
+            lora_expand(lora, groups);
+        }
+    }
+    free(xf);
+    return failed ? -3 : 0;
+}
+#endif
+
 // The product, then `lora`'s update of its output (lora.h; NULL: none) in the same parallel
 // region. In a decode step (T <= LORA_WARM_MAX_TOKENS) each thread owns a share of the update's
 // groups of tokens and splits them into LORA_PHASES phases, as it splits its items of the
@@ -207,6 +298,13 @@ static int lin_packed(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, voi
         lora && lora->T <= LORA_WARM_MAX_TOKENS && blocks >= LIN_WARM_BLOCKS ? lora : 0;
     LoRAGroups groups = {0, 0, 0};
     if (lora && (groups = lora_groups(lora->slots, lora->T)).n < 0) return -3;
+#ifdef STRATA_AVX2
+    if (!lw && M >= LIN2_WIDE_ROWS) {
+        const int rc = lin_widened(x, wp, bias, y, M, N, K, out_f32, lora, &groups);
+        free(groups.tok);
+        return rc;
+    }
+#endif
     bf16_t* delta = lw ? malloc((size_t)(lw->T * lw->N) * sizeof(bf16_t)) : 0;  // [T, N]
     if (lw && !delta) {
         free(groups.tok);

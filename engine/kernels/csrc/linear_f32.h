@@ -11,8 +11,7 @@
 // Returns -1 where it does not apply (neither AVX-512 nor AVX2, N % 64) and the caller uses
 // torch instead.
 
-#define LINF_PANEL 64
-#define LINF_MR 6
+#include "linear_f32_block.h"
 
 int strata_linear_packable_f32(int64_t n, int64_t k) {
 #ifdef STRATA_VEC
@@ -30,72 +29,6 @@ void strata_pack_f32(const float* w, float* wp, int64_t N, int64_t K) {
             for (int64_t j = 0; j < LINF_PANEL; j++)
                 wp[(p * K + k) * LINF_PANEL + j] = w[(p * LINF_PANEL + j) * K + k];
 }
-
-#ifdef STRATA_AVX512
-static inline __attribute__((always_inline)) void linf_block(const float* x, const float* panel,
-                                                            const float* bias, float* y,
-                                                            int64_t K, int64_t N, const int MR) {
-    __m512 acc[LINF_MR][4];
-    for (int r = 0; r < MR; r++)
-        for (int i = 0; i < 4; i++) acc[r][i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        const float* wk = panel + k * LINF_PANEL;
-        const __m512 w0 = _mm512_loadu_ps(wk);
-        const __m512 w1 = _mm512_loadu_ps(wk + 16);
-        const __m512 w2 = _mm512_loadu_ps(wk + 32);
-        const __m512 w3 = _mm512_loadu_ps(wk + 48);
-        for (int r = 0; r < MR; r++) {
-            const __m512 xb = _mm512_set1_ps(x[r * K + k]);
-            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
-            acc[r][2] = _mm512_fmadd_ps(xb, w2, acc[r][2]);
-            acc[r][3] = _mm512_fmadd_ps(xb, w3, acc[r][3]);
-        }
-    }
-    for (int i = 0; i < 4; i++) {
-        const __m512 b = bias ? _mm512_loadu_ps(bias + 16 * i) : _mm512_setzero_ps();
-        for (int r = 0; r < MR; r++)
-            _mm512_storeu_ps(y + r * N + 16 * i, _mm512_add_ps(acc[r][i], b));
-    }
-}
-#endif
-
-#ifdef STRATA_AVX2
-static inline __attribute__((always_inline)) void linf_block(const float* x, const float* panel,
-                                                            const float* bias, float* y,
-                                                            int64_t K, int64_t N, const int MR) {
-    const int NG = MR == 1 ? 8 : MR == 2 ? 4 : 2;
-    for (int ps = 0; ps < 8 / NG; ps++) {
-        const int64_t col0 = ps * NG * 8;
-        __m256 acc[LINF_MR][8];
-        for (int r = 0; r < MR; r++)
-            for (int g = 0; g < NG; g++) acc[r][g] = _mm256_setzero_ps();
-        for (int64_t k = 0; k < K; k++) {
-            const float* wk = panel + k * LINF_PANEL + col0;
-            if (MR <= 2) {
-                __m256 xb[LINF_MR];
-                for (int r = 0; r < MR; r++) xb[r] = _mm256_broadcast_ss(x + r * K + k);
-                for (int g = 0; g < NG; g++) {
-                    const __m256 w = _mm256_loadu_ps(wk + 8 * g);
-                    for (int r = 0; r < MR; r++) acc[r][g] = _mm256_fmadd_ps(xb[r], w, acc[r][g]);
-                }
-            } else {
-                const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
-                for (int r = 0; r < MR; r++) {
-                    const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
-                    acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
-                    acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
-                }
-            }
-        }
-        for (int g = 0; g < NG; g++) {
-            const __m256 b = bias ? _mm256_loadu_ps(bias + col0 + 8 * g) : _mm256_setzero_ps();
-            for (int r = 0; r < MR; r++)
-                _mm256_storeu_ps(y + r * N + col0 + 8 * g, _mm256_add_ps(acc[r][g], b));
-        }
-    }
-}
-#endif
 
 int strata_linear_packed_f32(const float* x, const float* wp, const float* bias, float* y,
                              int64_t M, int64_t N, int64_t K) {

@@ -552,3 +552,26 @@ def test_a_projection_with_its_update_equals_the_linear_then_the_update(kernels,
     assert torch.equal(got, want)
     assert torch.equal(got[slots == 0], base[slots == 0])
     assert torch.equal(got, base) == (adapters == "none")
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_a_row_of_the_packed_linear_does_not_depend_on_its_batch(kernels, out_dtype):
+    """Every batch size takes the same sums in the same order, whichever path its rows take
+    (csrc/linear.h: on AVX2 a batch of 24 rows or more runs on panels widened to fp32 once):
+    a row's output is the same bits alone and in batches of 5, 24, 37 and 200."""
+    g = gen(21)
+    n_out, k_in = 192, 320
+    weight = (torch.randn(n_out, k_in, generator=g) / 8).bfloat16()
+    if not has_packed_linear(kernels, torch.bfloat16):
+        assert not kernels.can_pack(weight)
+        return
+    packed = kernels.pack(weight)
+    bias = torch.randn(n_out, generator=g).bfloat16()
+    x = torch.randn(200, k_in, generator=g).bfloat16()
+    alone = torch.cat([kernels.linear_packed(r[None], packed, bias, n_out, out_dtype) for r in x])
+    for rows in (5, 24, 37, 200):
+        got = kernels.linear_packed(x[:rows], packed, bias, n_out, out_dtype)
+        assert torch.equal(got, alone[:rows]), rows
+    torch.testing.assert_close(
+        alone.float(), x.float() @ weight.float().T + bias.float(), atol=0.05, rtol=0.02
+    )
