@@ -179,13 +179,14 @@ static inline __attribute__((always_inline)) void lin_block(const bf16_t* x, con
 #endif
 
 #ifdef STRATA_AVX2
-// Many rows on AVX2 (LIN2_WIDE_ROWS or more, without the decode-step LoRA warm): each panel is
+// Several rows on AVX2 (LIN2_WIDE_ROWS or more, without the decode-step LoRA warm): each panel is
 // widened to fp32 once, into a buffer of the thread's in linear_f32.h's panel layout ([K][64]),
 // and every block of LINF_MR rows of x (widened once too) runs the fp32 microkernel on it: 12
 // independent accumulators and no widening in the loop, where lin_block's 8 accumulators each
-// take two dependent FMAs per k-pair. The sums are lin_block's, in the same order, so the
-// results are the same bits.
-#define LIN2_WIDE_ROWS 24
+// take two dependent FMAs per k-pair, and each pass of a block widens the panel again. The
+// sums are lin_block's, in the same order, so the results are the same bits. Measured on
+// weights streamed from memory, a 4-row product is faster this way and a 2-row one is not.
+#define LIN2_WIDE_ROWS 4
 
 static void lin_widen_panel(const bf16_t* src, float* dst, int64_t K) {
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);

@@ -557,8 +557,8 @@ def test_a_projection_with_its_update_equals_the_linear_then_the_update(kernels,
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_a_row_of_the_packed_linear_does_not_depend_on_its_batch(kernels, out_dtype):
     """Every batch size takes the same sums in the same order, whichever path its rows take
-    (csrc/linear.h: on AVX2 a batch of 24 rows or more runs on panels widened to fp32 once):
-    a row's output is the same bits alone and in batches of 5, 24, 37 and 200."""
+    (csrc/linear.h: on AVX2 a batch of 4 rows or more runs on panels widened to fp32 once):
+    a row's output is the same bits alone and in batches of 3, 5, 24, 37 and 200."""
     g = gen(21)
     n_out, k_in = 192, 320
     weight = (torch.randn(n_out, k_in, generator=g) / 8).bfloat16()
@@ -569,7 +569,7 @@ def test_a_row_of_the_packed_linear_does_not_depend_on_its_batch(kernels, out_dt
     bias = torch.randn(n_out, generator=g).bfloat16()
     x = torch.randn(200, k_in, generator=g).bfloat16()
     alone = torch.cat([kernels.linear_packed(r[None], packed, bias, n_out, out_dtype) for r in x])
-    for rows in (5, 24, 37, 200):
+    for rows in (3, 5, 24, 37, 200):
         got = kernels.linear_packed(x[:rows], packed, bias, n_out, out_dtype)
         assert torch.equal(got, alone[:rows]), rows
     torch.testing.assert_close(
