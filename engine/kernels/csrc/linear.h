@@ -241,14 +241,7 @@ static int lin_widened(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, vo
                 const float* bs = bias ? bw : 0;
                 float* ys = out_f32 ? (float*)y + m0 * N + p * LIN_PANEL : tile;
                 const int64_t ld = out_f32 ? N : LIN_PANEL;
-                switch (mr) {
-                    case 1: linf_block(xs, panel, bs, ys, K, ld, 1); break;
-                    case 2: linf_block(xs, panel, bs, ys, K, ld, 2); break;
-                    case 3: linf_block(xs, panel, bs, ys, K, ld, 3); break;
-                    case 4: linf_block(xs, panel, bs, ys, K, ld, 4); break;
-                    case 5: linf_block(xs, panel, bs, ys, K, ld, 5); break;
-                    default: linf_block(xs, panel, bs, ys, K, ld, LINF_MR); break;
-                }
+                linf_rows(xs, panel, bs, ys, K, ld, mr);
                 if (!out_f32)
                     for (int64_t r = 0; r < mr; r++)
                         for (int j = 0; j < LIN_PANEL; j += 8)

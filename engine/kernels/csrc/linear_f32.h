@@ -49,14 +49,7 @@ int strata_linear_packed_f32(const float* x, const float* wp, const float* bias,
             const float* panel = wp + p * K * LINF_PANEL;
             const float* bs = bias ? bias + p * LINF_PANEL : 0;
             float* ys = y + m0 * N + p * LINF_PANEL;
-            switch (mr) {
-                case 1: linf_block(xs, panel, bs, ys, K, N, 1); break;
-                case 2: linf_block(xs, panel, bs, ys, K, N, 2); break;
-                case 3: linf_block(xs, panel, bs, ys, K, N, 3); break;
-                case 4: linf_block(xs, panel, bs, ys, K, N, 4); break;
-                case 5: linf_block(xs, panel, bs, ys, K, N, 5); break;
-                default: linf_block(xs, panel, bs, ys, K, N, 6); break;
-            }
+            linf_rows(xs, panel, bs, ys, K, N, mr);
         }
     }
     return 0;

@@ -70,3 +70,18 @@ static inline __attribute__((always_inline)) void linf_block(const float* x, con
     }
 }
 #endif
+
+#ifdef STRATA_VEC
+// linf_block for a block of mr (1 to LINF_MR) rows: each row count is its own unrolled copy.
+static inline void linf_rows(const float* x, const float* panel, const float* bias, float* y,
+                             int64_t K, int64_t ld, int64_t mr) {
+    switch (mr) {
+        case 1: linf_block(x, panel, bias, y, K, ld, 1); break;
+        case 2: linf_block(x, panel, bias, y, K, ld, 2); break;
+        case 3: linf_block(x, panel, bias, y, K, ld, 3); break;
+        case 4: linf_block(x, panel, bias, y, K, ld, 4); break;
+        case 5: linf_block(x, panel, bias, y, K, ld, 5); break;
+        default: linf_block(x, panel, bias, y, K, ld, LINF_MR); break;
+    }
+}
+#endif

@@ -265,6 +265,18 @@ def has_packed_linear(kernels: CpuKernels, dtype: torch.dtype) -> bool:
     return kernels.has_bf16_linear if dtype == torch.bfloat16 else kernels.has_f32_linear
 
 
+def packed_bf16_linear(
+    kernels: CpuKernels, g: torch.Generator, n_out: int, k_in: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A bf16 weight [n_out, k_in], packed, and a bias; None (after checking the build
+    refuses to pack it) where the build has no packed bf16 linear."""
+    weight = (torch.randn(n_out, k_in, generator=g) / 8).bfloat16()
+    if not has_packed_linear(kernels, torch.bfloat16):
+        assert not kernels.can_pack(weight)
+        return None
+    return weight, kernels.pack(weight), torch.randn(n_out, generator=g).bfloat16()
+
+
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 64])
 @pytest.mark.parametrize(
     ("dtype", "out_dtype"),
@@ -529,12 +541,9 @@ def test_a_projection_with_its_update_equals_the_linear_then_the_update(kernels,
     g = gen(14)
     slots_n, k_in, ends = 41, 192, (192, 256, 320)  # like qkv: three modules of 16 rows
     rows, n_out = 48, ends[-1]
-    weight = (torch.randn(n_out, k_in, generator=g) / 8).bfloat16()
-    if not has_packed_linear(kernels, torch.bfloat16):
-        assert not kernels.can_pack(weight)
+    if (made := packed_bf16_linear(kernels, g, n_out, k_in)) is None:
         return
-    packed = kernels.pack(weight)
-    bias = torch.randn(n_out, generator=g).bfloat16()
+    _, packed, bias = made
     a = (torch.randn(slots_n, rows, k_in, generator=g) / 8).bfloat16()
     bt = pair_rows((torch.randn(slots_n, rows, n_out, generator=g) / 8).bfloat16())
     a[0], bt[0] = 0, 0
@@ -561,12 +570,9 @@ def test_a_row_of_the_packed_linear_does_not_depend_on_its_batch(kernels, out_dt
     a row's output is the same bits alone and in batches of 3, 5, 24, 37 and 200."""
     g = gen(21)
     n_out, k_in = 192, 320
-    weight = (torch.randn(n_out, k_in, generator=g) / 8).bfloat16()
-    if not has_packed_linear(kernels, torch.bfloat16):
-        assert not kernels.can_pack(weight)
+    if (made := packed_bf16_linear(kernels, g, n_out, k_in)) is None:
         return
-    packed = kernels.pack(weight)
-    bias = torch.randn(n_out, generator=g).bfloat16()
+    weight, packed, bias = made
     x = torch.randn(200, k_in, generator=g).bfloat16()
     alone = torch.cat([kernels.linear_packed(r[None], packed, bias, n_out, out_dtype) for r in x])
     for rows in (3, 5, 24, 37, 200):
