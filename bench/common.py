@@ -32,7 +32,8 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """This CPU's flags from /proc/cpuinfo (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -50,7 +51,7 @@ def instruction_level(flags: set[str] | None = None, arch: str | None = None) ->
     arch = (arch if arch is not None else platform.machine()).lower()
     if arch not in ("x86_64", "amd64", "i386", "i686", "x86"):
         return arch or "unknown"
-    flags = _cpu_flags() if flags is None else flags
+    flags = cpu_flags() if flags is None else flags
     if flags & {"avx512_bf16", "avx512bf16"}:
         return "avx512_bf16"
     if "avx512f" in flags:
@@ -60,6 +61,50 @@ def instruction_level(flags: set[str] | None = None, arch: str | None = None) ->
     if flags & {"sse4_1", "sse4_2"}:
         return "sse4"
     return "other"
+
+
+# What holds the peers to AVX2 on a CPU that has AVX-512, so that `--cpu-isa avx2` measures
+# every engine as an AVX2-only CPU would run it: torch's own kernels, oneDNN (its bf16
+# matmuls) and MKL by their switches, llama.cpp by a build for AVX2 (`make bench-peers-avx2`)
+AVX2_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
+
+
+def llamacpp_avx2_lib() -> Path:
+    """Where `make bench-peers-avx2` puts llama.cpp's libraries built for AVX2 alone."""
+    return Path(sys.prefix) / "llama-cpp-avx2" / "lib"
+
+
+def peers_held_to_avx2(environ: dict[str, str] | None = None) -> bool:
+    """Whether this process runs torch (and so transformers) at AVX2."""
+    env = os.environ if environ is None else environ
+    return all(env.get(k) == v for k, v in AVX2_ENV.items())
+
+
+def avx2_peer_env(
+    environ: dict[str, str], flags: set[str] | None = None, lib: Path | None = None
+) -> dict[str, str] | None:
+    """The environment that holds the peers to AVX2 on this CPU, or None where there is
+    nothing to hold: they already are, or the CPU has no AVX-512."""
+    if peers_held_to_avx2(environ) or "avx512f" not in (cpu_flags() if flags is None else flags):
+        return None
+    env = {**environ, **AVX2_ENV}
+    lib = llamacpp_avx2_lib() if lib is None else lib
+    if (lib / "libllama.so").exists():
+        env["LLAMA_CPP_LIB_PATH"] = str(lib)
+    return env
+
+
+def peers_isa(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The instruction level each peer ran at: for the result record."""
+    env = os.environ if environ is None else environ
+    torch_isa = "avx2" if peers_held_to_avx2(env) else instruction_level()
+    llama = env.get("LLAMA_CPP_LIB_PATH")
+    llama_isa = "avx2" if llama and Path(llama) == llamacpp_avx2_lib() else instruction_level()
+    return {"transformers": torch_isa, "llama.cpp": llama_isa}
 
 
 def _mem_gib() -> float:

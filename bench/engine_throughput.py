@@ -4,7 +4,9 @@ figures: docs/benchmarks.md.
 
     python bench/engine_throughput.py            # SmolLM2, bf16, CPU: 1/8/32/64 concurrent
     python bench/engine_throughput.py --quick    # a fast smoke run
-    python bench/engine_throughput.py --quick --cpu-isa avx2   # the AVX2 kernels, here
+    python bench/engine_throughput.py --quick --cpu-isa avx2   # as an AVX2-only CPU runs
+    # (on an AVX-512 CPU the bench reruns itself with torch, so transformers, held to AVX2,
+    # and llama.cpp's AVX2 build from `make bench-peers-avx2`)
     python bench/engine_throughput.py --temperature 0.8   # sampled, not greedy
     python bench/engine_throughput.py --model synthetic:llama3.2-1b --device cuda
     python bench/engine_throughput.py --peer transformers,llama.cpp   # `make bench-peers`
@@ -15,6 +17,7 @@ The last printed line is one JSON object; the full record goes to bench/results/
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -28,9 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import llamacpp_peer
 from bench.common import (
     add_cache_dir_argument,
+    avx2_peer_env,
+    cpu_flags,
     engine_record,
     hf_model_for,
+    llamacpp_avx2_lib,
     parse_args,
+    peers_isa,
     publish,
     timed_calls,
 )
@@ -211,6 +218,13 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(str(exc))
     if gguf is not None and not llamacpp_peer.available():
         ap.error("--peer llama.cpp needs llama-cpp-python: `make bench-peers`")
+    # on an AVX-512 CPU, llama.cpp's own build would run its AVX-512 code
+    avx2_peer = peers_isa()["llama.cpp"] == "avx2" or "avx512f" not in cpu_flags()
+    if gguf is not None and args.cpu_isa == "avx2" and not avx2_peer:
+        ap.error(
+            "--cpu-isa avx2 --peer llama.cpp on an AVX-512 CPU needs llama.cpp built for "
+            f"AVX2 in {llamacpp_avx2_lib()}: `make bench-peers-avx2`"
+        )
 
     torch.manual_seed(args.seed)
     config = EngineConfig(
@@ -332,6 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
         "temperature": args.temperature,
         "prefix_caching": False,
         "peers": peers,
+        "peers_isa": peers_isa(),  # the peers' instruction level: AVX2-held or the CPU's
         "roofline": roofline,
         **summary,
         "rounds": rounds,
@@ -347,5 +362,18 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
+def hold_peers(argv: list[str]) -> None:
+    """With `--cpu-isa avx2` on an AVX-512 CPU, rerun this command with its peers held to
+    AVX2 too (bench/common.py: AVX2_ENV); torch reads its switch when it loads."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--cpu-isa", default="auto")
+    if ap.parse_known_args(argv)[0].cpu_isa != "avx2":
+        return
+    env = avx2_peer_env(dict(os.environ))
+    if env is not None:
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 if __name__ == "__main__":
+    hold_peers(sys.argv[1:])
     main()

@@ -12,6 +12,7 @@ fed in 512-token chunks through the paged KV), scored by:
 
     python bench/weights_quality.py            # full run (24k tokens)
     python bench/weights_quality.py --quick    # smoke run (4k tokens)
+    python bench/weights_quality.py --quick --cpu-isa avx2   # Strata's AVX2 kernels
 
 The last printed line is one JSON object; the full record goes to bench/results/.
 """
@@ -32,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import llamacpp_peer
 from bench.common import add_cache_dir_argument, machine_info, parse_args, publish
 from bench.kv_fp8_quality import reference_text
-from engine.config import CacheConfig, EngineConfig, WeightFormat
+from engine.config import CacheConfig, CpuIsa, EngineConfig, WeightFormat
 from engine.evaluate import perplexity
+from engine.kernels.cpu import resolve_cpu_isa
 from engine.llm import LLM
 from engine.model.quant_weights import QuantLinear
 from engine.model_specs import resolve_model_path
@@ -82,6 +84,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     add_cache_dir_argument(ap)
     ap.add_argument("--quick", action="store_true", help="4,096 tokens")
+    ap.add_argument(
+        "--cpu-isa",
+        default="auto",
+        choices=[i.value for i in CpuIsa],
+        help="instruction level of Strata's native CPU kernels (auto: the best this CPU has)",
+    )
     ap.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     args = parse_args(ap, argv, tokens=4096)
     torch.manual_seed(args.seed)
@@ -94,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
                 dtype=dtype,
                 device="cpu",
                 weights=weights,
+                cpu_isa=CpuIsa(args.cpu_isa),
                 seed=args.seed,
                 cache_dir=args.cache_dir,
                 cache=CacheConfig(kv_cache_memory_bytes=1 << 28),
@@ -152,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
         "text": "pydoc_data.topics, topics sorted by name, joined by blank lines",
         "window": args.window,
         "chunk": args.chunk,
+        "isa": resolve_cpu_isa(args.cpu_isa),  # the instruction level of Strata's kernels
         "quick": args.quick,
         "seed": args.seed,
         "llamacpp_version": llamacpp_peer.version() if llamacpp is not None else None,

@@ -132,6 +132,29 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantWeight:
     return QuantWeight.q4(q.reshape(n, k), d, -lo)
 
 
+class QuantPath(enum.Enum):
+    """How a quantized product is computed (csrc/quant.h, strata_quant_path)."""
+
+    INT16 = 0  # activations quantized to int16 per block: every build, few rows
+    INT8 = 1  # q4 weights, activations in two 8-bit levels: AVX2, many rows (panels)
+    FP32 = 2  # q8 weights widened to fp32: AVX2, many rows
+    BF16_PANELS = 3  # weights dequantized into bf16 panels: AVX512-BF16, many rows
+    INT8_ROWS = 4  # q4 weights, activations in two 8-bit levels: AVX2, few rows (row by row)
+
+
+@dataclass(frozen=True)
+class Activations8:
+    """Activations in two 8-bit levels per block of 32, x ~ d1 q1 + d2 q2 (q2 = 0 and d2 = 0
+    except in blocks with `two` set), and s = d1 sum(q1) + d2 sum(q2) per block."""
+
+    q1: torch.Tensor
+    q2: torch.Tensor
+    d1: torch.Tensor
+    d2: torch.Tensor
+    s: torch.Tensor
+    two: torch.Tensor
+
+
 class QuantKernelError(RuntimeError):
     """The quantized linear rejected its inputs."""
 
@@ -146,9 +169,15 @@ class QuantKernels:
         self._acts = lib.strata_quant_activations
         self._acts.argtypes = [_P, _C, _I, _I, _P, _P, _P]
         self._acts.restype = None
+        self._acts8 = lib.strata_quant_activations8
+        self._acts8.argtypes = [_P, _C, _I, _I, _P, _P, _P, _P, _P, _P]
+        self._acts8.restype = None
         isa: Any = lib.strata_quant_isa
         isa.restype = _C
         self.isa = {3: "avx512", 2: "avx2"}.get(int(isa()), "scalar")
+        self._path = lib.strata_quant_path
+        self._path.argtypes = [_I, _C, _I, _I]
+        self._path.restype = _C
 
     def linear(
         self,
@@ -205,3 +234,19 @@ class QuantKernels:
             xs.data_ptr(),
         )
         return xq, xd, xs
+
+    def path(self, fmt: QuantFormat, rows: int, n: int, x_dtype: torch.dtype) -> QuantPath:
+        """The arithmetic `linear` uses for `rows` rows of x_dtype and `n` outputs."""
+        return QuantPath(int(self._path(fmt.code, x_dtype == torch.bfloat16, rows, n)))
+
+    def activations8(self, x: torch.Tensor) -> Activations8:
+        """x [M, K] as the many-rows q4 path quantizes it (csrc/quant.c, quant_row8)."""
+        assert x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous()
+        m, k = x.shape
+        assert k % BLOCK == 0
+        q1, q2 = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k, dtype=torch.int8)
+        d1, d2, s = (torch.empty(m, k // BLOCK, dtype=torch.float32) for _ in range(3))
+        two = torch.empty(m, k // BLOCK, dtype=torch.uint8)
+        ptrs = [t.data_ptr() for t in (q1, q2, d1, d2, s, two)]
+        self._acts8(x.data_ptr(), x.dtype == torch.bfloat16, m, k, *ptrs)
+        return Activations8(q1, q2, d1, d2, s, two.bool())

@@ -317,14 +317,558 @@ static int qg_linear(int64_t format, const bf16_t* x, const uint8_t* w, const bf
 }
 #endif
 
+// Two-level 8-bit activations (the many-rows q4 path below, and tests). Each block of 32 is
+// quantized to int8 with d1 = amax / 127; a block whose values then sum to under
+// QI_TWO_LEVEL in magnitude (a few large values and the rest rounded to near nothing: the
+// outlier channels of small models) also gets its rounding error r = x - d1 q1 quantized
+// the same way (d2, q2), so that x ~ d1 q1 + d2 q2 to about 15 bits; other blocks get
+// q2 = 0, d2 = 0. s = d1 sum(q1) + d2 sum(q2); two = 1 where the block has a second level.
+#define QI_TWO_LEVEL 508  // 4 * 127: a block's values average under 16 of 127 steps
+#if defined(__AVX2__) && defined(__FMA__) && !defined(STRATA_AVX512BF16)
+#define QI_AVX2 1  // the 8-bit q4 paths below
+#endif
+
+// the second level of a block: its rounding error r quantized like the first
+static void quant_level2(const float* v, float db, const int8_t* q1, int8_t* q2, float* d2,
+                         int32_t* sum2) {
+    float r[QBLOCK], rmax = 0.0f;
+    for (int j = 0; j < QBLOCK; j++) {
+        r[j] = fmaf(-db, (float)q1[j], v[j]);  // exact product, one rounding
+        rmax = fmaxf(rmax, fabsf(r[j]));
+    }
+    const float db2 = rmax / 127.0f, id2 = db2 != 0.0f ? 1.0f / db2 : 0.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < QBLOCK; j++) {
+        float q = nearbyintf(r[j] * id2);
+        q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+        q2[j] = (int8_t)q;
+        sum += (int32_t)q;
+    }
+    *d2 = db2;
+    *sum2 = sum;
+}
+
+static void quant_row8(const void* x, int x_bf16, int64_t K, int8_t* q1, int8_t* q2, float* d1,
+                       float* d2, float* s, uint8_t* two) {
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        float v[QBLOCK];
+        int8_t* qb = q1 + b * QBLOCK;
+        int32_t sum = 0, mag = 0;
+        float db;
+#ifdef QI_AVX2
+        __m256 f[4];
+        for (int i = 0; i < 4; i++) {
+            f[i] = x_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                                _mm256_cvtepu16_epi32(_mm_loadu_si128(
+                                    (const __m128i*)((const bf16_t*)x + b * QBLOCK + 8 * i))),
+                                16))
+                          : _mm256_loadu_ps((const float*)x + b * QBLOCK + 8 * i);
+            _mm256_storeu_ps(v + 8 * i, f[i]);
+        }
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, f[0]), _mm256_andnot_ps(sign, f[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, f[2]), _mm256_andnot_ps(sign, f[3])));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
+        db = amax / 127.0f;
+        const __m256 id = _mm256_set1_ps(db != 0.0f ? 1.0f / db : 0.0f);
+        const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+        __m256i qi[4], sums = _mm256_setzero_si256(), mags = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            __m256 q = _mm256_round_ps(_mm256_mul_ps(f[i], id),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+            qi[i] = _mm256_cvtps_epi32(q);
+            sums = _mm256_add_epi32(sums, qi[i]);
+            mags = _mm256_add_epi32(mags, _mm256_abs_epi32(qi[i]));
+        }
+        // int32 -> int8 in order: packs interleave the 128-bit lanes, a permute restores them
+        const __m256i w16a = _mm256_packs_epi32(qi[0], qi[1]), w16b = _mm256_packs_epi32(qi[2], qi[3]);
+        const __m256i w8 = _mm256_packs_epi16(w16a, w16b);
+        _mm256_storeu_si256((__m256i*)qb,
+                            _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+        t = _mm_hadd_epi32(t, t);
+        sum = _mm_cvtsi128_si32(_mm_hadd_epi32(t, t));
+        t = _mm_add_epi32(_mm256_castsi256_si128(mags), _mm256_extracti128_si256(mags, 1));
+        t = _mm_hadd_epi32(t, t);
+        mag = _mm_cvtsi128_si32(_mm_hadd_epi32(t, t));
+#else
+        for (int j = 0; j < QBLOCK; j++)
+            v[j] = x_bf16 ? bf16_to_f32(((const bf16_t*)x)[b * QBLOCK + j])
+                          : ((const float*)x)[b * QBLOCK + j];
+        float amax = 0.0f;
+        for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        db = amax / 127.0f;
+        const float id = db != 0.0f ? 1.0f / db : 0.0f;
+        for (int j = 0; j < QBLOCK; j++) {
+            float q = nearbyintf(v[j] * id);
+            q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+            qb[j] = (int8_t)q;
+            sum += (int32_t)q;
+            mag += q < 0.0f ? -(int32_t)q : (int32_t)q;
+        }
+#endif
+        d1[b] = db;
+        float db2 = 0.0f;
+        int32_t sum2 = 0;
+        two[b] = db != 0.0f && mag < QI_TWO_LEVEL;
+        if (two[b])
+            quant_level2(v, db, qb, q2 + b * QBLOCK, &db2, &sum2);
+        else
+            __builtin_memset(q2 + b * QBLOCK, 0, QBLOCK);
+        d2[b] = db2;
+        s[b] = fmaf(db2, (float)sum2, db * (float)sum);
+    }
+}
+
+void strata_quant_activations8(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* q1,
+                               int8_t* q2, float* d1, float* d2, float* s, uint8_t* two) {
+    const int64_t nb = K / QBLOCK, elem = x_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (M >= 4)
+    for (int64_t m = 0; m < M; m++)
+        quant_row8((const char*)x + m * K * elem, x_bf16, K, q1 + m * K, q2 + m * K, d1 + m * nb,
+                   d2 + m * nb, s + m * nb, two + m * nb);
+}
+
+#ifdef QI_AVX2
+// Many rows over q4 weights without AVX512-BF16: 4-bit weights (unsigned, 0..15) times
+// 8-bit activations (signed) with `vpmaddubsw`, 32 products an instruction where an fp32 FMA
+// does 8. A pair of products is at most 2 * 15 * 127 = 3810, so a block's 8 steps of 4
+// inputs sum in int16 without saturating; the block's sum is then widened (`vpmaddwd` by 1),
+// scaled by d_w d_x in fp32, and its min term subtracted. Each thread unpacks one panel of
+// 16 weight rows at a time into [K / 4][16][4] bytes (4 consecutive inputs of each row
+// together, as `vpmaddubsw` pairs them), with its scales and mins as [K / 32][16] floats,
+// and runs a QI_MR x 16 register block over every activation row against it.
+#define QI_PANEL 16
+#define QI_MR 4
+#define QI_MIN_ROWS 4
+
+// 8 rows of 8 int32 each -> 8 columns (r[i] = column i)
+static inline void qi_transpose8(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+    }
+}
+
+// the panel of weight rows j0 .. j0 + 15: values as [K / 4][16][4], scales and mins [nb][16]
+static void qi_unpack(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t j0, uint8_t* panel,
+                      float* pd, float* pm) {
+    const int64_t nb = K / QBLOCK;
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nb; b++) {
+        for (int half = 0; half < 2; half++) {
+            __m256i rows[8];  // row j's 32 values of block b, in order: 8 groups of 4
+            for (int j = 0; j < 8; j++) {
+                const uint8_t* wr = w + (j0 + half * 8 + j) * row_bytes;
+                const __m128i raw = _mm_loadu_si128((const __m128i*)(wr + b * (QBLOCK / 2)));
+                rows[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask),
+                                           _mm_and_si128(raw, mask));
+            }
+            qi_transpose8(rows);  // rows[g]: group g of the 8 rows, 4 bytes each
+            for (int g = 0; g < 8; g++)
+                _mm256_storeu_si256(
+                    (__m256i*)(panel + ((b * 8 + g) * QI_PANEL + half * 8) * 4), rows[g]);
+        }
+        for (int j = 0; j < QI_PANEL; j++) {
+            const float* d = (const float*)(w + (j0 + j) * row_bytes + K / 2);
+            pd[b * QI_PANEL + j] = d[b];
+            pm[b * QI_PANEL + j] = d[nb + b];
+        }
+    }
+}
+
+typedef struct {
+    const int8_t *q1, *q2;    // [M, K]
+    const float *d1, *d2, *s;  // [M, nb]
+    const uint8_t* two;        // [M, nb]
+} QiActs;
+
+// acc[r][0..15] += one level of block b's products for the R rows at xq (stride K), scaled
+// by d_w (dw0, dw1: the panel's 16 scales) times the rows' d_x (dx, stride nb). The sums
+// live in memory between blocks: the 8 int16 accumulators, 2 weight vectors and the
+// broadcast take 11 of the 16 registers, and fp32 sums held in registers too would spill
+// the int16 ones inside the loop, where each spill is on a chain of dependent adds.
+static inline __attribute__((always_inline)) void qi_level(const uint8_t* wp, const int8_t* xq,
+                                                          const float* dx, int64_t K,
+                                                          int64_t nb, const float* dw,
+                                                          float* acc, const int R) {
+    __m256i s[QI_MR][2];
+    for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int g = 0; g < 8; g++) {
+        const __m256i w0 = _mm256_load_si256((const __m256i*)(wp + g * 64));
+        const __m256i w1 = _mm256_load_si256((const __m256i*)(wp + g * 64 + 32));
+        for (int r = 0; r < R; r++) {
+            int32_t quad;
+            __builtin_memcpy(&quad, xq + r * K + g * 4, 4);
+            const __m256i xb = _mm256_set1_epi32(quad);
+            s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(w0, xb));
+            s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(w1, xb));
+            // each sum stays one register updated in place: without this GCC reorders the
+            // adds, keeping every product live at once, and spills
+            __asm__("" : "+x"(s[r][0]), "+x"(s[r][1]));
+        }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256 dw0 = _mm256_loadu_ps(dw), dw1 = _mm256_loadu_ps(dw + 8);
+    for (int r = 0; r < R; r++) {
+        const __m256 d = _mm256_set1_ps(dx[r * nb]);
+        const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][0], ones));
+        const __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][1], ones));
+        float* ar = acc + r * QI_PANEL;
+        _mm256_storeu_ps(ar, _mm256_fmadd_ps(p0, _mm256_mul_ps(dw0, d), _mm256_loadu_ps(ar)));
+        _mm256_storeu_ps(ar + 8,
+                         _mm256_fmadd_ps(p1, _mm256_mul_ps(dw1, d), _mm256_loadu_ps(ar + 8)));
+    }
+}
+
+// acc[r][0..15] = the R rows of a (from row m0) against one unpacked panel
+static inline __attribute__((always_inline)) void qi_block(const uint8_t* panel, const float* pd,
+                                                          const float* pm, QiActs a, int64_t m0,
+                                                          int64_t K, float* acc, const int R) {
+    const int64_t nb = K / QBLOCK;
+    for (int i = 0; i < R * QI_PANEL; i++) acc[i] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* wp = panel + b * QBLOCK * QI_PANEL;
+        const int64_t at = m0 * K + b * QBLOCK, ds = m0 * nb + b;
+        qi_level(wp, a.q1 + at, a.d1 + ds, K, nb, pd + b * QI_PANEL, acc, R);
+        int two = 0;
+        for (int r = 0; r < R; r++) two |= a.two[ds + r * nb];
+        if (two) qi_level(wp, a.q2 + at, a.d2 + ds, K, nb, pd + b * QI_PANEL, acc, R);
+        const __m256 mw0 = _mm256_loadu_ps(pm + b * QI_PANEL);
+        const __m256 mw1 = _mm256_loadu_ps(pm + b * QI_PANEL + 8);
+        for (int r = 0; r < R; r++) {
+            const __m256 xs = _mm256_set1_ps(a.s[ds + r * nb]);
+            float* ar = acc + r * QI_PANEL;
+            _mm256_storeu_ps(ar, _mm256_fnmadd_ps(mw0, xs, _mm256_loadu_ps(ar)));
+            _mm256_storeu_ps(ar + 8, _mm256_fnmadd_ps(mw1, xs, _mm256_loadu_ps(ar + 8)));
+        }
+    }
+}
+
+// the activations' buffer (returned, to free): q1 and q2 [M, K], then d1, d2, s [M, nb],
+// two [M, nb]; a points into it
+static int8_t* qi_acts_alloc(int64_t M, int64_t K, QiActs* a) {
+    const int64_t nb = K / QBLOCK;
+    int8_t* q1 = malloc((size_t)(2 * M * K) + (size_t)(3 * M * nb) * sizeof(float) + (size_t)(M * nb));
+    if (!q1) return 0;
+    a->q1 = q1;
+    a->q2 = q1 + M * K;
+    a->d1 = (const float*)(q1 + 2 * M * K);
+    a->d2 = a->d1 + M * nb;
+    a->s = a->d2 + M * nb;
+    a->two = (const uint8_t*)(a->s + M * nb);
+    return q1;
+}
+
+static inline float v8_sum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Few rows (decode) over q4 weights: the same 8-bit products, one weight row at a time
+// straight from its packed blocks (no panel to amortize). Each block's 32 products give 8
+// int32 lanes; 8 blocks' lanes are summed across into one vector of 8 block sums, scaled by
+// the 8 blocks' d_w d_x and min terms in three instructions. Second levels are rare and
+// added one block at a time.
+#define QV_MAX_ROWS (QI_MIN_ROWS - 1)
+
+// the 32 values 0..15 of a q4 block, in order, as bytes
+static inline __m256i qv_unpack(const uint8_t* qs) {
+    const __m128i raw = _mm_loadu_si128((const __m128i*)qs), mask = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), mask), _mm_and_si128(raw, mask));
+}
+
+// the int32 lanes of one block's products of w (bytes) and the row's 32 int8 values at xq
+static inline __m256i qv_dot(__m256i w, const int8_t* xq) {
+    const __m256i p = _mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i*)xq));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+// 8 vectors of 8 int32 -> one vector of their 8 sums
+static inline __m256 qv_sums8(const __m256i v[8]) {
+    const __m256i u = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u, t, 0x20),
+                                               _mm256_permute2x128_si256(u, t, 0x31)));
+}
+
+static inline __attribute__((always_inline)) void qv_row(const uint8_t* wr, QiActs a, int64_t K,
+                                                        float* sums, const int R) {
+    const int64_t nb = K / QBLOCK;
+    const float* dw = (const float*)(wr + K / 2);
+    const float* mw = dw + nb;
+    __m256 acc[QV_MAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+        const int live = nb - b0 < 8 ? (int)(nb - b0) : 8;
+        __m256i v[QV_MAX_ROWS][8];
+        for (int j = 0; j < 8; j++) {
+            if (j < live) {
+                const __m256i wv = qv_unpack(wr + (b0 + j) * (QBLOCK / 2));
+                for (int r = 0; r < R; r++) v[r][j] = qv_dot(wv, a.q1 + r * K + (b0 + j) * QBLOCK);
+            } else {
+                for (int r = 0; r < R; r++) v[r][j] = _mm256_setzero_si256();
+            }
+        }
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(live),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 d = _mm256_maskload_ps(dw + b0, mask), m = _mm256_maskload_ps(mw + b0, mask);
+        for (int r = 0; r < R; r++) {
+            const __m256 dx = _mm256_maskload_ps(a.d1 + r * nb + b0, mask);
+            const __m256 xs = _mm256_maskload_ps(a.s + r * nb + b0, mask);
+            acc[r] = _mm256_fmadd_ps(qv_sums8(v[r]), _mm256_mul_ps(d, dx), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(m, xs, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float y = v8_sum(acc[r]);
+        for (int64_t b = 0; b < nb; b++)
+            if (a.two[r * nb + b]) {
+                const __m256i p = qv_dot(qv_unpack(wr + b * (QBLOCK / 2)), a.q2 + r * K + b * QBLOCK);
+                const __m256 one = _mm256_cvtepi32_ps(p);
+                y += v8_sum(one) * (dw[b] * a.d2[r * nb + b]);
+            }
+        sums[r] = y;
+    }
+}
+
+static int qv_linear(const void* x, int x_bf16, const uint8_t* w, const void* bias, void* y,
+                     int out_f32, int64_t M, int64_t N, int64_t K) {
+    const int64_t nb = K / QBLOCK, row_bytes = strata_quant_row_bytes(4, K), elem = x_bf16 ? 2 : 4;
+    QiActs a;
+    int8_t* buf = qi_acts_alloc(M, K, &a);
+    if (!buf) return -3;
+    for (int64_t m = 0; m < M; m++)  // few rows: before the parallel region (see below)
+        quant_row8((const char*)x + m * K * elem, x_bf16, K, (int8_t*)a.q1 + m * K,
+                   (int8_t*)a.q2 + m * K, (float*)a.d1 + m * nb, (float*)a.d2 + m * nb,
+                   (float*)a.s + m * nb, (uint8_t*)a.two + m * nb);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float sums[QV_MAX_ROWS];
+        const uint8_t* wr = w + n * row_bytes;
+        switch (M) {
+            case 1: qv_row(wr, a, K, sums, 1); break;
+            case 2: qv_row(wr, a, K, sums, 2); break;
+            default: qv_row(wr, a, K, sums, QV_MAX_ROWS); break;
+        }
+        const float b = !bias ? 0.0f : x_bf16 ? bf16_to_f32(((const bf16_t*)bias)[n]) : ((const float*)bias)[n];
+        for (int64_t r = 0; r < M; r++) {
+            if (out_f32)
+                ((float*)y)[r * N + n] = sums[r] + b;
+            else
+                ((bf16_t*)y)[r * N + n] = f32_to_bf16(sums[r] + b);
+        }
+    }
+    free(buf);
+    return 0;
+}
+
+static int qi_linear(const void* x, int x_bf16, const uint8_t* w, const void* bias, void* y,
+                     int out_f32, int64_t M, int64_t N, int64_t K) {
+    const int64_t nb = K / QBLOCK, row_bytes = strata_quant_row_bytes(4, K);
+    const int64_t panels = N / QI_PANEL, elem = x_bf16 ? 2 : 4;
+    QiActs a;
+    int8_t* q1 = qi_acts_alloc(M, K, &a);
+    if (!q1) return -3;
+    int failed = 0;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            quant_row8((const char*)x + m * K * elem, x_bf16, K, (int8_t*)a.q1 + m * K,
+                       (int8_t*)a.q2 + m * K, (float*)a.d1 + m * nb, (float*)a.d2 + m * nb,
+                       (float*)a.s + m * nb, (uint8_t*)a.two + m * nb);
+        // the panel's values, its scales and mins, and the register block's fp32 sums
+        uint8_t* panel = aligned_alloc(
+            64, (size_t)(QI_PANEL * K) + (size_t)(2 * QI_PANEL * nb + QI_MR * QI_PANEL) * sizeof(float));
+        if (!panel) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        float* pd = (float*)(panel + QI_PANEL * K);
+        float* pm = pd + QI_PANEL * nb;
+        float* out = pm + QI_PANEL * nb;
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t p0 = tid * panels / nth, p1 = (tid + 1) * panels / nth;
+        for (int64_t p = p0; panel && p < p1; p++) {
+            qi_unpack(w, row_bytes, K, p * QI_PANEL, panel, pd, pm);
+            for (int64_t m0 = 0; m0 < M; m0 += QI_MR) {
+                const int R = M - m0 < QI_MR ? (int)(M - m0) : QI_MR;
+                switch (R) {
+                    case 1: qi_block(panel, pd, pm, a, m0, K, out, 1); break;
+                    case 2: qi_block(panel, pd, pm, a, m0, K, out, 2); break;
+                    case 3: qi_block(panel, pd, pm, a, m0, K, out, 3); break;
+                    default: qi_block(panel, pd, pm, a, m0, K, out, QI_MR); break;
+                }
+                for (int r = 0; r < R; r++) {
+                    for (int j = 0; j < QI_PANEL; j++) {
+                        const int64_t n = p * QI_PANEL + j, at = (m0 + r) * N + n;
+                        float v = out[r * QI_PANEL + j];
+                        if (bias)
+                            v += x_bf16 ? bf16_to_f32(((const bf16_t*)bias)[n])
+                                        : ((const float*)bias)[n];
+                        if (out_f32)
+                            ((float*)y)[at] = v;
+                        else
+                            ((bf16_t*)y)[at] = f32_to_bf16(v);
+                    }
+                }
+            }
+        }
+        free(panel);
+    }
+    free(q1);
+    return failed ? -3 : 0;
+}
+#endif
+
+
+#ifdef STRATA_AVX2
+// Many rows over q8 weights on AVX2 (the LM head of every quantized model): the int16 products
+// cost four instructions per 32 where fp32 FMAs cost four, and the per-block scaling comes on
+// top. So each weight row is widened to fp32 once per call (d q: one rounding, as
+// QuantWeight.dequantize), and fp32 FMAs run 2 weight rows by QD_MR activation rows at a
+// time, in dot-product form: 8 accumulators of 8 lanes each, summed across at the end.
+#define QD_MR 4
+#define QD_MIN_ROWS 4
+
+static inline void qd_widen(const uint8_t* row, int64_t K, float* out) {
+    const int8_t* q = (const int8_t*)row;
+    const float* d = (const float*)(row + K);
+    for (int64_t b = 0; b < K / QBLOCK; b++) {
+        const __m256 db = _mm256_set1_ps(d[b]);
+        for (int i = 0; i < QBLOCK; i += 8) {
+            const __m128i raw = _mm_loadl_epi64((const __m128i*)(q + b * QBLOCK + i));
+            _mm256_storeu_ps(out + b * QBLOCK + i,
+                             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), db));
+        }
+    }
+}
+
+// y[r][0..1] = the R rows of xf (fp32, stride K) against two widened weight rows w0, w1
+static inline __attribute__((always_inline)) void qd_block(const float* xf, const float* w0,
+                                                          const float* w1, int64_t K,
+                                                          float out[][2], const int R) {
+    __m256 acc[QD_MR][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        const __m256 a = _mm256_loadu_ps(w0 + k), b = _mm256_loadu_ps(w1 + k);
+        for (int r = 0; r < R; r++) {
+            const __m256 xv = _mm256_loadu_ps(xf + r * K + k);
+            acc[r][0] = _mm256_fmadd_ps(xv, a, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xv, b, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        out[r][0] = v8_reduce_add(acc[r][0]);
+        out[r][1] = v8_reduce_add(acc[r][1]);
+    }
+}
+
+static int qd_linear(const void* x, int x_bf16, const uint8_t* w, const void* bias, void* y,
+                     int out_f32, int64_t M, int64_t N, int64_t K) {
+    const int64_t row_bytes = strata_quant_row_bytes(8, K), pairs = N / 2;
+    float* xf = malloc((size_t)(M * K) * sizeof(float));
+    if (!xf) return -3;
+    int failed = 0;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k += 8)
+                _mm256_storeu_ps(xf + m * K + k,
+                                 x_bf16 ? v8_load_bf16((const bf16_t*)x + m * K + k)
+                                        : _mm256_loadu_ps((const float*)x + m * K + k));
+        float* wf = aligned_alloc(64, (size_t)(2 * K) * sizeof(float));
+        if (!wf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        for (int64_t p = tid * pairs / nth; wf && p < (tid + 1) * pairs / nth; p++) {
+            const int64_t n = 2 * p;
+            qd_widen(w + n * row_bytes, K, wf);
+            qd_widen(w + (n + 1) * row_bytes, K, wf + K);
+            float bn[2] = {0.0f, 0.0f};
+            for (int j = 0; j < 2 && bias; j++)
+                bn[j] = x_bf16 ? bf16_to_f32(((const bf16_t*)bias)[n + j])
+                               : ((const float*)bias)[n + j];
+            for (int64_t m0 = 0; m0 < M; m0 += QD_MR) {
+                float out[QD_MR][2];
+                const int R = M - m0 < QD_MR ? (int)(M - m0) : QD_MR;
+                const float* xs = xf + m0 * K;
+                switch (R) {
+                    case 1: qd_block(xs, wf, wf + K, K, out, 1); break;
+                    case 2: qd_block(xs, wf, wf + K, K, out, 2); break;
+                    case 3: qd_block(xs, wf, wf + K, K, out, 3); break;
+                    default: qd_block(xs, wf, wf + K, K, out, QD_MR); break;
+                }
+                for (int r = 0; r < R; r++)
+                    for (int j = 0; j < 2; j++) {
+                        const int64_t at = (m0 + r) * N + n + j;
+                        const float v = out[r][j] + bn[j];
+                        if (out_f32)
+                            ((float*)y)[at] = v;
+                        else
+                            ((bf16_t*)y)[at] = f32_to_bf16(v);
+                    }
+            }
+        }
+        free(wf);
+    }
+    free(xf);
+    return failed ? -3 : 0;
+}
+#endif
+
+int strata_quant_path(int64_t format, int x_bf16, int64_t M, int64_t N) {
+#ifdef STRATA_AVX512BF16
+    if (x_bf16 && M >= QG_MIN_ROWS && N % QG_PANEL == 0) return QPATH_BF16_PANELS;
+#endif
+#ifdef QI_AVX2
+    if (format == 4 && M >= QI_MIN_ROWS && N % QI_PANEL == 0) return QPATH_INT8;
+    if (format == 4 && M <= QV_MAX_ROWS) return QPATH_INT8_ROWS;
+#endif
+#ifdef STRATA_AVX2
+    if (format == 8 && M >= QD_MIN_ROWS && N % 2 == 0) return QPATH_FP32;
+#endif
+    (void)format, (void)x_bf16, (void)M, (void)N;
+    return QPATH_INT16;
+}
 
 int strata_quant_linear(int64_t format, const void* x, int x_bf16, const uint8_t* w,
                         const void* bias, void* y, int out_f32, int64_t M, int64_t N, int64_t K) {
     if (K % QBLOCK || M < 1 || N < 1 || (format != 8 && format != 4)) return -1;
+    switch (strata_quant_path(format, x_bf16, M, N)) {
 #ifdef STRATA_AVX512BF16
-    if (x_bf16 && M >= QG_MIN_ROWS && N % QG_PANEL == 0)
-        return qg_linear(format, x, w, bias, y, out_f32, M, N, K);
+        case QPATH_BF16_PANELS: return qg_linear(format, x, w, bias, y, out_f32, M, N, K);
 #endif
+#ifdef QI_AVX2
+        case QPATH_INT8: return qi_linear(x, x_bf16, w, bias, y, out_f32, M, N, K);
+        case QPATH_INT8_ROWS: return qv_linear(x, x_bf16, w, bias, y, out_f32, M, N, K);
+#endif
+#ifdef STRATA_AVX2
+        case QPATH_FP32: return qd_linear(x, x_bf16, w, bias, y, out_f32, M, N, K);
+#endif
+        default: break;
+    }
     const int64_t nb = K / QBLOCK, row_bytes = strata_quant_row_bytes(format, K);
     // activation rows, quantized: xq [M, K] int16, then xd and xs [M, nb]
     int16_t* xq = malloc((size_t)(M * K * 2 + 2 * M * nb * (int64_t)sizeof(float)));

@@ -26,5 +26,16 @@ int strata_quant_linear(int64_t format, const void* x, int x_bf16, const uint8_t
 void strata_quant_activations(const void* x, int x_bf16, int64_t M, int64_t K, int16_t* xq,
                               float* xd, float* xs);
 
+// The two-level 8-bit activations of the many-rows q4 path (quant.c; tests): q1, q2 [M, K]
+// int8, d1, d2 and s [M, K / 32], two [M, K / 32] (1 where a block has its second level).
+void strata_quant_activations8(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* q1,
+                               int8_t* q2, float* d1, float* d2, float* s, uint8_t* two);
+
 // Which integer dot product this build uses: 3 AVX-512BW, 2 AVX2, 0 scalar.
 int strata_quant_isa(void);
+// Which arithmetic strata_quant_linear uses for a product of M rows and N outputs on this
+// build: activations in int16 (any build), q4 weights against two-level 8-bit activations
+// (AVX2: in panels for many rows, row by row for few), q8 weights widened to fp32 (AVX2,
+// many rows), or the weights dequantized into bf16 panels (AVX512-BF16, many rows).
+enum { QPATH_INT16 = 0, QPATH_INT8 = 1, QPATH_FP32 = 2, QPATH_BF16_PANELS = 3, QPATH_INT8_ROWS = 4 };
+int strata_quant_path(int64_t format, int x_bf16, int64_t M, int64_t N);

@@ -1,5 +1,5 @@
 """bench/common.py: scratch directories leave nothing behind, the instruction level read
-from CPU flags, --quick defaults that given options override."""
+from CPU flags, --quick defaults that given options override, peers held to AVX2."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import tempfile
 
 import pytest
 
+from bench import common
 from bench.common import instruction_level, machine_info, parse_args, publish, scratch_dir
 
 
@@ -81,3 +82,22 @@ def test_publish_prints_the_summary_last(tmp_path, capsys):
     assert lines == [f"wrote {path}", '{"b": 2}']
     assert json.loads(path.read_text()) == {"device": "cpu (test)", "a": 1}
     assert path.name.startswith("x-cpu-")
+
+
+def test_avx2_runs_hold_the_peers_to_avx2_on_an_avx512_cpu(tmp_path):
+    """`--cpu-isa avx2` reruns the bench with torch (so transformers) and llama.cpp held to
+    AVX2 where the CPU has AVX-512; elsewhere, or once held, there is nothing to do."""
+    lib = tmp_path / "lib"
+    env = common.avx2_peer_env({"PATH": "/bin"}, flags={"avx2", "avx512f"}, lib=lib)
+    assert env is not None and env["PATH"] == "/bin"
+    assert all(env[k] == v for k, v in common.AVX2_ENV.items())
+    assert "LLAMA_CPP_LIB_PATH" not in env  # no AVX2 build of llama.cpp yet
+    lib.mkdir()
+    (lib / "libllama.so").write_bytes(b"")
+    env = common.avx2_peer_env({}, flags={"avx2", "avx512f"}, lib=lib)
+    assert env is not None and env["LLAMA_CPP_LIB_PATH"] == str(lib)
+    assert common.peers_held_to_avx2(env)
+    assert common.avx2_peer_env(env, flags={"avx2", "avx512f"}, lib=lib) is None  # held
+    assert common.avx2_peer_env({}, flags={"avx2", "fma"}, lib=lib) is None  # no AVX-512
+    assert common.peers_isa(env)["transformers"] == "avx2"
+    assert common.peers_isa({})["transformers"] == common.instruction_level()
