@@ -64,7 +64,7 @@ _ARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3", "portable": "-ma
 # instruction level (`--cpu-isa`) -> build, and the CPU flags the level needs
 _ISA_BUILD = {"avx512": "native", "avx2": "avx2", "portable": "portable"}
 _ISA_FLAGS = {"avx512": {"avx512f", "avx512bw"}, "avx2": {"avx2", "fma", "f16c"}, "portable": set()}
-_ABI = 9
+_ABI = 10
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _PAGE_SUFFIX = {torch.float8_e4m3fn: "fp8"}  # page formats other than the compute dtype
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -199,7 +199,8 @@ class CpuKernels:
         self._argmax = lib.strata_argmax_f32
         self._argmax.argtypes, self._argmax.restype = [_P, _P, _I, _I], None
         self._layer = lib.strata_decoder_layer_bf16
-        # x, residual, first, norms, eps | 13 tensors | 8 sizes | scale, workspace, out
+        # x, residual, first, norms, eps | 13 tensors and the weights' formats | 8 sizes |
+        # scale, workspace, out
         layer_args: list[Any] = [
             _P,
             _P,
@@ -207,7 +208,7 @@ class CpuKernels:
             _P,
             _P,
             _F,
-            *[_P] * 12,
+            *[_P] * 13,
             _C,
             *[_P] * 3,
             *[_I] * 8,
@@ -219,9 +220,9 @@ class CpuKernels:
         self._layer.argtypes = layer_args
         self._layer.restype = ctypes.c_int
         self._stack = lib.strata_decoder_stack_bf16
-        # layers, x, residual | 2 norm arrays, eps | 5 weight arrays | positions, cos, sin |
-        # 4 page arrays, rotated | slots, tables, lens | 8 sizes | scale, workspace, 2 outs |
-        # LoRA, as for one layer, with every layer's arrays concatenated
+        # layers, x, residual | 2 norm arrays, eps | 5 weight arrays, formats | positions,
+        # cos, sin | 4 page arrays, rotated | slots, tables, lens | 8 sizes | scale,
+        # workspace, 2 outs | LoRA, as for one layer, with every layer's arrays concatenated
         self._stack.argtypes = [
             _I,
             _P,
@@ -229,7 +230,7 @@ class CpuKernels:
             _P,
             _P,
             _F,
-            *[_P] * 5,
+            *[_P] * 6,
             *[_P] * 3,
             *[_P] * 4,
             _C,
@@ -579,6 +580,7 @@ class CpuKernels:
             w.o.data_ptr(),
             w.gate_up.data_ptr(),
             w.down.data_ptr(),
+            w.format_array,
             positions.data_ptr(),
             w.cos.data_ptr(),
             w.sin.data_ptr(),
@@ -639,6 +641,7 @@ class CpuKernels:
             stack.o,
             stack.gate_up,
             stack.down,
+            stack.formats,
             positions.data_ptr(),
             w.cos.data_ptr(),
             w.sin.data_ptr(),
@@ -697,7 +700,9 @@ class LayerLoRA:
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """A bf16 decoder layer's packed weights and shapes, as `decoder_layer` reads them."""
+    """A bf16 decoder layer's weights and shapes, as `decoder_layer` reads them: each of
+    qkv, o, gate_up and down packed by `pack` (format 0) or a quantized weight's rows
+    (`formats`: its QuantFormat code, csrc/quant.h)."""
 
     in_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -713,6 +718,11 @@ class LayerWeights:
     num_kv_heads: int
     head_dim: int
     intermediate: int
+    formats: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+    @property
+    def format_array(self) -> Any:
+        return (ctypes.c_int64 * 4)(*self.formats)
 
 
 @dataclass(frozen=True)
@@ -807,6 +817,7 @@ class StackWeights:
         self.o = _pointers([w.o for w in layers])
         self.gate_up = _pointers([w.gate_up for w in layers])
         self.down = _pointers([w.down for w in layers])
+        self.formats = (ctypes.c_int64 * (4 * len(layers)))(*(f for w in layers for f in w.formats))
 
 
 class StackLoRA:

@@ -4,7 +4,8 @@
 the rotary embedding (applied in place inside the fused qkv buffer), SiLU*up, and every
 linear layer (bf16 on AVX512-BF16 and AVX2 CPUs, fp32 on AVX-512 and AVX2 ones: whatever
 `CpuKernels.can_pack` accepts) with modules that call
-`CpuKernels`. bf16 layers go further: one kernel call per layer, or per step. The model file
+`CpuKernels`. bf16 layers go further: one kernel call per layer, or per step, with their
+projections packed or quantized (`QuantLinear`). The model file
 itself never branches on the backend. Packed linears drop the original weight, except the LM
 head when it is tied to the embedding table (the lookup still needs the rows).
 """
@@ -32,6 +33,7 @@ from engine.model.llama import (
     RMSNorm,
     RotaryEmbedding,
 )
+from engine.model.quant_weights import QuantLinear
 from kvstore.hostmem import HostArena
 
 if TYPE_CHECKING:
@@ -109,11 +111,19 @@ class NativeLinear(nn.Module):
         )
 
 
+def _layer_weight(linear: nn.Module) -> tuple[torch.Tensor, int]:
+    """A projection's weight as the layer kernel reads it, and its format code."""
+    if isinstance(linear, QuantLinear):
+        return linear.weight.rows, linear.weight.format.code
+    assert isinstance(linear, NativeLinear)
+    return linear.packed, 0
+
+
 class NativeDecoderLayer(nn.Module):
     """A whole bf16 decoder layer in one kernel call (no Python between its kernels).
 
-    Built from a layer whose modules were already swapped for native ones; shares their
-    packed weights and produces bit-identical results.
+    Built from a layer whose modules were already swapped for native ones (packed or
+    quantized linears); shares their weights and produces bit-identical results.
     """
 
     def __init__(self, layer: DecoderLayer, rope: NativeRotary, kernels: CpuKernels) -> None:
@@ -122,25 +132,26 @@ class NativeDecoderLayer(nn.Module):
         self.kernels = kernels
         self.inner = layer  # keeps the parameters and buffers registered
         linears = [layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj]
-        assert all(isinstance(m, NativeLinear) for m in linears)
-        qkv, o, gate_up, down = cast(list[NativeLinear], linears)
+        (qkv, fq), (o, fo), (gate_up, fg), (down, fd) = map(_layer_weight, linears)
         in_norm, post_norm = layer.input_norm, layer.post_attn_norm
         assert isinstance(in_norm, NativeRMSNorm) and isinstance(post_norm, NativeRMSNorm)
+        bias = cast(torch.Tensor | None, getattr(layer.qkv_proj, "bias", None))
         self.weights = LayerWeights(
             in_norm=in_norm.weight.data,
             post_norm=post_norm.weight.data,
             eps=in_norm.eps,
-            qkv=qkv.packed,
-            qkv_bias=None if qkv.bias is None else qkv.bias.data,
-            o=o.packed,
-            gate_up=gate_up.packed,
-            down=down.packed,
+            qkv=qkv,
+            qkv_bias=None if bias is None else bias.data,
+            o=o,
+            gate_up=gate_up,
+            down=down,
             cos=rope.cos,
             sin=rope.sin,
             num_heads=layer.num_heads,
             num_kv_heads=layer.num_kv_heads,
             head_dim=layer.head_dim,
-            intermediate=down.packed.numel() // down.out_features,
+            intermediate=cast(int, layer.gate_up_proj.out_features) // 2,
+            formats=(fq, fo, fg, fd),
         )
         self.lora: LayerLoRA | None = None
         self.lora_batch: LoRABatch | None = None
@@ -229,7 +240,8 @@ def apply_native_cpu(
 
     def packable_layer(layer: DecoderLayer) -> bool:  # the fused layer kernel is bf16
         linears = [getattr(layer, n) for n in names]
-        return dtype == torch.bfloat16 and all(isinstance(m, NativeLinear) for m in linears)
+        fused = (NativeLinear, QuantLinear)
+        return dtype == torch.bfloat16 and all(isinstance(m, fused) for m in linears)
 
     linears = [getattr(block, name) for block in model.layers for name in names]
     # every packed weight in one huge-page arena: a decode step reads them all

@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "quant.h"
 
 #include "lora.h"
 #include "linear_f32_block.h"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.attention.paged import SeqSlice
-from engine.config import CacheConfig, EngineConfig, KVCacheDtype
+from engine.config import CacheConfig, EngineConfig, KVCacheDtype, WeightFormat
 from engine.core import EngineCore
 from engine.kernels.cpu import cpu_isa_levels, load_cpu_kernels
 from engine.loader import build_model, load_checkpoint
@@ -18,6 +18,7 @@ from engine.model.native_cpu import (
     NativeLinear,
     apply_native_cpu,
 )
+from engine.model.quant_weights import QuantLinear, apply_quant_weights, quantize_model
 from engine.protocol import SamplingParams
 from tests.huge_pages import huge_kib, needs_thp
 
@@ -38,10 +39,16 @@ NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def engine(
-    kernels, mode: str, kv: KVCacheDtype = KVCacheDtype.AUTO, dtype: str = "bfloat16"
+    kernels,
+    mode: str,
+    kv: KVCacheDtype = KVCacheDtype.AUTO,
+    dtype: str = "bfloat16",
+    weights: WeightFormat = WeightFormat.SIXTEEN_BIT,
 ) -> EngineCore:
     ckpt = load_checkpoint("synthetic:tiny", None, seed=5)
     model = build_model(ckpt, getattr(torch, dtype), CPU)
+    if weights is not WeightFormat.SIXTEEN_BIT:
+        apply_quant_weights(model, quantize_model(model, ckpt, weights), kernels.quant)
     if mode != "torch":
         apply_native_cpu(model, kernels, fuse_layers=mode == "fused")
     cache = CacheConfig(block_size=4, num_blocks=64, kv_cache_dtype=kv)
@@ -104,6 +111,32 @@ def test_fused_layers_are_bit_identical_to_native_modules(kernels, kv):
         outs[name] = tokens
         core.check_integrity()
     assert outs["fused"] == outs["modules"]
+
+
+@pytest.mark.parametrize("weights", [WeightFormat.Q4, WeightFormat.Q8])
+def test_fused_layers_keep_quantized_weights_bit_identical(kernels, weights):
+    """Quantized projections run inside the layer kernel (csrc/layer.h) by the same
+    products as the lone quantized linears: same logits, same K/V, same tokens."""
+    modules = engine(kernels, "modules", weights=weights)
+    fused = engine(kernels, "fused", weights=weights)
+    layers = fused.runner.model.layers
+    assert all(isinstance(m, NativeDecoderLayer) for m in layers)
+    assert isinstance(fused.runner.model.layer_stack, NativeDecoderStack)
+    code = 4 if weights is WeightFormat.Q4 else 8
+    assert all(m.weights.formats == (code,) * 4 for m in layers)
+    assert all(
+        isinstance(getattr(m, n), QuantLinear) for m in modules.runner.model.layers for n in NAMES
+    )
+    layered = engine(kernels, "fused", weights=weights)
+    layered.runner.model.layer_stack = None
+    gen = torch.Generator().manual_seed(2)
+    # 1 and 3 rows: the few-rows products; 9 and 23 together: the many-rows ones
+    for lens in ((1,), (3,), (9, 23)):
+        seqs = [(torch.randint(0, 512, (n,), generator=gen).tolist(), 0) for n in lens]
+        logits = step_logits(fused, seqs)
+        assert torch.equal(logits, step_logits(modules, seqs))
+        assert torch.equal(logits, step_logits(layered, seqs))
+    assert torch.equal(fused.pool.kv.view(torch.uint8), modules.pool.kv.view(torch.uint8))
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
