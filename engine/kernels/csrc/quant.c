@@ -324,8 +324,11 @@ static int qg_linear(int64_t format, const bf16_t* x, const uint8_t* w, const bf
 // the same way (d2, q2), so that x ~ d1 q1 + d2 q2 to about 15 bits; other blocks get
 // q2 = 0, d2 = 0. s = d1 sum(q1) + d2 sum(q2); two = 1 where the block has a second level.
 #define QI_TWO_LEVEL 508  // 4 * 127: a block's values average under 16 of 127 steps
-#if defined(__AVX2__) && defined(__FMA__) && !defined(STRATA_AVX512BF16)
+#if defined(__AVX2__) && defined(__FMA__)
 #define QI_AVX2 1  // the 8-bit q4 paths below
+#endif
+#if defined(STRATA_AVX512) && defined(__AVX512VNNI__)
+#define QI_VNNI 1  // their many-rows products by `vpdpbusd` on 512 bits
 #endif
 
 // the second level of a block: its rounding error r quantized like the first
@@ -434,7 +437,7 @@ void strata_quant_activations8(const void* x, int x_bf16, int64_t M, int64_t K, 
 }
 
 #ifdef QI_AVX2
-// Many rows over q4 weights without AVX512-BF16: 4-bit weights (unsigned, 0..15) times
+// Many rows over q4 weights (AVX2; AVX512-VNNI below): 4-bit weights (unsigned, 0..15) times
 // 8-bit activations (signed) with `vpmaddubsw`, 32 products an instruction where an fp32 FMA
 // does 8. A pair of products is at most 2 * 15 * 127 = 3810, so a block's 8 steps of 4
 // inputs sum in int16 without saturating; the block's sum is then widened (`vpmaddwd` by 1),
@@ -443,7 +446,11 @@ void strata_quant_activations8(const void* x, int x_bf16, int64_t M, int64_t K, 
 // together, as `vpmaddubsw` pairs them), with its scales and mins as [K / 32][16] floats,
 // and runs a QI_MR x 16 register block over every activation row against it.
 #define QI_PANEL 16
+#ifdef QI_VNNI
+#define QI_MR 8
+#else
 #define QI_MR 4
+#endif
 #define QI_MIN_ROWS 4
 
 // 8 rows of 8 int32 each -> 8 columns (r[i] = column i)
@@ -498,6 +505,51 @@ typedef struct {
     const uint8_t* two;        // [M, nb]
 } QiActs;
 
+#ifdef QI_VNNI
+// With AVX512-VNNI one `vpdpbusd` does a group's 4 inputs for all 16 rows of the panel (one
+// 512-bit vector) and adds them into int32: no int16 stage, no widening, and 8 rows' sums
+// plus their fp32 sums fit the 32 registers. The per-lane arithmetic after the integer sums
+// is qi_block's below, in the same order, so both builds give the same bits.
+static inline __attribute__((always_inline)) void qi_level(const uint8_t* wp, const int8_t* xq,
+                                                          const float* dx, int64_t K,
+                                                          int64_t nb, __m512 dw, __m512* acc,
+                                                          const int R) {
+    __m512i s[QI_MR];
+    for (int r = 0; r < R; r++) s[r] = _mm512_setzero_si512();
+    for (int g = 0; g < 8; g++) {
+        const __m512i w = _mm512_load_si512((const void*)(wp + g * 64));
+        for (int r = 0; r < R; r++) {
+            int32_t quad;
+            __builtin_memcpy(&quad, xq + r * K + g * 4, 4);
+            s[r] = _mm512_dpbusd_epi32(s[r], w, _mm512_set1_epi32(quad));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]),
+                                 _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nb])), acc[r]);
+}
+
+static inline __attribute__((always_inline)) void qi_block(const uint8_t* panel, const float* pd,
+                                                          const float* pm, QiActs a, int64_t m0,
+                                                          int64_t K, float* out, const int R) {
+    const int64_t nb = K / QBLOCK;
+    __m512 acc[QI_MR];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* wp = panel + b * QBLOCK * QI_PANEL;
+        const int64_t at = m0 * K + b * QBLOCK, ds = m0 * nb + b;
+        const __m512 dw = _mm512_loadu_ps(pd + b * QI_PANEL);
+        qi_level(wp, a.q1 + at, a.d1 + ds, K, nb, dw, acc, R);
+        int two = 0;
+        for (int r = 0; r < R; r++) two |= a.two[ds + r * nb];
+        if (two) qi_level(wp, a.q2 + at, a.d2 + ds, K, nb, dw, acc, R);
+        const __m512 mw = _mm512_loadu_ps(pm + b * QI_PANEL);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(a.s[ds + r * nb]), acc[r]);
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * QI_PANEL, acc[r]);
+}
+#else
 // acc[r][0..15] += one level of block b's products for the R rows at xq (stride K), scaled
 // by d_w (dw0, dw1: the panel's 16 scales) times the rows' d_x (dx, stride nb). The sums
 // live in memory between blocks: the 8 int16 accumulators, 2 weight vectors and the
@@ -560,6 +612,8 @@ static inline __attribute__((always_inline)) void qi_block(const uint8_t* panel,
         }
     }
 }
+
+#endif
 
 // the activations' buffer (returned, to free): q1 and q2 [M, K], then d1, d2, s [M, nb],
 // two [M, nb]; a points into it
@@ -715,6 +769,12 @@ static int qi_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
                     case 1: qi_block(panel, pd, pm, a, m0, K, out, 1); break;
                     case 2: qi_block(panel, pd, pm, a, m0, K, out, 2); break;
                     case 3: qi_block(panel, pd, pm, a, m0, K, out, 3); break;
+#if QI_MR > 4
+                    case 4: qi_block(panel, pd, pm, a, m0, K, out, 4); break;
+                    case 5: qi_block(panel, pd, pm, a, m0, K, out, 5); break;
+                    case 6: qi_block(panel, pd, pm, a, m0, K, out, 6); break;
+                    case 7: qi_block(panel, pd, pm, a, m0, K, out, 7); break;
+#endif
                     default: qi_block(panel, pd, pm, a, m0, K, out, QI_MR); break;
                 }
                 for (int r = 0; r < R; r++) {
@@ -839,12 +899,15 @@ static int qd_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
 #endif
 
 int strata_quant_path(int64_t format, int x_bf16, int64_t M, int64_t N) {
+#ifdef QI_AVX2
+#if defined(QI_VNNI) || !defined(STRATA_AVX512BF16)
+    // q4 before the bf16 panels: with AVX512-VNNI the 8-bit products beat them too
+    if (format == 4 && M >= QI_MIN_ROWS && N % QI_PANEL == 0) return QPATH_INT8;
+#endif
+    if (format == 4 && M <= QV_MAX_ROWS) return QPATH_INT8_ROWS;
+#endif
 #ifdef STRATA_AVX512BF16
     if (x_bf16 && M >= QG_MIN_ROWS && N % QG_PANEL == 0) return QPATH_BF16_PANELS;
-#endif
-#ifdef QI_AVX2
-    if (format == 4 && M >= QI_MIN_ROWS && N % QI_PANEL == 0) return QPATH_INT8;
-    if (format == 4 && M <= QV_MAX_ROWS) return QPATH_INT8_ROWS;
 #endif
 #ifdef STRATA_AVX2
     if (format == 8 && M >= QD_MIN_ROWS && N % 2 == 0) return QPATH_FP32;

@@ -262,22 +262,39 @@ def test_many_rows_do_not_depend_on_their_batch(kernels):
 def test_each_build_takes_the_paths_it_has(kernels, request):
     """The tests above reach every path: which one a product takes, per build and shape."""
     build = request.node.callspec.params["kernels"]
-
-    def cpu_flags() -> set[str]:
-        return set(cpu._cpuinfo_flags().split())
-
+    flags = set(cpu._cpuinfo_flags().split())
     q4, q8, bf16 = QuantFormat.Q4, QuantFormat.Q8, torch.bfloat16
     few_q4 = {kernels.quant.path(q4, rows, 64, bf16) for rows in (1, 3)}
-    assert {kernels.quant.path(q8, rows, 64, bf16) for rows in (1, 3)} == {QuantPath.INT16}
-    eight_bit = build == "avx2" or (build == "native" and "avx512_bf16" not in cpu_flags())
-    assert few_q4 == {QuantPath.INT8_ROWS if eight_bit else QuantPath.INT16}
+    few_q8 = {kernels.quant.path(q8, rows, 64, bf16) for rows in (1, 3)}
     many_q4, many_q8 = kernels.quant.path(q4, 16, 64, bf16), kernels.quant.path(q8, 16, 64, bf16)
+    assert few_q8 == {QuantPath.INT16}
     if build == "portable":
-        assert many_q4 == many_q8 == QuantPath.INT16
-    elif build == "avx2":
+        assert few_q4 == {QuantPath.INT16} and many_q4 == many_q8 == QuantPath.INT16
+        return
+    assert few_q4 == {QuantPath.INT8_ROWS}
+    assert kernels.quant.path(q4, 16, 40, bf16) == QuantPath.INT16  # 40: not whole panels
+    if build == "avx2":
         assert (many_q4, many_q8) == (QuantPath.INT8, QuantPath.FP32)
-        assert kernels.quant.path(q4, 16, 40, bf16) == QuantPath.INT16  # 40: not whole panels
-    elif "avx512_bf16" in cpu_flags():
-        assert many_q4 == many_q8 == QuantPath.BF16_PANELS
-    else:  # AVX-512 without bf16 dot products: the AVX2 8-bit path for q4
-        assert (many_q4, many_q8) == (QuantPath.INT8, QuantPath.INT16)
+        return
+    bf16_dots, vnni = "avx512_bf16" in flags, "avx512_vnni" in flags
+    assert many_q4 == (QuantPath.BF16_PANELS if bf16_dots and not vnni else QuantPath.INT8)
+    assert many_q8 == (QuantPath.BF16_PANELS if bf16_dots else QuantPath.INT16)
+
+
+def test_8bit_products_are_the_same_bits_on_every_build_that_has_them(strata_cache_dir):
+    """The AVX2 and AVX512-VNNI 8-bit q4 products (and the row-by-row one) differ only in how
+    they reach each block's integer sums, which are exact: the same bits come out."""
+    builds = [load_cpu_kernels(str(strata_cache_dir), arch=a) for a in BUILDS]
+    eight = [
+        k
+        for k in builds
+        if k is not None and k.quant.path(QuantFormat.Q4, 16, 64, torch.bfloat16) is QuantPath.INT8
+    ]
+    if len(eight) < 2:
+        pytest.skip("one build here has the 8-bit products")
+    w = random_weight(QuantFormat.Q4, 64, 192, seed=30)
+    x = torch.randn(37, 192, generator=gen(31)).to(torch.bfloat16)
+    x[::5, 40] = 250.0  # two-level blocks
+    for rows in (1, 3, 4, 16, 37):
+        ys = [k.quant.linear(x[:rows].contiguous(), w, None, torch.float32) for k in eight]
+        assert all(torch.equal(ys[0], y) for y in ys[1:]), rows
