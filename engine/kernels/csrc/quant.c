@@ -41,6 +41,18 @@ int64_t strata_quant_row_bytes(int64_t format, int64_t K) {
     return format == 8 ? K + 4 * nb : K / 2 + 8 * nb;
 }
 
+// bias[n] in x's type as fp32 (0 without a bias), and one output element stored
+static inline float q_bias(const void* bias, int x_bf16, int64_t n) {
+    return !bias ? 0.0f : x_bf16 ? bf16_to_f32(((const bf16_t*)bias)[n]) : ((const float*)bias)[n];
+}
+
+static inline void q_store(void* y, int out_f32, int64_t at, float v) {
+    if (out_f32)
+        ((float*)y)[at] = v;
+    else
+        ((bf16_t*)y)[at] = f32_to_bf16(v);
+}
+
 static void quant_row(const void* x, int x_bf16, int64_t K, int16_t* q, float* d, float* s) {
     for (int64_t b = 0; b < K / QBLOCK; b++) {
         float v[QBLOCK];
@@ -722,13 +734,8 @@ static int qv_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
             case 2: qv_row(wr, a, K, sums, 2); break;
             default: qv_row(wr, a, K, sums, QV_MAX_ROWS); break;
         }
-        const float b = !bias ? 0.0f : x_bf16 ? bf16_to_f32(((const bf16_t*)bias)[n]) : ((const float*)bias)[n];
-        for (int64_t r = 0; r < M; r++) {
-            if (out_f32)
-                ((float*)y)[r * N + n] = sums[r] + b;
-            else
-                ((bf16_t*)y)[r * N + n] = f32_to_bf16(sums[r] + b);
-        }
+        const float b = q_bias(bias, x_bf16, n);
+        for (int64_t r = 0; r < M; r++) q_store(y, out_f32, r * N + n, sums[r] + b);
     }
     free(buf);
     return 0;
@@ -777,19 +784,12 @@ static int qi_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
 #endif
                     default: qi_block(panel, pd, pm, a, m0, K, out, QI_MR); break;
                 }
-                for (int r = 0; r < R; r++) {
+                for (int r = 0; r < R; r++)
                     for (int j = 0; j < QI_PANEL; j++) {
-                        const int64_t n = p * QI_PANEL + j, at = (m0 + r) * N + n;
-                        float v = out[r * QI_PANEL + j];
-                        if (bias)
-                            v += x_bf16 ? bf16_to_f32(((const bf16_t*)bias)[n])
-                                        : ((const float*)bias)[n];
-                        if (out_f32)
-                            ((float*)y)[at] = v;
-                        else
-                            ((bf16_t*)y)[at] = f32_to_bf16(v);
+                        const int64_t n = p * QI_PANEL + j;
+                        q_store(y, out_f32, (m0 + r) * N + n,
+                                out[r * QI_PANEL + j] + q_bias(bias, x_bf16, n));
                     }
-                }
             }
         }
         free(panel);
@@ -866,10 +866,7 @@ static int qd_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
             const int64_t n = 2 * p;
             qd_widen(w + n * row_bytes, K, wf);
             qd_widen(w + (n + 1) * row_bytes, K, wf + K);
-            float bn[2] = {0.0f, 0.0f};
-            for (int j = 0; j < 2 && bias; j++)
-                bn[j] = x_bf16 ? bf16_to_f32(((const bf16_t*)bias)[n + j])
-                               : ((const float*)bias)[n + j];
+            const float bn[2] = {q_bias(bias, x_bf16, n), q_bias(bias, x_bf16, n + 1)};
             for (int64_t m0 = 0; m0 < M; m0 += QD_MR) {
                 float out[QD_MR][2];
                 const int R = M - m0 < QD_MR ? (int)(M - m0) : QD_MR;
@@ -881,14 +878,8 @@ static int qd_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
                     default: qd_block(xs, wf, wf + K, K, out, QD_MR); break;
                 }
                 for (int r = 0; r < R; r++)
-                    for (int j = 0; j < 2; j++) {
-                        const int64_t at = (m0 + r) * N + n + j;
-                        const float v = out[r][j] + bn[j];
-                        if (out_f32)
-                            ((float*)y)[at] = v;
-                        else
-                            ((bf16_t*)y)[at] = f32_to_bf16(v);
-                    }
+                    for (int j = 0; j < 2; j++)
+                        q_store(y, out_f32, (m0 + r) * N + n + j, out[r][j] + bn[j]);
             }
         }
         free(wf);
@@ -981,18 +972,11 @@ int strata_quant_linear(int64_t format, const void* x, int x_bf16, const uint8_t
                     }
 #undef Q_CASE
                     const float* mins = format == 4 ? (const float*)(wr + K / 2) + nb : 0;
-                    const float b = !bias ? 0.0f
-                                    : x_bf16 ? bf16_to_f32(((const bf16_t*)bias)[n])
-                                             : ((const float*)bias)[n];
+                    const float b = q_bias(bias, x_bf16, n);
                     for (int64_t r = 0; r < mr; r++) {
                         float v = sums[r];
                         if (mins) v -= dot_f32(mins, xs + (m0 + r) * nb, nb);
-                        v += b;
-                        const int64_t at = (m0 + r) * N + n;
-                        if (out_f32)
-                            ((float*)y)[at] = v;
-                        else
-                            ((bf16_t*)y)[at] = f32_to_bf16(v);
+                        q_store(y, out_f32, (m0 + r) * N + n, v + b);
                     }
                 }
             }
