@@ -37,3 +37,12 @@ def test_machine_kind_comes_from_the_recorded_instruction_level_before_the_file_
     xeon = {"device": "cpu (Intel(R) Xeon(R))", "machine": {"cpu": "Intel(R) Xeon(R)"}}
     assert plot.machine_kind("kv_admit-cpu-20261126T164856Z", xeon) == plot.H100_HOST
     assert plot.machine_kind("x", {"device": plot.H100}) == plot.H100
+
+
+def test_the_cpu_throughput_panel_takes_runs_of_the_cpus_own_build_only() -> None:
+    run = {"isa": "avx512", "weights": "16bit", "hf_tok_s": {"1": 20.0}}
+    assert plot._native_peer_run(run)
+    assert plot._native_peer_run({"hf_tok_s": {"1": 20.0}})  # records before isa and weights
+    assert not plot._native_peer_run({**run, "isa": "avx2"})  # --cpu-isa avx2
+    assert not plot._native_peer_run({**run, "weights": "auto"})
+    assert not plot._native_peer_run({**run, "hf_tok_s": {}})  # --skip-hf
