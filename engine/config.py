@@ -453,10 +453,10 @@ class EngineConfig:
     weights: WeightFormat = option(
         WeightFormat.SIXTEEN_BIT,
         "--weights",
-        "the projections' weights: 16bit (the --dtype; the default, fastest on the CPUs "
-        "measured at the default model's size), auto (as the model file holds them: a GGUF's "
-        "Q8_0/Q4_0/Q4_1/Q4_K weights stay quantized on the native CPU backend, a third of "
-        "the memory), "
+        "the projections' weights: 16bit (the --dtype; the default, the fastest with "
+        "AVX512-BF16), auto (as the model file holds them: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K "
+        "weights stay quantized on the native CPU backend, a third of the memory, and on "
+        "AVX2 CPUs the fastest), "
         "q8 or q4 (quantized at load in blocks of 32, integer products on the native CPU "
         "backend, dequantized elsewhere), or fp8 (e4m3 with a scale per output channel, "
         "quantized at load; CUDA only)",

@@ -890,15 +890,17 @@ static int qd_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
 #endif
 
 int strata_quant_path(int64_t format, int x_bf16, int64_t M, int64_t N) {
+#ifdef STRATA_AVX512BF16
+    // bf16 activations keep every value to 8 significant bits where int8 ones keep a block's
+    // largest: with bf16 dot products at hand, prompts keep them (8-bit prompt products
+    // flipped a greedy answer of the default model)
+    if (x_bf16 && M >= QG_MIN_ROWS && N % QG_PANEL == 0) return QPATH_BF16_PANELS;
+#endif
 #ifdef QI_AVX2
 #if defined(QI_VNNI) || !defined(STRATA_AVX512BF16)
-    // q4 before the bf16 panels: with AVX512-VNNI the 8-bit products beat them too
     if (format == 4 && M >= QI_MIN_ROWS && N % QI_PANEL == 0) return QPATH_INT8;
 #endif
     if (format == 4 && M <= QV_MAX_ROWS) return QPATH_INT8_ROWS;
-#endif
-#ifdef STRATA_AVX512BF16
-    if (x_bf16 && M >= QG_MIN_ROWS && N % QG_PANEL == 0) return QPATH_BF16_PANELS;
 #endif
 #ifdef STRATA_AVX2
     if (format == 8 && M >= QD_MIN_ROWS && N % 2 == 0) return QPATH_FP32;

@@ -277,24 +277,30 @@ def test_each_build_takes_the_paths_it_has(kernels, request):
         assert (many_q4, many_q8) == (QuantPath.INT8, QuantPath.FP32)
         return
     bf16_dots, vnni = "avx512_bf16" in flags, "avx512_vnni" in flags
-    assert many_q4 == (QuantPath.BF16_PANELS if bf16_dots and not vnni else QuantPath.INT8)
+    # from 16 rows (prompts) bf16 panels where the CPU has bf16 dot products
+    assert many_q4 == (QuantPath.BF16_PANELS if bf16_dots else QuantPath.INT8)
     assert many_q8 == (QuantPath.BF16_PANELS if bf16_dots else QuantPath.INT16)
+    some_q4 = kernels.quant.path(q4, 8, 64, bf16)
+    assert some_q4 == (QuantPath.INT16 if bf16_dots and not vnni else QuantPath.INT8)
 
 
 def test_8bit_products_are_the_same_bits_on_every_build_that_has_them(strata_cache_dir):
     """The AVX2 and AVX512-VNNI 8-bit q4 products (and the row-by-row one) differ only in how
     they reach each block's integer sums, which are exact: the same bits come out."""
     builds = [load_cpu_kernels(str(strata_cache_dir), arch=a) for a in BUILDS]
-    eight = [
-        k
-        for k in builds
-        if k is not None and k.quant.path(QuantFormat.Q4, 16, 64, torch.bfloat16) is QuantPath.INT8
-    ]
-    if len(eight) < 2:
-        pytest.skip("one build here has the 8-bit products")
     w = random_weight(QuantFormat.Q4, 64, 192, seed=30)
     x = torch.randn(37, 192, generator=gen(31)).to(torch.bfloat16)
     x[::5, 40] = 250.0  # two-level blocks
-    for rows in (1, 3, 4, 16, 37):
-        ys = [k.quant.linear(x[:rows].contiguous(), w, None, torch.float32) for k in eight]
+    eight_bit = (QuantPath.INT8, QuantPath.INT8_ROWS)
+    compared = 0
+    for rows in (1, 3, 4, 8, 15, 16, 37):
+        have = [
+            k
+            for k in builds
+            if k is not None and k.quant.path(QuantFormat.Q4, rows, 64, x.dtype) in eight_bit
+        ]
+        ys = [k.quant.linear(x[:rows].contiguous(), w, None, torch.float32) for k in have]
         assert all(torch.equal(ys[0], y) for y in ys[1:]), rows
+        compared += len(ys) > 1
+    if not compared:
+        pytest.skip("fewer than two builds here have the 8-bit products")
