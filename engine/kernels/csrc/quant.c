@@ -329,7 +329,7 @@ static int qg_linear(int64_t format, const bf16_t* x, const uint8_t* w, const bf
 }
 #endif
 
-// Two-level 8-bit activations (the many-rows q4 path below, and tests). Each block of 32 is
+// Two-level 8-bit activations (the 8-bit q4 paths below, and tests). Each block of 32 is
 // quantized to int8 with d1 = amax / 127; a block whose values then sum to under
 // QI_TWO_LEVEL in magnitude (a few large values and the rest rounded to near nothing: the
 // outlier channels of small models) also gets its rounding error r = x - d1 q1 quantized
@@ -512,9 +512,9 @@ static void qi_unpack(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t j0
 }
 
 typedef struct {
-    const int8_t *q1, *q2;    // [M, K]
-    const float *d1, *d2, *s;  // [M, nb]
-    const uint8_t* two;        // [M, nb]
+    int8_t *q1, *q2;    // [M, K]
+    float *d1, *d2, *s;  // [M, nb]
+    uint8_t* two;        // [M, nb]
 } QiActs;
 
 #ifdef QI_VNNI
@@ -635,11 +635,18 @@ static int8_t* qi_acts_alloc(int64_t M, int64_t K, QiActs* a) {
     if (!q1) return 0;
     a->q1 = q1;
     a->q2 = q1 + M * K;
-    a->d1 = (const float*)(q1 + 2 * M * K);
+    a->d1 = (float*)(q1 + 2 * M * K);
     a->d2 = a->d1 + M * nb;
     a->s = a->d2 + M * nb;
-    a->two = (const uint8_t*)(a->s + M * nb);
+    a->two = (uint8_t*)(a->s + M * nb);
     return q1;
+}
+
+// activation row m of x [M, K] (bf16 or fp32) into a
+static void qi_quant_row(const void* x, int x_bf16, int64_t K, QiActs a, int64_t m) {
+    const int64_t nb = K / QBLOCK;
+    quant_row8((const char*)x + m * K * (x_bf16 ? 2 : 4), x_bf16, K, a.q1 + m * K, a.q2 + m * K,
+               a.d1 + m * nb, a.d2 + m * nb, a.s + m * nb, a.two + m * nb);
 }
 
 static inline float v8_sum(__m256 v) {
@@ -717,14 +724,12 @@ static inline __attribute__((always_inline)) void qv_row(const uint8_t* wr, QiAc
 
 static int qv_linear(const void* x, int x_bf16, const uint8_t* w, const void* bias, void* y,
                      int out_f32, int64_t M, int64_t N, int64_t K) {
-    const int64_t nb = K / QBLOCK, row_bytes = strata_quant_row_bytes(4, K), elem = x_bf16 ? 2 : 4;
+    const int64_t row_bytes = strata_quant_row_bytes(4, K);
     QiActs a;
     int8_t* buf = qi_acts_alloc(M, K, &a);
     if (!buf) return -3;
-    for (int64_t m = 0; m < M; m++)  // few rows: before the parallel region (see below)
-        quant_row8((const char*)x + m * K * elem, x_bf16, K, (int8_t*)a.q1 + m * K,
-                   (int8_t*)a.q2 + m * K, (float*)a.d1 + m * nb, (float*)a.d2 + m * nb,
-                   (float*)a.s + m * nb, (uint8_t*)a.two + m * nb);
+    // few rows: quantized before the parallel region, a barrier inside it costs more
+    for (int64_t m = 0; m < M; m++) qi_quant_row(x, x_bf16, K, a, m);
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float sums[QV_MAX_ROWS];
@@ -744,7 +749,7 @@ static int qv_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
 static int qi_linear(const void* x, int x_bf16, const uint8_t* w, const void* bias, void* y,
                      int out_f32, int64_t M, int64_t N, int64_t K) {
     const int64_t nb = K / QBLOCK, row_bytes = strata_quant_row_bytes(4, K);
-    const int64_t panels = N / QI_PANEL, elem = x_bf16 ? 2 : 4;
+    const int64_t panels = N / QI_PANEL;
     QiActs a;
     int8_t* q1 = qi_acts_alloc(M, K, &a);
     if (!q1) return -3;
@@ -752,10 +757,7 @@ static int qi_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
 #pragma omp parallel
     {
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            quant_row8((const char*)x + m * K * elem, x_bf16, K, (int8_t*)a.q1 + m * K,
-                       (int8_t*)a.q2 + m * K, (float*)a.d1 + m * nb, (float*)a.d2 + m * nb,
-                       (float*)a.s + m * nb, (uint8_t*)a.two + m * nb);
+        for (int64_t m = 0; m < M; m++) qi_quant_row(x, x_bf16, K, a, m);
         // the panel's values, its scales and mins, and the register block's fp32 sums
         uint8_t* panel = aligned_alloc(
             64, (size_t)(QI_PANEL * K) + (size_t)(2 * QI_PANEL * nb + QI_MR * QI_PANEL) * sizeof(float));
