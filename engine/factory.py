@@ -16,7 +16,7 @@ from engine.loader import (
     build_model,
     load_checkpoint,
 )
-from engine.model.fp8_weights import apply_fp8_weights, choose_plans
+from engine.model.fp8_weights import apply_fp8_weights, choose_plans, fuse_silu_mul
 from engine.model.native_cpu import apply_native_cpu
 from engine.model.quant_weights import apply_quant_weights, describe, quantize_model
 from engine.model.triton_layers import apply_triton_layers
@@ -61,6 +61,8 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
     if config.weights is WeightFormat.FP8:  # before the one-token products are chosen
         ops = load_triton_kernels(config.torch_device(), "triton_fp8_linear")
         log.info("FP8 weights for %s", ", ".join(apply_fp8_weights(model, ops)))
+        if not config.lora.max_loras:  # LoRA's gate_up update comes before the activation
+            fuse_silu_mul(model)
         if config.torch_device().type == "cuda":
             log.info("FP8 products by kernel and tiles: %s", choose_plans(model, ops))
     if triton and config.torch_device().type == "cuda":  # interpreted, they only cost time

@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from engine.kernels import triton_fused
+
 
 @triton.jit
 def _fp8_gemv_kernel(
@@ -30,38 +32,65 @@ def _fp8_gemv_kernel(
     stride_om,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    # SILU_MUL: W holds 2N rows (gate | up) and y = silu(x gate^T) * (x up^T), [M, N], with
+    # the roundings of the product's output and of triton_fused's _silu_mul_kernel
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows: columns of y
     row_ok = rows < N
     toks = tl.arange(0, BLOCK_M)  # rows of x
     tok_ok = toks < M
     cols = tl.arange(0, BLOCK_K)
     w_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    up_base = w_ptr + (rows.to(tl.int64) + N)[:, None] * stride_wn  # SILU_MUL: the up rows
     x_base = x_ptr + toks[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
         kk = k + cols
         if EVEN_K:
-            w = tl.load(w_base + kk[None, :], mask=row_ok[:, None], other=0.0)
+            w_ok = row_ok[:, None]
             x = tl.load(x_base + kk[None, :], mask=tok_ok[:, None], other=0.0)
         else:
             k_ok = kk < K
-            w = tl.load(w_base + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_ok = row_ok[:, None] & k_ok[None, :]
             x = tl.load(x_base + kk[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
-        w = w.to(tl.float32)  # w: [BLOCK_N, BLOCK_K]
-        x = x.to(tl.float32)  # x: [BLOCK_M, BLOCK_K]
-        if BLOCK_M == 1:
-            acc += tl.sum(w * x, axis=1)[None, :]
-        else:
-            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        x = x.to(tl.float32)  # [BLOCK_M, BLOCK_K]
+        acc += _row_dots(tl.load(w_base + kk[None, :], mask=w_ok, other=0.0), x, BLOCK_M)
+        if SILU_MUL:
+            acc_up += _row_dots(tl.load(up_base + kk[None, :], mask=w_ok, other=0.0), x, BLOCK_M)
+    dtype = out_ptr.dtype.element_ty
+    acc = _scaled(acc, s_ptr, b_ptr, rows, row_ok, HAS_BIAS)
+    if SILU_MUL:
+        gate = acc.to(dtype).to(tl.float32)
+        up = _scaled(acc_up, s_ptr + N, b_ptr + N, rows, row_ok, HAS_BIAS).to(dtype)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc = silu * up.to(tl.float32)
+    out = out_ptr + toks[:, None] * stride_om + rows[None, :]
+    tl.store(out, acc.to(dtype), mask=tok_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _row_dots(w, x, BLOCK_M: tl.constexpr):
+    """w [BLOCK_N, BLOCK_K] (e4m3) times x [BLOCK_M, BLOCK_K] (fp32) -> [BLOCK_M, BLOCK_N]."""
+    w = w.to(tl.float32)
+    if BLOCK_M == 1:
+        dots = tl.sum(w * x, axis=1)[None, :]
+    else:
+        dots = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    return dots
+
+
+@triton.jit
+def _scaled(acc, s_ptr, b_ptr, rows, row_ok, HAS_BIAS: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] times the rows' scales, plus their bias."""
     acc = acc * tl.load(s_ptr + rows, mask=row_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + toks[:, None] * stride_om + rows[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=tok_ok[:, None] & row_ok[None, :])
+    return acc
 
 
 @triton.jit
@@ -257,11 +286,16 @@ def fp8_gemv(
     bias: torch.Tensor | None = None,
     *,
     tiles: GemvTiles = DEFAULT_GEMV_TILES,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (M <= a few) @ (weight [N, K] e4m3 * scale [N, 1])^T (+ bias [N]) -> [M, N]
-    in x's dtype, by the GEMV kernel."""
+    in x's dtype, by the GEMV kernel. With `silu_mul`, weight's rows are gate | up and the
+    result is silu(gate) * up, [M, N / 2], as `silu_mul` of the plain product gives it."""
     x = _check(x, weight, scale)
     (m, k), n = x.shape, weight.shape[0]
+    if silu_mul:
+        assert n % 2 == 0, "gate | up rows"
+        n //= 2
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -281,6 +315,7 @@ def fp8_gemv(
         out.stride(0),
         HAS_BIAS=bias is not None,
         EVEN_K=k % block_k == 0,
+        SILU_MUL=silu_mul,
         BLOCK_M=block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=block_k,
@@ -341,10 +376,14 @@ def fp8_linear(
     bias: torch.Tensor | None = None,
     *,
     plan: Fp8Plan = DEFAULT_PLAN,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
     """x [M, K] -> [M, N]: as `plan` says for M rows (the GEMV kernel up to its row count,
-    the matmul with the bucket's tiles above)."""
+    the matmul with the bucket's tiles above). With `silu_mul` (weight's rows gate | up),
+    silu(gate) * up, [M, N / 2]: inside the GEMV, after the matmul by triton_fused's kernel,
+    with the same bits either way."""
     m = x.shape[0]
     if m <= plan.gemv_max_rows:
-        return fp8_gemv(x, weight, scale, bias, tiles=plan.gemv)
-    return fp8_gemm(x, weight, scale, bias, tiles=plan.gemm_tiles(m))
+        return fp8_gemv(x, weight, scale, bias, tiles=plan.gemv, silu_mul=silu_mul)
+    out = fp8_gemm(x, weight, scale, bias, tiles=plan.gemm_tiles(m))
+    return triton_fused.silu_mul(out) if silu_mul else out

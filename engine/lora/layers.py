@@ -263,6 +263,7 @@ def apply_lora(
             layer.use_lora(LayerLoRA(a, b, manager.part_ends()), batch)
             continue
         assert isinstance(layer, DecoderLayer) and not manager.b_transposed
+        assert not getattr(layer.gate_up_proj, "silu_mul", False), "gate_up applies the act"
         for group in GROUPS:
             key = (layer.layer_idx, group)
             wrapped = LoRALinear(getattr(layer, group), manager.a[key], manager.b[key], batch)

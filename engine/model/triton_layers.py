@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from engine.attention.triton_backend import load_triton_kernels
 from engine.config import GemvKernel
 from engine.cuda_graphs import graph_ms_per_call
-from engine.model.llama import LlamaForCausalLM, RMSNorm, RotaryEmbedding
+from engine.model.llama import LlamaForCausalLM, RMSNorm, RotaryEmbedding, SiluAndMul
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,8 @@ def apply_triton_layers(
         assert isinstance(layer.input_norm, RMSNorm) and isinstance(layer.post_attn_norm, RMSNorm)
         layer.input_norm = TritonRMSNorm(layer.input_norm, ops)
         layer.post_attn_norm = TritonRMSNorm(layer.post_attn_norm, ops)
-        layer.act = TritonSiluMul(ops)
+        if isinstance(layer.act, SiluAndMul):  # else its projection applies it (FP8)
+            layer.act = TritonSiluMul(ops)
     assert isinstance(model.norm, RMSNorm) and isinstance(model.rope, RotaryEmbedding)
     model.norm = TritonRMSNorm(model.norm, ops)
     model.rope = TritonRotary(model.rope, ops)

@@ -63,6 +63,21 @@ def test_fp8_kernels_match_the_dequantized_product_at_llama3_8b_shapes(ops, n, k
                 torch.testing.assert_close(got, want, atol=1e-3, rtol=2**-8)
 
 
+def test_the_gate_up_gemv_with_its_activation_has_the_two_kernels_bits(ops):
+    """Llama-3-8B's gate_up at one row, under every GEMV tiling the engine may choose: the
+    GEMV that applies silu(gate) * up gives the bits of the product followed by
+    triton_fused's kernel."""
+    silu_mul = load_triton_kernels(CUDA, "triton_fused").silu_mul
+    gen = torch.Generator(CUDA).manual_seed(7)
+    n, k = SHAPES[2]
+    values, scales = quantize_weight(torch.randn(n, k, generator=gen, device=CUDA) / k**0.5)
+    x = torch.randn(1, k, generator=gen, device=CUDA).to(torch.bfloat16)
+    for tiles in ops.GEMV_CANDIDATES:
+        want = silu_mul(ops.fp8_gemv(x, values, scales, tiles=tiles))
+        got = ops.fp8_gemv(x, values, scales, tiles=tiles, silu_mul=True)
+        assert got.shape == (1, n // 2) and torch.equal(got, want), tiles
+
+
 def test_fp8_weights_leave_half_the_bytes_of_the_16bit_ones(ops):
     """A 4-layer Llama-3-8B stack: the projections and the LM head, once quantized, hold
     half their bytes (plus a scale per row), and the 16-bit ones are freed."""
@@ -178,3 +193,38 @@ def test_fp8_engine_generates_the_same_greedy_tokens_twice(fp8_llm):
     first = [c.token_ids for c in llm.generate(prompts, params, lora=loras)]
     assert all(len(t) == 16 for t in first)
     assert [c.token_ids for c in llm.generate(prompts, params, lora=loras)] == first
+
+
+def test_an_fp8_engine_without_adapters_applies_the_activation_in_its_gate_up(ops):
+    """Without adapters every gate_up projection applies silu(gate) * up itself (one launch
+    fewer per layer), with the bits of its plan's product followed by triton_fused's
+    kernel; one sequence's decode step replayed from its graph follows the eager step."""
+    cfg = EngineConfig(
+        model="synthetic:llama3.2-1b",
+        device="cuda",
+        weights=WeightFormat.FP8,
+        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024),
+        cuda_graph_max_batch=8,
+        cache=CacheConfig(kv_cache_memory_bytes=1 << 30),
+    )
+    llm = LLM(cfg)
+    for layer in llm.core.runner.model.layers:
+        assert layer.gate_up_proj.silu_mul and isinstance(layer.act, torch.nn.Identity)
+    gate_up = llm.core.runner.model.layers[0].gate_up_proj
+    silu_mul = load_triton_kernels(CUDA, "triton_fused").silu_mul
+    gen = torch.Generator(CUDA).manual_seed(3)
+    runner = llm.core.runner
+    blocks = list(range(-(-300 // llm.core.pool.spec.block_size)))
+    with torch.inference_mode():
+        for rows in (1, 5):
+            h = torch.randn(rows, gate_up.in_features, generator=gen, device=CUDA)
+            h = h.to(torch.bfloat16)
+            w, s, plan = gate_up.weight, gate_up.weight_scale, gate_up.plan
+            assert torch.equal(gate_up(h), silu_mul(ops.fp8_linear(h, w, s, plan=plan)))
+        replayed = runner.forward([17], [299], [SeqSlice(1, 299, blocks)], [0]).float().clone()
+        graphs, runner.graphs = runner.graphs, None
+        try:
+            eager = runner.forward([17], [299], [SeqSlice(1, 299, blocks)], [0]).float()
+        finally:
+            runner.graphs = graphs
+    assert ((replayed - eager).norm() / eager.norm()).item() < 1e-2

@@ -147,6 +147,8 @@ def test_fp8_weights_generate_the_tokens_of_their_dequantized_weights():
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     fp8 = tiny_engine(KernelBackend.TRITON, weights=WeightFormat.FP8)
     assert fp8.core.runner.graphs is not None
+    for layer in fp8.core.runner.model.layers:  # gate_up applies the activation itself
+        assert layer.gate_up_proj.silu_mul and isinstance(layer.act, torch.nn.Identity)
     runs = {
         "fp8": fp8.generate(prompts, params),
         "dequantized": _dequantized_twin(fp8).generate(prompts, params),
@@ -180,6 +182,8 @@ def test_fp8_weights_serve_adapters_and_drafts_like_their_dequantized_weights(tm
     lora = LoRAConfig(max_loras=2, max_lora_rank=8)
     spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, adaptive=False)
     fp8 = tiny_engine(KernelBackend.TRITON, weights=WeightFormat.FP8, lora=lora, speculative=spec)
+    gate_up = fp8.core.runner.model.layers[0].gate_up_proj
+    assert not gate_up.base.silu_mul, "the adapters' gate_up updates precede the activation"
     got = [c.token_ids for c in fp8.generate(prompts, params, lora=loras)]
     want = [
         c.token_ids for c in _dequantized_twin(fp8, lora=lora).generate(prompts, params, lora=loras)

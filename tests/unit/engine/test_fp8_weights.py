@@ -21,6 +21,7 @@ from engine.model.fp8_weights import (
     Fp8Linear,
     apply_fp8_weights,
     dequantize_weight,
+    fuse_silu_mul,
     quantize_weight,
 )
 from engine.model.triton_layers import PROJECTIONS
@@ -176,3 +177,53 @@ def test_a_plan_sends_each_size_of_product_to_its_kernel_and_tiles():
     assert plan.gemm_tiles(2) == small and plan.gemm_tiles(16) == small
     assert plan.gemm_tiles(17) == large and plan.gemm_tiles(4096) == large
     assert "<=16: " + small.name in plan.name
+
+
+@INTERPRETED
+def test_gate_up_with_the_activation_gives_each_layer_the_same_bits():
+    """After `fuse_silu_mul` the layers' MLPs (gate_up, the activation, down) give the bits
+    they gave with triton_fused's activation after the product: one row (the GEMV applies
+    it) and five (the matmul, then the kernel)."""
+    ops = load_triton_kernels(torch.device("cpu"), "triton_fp8_linear")
+    silu_mul = load_triton_kernels(torch.device("cpu"), "triton_fused").silu_mul
+    model = _model(tied=False)
+    apply_fp8_weights(model, ops)
+    gen = torch.Generator().manual_seed(5)
+    hs = [torch.randn(rows, model.config.hidden_size, generator=gen) for rows in (1, 5)]
+    with torch.inference_mode():
+        want = [
+            [layer.down_proj(silu_mul(layer.gate_up_proj(h))) for h in hs] for layer in model.layers
+        ]
+        fuse_silu_mul(model)
+        got = [
+            [layer.down_proj(layer.act(layer.gate_up_proj(h))) for h in hs]
+            for layer in model.layers
+        ]
+    assert all(isinstance(layer.act, nn.Identity) for layer in model.layers)
+    for got_layer, want_layer in zip(got, want, strict=True):
+        for g, w in zip(got_layer, want_layer, strict=True):
+            assert torch.equal(g, w)
+
+
+@INTERPRETED
+def test_a_fused_gate_up_is_timed_with_its_activation(monkeypatch):
+    """`choose_plans` times the gate_up GEMV that applies the activation, and the matmul
+    followed by it; the other projections without."""
+    ops = load_triton_kernels(torch.device("cpu"), "triton_fp8_linear")
+    model = _model(tied=False)
+    apply_fp8_weights(model, ops)
+    fuse_silu_mul(model)
+    outputs: dict[tuple[int, int], set[int]] = {}
+
+    def timer(calls):
+        x, weight = calls[0].args[:2]
+        out = calls[0]()
+        outputs.setdefault((weight.shape[0], x.shape[0]), set()).add(out.shape[1])
+        return 1.0
+
+    monkeypatch.setattr(fp8_weights, "graph_ms_per_call", timer)
+    fp8_weights.choose_plans(model, ops)
+    inter = model.config.intermediate_size
+    for (n, _rows), widths in outputs.items():
+        assert widths == ({inter} if n == 2 * inter else {n})
+    assert {rows for n, rows in outputs if n == 2 * inter} == {1, 16, 64, 256, 512}

@@ -76,6 +76,32 @@ def test_fp8_kernels_read_strided_rows_and_tiles_over_every_column(ops, kernel):
     _assert_within_bound(got, want, 256)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("inter", "k", "bias"), [(20, 72, False), (33, 1000, True)])
+def test_the_gate_up_product_with_its_activation_has_the_two_kernels_bits(
+    ops, rows, dtype, inter, k, bias
+):
+    """`silu_mul`: the GEMV applies silu(gate) * up to its own output (an odd number of
+    columns: a ragged last tile of each half), and `fp8_linear` past the GEMV applies
+    triton_fused's kernel; either way, the bits of the product followed by that kernel."""
+    x, values, scales, b, _ = _case(rows, 2 * inter, k, bias, dtype)
+    silu_mul = load_triton_kernels(torch.device("cpu"), "triton_fused").silu_mul
+    want = silu_mul(ops.fp8_gemv(x, values, scales, b))
+    got = ops.fp8_gemv(x, values, scales, b, silu_mul=True)
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    assert torch.equal(got, want)
+    plan = ops.Fp8Plan(gemv_max_rows=2)  # rows over 2: the matmul, then the kernel
+    fused = ops.fp8_linear(x, values, scales, b, plan=plan, silu_mul=True)
+    products = ops.fp8_linear(x, values, scales, b, plan=plan)
+    assert torch.equal(fused, silu_mul(products))
+    gate, up = products.double().chunk(2, dim=-1)  # and what the activation is
+    torch.testing.assert_close(fused.double(), torch.nn.functional.silu(gate) * up, **_TOL[dtype])
+
+
+_TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 2**-6}}
+
+
 def test_fp8_linear_sends_few_rows_to_the_gemv_and_more_to_the_matmul(ops, monkeypatch):
     calls = []
     for name in ("fp8_gemv", "fp8_gemm"):
