@@ -14,6 +14,12 @@
 
     python bench/kv_shared.py --quick                      # a few minutes on 2 CPU cores
     python bench/kv_shared.py --scenarios restart          # one scenario
+    python bench/kv_shared.py --quick --device cuda --kv-host-gb 1 \
+        --model synthetic:llama3.2-1b --scenarios cross_worker,restart   # on a GPU
+
+On a GPU the workers' pages move through CuPy copies, and `--kv-host-gb` gives the
+cross_worker engines a pinned host tier where fetched pages land. `disagg` compares splits
+of CPU cores and runs on CPUs only.
 
 Seeded; the full record goes to bench/results/, and the last printed line is one JSON
 object with one entry per scenario.
@@ -160,6 +166,7 @@ async def _restart(args: argparse.Namespace) -> dict[str, Any]:
     # disk, so after two more documents every one before them is there
     common = ["--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads)]
     common += ["--block-size", str(BLOCK_SIZE), "--num-kv-blocks", str(doc_blocks + 8)]
+    common += ["--device", args.device]
     with scratch_dir("strata-kv-shared-") as tmp:
         disk = [*common, "--kv-disk-gb", str(args.disk_gb), "--kv-disk-path", str(tmp / "kv")]
         first = Worker(tmp, "first", disk, args.cache_dir)
@@ -423,6 +430,9 @@ def run_cross(args: argparse.Namespace) -> dict[str, Any]:
         doc_tokens=args.doc_tokens,
         dtype=args.dtype,
         cache_dir=args.cache_dir,
+        model=args.model,
+        device=args.device,
+        host_gb=args.kv_host_gb,
     )
 
 
@@ -438,6 +448,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--scenarios", default="", help="comma-separated (default: every one)")
     ap.add_argument("--model", default="default", help="'default' (SmolLM2-135M) or a spec")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (restart, cross_worker)")
+    ap.add_argument(
+        "--kv-host-gb",
+        type=float,
+        default=0.0,
+        help="cross_worker: each engine's host tier (pinned on CUDA), in GiB",
+    )
     ap.add_argument("--threads", type=int, default=2, help="restart: torch threads")
     ap.add_argument("--docs", type=int, default=6, help="restart: documents")
     ap.add_argument("--doc-tokens", type=int, default=2000)
@@ -469,12 +486,14 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = set(chosen) - set(available)
     if unknown:
         ap.error(f"unknown scenarios {sorted(unknown)}; here: {', '.join(available)}")
+    if args.device != "cpu" and "disagg" in chosen:
+        ap.error("disagg compares splits of CPU cores: run it with --device cpu")
     random.seed(args.seed)
     load_before = [round(x, 2) for x in os.getloadavg()]
     summary = {name: available[name](args) for name in chosen}
     record = {
         "benchmark": "kv_shared",
-        **machine_info(__import__("torch").device("cpu")),
+        **machine_info(__import__("torch").device(args.device)),
         "model": args.model,
         "dtype": args.dtype,
         "quick": args.quick,

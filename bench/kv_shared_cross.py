@@ -92,9 +92,14 @@ def run_cross_worker(
     questions: int = 2,
     dtype: str = "bfloat16",
     cache_dir: str | None = None,
+    model: str = "default",
+    device: str = "cpu",
+    host_gb: float = 0.0,
 ) -> dict[str, Any]:
     """Documents read on worker A, questions on worker B: B's time to first token with the
-    documents' KV fetched from the shared remote tier, and recomputed. Returns the figures:
+    documents' KV fetched from the shared remote tier, and recomputed. `host_gb`: each
+    engine's host tier (pinned on CUDA), where pages fetched from the remote tier land; it is
+    emptied with B's device cache before each question. Returns the figures:
     `speedup` (recompute TTFT p50 over remote TTFT p50), `ttft_p50_ms`, `ttft_p99_ms`,
     `tokens_identical` (B's greedy answers equal the recompute's), `remote_hit_rate` (of
     B's prompt tokens, those loaded from the remote tier) and the remote tier's counters."""
@@ -111,11 +116,13 @@ def run_cross_worker(
                 cache = CacheConfig(
                     block_size=BLOCK,
                     num_blocks=num_blocks,
+                    host_memory_bytes=int(host_gb * (1 << 30)),
                     remote_url=url if remote else None,
                     remote_timeout_ms=REMOTE_TIMEOUT_MS,
                 )
                 extra = {} if cache_dir is None else {"cache_dir": cache_dir}
-                return LLM(EngineConfig(dtype=dtype, device="cpu", cache=cache, **extra))
+                config = EngineConfig(model=model, dtype=dtype, device=device, cache=cache, **extra)
+                return LLM(config)
 
             a = engine(True, num_docs * blocks)
             b = engine(True, blocks)
@@ -134,6 +141,8 @@ def run_cross_worker(
                 prompt = texts[d] + asks[q]
                 for llm in (b, c):  # neither keeps the document between questions
                     llm.core.block_manager.reset_cache()
+                    if llm.core.tiers is not None and llm.core.tiers.host is not None:
+                        llm.core.tiers.host.clear()
                 got, tokens, _, remote = answer(b, f"q{i}", prompt)
                 ref, expected, _, _ = answer(c, f"q{i}", prompt)
                 ttft["remote"].append(got)
@@ -159,6 +168,8 @@ def run_cross_worker(
         "questions_per_doc": questions,
         "remote_loads": counters,
         "remote_saves": saved,
+        "device": device,
+        "host_tier_gb": host_gb,
     }
 
 
