@@ -9,6 +9,8 @@ For each row count:
 - FP8: every candidate the engine times at start for that row count (the GEMV's at one row,
   the row bucket's matmul tiles), each checked against the dequantized product; the fastest
   is what the engine would run;
+- gate_up at one row: the GEMV that applies silu(gate) * up, under each tiling, against the
+  fastest GEMV followed by the activation kernel (`activation` in the record);
 each as a fraction of the copy bandwidth (weight bytes over time; a read-only stream can
 pass it a little), and FP8's time over the faster 16-bit one's. Summary: over a step's
 products (each projection once per layer, the LM head once), FP8's time over 16-bit's by
@@ -54,9 +56,17 @@ def candidates(ops: Any, rows: int, first_only: bool = False) -> list[tuple[str,
 
 
 def bench_shape(
-    ops: Any, gemv_ops: Any, n: int, k: int, args: argparse.Namespace, bandwidth: float
+    ops: Any,
+    gemv_ops: Any,
+    n: int,
+    k: int,
+    args: argparse.Namespace,
+    bandwidth: float,
+    gated: bool = False,
 ) -> dict[str, Any]:
-    """One weight shape: every row count's 16-bit time and the FP8 kernels' candidates."""
+    """One weight shape: every row count's 16-bit time and the FP8 kernels' candidates;
+    `gated` (gate | up rows): at one row, also the GEMV that applies silu(gate) * up against
+    the GEMV followed by triton_fused's kernel, with the fastest GEMV tiles."""
     device, gen = args.device, torch.Generator(args.device).manual_seed(n + k)
     gpu = device.type == "cuda"
     w0 = (torch.randn(n, k, generator=gen, device=device) / k**0.5).to(torch.bfloat16)
@@ -101,6 +111,8 @@ def bench_shape(
             )
         best = min(tiles_ms, key=lambda t: tiles_ms[t])
         point |= {"fp8_ms": tiles_ms[best], "fp8_tiles": best, "candidates_ms": tiles_ms}
+        if gated and rows == 1:
+            point["activation"] = _activation_ms(ops, x, fp8, turn, best, timed)
         best16 = min(point["cublas_ms"], point.get("triton_gemv_ms", float("inf")))
         point["fp8_vs_16bit"] = round(point["fp8_ms"] / best16, 3)
         point["fp8_of_copy"] = of_copy(point["fp8_ms"], n * k)
@@ -113,6 +125,35 @@ def bench_shape(
             flush=True,
         )
     return row
+
+
+def _activation_ms(
+    ops: Any, x: torch.Tensor, fp8: list[Any], turn: Any, best: str, timed: Any
+) -> dict[str, Any]:
+    """One-row gate_up products with the activation: the GEMV that applies it (as the
+    engine runs them without adapters) under each GEMV tiling, against the fastest GEMV
+    (`best`, or the default tiles where the matmul was fastest) followed by triton_fused's
+    kernel."""
+    tiles = next((t for t in ops.GEMV_CANDIDATES if f"gemv {t.name}" == best), None)
+    tiles = tiles or ops.DEFAULT_GEMV_TILES
+
+    def separate() -> Any:
+        out = ops.fp8_gemv(x, *fp8[next(turn) % len(fp8)], tiles=tiles)
+        return ops.triton_fused.silu_mul(out)
+
+    fused = {
+        t.name: timed(
+            lambda t=t: ops.fp8_gemv(x, *fp8[next(turn) % len(fp8)], tiles=t, silu_mul=True)
+        )
+        for t in ops.GEMV_CANDIDATES
+    }
+    fastest = min(fused, key=lambda t: fused[t])
+    return {
+        "in_gemv_ms": fused[fastest],
+        "in_gemv_tiles": fastest,
+        "separate_ms": timed(separate),
+        "in_gemv_candidates_ms": fused,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -140,7 +181,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, (n, k, per_step) in shapes(args.model).items():
         print(f"{name}:", flush=True)
-        results[name] = bench_shape(ops, gemv_ops, n, k, args, bandwidth)
+        gated = name == "gate_up_proj"
+        results[name] = bench_shape(ops, gemv_ops, n, k, args, bandwidth, gated)
         results[name]["per_step"] = per_step
     step_ratio = {}
     for rows in args.rows:
