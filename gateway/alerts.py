@@ -34,7 +34,7 @@ from gateway.webhooks import AlertConfig, Outcome, new_client, post
 from policies.admission import BUDGET_EVENTS
 from tenants.alerts import AlertEvent, AlertStore, Delivery, StoredWebhook, new_event
 from tenants.records import nanos_to_usd
-from tenants.store import ping
+from tenants.store import cancel_and_wait, ping
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +68,7 @@ class AlertDispatcher:
             self._spawn(loop(), name)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*(cancel_and_wait(task) for task in list(self._tasks)))
         if self.client is not None:
             await self.client.aclose()
         with contextlib.suppress(*_STORE_ERRORS):  # unless it holds events: others claim them

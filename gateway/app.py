@@ -4,12 +4,12 @@ every resource a replica holds."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from gateway.routes import residency as residency_routes
 from gateway.routes.openai import OpenAIController, TokenizerController
 from gateway.routes.tokens import AuditController, TokenController
 from gateway.settings import GatewaySettings
+from gateway.shutdown import ShutdownStep, budget_s, run_steps
 from gateway.state import GatewayState
 from gateway.ui import console_router, template_config, to_console
 from policies.admission import Admission
@@ -46,7 +47,7 @@ from tenants.keys import KeyManager
 from tenants.ledger import Ledger, LedgerWriter
 from tenants.registry import TenantRegistry
 from tenants.residency import ResidencyLedger
-from tenants.store import connect
+from tenants.store import cancel_and_wait, connect
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +96,13 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
     alert_store = AlertStore(redis, on_raised=metrics.alert_raised)
     dispatcher = AlertDispatcher(alert_store, metrics, settings.alerts)
     fleet.on_lost = dispatcher.worker_left
+    residency = ResidencyLedger(redis)
+    admission = Admission(redis, lease_ttl_s=settings.lease_ttl_s)
+    pipeline = Pipeline(fleet, admission, writer, metrics, prices=PriceCache(registry))
+    recorder: asyncio.Task[None] | None = None
     try:
         await dispatcher.start()
         await fleet.start()
-        residency = ResidencyLedger(redis)
-        admission = Admission(redis, lease_ttl_s=settings.lease_ttl_s)
-        pipeline = Pipeline(fleet, admission, writer, metrics, prices=PriceCache(registry))
         app.state.gateway = GatewayState(
             settings=settings,
             redis=redis,
@@ -119,51 +121,64 @@ async def _lifespan(app: Litestar) -> AsyncIterator[None]:
             dispatcher=dispatcher,
         )
         recorder = asyncio.create_task(
-            record_forever(fleet, residency, settings.kv_residency_interval_s)
+            record_forever(fleet, residency, settings.kv_residency_interval_s), name="kv-residency"
         )
         log.info("gateway ready: serving %s", ", ".join(sorted(fleet.groups)))
-        try:
-            yield
-            async with _slow_step_logged("settling running requests"):
-                await pipeline.drain()
-        finally:
-            recorder.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await recorder
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(5.0), _slow_step_logged("recording KV residency"):
-                    await record_once(fleet, residency)  # what was held up to the stop
-    finally:
-        async with _slow_step_logged("writing usage records"):
-            left = await writer.drain(timeout=10.0)
-        writer.close()
-        if left:
-            log.error(
-                "%d usage records could not be written before shutdown; they are kept in %s "
-                "and written at the next start",
-                left,
-                journal.root,
-            )
-        async with _slow_step_logged("closing the key cache"):
-            await keys.stop()
-        async with _slow_step_logged("closing the alert dispatcher"):
-            await dispatcher.close()
-        async with _slow_step_logged("closing the fleet"):
-            await fleet.close()
-        await redis.aclose()
-
-
-@asynccontextmanager
-async def _slow_step_logged(step: str, slow_s: float = 2.0) -> AsyncIterator[None]:
-    """A shutdown step that takes longer than `slow_s` is logged with how long it took, so
-    that a slow stop says where its time went."""
-    started = time.monotonic()
-    try:
         yield
     finally:
-        took = time.monotonic() - started
-        if took > slow_s:
-            log.warning("shutdown: %s took %.1fs", step, took)
+        await run_steps(
+            [
+                ShutdownStep("settling running requests", pipeline.drain, SETTLE_S),
+                ShutdownStep(
+                    "writing usage records", partial(_write_usage, writer, journal), USAGE_S
+                ),
+                ShutdownStep(
+                    "recording KV residency",
+                    partial(_record_residency, recorder, fleet, residency),
+                    RESIDENCY_S,
+                ),
+                ShutdownStep("closing the key cache", keys.stop, CLOSE_S),
+                ShutdownStep("closing the alert dispatcher", dispatcher.close, CLOSE_S),
+                ShutdownStep("closing the fleet", fleet.close, CLOSE_S),
+                ShutdownStep("closing the store connection", redis.aclose, CLOSE_S),
+            ]
+        )
+
+
+# the bounds of the stop's steps: running requests settle within `Pipeline.drain`'s 5 s, usage
+# is written within `USAGE_DRAIN_S` (usage is written before anything else is closed, and
+# whether or not the requests settled in time)
+SETTLE_S = 6.0
+USAGE_DRAIN_S = 10.0
+USAGE_S = USAGE_DRAIN_S + 2.0
+RESIDENCY_S = 5.0
+CLOSE_S = 3.0
+# one entry per step of `_lifespan`'s stop
+SHUTDOWN_BUDGET_S = budget_s([SETTLE_S, USAGE_S, RESIDENCY_S, CLOSE_S, CLOSE_S, CLOSE_S, CLOSE_S])
+
+
+async def _write_usage(writer: LedgerWriter, journal: LedgerJournal) -> None:
+    """Write the usage records still queued; what the store does not take in time stays in
+    the journal for the next start."""
+    left = await writer.drain(timeout=USAGE_DRAIN_S)
+    writer.close()
+    if left:
+        log.error(
+            "%d usage records could not be written before shutdown; they are kept in %s "
+            "and written at the next start",
+            left,
+            journal.root,
+        )
+
+
+async def _record_residency(
+    recorder: asyncio.Task[None] | None, fleet: Fleet, residency: ResidencyLedger
+) -> None:
+    """Stop the periodic recorder, then record what was held up to the stop."""
+    if recorder is None:
+        return
+    await cancel_and_wait(recorder)
+    await record_once(fleet, residency)
 
 
 async def _decode_json_strictly(request: Request[Any, Any, Any]) -> None:

@@ -51,6 +51,7 @@ from gateway.kv_index import KVIndex
 from gateway.metrics import FleetView
 from gateway.prepare import Preparer
 from gateway.router import Candidate, RoutingPolicy, choose, prefill_tokens
+from tenants.store import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -203,11 +204,7 @@ class Fleet:
     async def close(self) -> None:
         for group in self.groups.values():
             group.preparer.close()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*(cancel_and_wait(task) for task in self._tasks))
         for handle in self.workers.values():
             await handle.client.close()
 

@@ -21,7 +21,7 @@ import uvicorn
 from engine.client import EngineClient
 from engine.handshake import ClientAuth
 from engine.protocol import EngineDeadError
-from gateway.app import create_app
+from gateway.app import SHUTDOWN_BUDGET_S, create_app
 from gateway.settings import GatewaySettings
 from tenants.errors import AuthError
 from tenants.keys import KeyManager
@@ -59,9 +59,13 @@ class _Server(uvicorn.Server):
             await asyncio.sleep(0.05)
 
 
-# a stop's bound: the gateway's 30 s drain of open streams, its ledger flush, then 15 s for
-# each worker and 10 s for the store, with room to spare
-STOP_BUDGET_S = 90.0
+# a stop's bound: the gateway's drain of open streams, its shutdown steps (each bounded, the
+# usage ledger's flush among them), then the workers (stopped together) and each store, with
+# room to spare
+STREAMS_DRAIN_S = 30
+WORKER_STOP_S = 15.0
+STORE_STOP_S = 10.0
+STOP_BUDGET_S = STREAMS_DRAIN_S + SHUTDOWN_BUDGET_S + WORKER_STOP_S + 2 * STORE_STOP_S + 5.0
 RESTART_FIRST_S = 1.0
 RESTART_MAX_S = 30.0
 HEALTHY_RUN_S = 60.0
@@ -79,7 +83,7 @@ def server_config(settings: GatewaySettings) -> uvicorn.Config:
         lifespan="on",
         log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=STREAMS_DRAIN_S,
     )
 
 
@@ -180,9 +184,13 @@ class WorkerSupervisor:
         if self.proc is not None and self.proc.returncode is None:
             self.proc.terminate()
             try:
-                await asyncio.wait_for(self.proc.wait(), timeout=15)
+                await asyncio.wait_for(self.proc.wait(), timeout=WORKER_STOP_S)
             except TimeoutError:
-                log.warning("engine worker %s did not stop within 15s; killing it", self.address)
+                log.warning(
+                    "engine worker %s did not stop within %.0fs; killing it",
+                    self.address,
+                    WORKER_STOP_S,
+                )
                 self.proc.kill()
                 await self.proc.wait()
 
@@ -229,7 +237,7 @@ class StoreSupervisor:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
-        self.store.stop()
+        self.store.stop(timeout=STORE_STOP_S)
 
 
 def admin_token(settings: GatewaySettings) -> str:

@@ -19,6 +19,8 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
+from tenants.store import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 CHANNEL = b"strata:invalidate"
@@ -100,9 +102,7 @@ class InvalidationSubscriber:
         task, self._task = self._task, None
         self._live.clear()
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
 
     async def _run(self) -> None:
         backoff, num_failures = self._min_backoff_s, 0

@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from tenants.journal import LedgerJournal
 from tenants.records import UsageRecord
-from tenants.store import KEY_PREFIX
+from tenants.store import KEY_PREFIX, cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -241,9 +241,10 @@ class LedgerWriter:
         """Stop the background writer and write everything pending, retrying until `timeout`
         seconds have passed. Returns how many records are still unwritten (they stay in
         `pending` and in the journal; `start` or another `drain` carries on with them)."""
-        await self._stop()
+        deadline = asyncio.get_running_loop().time() + timeout
+        await self._stop(timeout)
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout_at(deadline):
                 await self._write_pending()
         return len(self._queue)
 
@@ -254,12 +255,10 @@ class LedgerWriter:
             self.journal.close()
             self._opened = False
 
-    async def _stop(self) -> None:
+    async def _stop(self, timeout: float) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if task is not None:  # were it to run on, it takes turns with `drain` (`_writing`)
+            await cancel_and_wait(task, timeout)
 
     async def _run(self) -> None:
         while True:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -199,3 +200,39 @@ async def ping(client: aioredis.Redis, timeout: float = 1.0) -> bool:
             return bool(await client.ping())
     except (aioredis.RedisError, OSError, TimeoutError):
         return False
+
+
+# a task not ended this long after its cancellation is cancelled again, on each of a few
+# turns of the event loop (wherever in its round trips the task is, one of them lands)
+_RECANCEL_S = 0.2
+_NUM_RECANCELS = 4
+
+
+async def cancel_and_wait(task: asyncio.Task[Any], timeout: float = 5.0) -> bool:
+    """Cancel a background task that talks to the store and wait, at most `timeout` seconds,
+    until it has ended; returns whether it did (a warning names it when not).
+
+    One `cancel()` is not enough: on Python 3.11, redis-py sends each command through
+    `asyncio.wait_for` (`connect` sets a socket timeout), which returns normally when the
+    cancellation lands just as the send completes, so a loop that talks to the store can
+    outlive its cancellation, and an `await task` after it waits forever. A task still
+    running `_RECANCEL_S` after its cancellation is cancelled again. An error the task ended
+    with is logged, not raised."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    task.cancel()
+    while not task.done():
+        await asyncio.wait([task], timeout=max(0.0, min(_RECANCEL_S, deadline - loop.time())))
+        if task.done():
+            break
+        if loop.time() >= deadline:
+            log.warning(
+                "task %s did not end within %.1fs of its cancellation", task.get_name(), timeout
+            )
+            return False
+        for _ in range(_NUM_RECANCELS):
+            task.cancel()
+            await asyncio.sleep(0)
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("task %s ended with an error", task.get_name(), exc_info=exc)
+    return True

@@ -23,6 +23,7 @@ import redis
 
 from engine.client import EngineClient
 from engine.handshake import ClientAuth, SecretRefusedError
+from gateway.serve import STOP_BUDGET_S
 
 
 def _free_port() -> int:
@@ -78,7 +79,7 @@ def _start_serve(tmp_path, strata_cache_dir, *extra: str) -> tuple[subprocess.Po
     return proc, key, url
 
 
-def _stop(proc: subprocess.Popen[str], tmp_path: Path, timeout: float = 120) -> None:
+def _stop(proc: subprocess.Popen[str], tmp_path: Path, timeout: float = STOP_BUDGET_S + 15) -> None:
     """SIGTERM `serve`, which must exit 0; a stop that hangs or fails shows what `serve`
     logged (and its children are killed, so that nothing outlives the test). `serve` bounds
     its own stop (`STOP_BUDGET_S`) below `timeout`, so a hang shows its own account first."""

@@ -201,6 +201,28 @@ async def test_writer_writes_in_the_background_and_drains(redis_client):
     assert writer.pending == 0
 
 
+async def test_drain_ends_and_writes_everything_when_it_stops_the_writer_mid_write(
+    redis_client,
+):
+    """The drain's cancellation of the background writer can land just as the writer sends a
+    batch, which Python 3.11 loses (redis-py's `asyncio.wait_for`): the writer then finished
+    the queue and waited for more forever, and so did the drain (a gateway's stop hung with
+    it, before the usage it was to write)."""
+    ledger = Ledger(redis_client)
+    num_rounds, num_records = 20, 200
+    for r in range(num_rounds):
+        writer = LedgerWriter(ledger, batch_size=4)
+        writer.start()
+        for i in range(num_records):
+            writer.submit(make_record(f"req-{r}-{i}", finished_at=T0 + i))
+        await asyncio.sleep(r % 5 * 0.002)  # the drain comes at another point of the writes
+        drain = asyncio.create_task(writer.drain(timeout=10.0))
+        await asyncio.wait([drain], timeout=30.0)
+        assert drain.done(), f"round {r}: the drain did not end"
+        assert drain.result() == 0
+    assert await ledger.count("tenant-a", T0, T0 + num_records) == num_rounds * num_records
+
+
 async def test_writer_keeps_records_through_an_outage(private_store, caplog):
     client = connect(private_store.url, timeout=0.5)
     ledger = Ledger(client)
