@@ -4,6 +4,7 @@ docs/benchmarks.md.
 
     python bench/lora.py            # full run
     python bench/lora.py --quick    # 16 new tokens, one round
+    python bench/lora.py --quick --cpu-isa avx2 --weights auto   # as an AVX2-only CPU runs
 
 The last printed line is one JSON object; the full record goes to bench/results/.
 """
@@ -28,9 +29,9 @@ from bench.common import (
     publish,
     scratch_dir,
 )
-from engine.config import CacheConfig, EngineConfig, LoRAConfig
+from engine.config import CacheConfig, CpuIsa, EngineConfig, LoRAConfig, WeightFormat
 from engine.core import EngineCore
-from engine.factory import create_engine
+from engine.factory import create_engine, native_kernels
 from engine.lora.synthetic import write_random_adapter
 from engine.protocol import LoRARequest, SamplingParams
 
@@ -76,6 +77,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default="default")
+    ap.add_argument(
+        "--cpu-isa",
+        default="auto",
+        choices=[i.value for i in CpuIsa],
+        help="instruction level of the native CPU kernels (auto: the best this CPU has)",
+    )
+    ap.add_argument(
+        "--weights",
+        default=EngineConfig.weights.value,
+        choices=[w.value for w in WeightFormat],
+        help="every engine's --weights (auto: as the model file holds them)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     add_cache_dir_argument(ap)
     ap.add_argument("--quick", action="store_true", help="16 new tokens, 1 round")
@@ -85,16 +98,20 @@ def main(argv: list[str] | None = None) -> dict:
     rng = random.Random(args.seed)
     cache = CacheConfig(kv_cache_memory_bytes=1 << 28, enable_prefix_caching=False)
 
-    def engine(lora: LoRAConfig) -> EngineCore:
-        config = EngineConfig(
+    def config(lora: LoRAConfig) -> EngineConfig:
+        return EngineConfig(
             model=args.model,
             dtype=args.dtype,
             device=args.device,
+            cpu_isa=CpuIsa(args.cpu_isa),
+            weights=WeightFormat(args.weights),
             cache=cache,
             lora=lora,
             cache_dir=args.cache_dir,
         )
-        return create_engine(config, progress=False)[0]
+
+    def engine(lora: LoRAConfig) -> EngineCore:
+        return create_engine(config(lora), progress=False)[0]
 
     base = engine(LoRAConfig())
     vocab = base.vocab_size
@@ -144,11 +161,14 @@ def main(argv: list[str] | None = None) -> dict:
         name: [{"tokens": t, "seconds": round(s, 4)} for t, s in got]
         for name, got in rounds.items()
     }
+    kernels = native_kernels(config(LoRAConfig()), base.dtype)
     record = {
         "benchmark": "lora",
         **machine_info(torch.device(args.device)),
         "model": args.model,
         "dtype": args.dtype,
+        "weights": args.weights,
+        "isa": kernels.isa if kernels is not None else None,  # the engines' instruction level
         "requests": args.requests,
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from engine.kernels.cpu_quant import QuantKernels
+from engine.kernels.cpu_quant import QuantKernels, QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ _ARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3", "portable": "-ma
 # instruction level (`--cpu-isa`) -> build, and the CPU flags the level needs
 _ISA_BUILD = {"avx512": "native", "avx2": "avx2", "portable": "portable"}
 _ISA_FLAGS = {"avx512": {"avx512f", "avx512bw"}, "avx2": {"avx2", "fma", "f16c"}, "portable": set()}
-_ABI = 10
+_ABI = 11
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _PAGE_SUFFIX = {torch.float8_e4m3fn: "fp8"}  # page formats other than the compute dtype
 _P, _I, _F, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
@@ -245,7 +245,7 @@ class CpuKernels:
         self._lora.argtypes = [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _P, _I, _P]
         self._lora.restype = ctypes.c_int
         self._linear_lora = lib.strata_linear_lora_bf16
-        self._linear_lora.argtypes = [*[_P] * 4, *[_I] * 3, *[_P] * 3, _I, _P, _I, _P]
+        self._linear_lora.argtypes = [_I, *[_P] * 4, *[_I] * 3, *[_P] * 3, _I, _P, _I, _P]
         self._linear_lora.restype = ctypes.c_int
         self.quant = QuantKernels(lib)  # linears over q8 / q4 weights (csrc/quant.h)
 
@@ -506,24 +506,31 @@ class CpuKernels:
     def linear_lora(
         self,
         x: torch.Tensor,
-        packed: torch.Tensor,
+        weight: torch.Tensor | QuantWeight,
         bias: torch.Tensor | None,
         a: torch.Tensor,
         bt: torch.Tensor,
         slots: torch.Tensor,
         part_ends: Sequence[int] = (),
     ) -> torch.Tensor:
-        """`linear_packed` to bf16 and then `lora`'s update of its output, in one kernel, as
-        the decoder layer runs each projection (csrc/linear.h): [T, N]."""
-        assert x.dtype == packed.dtype == torch.bfloat16 and x.is_contiguous()
+        """One projection of the decoder layer, as the layer runs it (csrc/layer.h): the
+        product of bf16 x with packed bf16 weights (`linear_packed`) or quantized ones
+        (`quant.linear`), to bf16, and `lora`'s update of its output: [T, N]."""
+        assert x.dtype == torch.bfloat16 and x.is_contiguous()
         m, k = x.shape
         n = bt.shape[2]
-        assert packed.numel() == n * k
+        if isinstance(weight, QuantWeight):
+            assert (weight.out_features, weight.in_features) == (n, k)
+            fmt, w = weight.format.code, weight.rows
+        else:
+            assert weight.dtype == torch.bfloat16 and weight.numel() == n * k
+            fmt, w = 0, weight
         y = x.new_empty(m, n)
         ends, h = _lora_checks(x, a, bt, slots, y, part_ends)
         rc = self._linear_lora(
+            fmt,
             x.data_ptr(),
-            packed.data_ptr(),
+            w.data_ptr(),
             _ptr(bias),
             y.data_ptr(),
             m,

@@ -16,15 +16,31 @@
 // scratch of T * max(R) floats. Returns 0, or the failing kernel's code.
 
 // One projection: packed bf16 weights (format 0) or quantized rows, then `lora`'s update of
-// its output (NULL: none); after quantized products the update runs as strata_lora_bf16.
+// its output (NULL: none). After quantized products the update runs inside the product where
+// strata_quant_linear_lora takes it (a decode step on the 8-bit q4 path), else after it.
 static int lin_any(int64_t format, const bf16_t* x, const void* w, const bf16_t* bias, bf16_t* y,
                    int64_t M, int64_t N, int64_t K, const LoRAUpdate* lora) {
     if (format == 0) return lin_packed(x, (const bf16_t*)w, bias, y, M, N, K, 0, lora);
+    if (lora) {
+        const int rc = strata_quant_linear_lora(format, x, (const uint8_t*)w, bias, y, M, N, K, lora);
+        if (rc != -1) return rc;
+    }
     const int rc = strata_quant_linear(format, x, 1, (const uint8_t*)w, bias, y, 0, M, N, K);
     if (rc || !lora) return rc;
     return strata_lora_bf16(lora->x, lora->ldx, lora->a, lora->bt, lora->slots, lora->y,
                             lora->ldy, lora->T, lora->K, lora->N, lora->R, lora->part_ends,
                             lora->parts, lora->h);
+}
+
+// One projection of the decoder layer on its own (tests): lin_any over weights of `format`
+// (packed bf16 or quantized rows) and the multi-LoRA update of strata_lora_bf16's arguments,
+// y [M, N] contiguous.
+int strata_linear_lora_bf16(int64_t format, const bf16_t* x, const void* w, const bf16_t* bias,
+                            bf16_t* y, int64_t M, int64_t N, int64_t K, const bf16_t* a,
+                            const bf16_t* bt, const int32_t* slots, int64_t R,
+                            const int64_t* part_ends, int64_t parts, float* h) {
+    const LoRAUpdate u = {x, K, a, bt, slots, y, N, M, K, N, R, part_ends, parts, h};
+    return lin_any(format, x, w, bias, y, M, N, K, &u);
 }
 
 int strata_decoder_layer_bf16(

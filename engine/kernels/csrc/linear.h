@@ -179,13 +179,15 @@ static inline __attribute__((always_inline)) void lin_block(const bf16_t* x, con
 #endif
 
 #ifdef STRATA_AVX2
-// Several rows on AVX2 (LIN2_WIDE_ROWS or more, without the decode-step LoRA warm): each panel is
-// widened to fp32 once, into a buffer of the thread's in linear_f32.h's panel layout ([K][64]),
-// and every block of LINF_MR rows of x (widened once too) runs the fp32 microkernel on it: 12
-// independent accumulators and no widening in the loop, where lin_block's 8 accumulators each
-// take two dependent FMAs per k-pair, and each pass of a block widens the panel again. The
-// sums are lin_block's, in the same order, so the results are the same bits. Measured on
-// weights streamed from memory, a 4-row product is faster this way and a 2-row one is not.
+// Several rows on AVX2 (LIN2_WIDE_ROWS or more): each panel is widened to fp32 once, into a
+// buffer of the thread's in linear_f32.h's panel layout ([K][64]), and every block of LINF_MR
+// rows of x (widened once too) runs the fp32 microkernel on it: 12 independent accumulators and
+// no widening in the loop, where lin_block's 8 accumulators each take two dependent FMAs per
+// k-pair, and each pass of a block widens the panel again. The sums are lin_block's, in the
+// same order, so the results are the same bits. Measured on weights streamed from memory, a
+// 4-row product is faster this way and a 2-row one is not. A decode step's LoRA update runs
+// in phases between its items, as in lin_packed; their adapter lines are warmed before each
+// item rather than within it.
 #define LIN2_WIDE_ROWS 4
 
 static void lin_widen_panel(const bf16_t* src, float* dst, int64_t K) {
@@ -202,7 +204,7 @@ static void lin_widen_panel(const bf16_t* src, float* dst, int64_t K) {
 
 static int lin_widened(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, void* y, int64_t M,
                        int64_t N, int64_t K, int out_f32, const LoRAUpdate* lora,
-                       LoRAGroups* groups) {
+                       const LoRAUpdate* lw, LoRAGroups* groups, bf16_t* delta) {
     const int64_t panels = N / LIN_PANEL, blocks = (M + LINF_MR - 1) / LINF_MR;
     const int64_t items = panels * blocks;
     float* xf = malloc((size_t)(M * K) * sizeof(float));
@@ -211,6 +213,9 @@ static int lin_widened(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, vo
 #pragma omp parallel
     {
         const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t i0 = tid * items / nth, i1 = (tid + 1) * items / nth;
+        const int64_t g0 = lw ? tid * groups->n / nth : 0;
+        const int64_t g1 = lw ? (tid + 1) * groups->n / nth : 0;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++) {
             const bf16_t* xr = x + r * K;
@@ -226,31 +231,44 @@ static int lin_widened(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, vo
         } else {
             float tile[LINF_MR * LIN_PANEL] __attribute__((aligned(32)));
             float bw[LIN_PANEL];
-            int64_t have = -1;
-            for (int64_t item = tid * items / nth; item < (tid + 1) * items / nth; item++) {
-                const int64_t p = item / blocks, blk = item % blocks;
-                if (p != have) {
-                    lin_widen_panel(wp + p * K * LIN_PANEL, panel, K);
-                    for (int j = 0; bias && j < LIN_PANEL; j++)
-                        bw[j] = bf16_to_f32(bias[p * LIN_PANEL + j]);
-                    have = p;
+            int64_t have = -1, item = i0;
+            const int64_t phases = lora_phases(g0, g1);
+            for (int64_t ph = 0; ph < phases; ph++) {  // as lin_packed's phases
+                const int64_t end = i0 + (ph + 1) * (i1 - i0) / phases;
+                LoRAWarm warm;
+                int64_t pg0, pg1;
+                const int64_t lw_lines =
+                    lora_phase(lw, groups, g0, g1, ph, phases, end - item, &warm, &pg0, &pg1);
+                for (; item < end; item++) {
+                    const int64_t p = item / blocks, blk = item % blocks;
+                    if (p != have) {
+                        lin_widen_panel(wp + p * K * LIN_PANEL, panel, K);
+                        for (int j = 0; bias && j < LIN_PANEL; j++)
+                            bw[j] = bf16_to_f32(bias[p * LIN_PANEL + j]);
+                        have = p;
+                    }
+                    for (int64_t l = 0; l < lw_lines; l++) lora_warm_one(&warm);
+                    const int64_t m0 = blk * LINF_MR;
+                    const int64_t mr = M - m0 < LINF_MR ? M - m0 : LINF_MR;
+                    const float* xs = xf + m0 * K;
+                    const float* bs = bias ? bw : 0;
+                    float* ys = out_f32 ? (float*)y + m0 * N + p * LIN_PANEL : tile;
+                    const int64_t ld = out_f32 ? N : LIN_PANEL;
+                    linf_rows(xs, panel, bs, ys, K, ld, mr);
+                    if (!out_f32)
+                        for (int64_t r = 0; r < mr; r++)
+                            for (int j = 0; j < LIN_PANEL; j += 8)
+                                v8_store_bf16((bf16_t*)y + (m0 + r) * N + p * LIN_PANEL + j,
+                                              _mm256_load_ps(tile + r * LIN_PANEL + j));
                 }
-                const int64_t m0 = blk * LINF_MR;
-                const int64_t mr = M - m0 < LINF_MR ? M - m0 : LINF_MR;
-                const float* xs = xf + m0 * K;
-                const float* bs = bias ? bw : 0;
-                float* ys = out_f32 ? (float*)y + m0 * N + p * LIN_PANEL : tile;
-                const int64_t ld = out_f32 ? N : LIN_PANEL;
-                linf_rows(xs, panel, bs, ys, K, ld, mr);
-                if (!out_f32)
-                    for (int64_t r = 0; r < mr; r++)
-                        for (int j = 0; j < LIN_PANEL; j += 8)
-                            v8_store_bf16((bf16_t*)y + (m0 + r) * N + p * LIN_PANEL + j,
-                                          _mm256_load_ps(tile + r * LIN_PANEL + j));
+                if (lw) lora_update_groups(lw, groups, pg0, pg1, delta);
             }
             free(panel);
         }
-        if (lora) {
+        if (lw) {
+#pragma omp barrier
+            lora_add_delta(lw, groups, g0, g1, delta);
+        } else if (lora) {
             lora_shrink(lora, groups);
 #pragma omp barrier
             lora_expand(lora, groups);
@@ -263,12 +281,12 @@ static int lin_widened(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, vo
 
 // The product, then `lora`'s update of its output (lora.h; NULL: none) in the same parallel
 // region. In a decode step (T <= LORA_WARM_MAX_TOKENS) each thread owns a share of the update's
-// groups of tokens and splits them into LORA_PHASES phases, as it splits its items of the
-// product: during a phase's items it warms the phase's adapters, then updates those groups
+// groups of tokens and splits them into phases, as it splits its items of the product
+// (lora_phase): during a phase's items it warms the phase's adapters, then updates those groups
 // into a scratch delta while the weights are still in its cache (warmed for the whole linear
 // and applied after it, they spilled out of the core's cache and were read again from L3 or
-// DRAM); the deltas are added to y once every thread's share of the product is done.
-#define LORA_PHASES 4
+// DRAM); the deltas are added to y once every thread's share of the product is done. The AVX2
+// widened path (lin_widened) does the same between its items.
 
 static int lin_packed(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, void* y, int64_t M,
                       int64_t N, int64_t K, int out_f32, const LoRAUpdate* lora) {
@@ -292,35 +310,32 @@ static int lin_packed(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, voi
         lora && lora->T <= LORA_WARM_MAX_TOKENS && blocks >= LIN_WARM_BLOCKS ? lora : 0;
     LoRAGroups groups = {0, 0, 0};
     if (lora && (groups = lora_groups(lora->slots, lora->T)).n < 0) return -3;
-#ifdef STRATA_AVX2
-    if (!lw && M >= LIN2_WIDE_ROWS) {
-        const int rc = lin_widened(x, wp, bias, y, M, N, K, out_f32, lora, &groups);
-        free(groups.tok);
-        return rc;
-    }
-#endif
     bf16_t* delta = lw ? malloc((size_t)(lw->T * lw->N) * sizeof(bf16_t)) : 0;  // [T, N]
     if (lw && !delta) {
         free(groups.tok);
         return -3;
     }
+#ifdef STRATA_AVX2
+    if (M >= LIN2_WIDE_ROWS) {
+        const int rc = lin_widened(x, wp, bias, y, M, N, K, out_f32, lora, lw, &groups, delta);
+        free(delta);
+        free(groups.tok);
+        return rc;
+    }
+#endif
 #pragma omp parallel
     {
         const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t i0 = tid * items / nth, i1 = (tid + 1) * items / nth;  // the thread's items
         const int64_t g0 = lw ? tid * groups.n / nth : 0, g1 = lw ? (tid + 1) * groups.n / nth : 0;
-        const int64_t phases = g1 - g0 < LORA_PHASES ? (g1 > g0 ? g1 - g0 : 1) : LORA_PHASES;
+        const int64_t phases = lora_phases(g0, g1);
         int64_t item = i0;
         for (int64_t ph = 0; ph < phases; ph++) {
-            const int64_t pg0 = g0 + ph * (g1 - g0) / phases;
-            const int64_t pg1 = g0 + (ph + 1) * (g1 - g0) / phases;
             const int64_t end = i0 + (ph + 1) * (i1 - i0) / phases;
-            LoRAWarm warm_lora = {0};
-            int64_t lw_lines = 0;
-            if (lw && end > item) {
-                lora_warm_start(&warm_lora, lw, &groups, g0, pg0, pg1);
-                lw_lines = (lora_warm_lines(&warm_lora) + end - item - 1) / (end - item);
-            }
+            LoRAWarm warm_lora;
+            int64_t pg0, pg1;
+            const int64_t lw_lines =
+                lora_phase(lw, &groups, g0, g1, ph, phases, end - item, &warm_lora, &pg0, &pg1);
             for (; item < end; item++) {
                 const int64_t p = item / blocks, blk = item % blocks;
                 const int64_t m0 = blk * LIN_MR;
@@ -369,14 +384,4 @@ static int lin_packed(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, voi
 int strata_linear_packed_bf16(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, void* y,
                               int64_t M, int64_t N, int64_t K, int out_f32) {
     return lin_packed(x, wp, bias, y, M, N, K, out_f32, 0);
-}
-
-// The packed linear, then a multi-LoRA update of its output (strata_lora_bf16's arguments, y
-// [M, N] contiguous) in the same parallel region: one projection of the decoder layer.
-int strata_linear_lora_bf16(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, bf16_t* y,
-                            int64_t M, int64_t N, int64_t K, const bf16_t* a, const bf16_t* bt,
-                            const int32_t* slots, int64_t R, const int64_t* part_ends,
-                            int64_t parts, float* h) {
-    const LoRAUpdate u = {x, K, a, bt, slots, y, N, M, K, N, R, part_ends, parts, h};
-    return lin_packed(x, wp, bias, y, M, N, K, 0, &u);
 }

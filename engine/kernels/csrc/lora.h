@@ -9,10 +9,11 @@
 // block-diagonal). The rounding points are those of the torch path (engine/lora/layers.py): h
 // and the update are rounded to bf16, then added to y. Tokens of the base model (slot 0) cost
 // nothing.
+#pragma once
 
 // One projection's update, as strata_lora_bf16 takes it; the fused layer hands it to the
 // linear before it (linear.h), which runs it in the same parallel region.
-typedef struct {
+typedef struct LoRAUpdate {
     const bf16_t* x;
     int64_t ldx;
     const bf16_t* a;
@@ -152,10 +153,10 @@ static inline void lora_warm_one(LoRAWarm* w) {
 }
 
 // NR rows of A (`ldw` apart) dotted with the x of NT tokens, each row and each x loaded once:
-// each (row, token) sum runs in the same order whatever NR and NT (32-element bf16 dot
-// products into one accumulator, its sum, then the tail), so results do not depend on how
-// rows and tokens are grouped; the NR x NT accumulator chains are independent, which hides the
-// latency of the dot products (one chain alone waits on it).
+// each (row, token) sum runs in the same order whatever NR and NT (vector steps of 32
+// elements with AVX512-BF16, 16 on AVX2, into one accumulator, its sum, then the tail), so
+// results do not depend on how rows and tokens are grouped; the NR x NT accumulator chains are
+// independent, which hides the latency of the dot products (one chain alone waits on it).
 #define LORA_SHRINK_ROWS 4
 static inline __attribute__((always_inline)) void lora_dots(const bf16_t* const* x,
                                                             const bf16_t* w, int64_t ldw,
@@ -179,16 +180,28 @@ static inline __attribute__((always_inline)) void lora_dots(const bf16_t* const*
     for (int r = 0; r < NR; r++)
         for (int i = 0; i < NT; i++) acc[r][i] = _mm512_reduce_add_ps(v[r][i]);
 #elif defined(STRATA_AVX2)
-    // 8 products per FMA, both operands widened from bf16
+    // 16 elements per step: one 256-bit load of each operand, its even elements widened by a
+    // shift and its odd ones by a mask (no lane-crossing conversion), then two FMAs into one
+    // accumulator, the even elements' product first
     __m256 v[LORA_SHRINK_ROWS][LORA_TOKENS];
     for (int r = 0; r < NR; r++)
         for (int i = 0; i < NT; i++) v[r][i] = _mm256_setzero_ps();
-    for (; k + 8 <= k_len; k += 8) {
-        __m256 xv[LORA_TOKENS];
-        for (int i = 0; i < NT; i++) xv[i] = v8_load_bf16(x[i] + k);
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    for (; k + 16 <= k_len; k += 16) {
+        __m256 xe[LORA_TOKENS], xo[LORA_TOKENS];
+        for (int i = 0; i < NT; i++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)(x[i] + k));
+            xe[i] = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+            xo[i] = _mm256_castsi256_ps(_mm256_and_si256(raw, hi));
+        }
         for (int r = 0; r < NR; r++) {
-            const __m256 wv = v8_load_bf16(w + r * ldw + k);
-            for (int i = 0; i < NT; i++) v[r][i] = _mm256_fmadd_ps(xv[i], wv, v[r][i]);
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + r * ldw + k));
+            const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+            const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(raw, hi));
+            for (int i = 0; i < NT; i++) {
+                v[r][i] = _mm256_fmadd_ps(xe[i], we, v[r][i]);
+                v[r][i] = _mm256_fmadd_ps(xo[i], wo, v[r][i]);
+            }
         }
     }
     for (int r = 0; r < NR; r++)
@@ -387,7 +400,6 @@ static void lora_expand(const LoRAUpdate* u, const LoRAGroups* g) {
         for (int64_t c = 0; c < chunks; c++) lora_expand_item(u, g, gi, c, u->y, u->ldy);
 }
 
-#if defined(STRATA_AVX512BF16) || defined(STRATA_AVX2)  // lin_packed's decode path (linear.h)
 // The update of groups [g0, g1) alone, in the calling thread, into delta ([T, N], rows of
 // those groups' tokens; added to y by lora_add_delta once the linear's output is complete):
 // the decode path of lin_packed, which runs it a few groups at a time between its items of the
@@ -401,6 +413,29 @@ static void lora_update_groups(const LoRAUpdate* u, const LoRAGroups* g, int64_t
         for (int64_t rb = 0; rb < row_blocks; rb++) lora_shrink_item(u, g, gi, rb);
         for (int64_t c = 0; c < chunks; c++) lora_expand_item(u, g, gi, c, delta, u->N);
     }
+}
+
+// A decode step's update in the linear's parallel region (lin_packed, lin_widened): each
+// thread owns a share [g0, g1) of the groups and splits it into LORA_PHASES phases (fewer when
+// it has fewer groups), as it splits its items of the product.
+#define LORA_PHASES 4
+
+static inline int64_t lora_phases(int64_t g0, int64_t g1) {
+    return g1 - g0 < LORA_PHASES ? (g1 > g0 ? g1 - g0 : 1) : LORA_PHASES;
+}
+
+// Phase ph of the thread whose groups are [g0, g1): its groups [*pg0, *pg1), and in `warm`
+// their adapters' lines (none without lw); returns how many to warm per item of the product,
+// `items` items being left for the phase.
+static inline int64_t lora_phase(const LoRAUpdate* lw, const LoRAGroups* g, int64_t g0,
+                                 int64_t g1, int64_t ph, int64_t phases, int64_t items,
+                                 LoRAWarm* warm, int64_t* pg0, int64_t* pg1) {
+    *pg0 = g0 + ph * (g1 - g0) / phases;
+    *pg1 = g0 + (ph + 1) * (g1 - g0) / phases;
+    *warm = (LoRAWarm){0};
+    if (!lw || items <= 0) return 0;
+    lora_warm_start(warm, lw, g, g0, *pg0, *pg1);
+    return (lora_warm_lines(warm) + items - 1) / items;
 }
 
 // y[t] += delta[t] for the tokens of groups [g0, g1): the same sums, rounded alike, as
@@ -419,21 +454,4 @@ static void lora_add_delta(const LoRAUpdate* u, const LoRAGroups* g, int64_t g0,
 #endif
             for (; n < u->N; n++) y[n] = f32_to_bf16(bf16_to_f32(y[n]) + bf16_to_f32(d[n]));
         }
-}
-#endif
-
-int strata_lora_bf16(const bf16_t* x, int64_t ldx, const bf16_t* a, const bf16_t* bt,
-                      const int32_t* slots, bf16_t* y, int64_t ldy, int64_t T, int64_t K,
-                      int64_t N, int64_t R, const int64_t* part_ends, int64_t parts, float* h) {
-    const LoRAUpdate u = {x, ldx, a, bt, slots, y, ldy, T, K, N, R, part_ends, parts, h};
-    LoRAGroups g = lora_groups(slots, T);
-    if (g.n < 0) return -3;
-#pragma omp parallel
-    {
-        lora_shrink(&u, &g);
-#pragma omp barrier
-        lora_expand(&u, &g);
-    }
-    free(g.tok);
-    return 0;
 }

@@ -18,7 +18,7 @@
 #include "common.h"
 #include "fp8.h"
 
-int strata_kernels_abi(void) { return 10; }
+int strata_kernels_abi(void) { return 11; }
 
 int strata_has_avx512(void) {
 #ifdef STRATA_AVX512

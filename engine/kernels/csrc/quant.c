@@ -342,6 +342,9 @@ static int qg_linear(int64_t format, const bf16_t* x, const uint8_t* w, const bf
 #if defined(STRATA_AVX512) && defined(__AVX512VNNI__)
 #define QI_VNNI 1  // their many-rows products by `vpdpbusd` on 512 bits
 #endif
+#ifdef QI_AVX2
+#include "lora.h"  // a decode step's adapter updates inside the many-rows product
+#endif
 
 // the second level of a block: its rounding error r quantized like the first
 static void quant_level2(const float* v, float db, const int8_t* q1, int8_t* q2, float* d2,
@@ -746,10 +749,14 @@ static int qv_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
     return 0;
 }
 
+// With lw (a decode step's LoRA update; lora.h), each thread also updates its share of lw's
+// groups of tokens in phases between its panels, warming their adapters during the panels'
+// products, into delta [T, N] (added to y at the end): lin_packed's scheme (linear.h).
 static int qi_linear(const void* x, int x_bf16, const uint8_t* w, const void* bias, void* y,
-                     int out_f32, int64_t M, int64_t N, int64_t K) {
+                     int out_f32, int64_t M, int64_t N, int64_t K, const LoRAUpdate* lw,
+                     const LoRAGroups* groups, bf16_t* delta) {
     const int64_t nb = K / QBLOCK, row_bytes = strata_quant_row_bytes(4, K);
-    const int64_t panels = N / QI_PANEL;
+    const int64_t panels = N / QI_PANEL, blocks = (M + QI_MR - 1) / QI_MR;
     QiActs a;
     int8_t* q1 = qi_acts_alloc(M, K, &a);
     if (!q1) return -3;
@@ -770,31 +777,48 @@ static int qi_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
         float* out = pm + QI_PANEL * nb;
         const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t p0 = tid * panels / nth, p1 = (tid + 1) * panels / nth;
-        for (int64_t p = p0; panel && p < p1; p++) {
-            qi_unpack(w, row_bytes, K, p * QI_PANEL, panel, pd, pm);
-            for (int64_t m0 = 0; m0 < M; m0 += QI_MR) {
-                const int R = M - m0 < QI_MR ? (int)(M - m0) : QI_MR;
-                switch (R) {
-                    case 1: qi_block(panel, pd, pm, a, m0, K, out, 1); break;
-                    case 2: qi_block(panel, pd, pm, a, m0, K, out, 2); break;
-                    case 3: qi_block(panel, pd, pm, a, m0, K, out, 3); break;
+        const int64_t g0 = lw ? tid * groups->n / nth : 0;
+        const int64_t g1 = lw ? (tid + 1) * groups->n / nth : 0;
+        const int64_t phases = lora_phases(g0, g1);
+        int64_t p = p0;
+        for (int64_t ph = 0; panel && ph < phases; ph++) {
+            const int64_t end = p0 + (ph + 1) * (p1 - p0) / phases;
+            LoRAWarm warm;
+            int64_t pg0, pg1;
+            const int64_t lw_lines = lora_phase(lw, groups, g0, g1, ph, phases,
+                                                (end - p) * blocks, &warm, &pg0, &pg1);
+            for (; p < end; p++) {
+                qi_unpack(w, row_bytes, K, p * QI_PANEL, panel, pd, pm);
+                for (int64_t m0 = 0; m0 < M; m0 += QI_MR) {
+                    const int R = M - m0 < QI_MR ? (int)(M - m0) : QI_MR;
+                    for (int64_t l = 0; l < lw_lines; l++) lora_warm_one(&warm);
+                    switch (R) {
+                        case 1: qi_block(panel, pd, pm, a, m0, K, out, 1); break;
+                        case 2: qi_block(panel, pd, pm, a, m0, K, out, 2); break;
+                        case 3: qi_block(panel, pd, pm, a, m0, K, out, 3); break;
 #if QI_MR > 4
-                    case 4: qi_block(panel, pd, pm, a, m0, K, out, 4); break;
-                    case 5: qi_block(panel, pd, pm, a, m0, K, out, 5); break;
-                    case 6: qi_block(panel, pd, pm, a, m0, K, out, 6); break;
-                    case 7: qi_block(panel, pd, pm, a, m0, K, out, 7); break;
+                        case 4: qi_block(panel, pd, pm, a, m0, K, out, 4); break;
+                        case 5: qi_block(panel, pd, pm, a, m0, K, out, 5); break;
+                        case 6: qi_block(panel, pd, pm, a, m0, K, out, 6); break;
+                        case 7: qi_block(panel, pd, pm, a, m0, K, out, 7); break;
 #endif
-                    default: qi_block(panel, pd, pm, a, m0, K, out, QI_MR); break;
-                }
-                for (int r = 0; r < R; r++)
-                    for (int j = 0; j < QI_PANEL; j++) {
-                        const int64_t n = p * QI_PANEL + j;
-                        q_store(y, out_f32, (m0 + r) * N + n,
-                                out[r * QI_PANEL + j] + q_bias(bias, x_bf16, n));
+                        default: qi_block(panel, pd, pm, a, m0, K, out, QI_MR); break;
                     }
+                    for (int r = 0; r < R; r++)
+                        for (int j = 0; j < QI_PANEL; j++) {
+                            const int64_t n = p * QI_PANEL + j;
+                            q_store(y, out_f32, (m0 + r) * N + n,
+                                    out[r * QI_PANEL + j] + q_bias(bias, x_bf16, n));
+                        }
+                }
             }
+            if (lw) lora_update_groups(lw, groups, pg0, pg1, delta);
         }
         free(panel);
+        if (lw) {
+#pragma omp barrier
+            lora_add_delta(lw, groups, g0, g1, delta);
+        }
     }
     free(q1);
     return failed ? -3 : 0;
@@ -919,7 +943,7 @@ int strata_quant_linear(int64_t format, const void* x, int x_bf16, const uint8_t
         case QPATH_BF16_PANELS: return qg_linear(format, x, w, bias, y, out_f32, M, N, K);
 #endif
 #ifdef QI_AVX2
-        case QPATH_INT8: return qi_linear(x, x_bf16, w, bias, y, out_f32, M, N, K);
+        case QPATH_INT8: return qi_linear(x, x_bf16, w, bias, y, out_f32, M, N, K, 0, 0, 0);
         case QPATH_INT8_ROWS: return qv_linear(x, x_bf16, w, bias, y, out_f32, M, N, K);
 #endif
 #ifdef STRATA_AVX2
@@ -988,4 +1012,24 @@ int strata_quant_linear(int64_t format, const void* x, int x_bf16, const uint8_t
     }
     free(xq);
     return 0;
+}
+
+int strata_quant_linear_lora(int64_t format, const void* x, const uint8_t* w, const void* bias,
+                             void* y, int64_t M, int64_t N, int64_t K,
+                             const struct LoRAUpdate* lora) {
+#ifdef QI_AVX2
+    if (K % QBLOCK == 0 && M >= 1 && lora->T <= LORA_WARM_MAX_TOKENS &&
+        strata_quant_path(format, 1, M, N) == QPATH_INT8) {
+        const LoRAGroups groups = lora_groups(lora->slots, lora->T);
+        if (groups.n < 0) return -3;
+        bf16_t* delta = malloc((size_t)(lora->T * lora->N) * sizeof(bf16_t));
+        const int rc =
+            delta ? qi_linear(x, 1, w, bias, y, 0, M, N, K, lora, &groups, delta) : -3;
+        free(delta);
+        free(groups.tok);
+        return rc;
+    }
+#endif
+    (void)format, (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)lora;
+    return -1;
 }

@@ -21,6 +21,17 @@ int64_t strata_quant_row_bytes(int64_t format, int64_t K);
 int strata_quant_linear(int64_t format, const void* x, int x_bf16, const uint8_t* w,
                         const void* bias, void* y, int out_f32, int64_t M, int64_t N, int64_t K);
 
+// strata_quant_linear of bf16 x to bf16 y, then the multi-LoRA update `lora` of y (lora.h) in
+// the same parallel region, the way the packed linear runs a decode step's update (linear.h):
+// each thread warms its tokens' adapters during its share of the product and updates them
+// while they are in its cache. Taken where the product runs the many-rows 8-bit q4 path
+// (QPATH_INT8) and lora is a decode step's; elsewhere it returns -1 and does nothing, and the
+// caller runs the two one after the other (the same bits either way).
+struct LoRAUpdate;
+int strata_quant_linear_lora(int64_t format, const void* x, const uint8_t* w, const void* bias,
+                             void* y, int64_t M, int64_t N, int64_t K,
+                             const struct LoRAUpdate* lora);
+
 // The activation quantizer on its own (tests): xq [M, K] int16, xd [M, K / 32] scales, xs
 // [M, K / 32] each block's xd * sum(xq).
 void strata_quant_activations(const void* x, int x_bf16, int64_t M, int64_t K, int16_t* xq,

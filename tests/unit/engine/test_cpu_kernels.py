@@ -20,6 +20,7 @@ from engine.kernels.cpu import (
     load_cpu_kernels,
     pair_rows,
 )
+from engine.kernels.cpu_quant import QuantFormat, QuantWeight, quantize
 from engine.model.llama import RMSNorm, RotaryEmbedding, SiluAndMul
 from engine.model_config import ModelConfig
 from kvstore.base import KVCacheSpec
@@ -533,17 +534,26 @@ def test_lora_update_of_a_token_does_not_depend_on_its_batch(kernels):
 
 @pytest.mark.parametrize("tokens", [4, 32, 100, 200])
 @pytest.mark.parametrize("adapters", ["mixed", "distinct", "shared", "none"])
-def test_a_projection_with_its_update_equals_the_linear_then_the_update(kernels, tokens, adapters):
-    """The decoder layer's projection kernel (csrc/linear.h): in a decode batch (19 to 128
+@pytest.mark.parametrize("weights", ["packed", "q4", "q8"])
+def test_a_projection_with_its_update_equals_the_linear_then_the_update(
+    kernels, tokens, adapters, weights
+):
+    """The decoder layer's projection kernel (csrc/layer.h): in a decode batch (up to 128
     tokens) each thread updates its groups of tokens in phases between its items of the
-    product, into a scratch delta added once the product is complete; otherwise the update
-    follows the product. Either way: the bits of the packed linear, then the update alone."""
+    product, into a scratch delta added once the product is complete (packed bf16 weights
+    from 4 row blocks on; q4 weights on the many-rows 8-bit path); otherwise the update
+    follows the product. Either way: the bits of the linear, then the update alone."""
     g = gen(14)
     slots_n, k_in, ends = 41, 192, (192, 256, 320)  # like qkv: three modules of 16 rows
     rows, n_out = 48, ends[-1]
-    if (made := packed_bf16_linear(kernels, g, n_out, k_in)) is None:
-        return
-    _, packed, bias = made
+    if weights == "packed":
+        if (made := packed_bf16_linear(kernels, g, n_out, k_in)) is None:
+            return
+        _, weight, bias = made
+    else:
+        fmt = QuantFormat.Q4 if weights == "q4" else QuantFormat.Q8
+        weight = quantize((torch.randn(n_out, k_in, generator=g) / 8).bfloat16(), fmt)
+        bias = torch.randn(n_out, generator=g).bfloat16()
     a = (torch.randn(slots_n, rows, k_in, generator=g) / 8).bfloat16()
     bt = pair_rows((torch.randn(slots_n, rows, n_out, generator=g) / 8).bfloat16())
     a[0], bt[0] = 0, 0
@@ -554,10 +564,13 @@ def test_a_projection_with_its_update_equals_the_linear_then_the_update(kernels,
         "none": torch.zeros(tokens, dtype=torch.int64),
     }[adapters].int()
     x = torch.randn(tokens, k_in, generator=g).bfloat16()
-    want = kernels.linear_packed(x, packed, bias, n_out, torch.bfloat16)
+    if isinstance(weight, QuantWeight):
+        want = kernels.quant.linear(x, weight, bias, torch.bfloat16)
+    else:
+        want = kernels.linear_packed(x, weight, bias, n_out, torch.bfloat16)
     base = want.clone()
     kernels.lora(x, a, bt, slots, want, ends)
-    got = kernels.linear_lora(x, packed, bias, a, bt, slots, ends)
+    got = kernels.linear_lora(x, weight, bias, a, bt, slots, ends)
     assert torch.equal(got, want)
     assert torch.equal(got[slots == 0], base[slots == 0])
     assert torch.equal(got, base) == (adapters == "none")
