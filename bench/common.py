@@ -170,6 +170,25 @@ def add_cache_dir_argument(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def add_cpu_engine_arguments(ap: argparse.ArgumentParser) -> None:
+    """`--cpu-isa` and `--weights`: the instruction level of the engines' native CPU kernels,
+    and how they hold the projections' weights (EngineConfig's options of those names)."""
+    from engine.config import CpuIsa, EngineConfig, WeightFormat
+
+    ap.add_argument(
+        "--cpu-isa",
+        default="auto",
+        choices=[i.value for i in CpuIsa],
+        help="instruction level of the native CPU kernels (auto: the best this CPU has)",
+    )
+    ap.add_argument(
+        "--weights",
+        default=EngineConfig.weights.value,
+        choices=[w.value for w in WeightFormat],
+        help="the engines' --weights (auto: as the model file holds them)",
+    )
+
+
 def engine_record(benchmark: str, core: Any, model_spec: str) -> dict[str, Any]:
     """The head of a result record for a run of one engine: the machine, and what it served."""
     return {

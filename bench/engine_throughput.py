@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import llamacpp_peer
 from bench.common import (
     add_cache_dir_argument,
+    add_cpu_engine_arguments,
     avx2_peer_env,
     cpu_flags,
     engine_record,
@@ -169,18 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="auto")
-    ap.add_argument(
-        "--cpu-isa",
-        default="auto",
-        choices=[i.value for i in CpuIsa],
-        help="instruction level of the native CPU kernels (auto: the best this CPU has)",
-    )
-    ap.add_argument(
-        "--weights",
-        default=EngineConfig.weights.value,
-        choices=[w.value for w in WeightFormat],
-        help="the engine's --weights (auto: as the model file holds them)",
-    )
+    add_cpu_engine_arguments(ap)
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import (
     add_cache_dir_argument,
+    add_cpu_engine_arguments,
     machine_info,
     parse_args,
     publish,
@@ -77,18 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default="default")
-    ap.add_argument(
-        "--cpu-isa",
-        default="auto",
-        choices=[i.value for i in CpuIsa],
-        help="instruction level of the native CPU kernels (auto: the best this CPU has)",
-    )
-    ap.add_argument(
-        "--weights",
-        default=EngineConfig.weights.value,
-        choices=[w.value for w in WeightFormat],
-        help="every engine's --weights (auto: as the model file holds them)",
-    )
+    add_cpu_engine_arguments(ap)
     ap.add_argument("--seed", type=int, default=0)
     add_cache_dir_argument(ap)
     ap.add_argument("--quick", action="store_true", help="16 new tokens, 1 round")

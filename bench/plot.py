@@ -141,10 +141,15 @@ def _greedy_default(d: dict[str, Any]) -> bool:
     return d.get("temperature", 0.0) == 0.0 and d.get("dtype") == "bfloat16"
 
 
+def _native_16bit(d: dict[str, Any]) -> bool:
+    """A run of the CPU's own build on 16-bit weights (as were the runs from before records
+    named their `isa` and `weights`)."""
+    return d.get("isa", "avx512") == "avx512" and d.get("weights", "16bit") == "16bit"
+
+
 def _native_peer_run(d: dict[str, Any]) -> bool:
     """A run of the CPU's own build on 16-bit weights, with transformers beside it."""
-    native = d.get("isa", "avx512") == "avx512" and d.get("weights", "16bit") == "16bit"
-    return native and bool(d.get("hf_tok_s"))
+    return _native_16bit(d) and bool(d.get("hf_tok_s"))
 
 
 def plot_engine_throughput(results: list[Result]) -> Figure:
@@ -289,7 +294,7 @@ def plot_rag_longdoc(results: list[Result]) -> Figure:
 
 
 def plot_lora(results: list[Result]) -> Figure:
-    cpu = latest(results, "lora", AVX512, lambda d: "ratio_vs_base" in d)
+    cpu = latest(results, "lora", AVX512, lambda d: "ratio_vs_base" in d and _native_16bit(d))
     gpu = latest(results, "lora", H100, lambda d: "ratio_vs_base" in d)
     fig, (ax,) = _figure(1, "Multi-LoRA decode, 32 requests (throughput / base model)")
     configs = ["base_lora_engine", "1", "8", "32"]
