@@ -227,14 +227,15 @@ static inline __attribute__((always_inline)) void lora_dots(const bf16_t* const*
 
 #ifdef STRATA_AVX512
 // y[0, 16 V) += round_bf16(sum over r in [2 q0, 2 q1) of h[r] B^T[r, 0, 16 V)), B^T in row
-// pairs (bp: pair q0's first column; pairs 2 ld elements apart; see strata_lora_bf16).
+// pairs (bp: pair q0's first column; pairs 2 ld elements apart; see LoRAUpdate); without
+// `add`, y = the rounded sum (the same bits as adding it to zeros).
 // With AVX512-BF16, one dot-product instruction per pair: it adds the odd element's product
 // (row 2q), then the even one's (row 2q + 1), each rounded, and bf16 products are exact in
 // fp32: the fp32 sums of the one-row-at-a-time path bit for bit (outside denormals, which it
 // flushes). Without it, two FMAs per pair in the same order.
 static inline __attribute__((always_inline)) void lora_expand_pairs(
     const float* const* h, const bf16_t* bp, int64_t ld, int64_t q0, int64_t q1,
-    bf16_t* const* y, const int V, const int NT) {
+    bf16_t* const* y, int add, const int V, const int NT) {
     __m512 acc[LORA_TOKENS][LORA_VECS];
     for (int k = 0; k < NT; k++)
         for (int i = 0; i < V; i++) acc[k][i] = _mm512_setzero_ps();
@@ -265,15 +266,16 @@ static inline __attribute__((always_inline)) void lora_expand_pairs(
 #endif
     }
     for (int k = 0; k < NT; k++)
-        for (int i = 0; i < V; i++)
-            v_store_bf16(y[k] + 16 * i,
-                         _mm512_add_ps(v_load_bf16(y[k] + 16 * i), v_round_bf16(acc[k][i])));
+        for (int i = 0; i < V; i++) {
+            const __m512 u = v_round_bf16(acc[k][i]);
+            v_store_bf16(y[k] + 16 * i, add ? _mm512_add_ps(v_load_bf16(y[k] + 16 * i), u) : u);
+        }
 }
 #elif defined(STRATA_AVX2)
 // The AVX2 expand: 8 columns per vector, two FMAs per pair in the AVX-512 path's order.
 static inline __attribute__((always_inline)) void lora_expand_pairs(
     const float* const* h, const bf16_t* bp, int64_t ld, int64_t q0, int64_t q1,
-    bf16_t* const* y, const int V, const int NT) {
+    bf16_t* const* y, int add, const int V, const int NT) {
     __m256 acc[LORA_TOKENS][LORA_VECS];
     for (int k = 0; k < NT; k++)
         for (int i = 0; i < V; i++) acc[k][i] = _mm256_setzero_ps();
@@ -291,9 +293,10 @@ static inline __attribute__((always_inline)) void lora_expand_pairs(
         }
     }
     for (int k = 0; k < NT; k++)
-        for (int i = 0; i < V; i++)
-            v8_store_bf16(y[k] + 8 * i,
-                          _mm256_add_ps(v8_load_bf16(y[k] + 8 * i), v8_round_bf16(acc[k][i])));
+        for (int i = 0; i < V; i++) {
+            const __m256 u = v8_round_bf16(acc[k][i]);
+            v8_store_bf16(y[k] + 8 * i, add ? _mm256_add_ps(v8_load_bf16(y[k] + 8 * i), u) : u);
+        }
 }
 #endif
 
@@ -340,9 +343,10 @@ static void lora_shrink(const LoRAUpdate* u, const LoRAGroups* g) {
         for (int64_t rb = 0; rb < row_blocks; rb++) lora_shrink_item(u, g, gi, rb);
 }
 
-// y += B h for the tokens of group gi (rows of y `ldy` apart), LORA_COLS columns from chunk c.
+// y += B h for the tokens of group gi (rows of y `ldy` apart), LORA_COLS columns from chunk c;
+// without `add`, y = B h.
 static void lora_expand_item(const LoRAUpdate* u, const LoRAGroups* g, int64_t gi, int64_t c,
-                             bf16_t* y, int64_t ldy) {
+                             bf16_t* y, int64_t ldy, int add) {
     const bf16_t* bt = u->bt;
     const int64_t N = u->N, R = u->R, parts = u->parts;
     const int64_t* part_ends = u->part_ends;
@@ -362,15 +366,15 @@ static void lora_expand_item(const LoRAUpdate* u, const LoRAGroups* g, int64_t g
         const int64_t r0 = p * (R / parts), r1 = r0 + R / parts;
 #ifdef STRATA_VEC
         bf16_t* yn[LORA_TOKENS];
-#define LORA_EXPAND(V_)                                                                   \
-    for (; n + LORA_VW * (V_) <= n1; n += LORA_VW * (V_)) {                               \
-        for (int k = 0; k < nt; k++) yn[k] = ys[k] + n;                                   \
-        switch (nt) {                                                                     \
-            case 1: lora_expand_pairs(hs, bs + 2 * n, N, r0 / 2, r1 / 2, yn, V_, 1); break;  \
-            case 2: lora_expand_pairs(hs, bs + 2 * n, N, r0 / 2, r1 / 2, yn, V_, 2); break;  \
-            case 3: lora_expand_pairs(hs, bs + 2 * n, N, r0 / 2, r1 / 2, yn, V_, 3); break;  \
-            default: lora_expand_pairs(hs, bs + 2 * n, N, r0 / 2, r1 / 2, yn, V_, 4); break; \
-        }                                                                                 \
+#define LORA_EXPAND(V_)                                                                           \
+    for (; n + LORA_VW * (V_) <= n1; n += LORA_VW * (V_)) {                                       \
+        for (int k = 0; k < nt; k++) yn[k] = ys[k] + n;                                           \
+        switch (nt) {                                                                             \
+            case 1: lora_expand_pairs(hs, bs + 2 * n, N, r0 / 2, r1 / 2, yn, add, V_, 1); break;  \
+            case 2: lora_expand_pairs(hs, bs + 2 * n, N, r0 / 2, r1 / 2, yn, add, V_, 2); break;  \
+            case 3: lora_expand_pairs(hs, bs + 2 * n, N, r0 / 2, r1 / 2, yn, add, V_, 3); break;  \
+            default: lora_expand_pairs(hs, bs + 2 * n, N, r0 / 2, r1 / 2, yn, add, V_, 4); break; \
+        }                                                                                         \
     }
         if (nt <= LORA_WIDE) {  // LORA_VECS vectors in registers per token
             LORA_EXPAND(8)
@@ -384,7 +388,7 @@ static void lora_expand_item(const LoRAUpdate* u, const LoRAGroups* g, int64_t g
                 float acc = 0.0f;
                 for (int64_t r = r0; r < r1; r++)
                     acc += hs[k][r] * bf16_to_f32(bs[(r / 2 * N + n) * 2 + 1 - r % 2]);
-                ys[k][n] = f32_to_bf16(bf16_to_f32(ys[k][n]) + round_bf16(acc));
+                ys[k][n] = f32_to_bf16((add ? bf16_to_f32(ys[k][n]) : 0.0f) + round_bf16(acc));
             }
     }
 }
@@ -397,7 +401,7 @@ static void lora_expand(const LoRAUpdate* u, const LoRAGroups* g) {
     const int64_t chunks = LORA_CHUNKS(u->N);
 #pragma omp for collapse(2) schedule(static)
     for (int64_t gi = 0; gi < g->n; gi++)
-        for (int64_t c = 0; c < chunks; c++) lora_expand_item(u, g, gi, c, u->y, u->ldy);
+        for (int64_t c = 0; c < chunks; c++) lora_expand_item(u, g, gi, c, u->y, u->ldy, 1);
 }
 
 // The update of groups [g0, g1) alone, in the calling thread, into delta ([T, N], rows of
@@ -407,11 +411,9 @@ static void lora_expand(const LoRAUpdate* u, const LoRAGroups* g) {
 static void lora_update_groups(const LoRAUpdate* u, const LoRAGroups* g, int64_t g0, int64_t g1,
                                bf16_t* delta) {
     const int64_t row_blocks = LORA_ROW_BLOCKS(u->R), chunks = LORA_CHUNKS(u->N);
-    for (int64_t gi = g0; gi < g1; gi++) {
-        for (int k = 0; k < g->size[gi]; k++)
-            memset(delta + g->tok[gi * LORA_TOKENS + k] * u->N, 0, (size_t)u->N * sizeof(bf16_t));
+    for (int64_t gi = g0; gi < g1; gi++) {  // every column of a token's delta is written once
         for (int64_t rb = 0; rb < row_blocks; rb++) lora_shrink_item(u, g, gi, rb);
-        for (int64_t c = 0; c < chunks; c++) lora_expand_item(u, g, gi, c, delta, u->N);
+        for (int64_t c = 0; c < chunks; c++) lora_expand_item(u, g, gi, c, delta, u->N, 0);
     }
 }
 
