@@ -57,10 +57,17 @@ _HEADERS = (
 )
 _PANEL = 64  # output columns per packed weight panel (linear.h)
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-fno-math-errno"]
-# `native` tunes for this CPU (AVX-512 paths where present, else AVX2 ones); `avx2` builds
+# `native` tunes for this CPU (AVX-512 paths where present, else AVX2 ones); `avx512` builds
+# the AVX-512 paths without BF16 or VNNI (x86-64-v4), as such CPUs run them; `avx2` builds
 # the AVX2 + FMA paths (x86-64-v3: no AVX-512) on any CPU that has them; `portable` builds the
-# scalar fallbacks every kernel has. Tests compare each against the same references.
-_ARCH = {"native": "-march=native", "avx2": "-march=x86-64-v3", "portable": "-march=x86-64-v2"}
+# scalar fallbacks every kernel has. Tests compare each against the same references (the
+# engine takes `native` for --cpu-isa avx512).
+_ARCH = {
+    "native": "-march=native",
+    "avx512": "-march=x86-64-v4",
+    "avx2": "-march=x86-64-v3",
+    "portable": "-march=x86-64-v2",
+}
 # instruction level (`--cpu-isa`) -> build, and the CPU flags the level needs
 _ISA_BUILD = {"avx512": "native", "avx2": "avx2", "portable": "portable"}
 _ISA_FLAGS = {"avx512": {"avx512f", "avx512bw"}, "avx2": {"avx2", "fma", "f16c"}, "portable": set()}

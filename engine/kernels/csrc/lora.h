@@ -154,7 +154,7 @@ static inline void lora_warm_one(LoRAWarm* w) {
 
 // NR rows of A (`ldw` apart) dotted with the x of NT tokens, each row and each x loaded once:
 // each (row, token) sum runs in the same order whatever NR and NT (vector steps of 32
-// elements with AVX512-BF16, 16 on AVX2, into one accumulator, its sum, then the tail), so
+// elements with AVX-512, 16 on AVX2, into one accumulator, its sum, then the tail), so
 // results do not depend on how rows and tokens are grouped; the NR x NT accumulator chains are
 // independent, which hides the latency of the dot products (one chain alone waits on it).
 #define LORA_SHRINK_ROWS 4
@@ -175,6 +175,32 @@ static inline __attribute__((always_inline)) void lora_dots(const bf16_t* const*
         for (int r = 0; r < NR; r++) {
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + r * ldw + k);
             for (int i = 0; i < NT; i++) v[r][i] = _mm512_dpbf16_ps(v[r][i], xv[i], wv);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < NT; i++) acc[r][i] = _mm512_reduce_add_ps(v[r][i]);
+#elif defined(STRATA_AVX512)
+    // without bf16 dot products: 32 elements per step, each operand's even elements widened
+    // by a shift and its odd ones by a mask, two FMAs into one accumulator, the even first
+    __m512 v[LORA_SHRINK_ROWS][LORA_TOKENS];
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < NT; i++) v[r][i] = _mm512_setzero_ps();
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    for (; k + 32 <= k_len; k += 32) {
+        __m512 xe[LORA_TOKENS], xo[LORA_TOKENS];
+        for (int i = 0; i < NT; i++) {
+            const __m512i raw = _mm512_loadu_si512(x[i] + k);
+            xe[i] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+            xo[i] = _mm512_castsi512_ps(_mm512_and_si512(raw, hi));
+        }
+        for (int r = 0; r < NR; r++) {
+            const __m512i raw = _mm512_loadu_si512(w + r * ldw + k);
+            const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+            const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(raw, hi));
+            for (int i = 0; i < NT; i++) {
+                v[r][i] = _mm512_fmadd_ps(xe[i], we, v[r][i]);
+                v[r][i] = _mm512_fmadd_ps(xo[i], wo, v[r][i]);
+            }
         }
     }
     for (int r = 0; r < NR; r++)

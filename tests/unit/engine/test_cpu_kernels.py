@@ -32,10 +32,10 @@ DTYPES = [torch.float32, torch.bfloat16]
 ATOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
-@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
+@pytest.fixture(scope="module", params=["native", "avx512", "avx2", "portable"])
 def kernels(request, strata_cache_dir) -> CpuKernels:
-    if request.param == "avx2" and "avx2" not in cpu_isa_levels():
-        pytest.skip("this CPU has no AVX2")
+    if request.param in ("avx512", "avx2") and request.param not in cpu_isa_levels():
+        pytest.skip(f"this CPU has no {request.param}")
     k = load_cpu_kernels(str(strata_cache_dir), arch=request.param)
     assert k is not None, "the C kernels must build on the test machine"
     return k

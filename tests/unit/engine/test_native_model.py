@@ -25,10 +25,10 @@ from tests.huge_pages import huge_kib, needs_thp
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", params=["native", "avx2"])
+@pytest.fixture(scope="module", params=["native", "avx512", "avx2"])
 def kernels(request, strata_cache_dir):
-    if request.param == "avx2" and "avx2" not in cpu_isa_levels():
-        pytest.skip("this CPU has no AVX2")
+    if request.param in ("avx512", "avx2") and request.param not in cpu_isa_levels():
+        pytest.skip(f"this CPU has no {request.param}")
     k = load_cpu_kernels(str(strata_cache_dir), arch=request.param)
     assert k is not None
     return k

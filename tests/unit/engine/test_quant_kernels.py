@@ -13,8 +13,12 @@ from engine.kernels import cpu
 from engine.kernels.cpu import CpuKernels, load_cpu_kernels
 from engine.kernels.cpu_quant import BLOCK, QuantFormat, QuantPath, QuantWeight, quantize
 
-# every build of the kernels the machine makes (the list grows with cpu._ARCH)
-BUILDS = [arch for arch in ("native", "avx2", "portable") if arch in cpu._ARCH]
+# every build of the kernels the machine makes and runs (the list grows with cpu._ARCH)
+BUILDS = [
+    arch
+    for arch in ("native", "avx512", "avx2", "portable")
+    if arch in cpu._ARCH and arch in ("native", *cpu.cpu_isa_levels())
+]
 FORMATS = [QuantFormat.Q8, QuantFormat.Q4]
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -276,7 +280,9 @@ def test_each_build_takes_the_paths_it_has(kernels, request):
     if build == "avx2":
         assert (many_q4, many_q8) == (QuantPath.INT8, QuantPath.FP32)
         return
-    bf16_dots, vnni = "avx512_bf16" in flags, "avx512_vnni" in flags
+    # the avx512 build targets x86-64-v4: AVX-512 without BF16 or VNNI
+    bf16_dots = kernels.has_avx512_bf16
+    vnni = build == "native" and "avx512_vnni" in flags
     # from 16 rows (prompts) bf16 panels where the CPU has bf16 dot products
     assert many_q4 == (QuantPath.BF16_PANELS if bf16_dots else QuantPath.INT8)
     assert many_q8 == (QuantPath.BF16_PANELS if bf16_dots else QuantPath.INT16)
