@@ -265,14 +265,7 @@ static int lin_widened(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, vo
             }
             free(panel);
         }
-        if (lw) {
-#pragma omp barrier
-            lora_add_delta(lw, groups, g0, g1, delta);
-        } else if (lora) {
-            lora_shrink(lora, groups);
-#pragma omp barrier
-            lora_expand(lora, groups);
-        }
+        lora_finish(lora, lw, groups, g0, g1, delta);
     }
     free(xf);
     return failed ? -3 : 0;
@@ -366,14 +359,7 @@ static int lin_packed(const bf16_t* x, const bf16_t* wp, const bf16_t* bias, voi
             }
             if (lw) lora_update_groups(lw, &groups, pg0, pg1, delta);
         }
-        if (lw) {
-#pragma omp barrier
-            lora_add_delta(lw, &groups, g0, g1, delta);
-        } else if (lora) {
-            lora_shrink(lora, &groups);  // reads x only: no need to wait for the product
-#pragma omp barrier
-            lora_expand(lora, &groups);
-        }
+        lora_finish(lora, lw, &groups, g0, g1, delta);
     }
     free(delta);
     free(groups.tok);

@@ -483,3 +483,18 @@ static void lora_add_delta(const LoRAUpdate* u, const LoRAGroups* g, int64_t g0,
             for (; n < u->N; n++) y[n] = f32_to_bf16(bf16_to_f32(y[n]) + bf16_to_f32(d[n]));
         }
 }
+
+// The end of a linear's parallel region with `lora`'s update (lin_packed, lin_widened): in a
+// decode step (lw), the thread's deltas added once every thread's product is done; otherwise
+// the whole update, its shrink (which reads x only) not waiting for the product.
+static void lora_finish(const LoRAUpdate* lora, const LoRAUpdate* lw, const LoRAGroups* g,
+                        int64_t g0, int64_t g1, const bf16_t* delta) {
+    if (lw) {
+#pragma omp barrier
+        lora_add_delta(lw, g, g0, g1, delta);
+    } else if (lora) {
+        lora_shrink(lora, g);
+#pragma omp barrier
+        lora_expand(lora, g);
+    }
+}

@@ -815,10 +815,7 @@ static int qi_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
             if (lw) lora_update_groups(lw, groups, pg0, pg1, delta);
         }
         free(panel);
-        if (lw) {
-#pragma omp barrier
-            lora_add_delta(lw, groups, g0, g1, delta);
-        }
+        lora_finish(lw, lw, groups, g0, g1, delta);
     }
     free(q1);
     return failed ? -3 : 0;
