@@ -79,7 +79,8 @@ def takes(kernels: CpuKernels, fmt: QuantFormat, rows: int, n: int, dtype: torch
     `int8` (two 8-bit levels), or `none` (widened weights, fp32 or bf16 products)."""
     path = kernels.quant.path(fmt, rows, n, dtype)
     eight = (QuantPath.INT8, QuantPath.INT8_ROWS)
-    return "int16" if path is QuantPath.INT16 else "int8" if path in eight else "none"
+    sixteen = (QuantPath.INT16, QuantPath.INT16_PANELS)
+    return "int16" if path in sixteen else "int8" if path in eight else "none"
 
 
 def ref_integer_product(x: torch.Tensor, w: QuantWeight, acts: str = "int16") -> torch.Tensor:
@@ -138,7 +139,9 @@ def test_activation_quantizer_matches_reference_bit_for_bit(kernels, dtype):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 6, 11])  # 6: a full tile of 4 rows and a tail of 2
+# 7: a tile of 4 rows and a tail of 3 (int16 rows, int8 panels on AVX2), or two tiles of 3
+# and a tail of 1 (int16 panels); 11: tiles of 8 (VNNI), 4 or 3 and their tails
+@pytest.mark.parametrize("rows", [1, 3, 7, 11])
 @pytest.mark.parametrize("k", [64, 96])  # 96: an odd number of blocks
 @pytest.mark.parametrize("n", [37, 48])  # 37: threads split rows unevenly; 48: 3 panels
 def test_linear_matches_integer_reference(kernels, fmt, dtype, rows, k, n):
@@ -250,11 +253,12 @@ def test_8bit_activation_quantizer_matches_reference_bit_for_bit(kernels, dtype)
     assert err.max() <= a.d2[2, 2] / 2 + 1e-6 and err.max() < a.d1[2, 2] / 100
 
 
-def test_many_rows_do_not_depend_on_their_batch(kernels):
-    """Past 16 rows every build takes its many-rows path (8-bit activations on AVX2, bf16
-    panels on AVX512-BF16): a row's product is the same whichever rows share its tiles,
-    those with two 8-bit levels included."""
-    w = random_weight(QuantFormat.Q4, 64, 128, seed=21)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_many_rows_do_not_depend_on_their_batch(kernels, fmt):
+    """Past 16 rows every build takes its many-rows path (8-bit activations or int16 panels
+    on AVX2, bf16 panels on AVX512-BF16): a row's product is the same whichever rows share
+    its tiles, those with two 8-bit levels included."""
+    w = random_weight(fmt, 64, 128, seed=21)
     x = torch.randn(37, 128, generator=gen(22)).to(torch.bfloat16)
     x[::3, 7] = 300.0  # every third row has a two-level block
     full = kernels.quant.linear(x, w, None, torch.float32)
@@ -278,7 +282,8 @@ def test_each_build_takes_the_paths_it_has(kernels, request):
     assert few_q4 == {QuantPath.INT8_ROWS}
     assert kernels.quant.path(q4, 16, 40, bf16) == QuantPath.INT16  # 40: not whole panels
     if build == "avx2":
-        assert (many_q4, many_q8) == (QuantPath.INT8, QuantPath.FP32)
+        assert (many_q4, many_q8) == (QuantPath.INT8, QuantPath.INT16_PANELS)
+        assert kernels.quant.path(q8, 16, 40, bf16) == QuantPath.INT16  # not whole panels
         return
     # the avx512 build targets x86-64-v4: AVX-512 without BF16 or VNNI
     bf16_dots = kernels.has_avx512_bf16
