@@ -346,97 +346,96 @@ static int qg_linear(int64_t format, const bf16_t* x, const uint8_t* w, const bf
 #include "lora.h"  // a decode step's adapter updates inside the many-rows product
 #endif
 
-// the second level of a block: its rounding error r quantized like the first
-static void quant_level2(const float* v, float db, const int8_t* q1, int8_t* q2, float* d2,
-                         int32_t* sum2) {
-    float r[QBLOCK], rmax = 0.0f;
-    for (int j = 0; j < QBLOCK; j++) {
-        r[j] = fmaf(-db, (float)q1[j], v[j]);  // exact product, one rounding
-        rmax = fmaxf(rmax, fabsf(r[j]));
+#ifdef QI_AVX2
+// 32 values in 4 vectors -> int8 at q with d = amax / 127 (round to nearest even of v / d),
+// their int32 values in qi, and the values' sum and magnitude; returns d
+static inline float qi_round8(const __m256 f[4], int8_t* q, __m256i qi[4], int32_t* sum,
+                              int32_t* mag) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, f[0]), _mm256_andnot_ps(sign, f[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, f[2]), _mm256_andnot_ps(sign, f[3])));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float d = _mm_cvtss_f32(h) / 127.0f;
+    const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    __m256i sums = _mm256_setzero_si256(), mags = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(f[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+        qi[i] = _mm256_cvtps_epi32(r);
+        sums = _mm256_add_epi32(sums, qi[i]);
+        mags = _mm256_add_epi32(mags, _mm256_abs_epi32(qi[i]));
     }
-    const float db2 = rmax / 127.0f, id2 = db2 != 0.0f ? 1.0f / db2 : 0.0f;
-    int32_t sum = 0;
-    for (int j = 0; j < QBLOCK; j++) {
-        float q = nearbyintf(r[j] * id2);
-        q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-        q2[j] = (int8_t)q;
-        sum += (int32_t)q;
-    }
-    *d2 = db2;
-    *sum2 = sum;
+    // int32 -> int8 in order: packs interleave the 128-bit lanes, a permute restores them
+    const __m256i w16a = _mm256_packs_epi32(qi[0], qi[1]), w16b = _mm256_packs_epi32(qi[2], qi[3]);
+    const __m256i w8 = _mm256_packs_epi16(w16a, w16b);
+    _mm256_storeu_si256((__m256i*)q,
+                        _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+    t = _mm_hadd_epi32(t, t);
+    *sum = _mm_cvtsi128_si32(_mm_hadd_epi32(t, t));
+    t = _mm_add_epi32(_mm256_castsi256_si128(mags), _mm256_extracti128_si256(mags, 1));
+    t = _mm_hadd_epi32(t, t);
+    *mag = _mm_cvtsi128_si32(_mm_hadd_epi32(t, t));
+    return d;
 }
+#else
+// 32 values -> int8 at q with d = amax / 127 (round to nearest even of v / d), and the
+// values' sum and magnitude; returns d
+static float q_round8(const float* v, int8_t* q, int32_t* sum, int32_t* mag) {
+    float amax = 0.0f;
+    for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    *sum = *mag = 0;
+    for (int j = 0; j < QBLOCK; j++) {
+        float r = nearbyintf(v[j] * id);
+        r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+        q[j] = (int8_t)r;
+        *sum += (int32_t)r;
+        *mag += r < 0.0f ? -(int32_t)r : (int32_t)r;
+    }
+    return d;
+}
+#endif
 
 static void quant_row8(const void* x, int x_bf16, int64_t K, int8_t* q1, int8_t* q2, float* d1,
                        float* d2, float* s, uint8_t* two) {
     for (int64_t b = 0; b < K / QBLOCK; b++) {
-        float v[QBLOCK];
-        int8_t* qb = q1 + b * QBLOCK;
-        int32_t sum = 0, mag = 0;
-        float db;
+        int8_t *qb = q1 + b * QBLOCK, *qb2 = q2 + b * QBLOCK;
+        int32_t sum, mag, sum2 = 0, mag2;
+        float db, db2 = 0.0f;
 #ifdef QI_AVX2
         __m256 f[4];
-        for (int i = 0; i < 4; i++) {
+        __m256i qi[4];
+        for (int i = 0; i < 4; i++)
             f[i] = x_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
                                 _mm256_cvtepu16_epi32(_mm_loadu_si128(
                                     (const __m128i*)((const bf16_t*)x + b * QBLOCK + 8 * i))),
                                 16))
                           : _mm256_loadu_ps((const float*)x + b * QBLOCK + 8 * i);
-            _mm256_storeu_ps(v + 8 * i, f[i]);
+        db = qi_round8(f, qb, qi, &sum, &mag);
+        two[b] = db != 0.0f && mag < QI_TWO_LEVEL;
+        if (two[b]) {  // the rounding error x - d1 q1 (one rounding), quantized the same way
+            for (int i = 0; i < 4; i++)
+                f[i] = _mm256_fnmadd_ps(_mm256_set1_ps(db), _mm256_cvtepi32_ps(qi[i]), f[i]);
+            db2 = qi_round8(f, qb2, qi, &sum2, &mag2);
         }
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, f[0]), _mm256_andnot_ps(sign, f[1])),
-                                 _mm256_max_ps(_mm256_andnot_ps(sign, f[2]), _mm256_andnot_ps(sign, f[3])));
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_movehdup_ps(h));
-        const float amax = _mm_cvtss_f32(h);
-        db = amax / 127.0f;
-        const __m256 id = _mm256_set1_ps(db != 0.0f ? 1.0f / db : 0.0f);
-        const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
-        __m256i qi[4], sums = _mm256_setzero_si256(), mags = _mm256_setzero_si256();
-        for (int i = 0; i < 4; i++) {
-            __m256 q = _mm256_round_ps(_mm256_mul_ps(f[i], id),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
-            qi[i] = _mm256_cvtps_epi32(q);
-            sums = _mm256_add_epi32(sums, qi[i]);
-            mags = _mm256_add_epi32(mags, _mm256_abs_epi32(qi[i]));
-        }
-        // int32 -> int8 in order: packs interleave the 128-bit lanes, a permute restores them
-        const __m256i w16a = _mm256_packs_epi32(qi[0], qi[1]), w16b = _mm256_packs_epi32(qi[2], qi[3]);
-        const __m256i w8 = _mm256_packs_epi16(w16a, w16b);
-        _mm256_storeu_si256((__m256i*)qb,
-                            _mm256_permutevar8x32_epi32(w8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
-        t = _mm_hadd_epi32(t, t);
-        sum = _mm_cvtsi128_si32(_mm_hadd_epi32(t, t));
-        t = _mm_add_epi32(_mm256_castsi256_si128(mags), _mm256_extracti128_si256(mags, 1));
-        t = _mm_hadd_epi32(t, t);
-        mag = _mm_cvtsi128_si32(_mm_hadd_epi32(t, t));
 #else
+        float v[QBLOCK];
         for (int j = 0; j < QBLOCK; j++)
             v[j] = x_bf16 ? bf16_to_f32(((const bf16_t*)x)[b * QBLOCK + j])
                           : ((const float*)x)[b * QBLOCK + j];
-        float amax = 0.0f;
-        for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
-        db = amax / 127.0f;
-        const float id = db != 0.0f ? 1.0f / db : 0.0f;
-        for (int j = 0; j < QBLOCK; j++) {
-            float q = nearbyintf(v[j] * id);
-            q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
-            qb[j] = (int8_t)q;
-            sum += (int32_t)q;
-            mag += q < 0.0f ? -(int32_t)q : (int32_t)q;
+        db = q_round8(v, qb, &sum, &mag);
+        two[b] = db != 0.0f && mag < QI_TWO_LEVEL;
+        if (two[b]) {  // the rounding error x - d1 q1 (one rounding), quantized the same way
+            for (int j = 0; j < QBLOCK; j++) v[j] = fmaf(-db, (float)qb[j], v[j]);
+            db2 = q_round8(v, qb2, &sum2, &mag2);
         }
 #endif
+        if (!two[b]) __builtin_memset(qb2, 0, QBLOCK);
         d1[b] = db;
-        float db2 = 0.0f;
-        int32_t sum2 = 0;
-        two[b] = db != 0.0f && mag < QI_TWO_LEVEL;
-        if (two[b])
-            quant_level2(v, db, qb, q2 + b * QBLOCK, &db2, &sum2);
-        else
-            __builtin_memset(q2 + b * QBLOCK, 0, QBLOCK);
         d2[b] = db2;
         s[b] = fmaf(db2, (float)sum2, db * (float)sum);
     }
@@ -576,9 +575,9 @@ static inline __attribute__((always_inline)) void qi_block(const uint8_t* panel,
         const int64_t at = m0 * K + b * QBLOCK, ds = m0 * nb + b;
         const __m512 dw = _mm512_loadu_ps(pd + b * QI_PANEL);
         qi_level(wp, a.q1 + at, a.d1 + ds, K, nb, dw, acc, R);
-        int two = 0;
-        for (int r = 0; r < R; r++) two |= a.two[ds + r * nb];
-        if (two) qi_level(wp, a.q2 + at, a.d2 + ds, K, nb, dw, acc, R);
+        for (int r = 0; r < R; r++)  // second levels, only for the rows that have one here
+            if (a.two[ds + r * nb])
+                qi_level(wp, a.q2 + at + r * K, a.d2 + ds + r * nb, K, nb, dw, acc + r, 1);
         const __m512 mw = _mm512_loadu_ps(pm + b * QI_PANEL);
         for (int r = 0; r < R; r++)
             acc[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(a.s[ds + r * nb]), acc[r]);
@@ -635,9 +634,10 @@ static inline __attribute__((always_inline)) void qi_block(const uint8_t* panel,
         const uint8_t* wp = panel + b * QBLOCK * QI_PANEL;
         const int64_t at = m0 * K + b * QBLOCK, ds = m0 * nb + b;
         qi_level(wp, a.q1 + at, a.d1 + ds, K, nb, pd + b * QI_PANEL, acc, R);
-        int two = 0;
-        for (int r = 0; r < R; r++) two |= a.two[ds + r * nb];
-        if (two) qi_level(wp, a.q2 + at, a.d2 + ds, K, nb, pd + b * QI_PANEL, acc, R);
+        for (int r = 0; r < R; r++)  // second levels, only for the rows that have one here
+            if (a.two[ds + r * nb])
+                qi_level(wp, a.q2 + at + r * K, a.d2 + ds + r * nb, K, nb, pd + b * QI_PANEL,
+                         acc + r * QI_PANEL, 1);
         const __m256 mw0 = _mm256_loadu_ps(pm + b * QI_PANEL);
         const __m256 mw1 = _mm256_loadu_ps(pm + b * QI_PANEL + 8);
         for (int r = 0; r < R; r++) {
