@@ -137,7 +137,7 @@ class QuantPath(enum.Enum):
 
     INT16 = 0  # activations quantized to int16 per block: every build, few rows
     INT8 = 1  # q4 weights, activations in two 8-bit levels: AVX2, many rows (panels)
-    INT16_PANELS = 2  # q8 weights in int16 panels, activations in int16: AVX2, many rows
+    INT16_PANELS = 2  # q8 weights in int16 panels, int16 activations: many rows, no AVX512-BF16
     BF16_PANELS = 3  # weights dequantized into bf16 panels: AVX512-BF16, many rows
     INT8_ROWS = 4  # q4 weights, activations in two 8-bit levels: AVX2, few rows (row by row)
 

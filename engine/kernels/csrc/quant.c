@@ -846,7 +846,7 @@ static int qi_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
 #endif
 
 
-#ifdef STRATA_AVX2
+#if defined(QI_AVX2) && !defined(STRATA_AVX512BF16)
 // Many rows over q8 weights on AVX2 (the LM head of every quantized model), in panels: the
 // activations in int16 as on the row-by-row path, and `vpmaddwd` pairs of inputs of 8
 // weight rows at once, 16 products an instruction where an fp32 FMA does 8. Each thread
@@ -987,7 +987,7 @@ int strata_quant_path(int64_t format, int x_bf16, int64_t M, int64_t N) {
 #endif
     if (format == 4 && M <= QV_MAX_ROWS) return QPATH_INT8_ROWS;
 #endif
-#ifdef STRATA_AVX2
+#if defined(QI_AVX2) && !defined(STRATA_AVX512BF16)
     if (format == 8 && M >= QW_MIN_ROWS && N % QW_PANEL == 0) return QPATH_INT16_PANELS;
 #endif
     (void)format, (void)x_bf16, (void)M, (void)N;
@@ -1005,7 +1005,7 @@ int strata_quant_linear(int64_t format, const void* x, int x_bf16, const uint8_t
         case QPATH_INT8: return qi_linear(x, x_bf16, w, bias, y, out_f32, M, N, K, 0, 0, 0);
         case QPATH_INT8_ROWS: return qv_linear(x, x_bf16, w, bias, y, out_f32, M, N, K);
 #endif
-#ifdef STRATA_AVX2
+#if defined(QI_AVX2) && !defined(STRATA_AVX512BF16)
         case QPATH_INT16_PANELS: return qw_linear(x, x_bf16, w, bias, y, out_f32, M, N, K);
 #endif
         default: break;

@@ -290,7 +290,7 @@ def test_each_build_takes_the_paths_it_has(kernels, request):
     vnni = build == "native" and "avx512_vnni" in flags
     # from 16 rows (prompts) bf16 panels where the CPU has bf16 dot products
     assert many_q4 == (QuantPath.BF16_PANELS if bf16_dots else QuantPath.INT8)
-    assert many_q8 == (QuantPath.BF16_PANELS if bf16_dots else QuantPath.INT16)
+    assert many_q8 == (QuantPath.BF16_PANELS if bf16_dots else QuantPath.INT16_PANELS)
     some_q4 = kernels.quant.path(q4, 8, 64, bf16)
     assert some_q4 == (QuantPath.INT16 if bf16_dots and not vnni else QuantPath.INT8)
 
