@@ -210,6 +210,27 @@ static inline float dot_f32(const float* a, const float* b, int64_t n) {
 #endif
 }
 
+// The panel paths stream their weights from memory (a model's do not fit the caches), and
+// a thread unpacking a panel would wait on every line of it. So while a panel's register
+// blocks run, the next panel's rows (contiguous in w) are prefetched into L2, a share of
+// the lines before each block: at 32 rows this cut the products' time by a quarter (q4)
+// and a half (q8, the LM head) with the weights in memory.
+typedef struct {
+    const char* at;        // the next line to prefetch
+    int64_t left, share;   // lines still to prefetch, lines per register block
+} QPrefetch;
+
+static inline QPrefetch q_prefetch(const uint8_t* w, int64_t panel_bytes, int64_t next,
+                                   int64_t end, int64_t blocks) {
+    const int64_t lines = next < end ? panel_bytes / 64 : 0;
+    return (QPrefetch){(const char*)w + next * panel_bytes, lines, (lines + blocks) / blocks};
+}
+
+static inline void q_prefetch_some(QPrefetch* pf) {
+    for (int64_t l = 0; l < pf->share && pf->left > 0; l++, pf->left--, pf->at += 64)
+        __builtin_prefetch(pf->at, 0, 2);
+}
+
 #ifdef STRATA_AVX512BF16
 // Many rows (prefill, large batches): the integer path's per-block scaling costs three
 // instructions per 32 products, where the bf16 dot product needs one. So each thread turns
@@ -310,7 +331,9 @@ static int qg_linear(int64_t format, const bf16_t* x, const uint8_t* w, const bf
                 for (int64_t j0 = p * QG_PANEL; j0 < (p + 1) * QG_PANEL; j0 += 16)
                     qg_dequant16((int)format, w, row_bytes, K, b, panel, j0);
             const bf16_t* bs = bias ? bias + p * QG_PANEL : 0;
+            QPrefetch pf = q_prefetch(w, QG_PANEL * row_bytes, p + 1, p1, (M + QG_MR - 1) / QG_MR);
             for (int64_t m0 = 0; m0 < M; m0 += QG_MR) {
+                q_prefetch_some(&pf);
                 const bf16_t* xs = x + m0 * K;
                 void* ys = (char*)y + (size_t)(m0 * N + p * QG_PANEL) * elem;
                 switch (M - m0 < QG_MR ? M - m0 : QG_MR) {
@@ -466,27 +489,6 @@ void strata_quant_activations8(const void* x, int x_bf16, int64_t M, int64_t K, 
 #define QI_MR 4
 #endif
 #define QI_MIN_ROWS 4
-
-// The panel paths stream their weights from memory (a model's do not fit the caches), and
-// a thread unpacking a panel would wait on every line of it. So while a panel's register
-// blocks run, the next panel's rows (contiguous in w) are prefetched into L2, a share of
-// the lines before each block: at 32 rows this cut the products' time by a quarter (q4)
-// and a half (q8, the LM head) with the weights in memory.
-typedef struct {
-    const char* at;        // the next line to prefetch
-    int64_t left, share;   // lines still to prefetch, lines per register block
-} QPrefetch;
-
-static inline QPrefetch q_prefetch(const uint8_t* w, int64_t panel_bytes, int64_t next,
-                                   int64_t end, int64_t blocks) {
-    const int64_t lines = next < end ? panel_bytes / 64 : 0;
-    return (QPrefetch){(const char*)w + next * panel_bytes, lines, (lines + blocks) / blocks};
-}
-
-static inline void q_prefetch_some(QPrefetch* pf) {
-    for (int64_t l = 0; l < pf->share && pf->left > 0; l++, pf->left--, pf->at += 64)
-        __builtin_prefetch(pf->at, 0, 2);
-}
 
 // 8 rows of 8 int32 each -> 8 columns (r[i] = column i)
 static inline void qi_transpose8(__m256i r[8]) {
