@@ -675,18 +675,15 @@ static void qi_quant_row(const void* x, int x_bf16, int64_t K, QiActs a, int64_t
                a.d1 + m * nb, a.d2 + m * nb, a.s + m * nb, a.two + m * nb);
 }
 
-static inline float v8_sum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// Few rows (decode) over q4 weights: the same 8-bit products, one weight row at a time
-// straight from its packed blocks (no panel to amortize). Each block's 32 products give 8
-// int32 lanes; 8 blocks' lanes are summed across into one vector of 8 block sums, scaled by
-// the 8 blocks' d_w d_x and min terms in three instructions. Second levels are rare and
-// added one block at a time.
+// Few rows (decode) over q4 weights: the same 8-bit products, straight from the packed rows
+// (no panel to amortize), 8 weight rows at a time, a block at a time. A block's 32 products
+// give 8 int32 lanes per weight row, summed across into one vector of the 8 rows' block
+// sums, which are then scaled and summed over the blocks in qi_block's order and
+// arithmetic: d_w d_x, then the second level where the row has one, then the min term. So a
+// row gets the same bits here as in a panel, and a request's results do not depend on how
+// many rows share its step (tested).
 #define QV_MAX_ROWS (QI_MIN_ROWS - 1)
+#define QV_AHEAD 2  // groups of 8 weight rows prefetched ahead
 
 // the 32 values 0..15 of a q4 block, in order, as bytes
 static inline __m256i qv_unpack(const uint8_t* qs) {
@@ -700,51 +697,60 @@ static inline __m256i qv_dot(__m256i w, const int8_t* xq) {
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
-// 8 vectors of 8 int32 -> one vector of their 8 sums
-static inline __m256 qv_sums8(const __m256i v[8]) {
-    const __m256i u = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u, t, 0x20),
-                                               _mm256_permute2x128_si256(u, t, 0x31)));
+// the block sums of 8 weight rows (wr[j] + off: block b's values) against R activation
+// rows at xq (stride K), lane j being row j's: pairs of rows are summed across as they come
+// (`vphaddd`), so that few vectors are live at once
+static inline __attribute__((always_inline)) void qv_sums8(const uint8_t* const wr[8], int64_t off,
+                                                          const int8_t* xq, int64_t K,
+                                                          __m256 out[], const int R) {
+    __m256i h[QV_MAX_ROWS][4];
+    for (int j = 0; j < 8; j += 2) {
+        const __m256i w0 = qv_unpack(wr[j] + off), w1 = qv_unpack(wr[j + 1] + off);
+        for (int r = 0; r < R; r++)
+            h[r][j / 2] = _mm256_hadd_epi32(qv_dot(w0, xq + r * K), qv_dot(w1, xq + r * K));
+    }
+    for (int r = 0; r < R; r++) {
+        const __m256i u = _mm256_hadd_epi32(h[r][0], h[r][1]), t = _mm256_hadd_epi32(h[r][2], h[r][3]);
+        out[r] = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u, t, 0x20),
+                                                     _mm256_permute2x128_si256(u, t, 0x31)));
+    }
 }
 
-static inline __attribute__((always_inline)) void qv_row(const uint8_t* wr, QiActs a, int64_t K,
-                                                        float* sums, const int R) {
+// acc[r] (lane j: weight row j) = the R activation rows against 8 weight rows. Their
+// scales and mins come 8 blocks at a time, transposed so that one vector holds a block's 8.
+static inline __attribute__((always_inline)) void qv_rows8(const uint8_t* const wr[8], QiActs a,
+                                                          int64_t K, __m256 acc[], const int R) {
     const int64_t nb = K / QBLOCK;
-    const float* dw = (const float*)(wr + K / 2);
-    const float* mw = dw + nb;
-    __m256 acc[QV_MAX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
         const int live = nb - b0 < 8 ? (int)(nb - b0) : 8;
-        __m256i v[QV_MAX_ROWS][8];
-        for (int j = 0; j < 8; j++) {
-            if (j < live) {
-                const __m256i wv = qv_unpack(wr + (b0 + j) * (QBLOCK / 2));
-                for (int r = 0; r < R; r++) v[r][j] = qv_dot(wv, a.q1 + r * K + (b0 + j) * QBLOCK);
-            } else {
-                for (int r = 0; r < R; r++) v[r][j] = _mm256_setzero_si256();
-            }
-        }
         const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(live),
                                                 _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m256 d = _mm256_maskload_ps(dw + b0, mask), m = _mm256_maskload_ps(mw + b0, mask);
-        for (int r = 0; r < R; r++) {
-            const __m256 dx = _mm256_maskload_ps(a.d1 + r * nb + b0, mask);
-            const __m256 xs = _mm256_maskload_ps(a.s + r * nb + b0, mask);
-            acc[r] = _mm256_fmadd_ps(qv_sums8(v[r]), _mm256_mul_ps(d, dx), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(m, xs, acc[r]);
+        __m256i dt[8], mt[8];
+        for (int j = 0; j < 8; j++) {
+            const int* dj = (const int*)(wr[j] + K / 2) + b0;
+            dt[j] = _mm256_maskload_epi32(dj, mask);
+            mt[j] = _mm256_maskload_epi32(dj + nb, mask);
         }
-    }
-    for (int r = 0; r < R; r++) {
-        float y = v8_sum(acc[r]);
-        for (int64_t b = 0; b < nb; b++)
-            if (a.two[r * nb + b]) {
-                const __m256i p = qv_dot(qv_unpack(wr + b * (QBLOCK / 2)), a.q2 + r * K + b * QBLOCK);
-                const __m256 one = _mm256_cvtepi32_ps(p);
-                y += v8_sum(one) * (dw[b] * a.d2[r * nb + b]);
+        qi_transpose8(dt);
+        qi_transpose8(mt);
+        for (int i = 0; i < live; i++) {
+            const int64_t b = b0 + i;
+            const __m256 dw = _mm256_castsi256_ps(dt[i]), mw = _mm256_castsi256_ps(mt[i]);
+            __m256 p[QV_MAX_ROWS];
+            qv_sums8(wr, b * (QBLOCK / 2), a.q1 + b * QBLOCK, K, p, R);
+            for (int r = 0; r < R; r++) {
+                const int64_t ds = r * nb + b;
+                acc[r] = _mm256_fmadd_ps(p[r], _mm256_mul_ps(dw, _mm256_set1_ps(a.d1[ds])), acc[r]);
+                if (a.two[ds]) {
+                    __m256 p2;
+                    qv_sums8(wr, b * (QBLOCK / 2), a.q2 + r * K + b * QBLOCK, K, &p2, 1);
+                    acc[r] =
+                        _mm256_fmadd_ps(p2, _mm256_mul_ps(dw, _mm256_set1_ps(a.d2[ds])), acc[r]);
+                }
+                acc[r] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(a.s[ds]), acc[r]);
             }
-        sums[r] = y;
+        }
     }
 }
 
@@ -757,16 +763,28 @@ static int qv_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
     // few rows: quantized before the parallel region, a barrier inside it costs more
     for (int64_t m = 0; m < M; m++) qi_quant_row(x, x_bf16, K, a, m);
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        float sums[QV_MAX_ROWS];
-        const uint8_t* wr = w + n * row_bytes;
+    for (int64_t n0 = 0; n0 < N; n0 += 8) {
+        const int live = N - n0 < 8 ? (int)(N - n0) : 8;
+        const uint8_t* wr[8];
+        for (int j = 0; j < 8; j++)  // a short group repeats its first row in the rest
+            wr[j] = w + (n0 + (j < live ? j : 0)) * row_bytes;
+        // the group after next, into L2: the hardware prefetcher does not follow 8 rows
+        // read side by side as it follows one
+        const int64_t ahead = n0 + QV_AHEAD * 8 < N ? 8 * row_bytes : 0;
+        for (int64_t c = 0; c < ahead; c += 64)
+            __builtin_prefetch(wr[0] + QV_AHEAD * 8 * row_bytes + c, 0, 2);
+        __m256 acc[QV_MAX_ROWS];
         switch (M) {
-            case 1: qv_row(wr, a, K, sums, 1); break;
-            case 2: qv_row(wr, a, K, sums, 2); break;
-            default: qv_row(wr, a, K, sums, QV_MAX_ROWS); break;
+            case 1: qv_rows8(wr, a, K, acc, 1); break;
+            case 2: qv_rows8(wr, a, K, acc, 2); break;
+            default: qv_rows8(wr, a, K, acc, QV_MAX_ROWS); break;
         }
-        const float b = q_bias(bias, x_bf16, n);
-        for (int64_t r = 0; r < M; r++) q_store(y, out_f32, r * N + n, sums[r] + b);
+        for (int64_t r = 0; r < M; r++) {
+            float sums[8];
+            _mm256_storeu_ps(sums, acc[r]);
+            for (int j = 0; j < live; j++)
+                q_store(y, out_f32, r * N + n0 + j, sums[j] + q_bias(bias, x_bf16, n0 + j));
+        }
     }
     free(buf);
     return 0;

@@ -267,6 +267,23 @@ def test_many_rows_do_not_depend_on_their_batch(kernels, fmt):
         assert torch.equal(part, full[start : start + rows])
 
 
+def test_decode_rows_get_the_bits_they_get_in_a_batch(kernels):
+    """A decode step's 1 to 3 rows (q4: straight from the packed rows) and a batch of 8
+    (8-bit panels on every x86 build) give a row the same bits: a request's tokens depend
+    neither on how many requests share its steps nor on whether a token was prefilled or
+    decoded. A last group of fewer than 8 weight rows too."""
+    weight = torch.randn(48, 192, generator=gen(40)) * 0.05
+    w48, w44 = quantize(weight, QuantFormat.Q4), quantize(weight[:44], QuantFormat.Q4)
+    x = torch.randn(8, 192, generator=gen(41)).to(torch.bfloat16)
+    x[::3, 70] = 280.0  # two-level blocks
+    batch = kernels.quant.linear(x, w48, None, torch.float32)
+    for start, rows in ((0, 1), (1, 2), (5, 3)):
+        few = kernels.quant.linear(x[start : start + rows].contiguous(), w48, None, torch.float32)
+        assert torch.equal(few, batch[start : start + rows]), (start, rows)
+        short = kernels.quant.linear(x[start : start + rows].contiguous(), w44, None, torch.float32)
+        assert torch.equal(short, few[:, :44])
+
+
 def test_each_build_takes_the_paths_it_has(kernels, request):
     """The tests above reach every path: which one a product takes, per build and shape."""
     build = request.node.callspec.params["kernels"]
