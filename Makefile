@@ -104,8 +104,7 @@ bench-cpu-peers: bench-peers
 	if grep -qw avx512f /proc/cpuinfo; then $(MAKE) bench-peers-avx2 && \
 		$(BIN)/python bench/engine_throughput.py $(CPU_PEERS) --cpu-isa avx2; fi
 	$(BIN)/python bench/lora.py --quick
-	$(BIN)/python bench/lora.py --quick --weights auto \
-		$$(grep -qw avx512f /proc/cpuinfo && echo --cpu-isa avx2)
+	if grep -qw avx512f /proc/cpuinfo; then $(BIN)/python bench/lora.py --quick --cpu-isa avx2; fi
 	$(BIN)/python bench/weights_quality.py --quick
 
 # On a CUDA machine, with that machine's own Python (its CUDA torch, Triton, CuPy and

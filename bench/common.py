@@ -185,7 +185,8 @@ def add_cpu_engine_arguments(ap: argparse.ArgumentParser) -> None:
         "--weights",
         default=EngineConfig.weights.value,
         choices=[w.value for w in WeightFormat],
-        help="the engines' --weights (auto: as the model file holds them)",
+        help="the engines' --weights (fastest: per CPU, the default; auto: as the model file "
+        "holds them)",
     )
 
 

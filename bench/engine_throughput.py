@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "prefill_len": args.prefill_len,
-        "weights": args.weights,
+        "weights": core.config.weights.value,  # `fastest` resolved
         "quick": args.quick,
         "isa": kernels.isa if kernels is not None else None,  # the instruction level
         "repeats": args.repeats,

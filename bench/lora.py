@@ -4,7 +4,7 @@ docs/benchmarks.md.
 
     python bench/lora.py            # full run
     python bench/lora.py --quick    # 16 new tokens, one round
-    python bench/lora.py --quick --cpu-isa avx2 --weights auto   # as an AVX2-only CPU runs
+    python bench/lora.py --quick --cpu-isa avx2   # as an AVX2-only CPU runs (4-bit weights)
 
 The last printed line is one JSON object; the full record goes to bench/results/.
 """
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
         **machine_info(torch.device(args.device)),
         "model": args.model,
         "dtype": args.dtype,
-        "weights": args.weights,
+        "weights": base.config.weights.value,  # `fastest` resolved
         "isa": kernels.isa if kernels is not None else None,  # the engines' instruction level
         "requests": args.requests,
         "prompt_tokens": args.prompt_tokens,

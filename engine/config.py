@@ -72,7 +72,10 @@ class CpuIsa(enum.Enum):
 
 
 class WeightFormat(enum.Enum):
-    """How the projections' weights are held. `auto`: as the checkpoint holds them: on the
+    """How the projections' weights are held. `fastest` (the default): `auto` where the native
+    CPU kernels multiply quantized weights faster than 16-bit ones (x86 CPUs without
+    AVX512-BF16, where the integer dot products win at every batch size), else `16bit`
+    (engine/factory.py: fastest_weights). `auto`: as the checkpoint holds them: on the
     native CPU backend a GGUF's Q8_0, Q4_0, Q4_1 and Q4_K weights stay quantized (other
     block types become q8), float ones are in the compute dtype. `16bit`: in the compute
     dtype (`dtype`). `q8` / `q4`: every projection quantized at load in blocks of 32 (int8
@@ -84,6 +87,7 @@ class WeightFormat(enum.Enum):
     Triton kernels (engine/kernels/triton_fp8_linear.py): CUDA devices only, or a CPU under
     `KernelBackend.TRITON` (interpreted, for tests)."""
 
+    FASTEST = "fastest"
     AUTO = "auto"
     SIXTEEN_BIT = "16bit"
     Q8 = "q8"
@@ -451,12 +455,12 @@ class EngineConfig:
         "and Triton's GEMV timed faster at start), cublas, or triton",
     )
     weights: WeightFormat = option(
-        WeightFormat.SIXTEEN_BIT,
+        WeightFormat.FASTEST,
         "--weights",
-        "the projections' weights: 16bit (the --dtype; the default, the fastest with "
-        "AVX512-BF16), auto (as the model file holds them: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K "
-        "weights stay quantized on the native CPU backend, a third of the memory, and on "
-        "AVX2 CPUs the fastest), "
+        "the projections' weights: fastest (the default: auto on x86 CPUs without "
+        "AVX512-BF16, where integer products are the fastest, else 16bit), 16bit (the "
+        "--dtype), auto (as the model file holds them: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K "
+        "weights stay quantized on the native CPU backend, a third of the memory), "
         "q8 or q4 (quantized at load in blocks of 32, integer products on the native CPU "
         "backend, dequantized elsewhere), or fp8 (e4m3 with a scale per output channel, "
         "quantized at load; CUDA only)",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -48,6 +49,8 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
     tokenizer = load_tokenizer(checkpoint, config.cache_dir)
     model = build_model(checkpoint, compute_dtype(config), config.torch_device())
     kernels = native_kernels(config, model.embed_tokens.weight.dtype)
+    if config.weights is WeightFormat.FASTEST:  # the engine reports the format it runs
+        config = dataclasses.replace(config, weights=fastest_weights(kernels))
     quantized = config.weights in (WeightFormat.Q8, WeightFormat.Q4) or (
         config.weights is WeightFormat.AUTO and kernels is not None
     )
@@ -112,6 +115,19 @@ def compute_dtype(config: EngineConfig) -> torch.dtype:
         if kernels is not None:
             return fastest_cpu_dtype(kernels, config.cache_dir)
     return config.torch_dtype()
+
+
+def fastest_weights(kernels: CpuKernels | None) -> WeightFormat:
+    """What `--weights fastest` runs: the checkpoint's own weights (`auto`: a GGUF's stay
+    quantized) on the native kernels of an x86 CPU without AVX512-BF16, where the integer dot
+    products beat 16-bit weights at every batch size (AVX2: 1.4-1.5x at 1 to 32 sequences);
+    16-bit weights with AVX512-BF16, whose bf16 dot products run a batch of 32 faster than the
+    quantized products do (1.3x), and without native kernels (the portable build: scalar C
+    against torch's vectorized GEMMs). The figures are engine_throughput's, in
+    docs/benchmarks.md."""
+    if kernels is None or kernels.isa == "portable" or kernels.has_avx512_bf16:
+        return WeightFormat.SIXTEEN_BIT
+    return WeightFormat.AUTO
 
 
 def native_kernels(config: EngineConfig, dtype: torch.dtype) -> CpuKernels | None:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from engine.attention.paged import SeqSlice
 from engine.config import (
     CacheConfig,
+    CpuIsa,
     EngineConfig,
     KernelBackend,
     KVCacheDtype,
@@ -22,6 +23,8 @@ from engine.config import (
     WeightFormat,
 )
 from engine.evaluate import greedy_agreement
+from engine.factory import fastest_weights, native_kernels
+from engine.kernels.cpu import isa_build, load_cpu_kernels
 from engine.kernels.cpu_quant import QuantPath
 from engine.llm import LLM
 from engine.model.quant_weights import QuantLinear
@@ -120,6 +123,29 @@ def test_default_model_keeps_its_q4_1_blocks_and_follows_the_16bit_run(default_e
     got = [c.token_ids for c in auto.generate(PROMPTS, GREEDY)]
     # the same weight values; only the activations' 16-bit rounding differs
     assert greedy_agreement(ref, got).token_rate >= 0.75
+
+
+def test_fastest_weights_keep_the_files_blocks_only_where_integer_products_win(
+    strata_cache_dir,
+):
+    """`--weights fastest`, the default: the GGUF's own blocks on AVX2 (and on AVX-512
+    without BF16), 16-bit weights with AVX512-BF16 dot products, on the portable build and
+    on the torch backend. The engine's config reports what it runs."""
+    avx2 = engine(strata_cache_dir, cpu_isa=CpuIsa.AVX2)
+    assert avx2.core.config.weights is WeightFormat.AUTO
+    assert len(quant_linears(avx2)) == 30 * 4 + 1
+    on_torch = engine(strata_cache_dir, backend=KernelBackend.TORCH)
+    assert on_torch.core.config.weights is WeightFormat.SIXTEEN_BIT
+    assert not quant_linears(on_torch)
+    native = engine(strata_cache_dir)
+    kernels = native_kernels(native.core.config, torch.bfloat16)
+    assert kernels is not None
+    bf16 = kernels.isa == "avx512" and kernels.has_avx512_bf16
+    assert native.core.config.weights is (WeightFormat.SIXTEEN_BIT if bf16 else WeightFormat.AUTO)
+    assert bool(quant_linears(native)) is not bf16
+    portable = load_cpu_kernels(str(strata_cache_dir), arch=isa_build("portable"))
+    assert portable is not None and fastest_weights(portable) is WeightFormat.SIXTEEN_BIT
+    assert fastest_weights(None) is WeightFormat.SIXTEEN_BIT
 
 
 def test_speculative_decoding_on_quantized_weights_keeps_the_tokens(strata_cache_dir):

@@ -249,7 +249,7 @@ def test_enum_options_take_their_values():
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
 def test_weights_option_reaches_every_command(command):
     """fp8 runs on the Triton kernels (interpreted here: a CPU machine)."""
-    assert _engine_config(_parse(*command)).weights is WeightFormat.SIXTEEN_BIT
+    assert _engine_config(_parse(*command)).weights is WeightFormat.FASTEST
     assert _engine_config(_parse(*command, "--weights", "auto")).weights is WeightFormat.AUTO
     fp8 = ["--weights", "fp8", "--backend", "triton"]
     config = _engine_config(_parse(*command, *fp8))
