@@ -139,7 +139,8 @@ class QuantPath(enum.Enum):
     INT8 = 1  # q4 weights, activations in two 8-bit levels: AVX2, many rows (panels)
     INT16_PANELS = 2  # q8 weights in int16 panels, int16 activations: many rows, no AVX512-BF16
     BF16_PANELS = 3  # weights dequantized into bf16 panels: AVX512-BF16, many rows
-    INT8_ROWS = 4  # q4 weights, activations in two 8-bit levels: AVX2, few rows (row by row)
+    INT8_ROWS = 4  # q4 weights, activations in two 8-bit levels: AVX2, few rows (8 at a time)
+    INT16_ROWS = 5  # q8 weights, int16 activations: few rows, no AVX512-BF16 (8 at a time)
 
 
 @dataclass(frozen=True)

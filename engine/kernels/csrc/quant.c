@@ -719,7 +719,8 @@ static inline __attribute__((always_inline)) void qv_sums8(const uint8_t* const 
 // acc[r] (lane j: weight row j) = the R activation rows against 8 weight rows. Their
 // scales and mins come 8 blocks at a time, transposed so that one vector holds a block's 8.
 static inline __attribute__((always_inline)) void qv_rows8(const uint8_t* const wr[8], QiActs a,
-                                                          int64_t K, __m256 acc[], const int R) {
+                                                          int64_t K, QPrefetch* pf, __m256 acc[],
+                                                          const int R) {
     const int64_t nb = K / QBLOCK;
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
@@ -736,6 +737,7 @@ static inline __attribute__((always_inline)) void qv_rows8(const uint8_t* const 
         qi_transpose8(mt);
         for (int i = 0; i < live; i++) {
             const int64_t b = b0 + i;
+            q_prefetch_some(pf);
             const __m256 dw = _mm256_castsi256_ps(dt[i]), mw = _mm256_castsi256_ps(mt[i]);
             __m256 p[QV_MAX_ROWS];
             qv_sums8(wr, b * (QBLOCK / 2), a.q1 + b * QBLOCK, K, p, R);
@@ -768,16 +770,14 @@ static int qv_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
         const uint8_t* wr[8];
         for (int j = 0; j < 8; j++)  // a short group repeats its first row in the rest
             wr[j] = w + (n0 + (j < live ? j : 0)) * row_bytes;
-        // the group after next, into L2: the hardware prefetcher does not follow 8 rows
-        // read side by side as it follows one
-        const int64_t ahead = n0 + QV_AHEAD * 8 < N ? 8 * row_bytes : 0;
-        for (int64_t c = 0; c < ahead; c += 64)
-            __builtin_prefetch(wr[0] + QV_AHEAD * 8 * row_bytes + c, 0, 2);
+        // a later group into L2, a share of its lines each block: the hardware prefetcher
+        // does not follow 8 rows read side by side as it follows one
+        QPrefetch pf = q_prefetch(w, 8 * row_bytes, n0 / 8 + QV_AHEAD, N / 8, K / QBLOCK);
         __m256 acc[QV_MAX_ROWS];
         switch (M) {
-            case 1: qv_rows8(wr, a, K, acc, 1); break;
-            case 2: qv_rows8(wr, a, K, acc, 2); break;
-            default: qv_rows8(wr, a, K, acc, QV_MAX_ROWS); break;
+            case 1: qv_rows8(wr, a, K, &pf, acc, 1); break;
+            case 2: qv_rows8(wr, a, K, &pf, acc, 2); break;
+            default: qv_rows8(wr, a, K, &pf, acc, QV_MAX_ROWS); break;
         }
         for (int64_t r = 0; r < M; r++) {
             float sums[8];
@@ -992,6 +992,98 @@ static int qw_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
     free(xq);
     return failed ? -3 : 0;
 }
+
+// Few rows over q8 weights (the LM head at decode), as qv_linear does for q4: 8 weight rows
+// at a time, a block at a time, each row's int32 block sum (`vpmaddwd` of its widened
+// values and the int16 activations, summed across) one lane of a vector, then scaled in
+// qw_block's order and arithmetic, so that a row gets the panels' bits.
+#define QW_MAX_ROWS (QW_MIN_ROWS - 1)
+
+// the block sums of 8 q8 weight rows (wr[j] + off: block b's values) against R int16
+// activation rows at xq (stride K), lane j being row j's
+static inline __attribute__((always_inline)) void qr_sums8(const uint8_t* const wr[8], int64_t off,
+                                                          const int16_t* xq, int64_t K,
+                                                          __m256 out[], const int R) {
+    __m256i h[QW_MAX_ROWS][4];
+    for (int j = 0; j < 8; j += 2) {
+        __m256i lo[2], hi[2];
+        for (int i = 0; i < 2; i++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)(wr[j + i] + off));
+            lo[i] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
+            hi[i] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + r * K));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + r * K + 16));
+            const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(lo[0], x0), _mm256_madd_epi16(hi[0], x1));
+            const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(lo[1], x0), _mm256_madd_epi16(hi[1], x1));
+            h[r][j / 2] = _mm256_hadd_epi32(p0, p1);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m256i u = _mm256_hadd_epi32(h[r][0], h[r][1]), t = _mm256_hadd_epi32(h[r][2], h[r][3]);
+        out[r] = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u, t, 0x20),
+                                                     _mm256_permute2x128_si256(u, t, 0x31)));
+    }
+}
+
+static inline __attribute__((always_inline)) void qr_rows8(const uint8_t* const wr[8],
+                                                          const int16_t* xq, const float* xd,
+                                                          int64_t K, QPrefetch* pf, __m256 acc[],
+                                                          const int R) {
+    const int64_t nb = K / QBLOCK;
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+        const int live = nb - b0 < 8 ? (int)(nb - b0) : 8;
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(live),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256i dt[8];
+        for (int j = 0; j < 8; j++) dt[j] = _mm256_maskload_epi32((const int*)(wr[j] + K) + b0, mask);
+        qi_transpose8(dt);
+        for (int i = 0; i < live; i++) {
+            const int64_t b = b0 + i;
+            q_prefetch_some(pf);
+            const __m256 dw = _mm256_castsi256_ps(dt[i]);
+            __m256 p[QW_MAX_ROWS];
+            qr_sums8(wr, b * QBLOCK, xq + b * QBLOCK, K, p, R);
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm256_fmadd_ps(p[r], _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * nb + b])), acc[r]);
+        }
+    }
+}
+
+static int qr_linear(const void* x, int x_bf16, const uint8_t* w, const void* bias, void* y,
+                     int out_f32, int64_t M, int64_t N, int64_t K) {
+    const int64_t nb = K / QBLOCK, row_bytes = strata_quant_row_bytes(8, K);
+    int16_t* xq = malloc((size_t)(M * K * 2 + 2 * M * nb * (int64_t)sizeof(float)));
+    if (!xq) return -3;
+    float* xd = (float*)(xq + M * K);
+    float* xs = xd + M * nb;
+    for (int64_t m = 0; m < M; m++)  // few rows: before the parallel region
+        quant_row((const char*)x + m * K * (x_bf16 ? 2 : 4), x_bf16, K, xq + m * K, xd + m * nb,
+                  xs + m * nb);
+#pragma omp parallel for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += 8) {
+        const int live = N - n0 < 8 ? (int)(N - n0) : 8;
+        const uint8_t* wr[8];
+        for (int j = 0; j < 8; j++) wr[j] = w + (n0 + (j < live ? j : 0)) * row_bytes;
+        QPrefetch pf = q_prefetch(w, 8 * row_bytes, n0 / 8 + QV_AHEAD, N / 8, nb);  // as in qv
+        __m256 acc[QW_MAX_ROWS];
+        switch (M) {
+            case 1: qr_rows8(wr, xq, xd, K, &pf, acc, 1); break;
+            case 2: qr_rows8(wr, xq, xd, K, &pf, acc, 2); break;
+            default: qr_rows8(wr, xq, xd, K, &pf, acc, QW_MAX_ROWS); break;
+        }
+        for (int64_t r = 0; r < M; r++) {
+            float sums[8];
+            _mm256_storeu_ps(sums, acc[r]);
+            for (int j = 0; j < live; j++)
+                q_store(y, out_f32, r * N + n0 + j, sums[j] + q_bias(bias, x_bf16, n0 + j));
+        }
+    }
+    free(xq);
+    return 0;
+}
 #endif
 
 int strata_quant_path(int64_t format, int x_bf16, int64_t M, int64_t N) {
@@ -1009,6 +1101,7 @@ int strata_quant_path(int64_t format, int x_bf16, int64_t M, int64_t N) {
 #endif
 #if defined(QI_AVX2) && !defined(STRATA_AVX512BF16)
     if (format == 8 && M >= QW_MIN_ROWS && N % QW_PANEL == 0) return QPATH_INT16_PANELS;
+    if (format == 8 && M <= QW_MAX_ROWS) return QPATH_INT16_ROWS;
 #endif
     (void)format, (void)x_bf16, (void)M, (void)N;
     return QPATH_INT16;
@@ -1027,6 +1120,7 @@ int strata_quant_linear(int64_t format, const void* x, int x_bf16, const uint8_t
 #endif
 #if defined(QI_AVX2) && !defined(STRATA_AVX512BF16)
         case QPATH_INT16_PANELS: return qw_linear(x, x_bf16, w, bias, y, out_f32, M, N, K);
+        case QPATH_INT16_ROWS: return qr_linear(x, x_bf16, w, bias, y, out_f32, M, N, K);
 #endif
         default: break;
     }

@@ -46,8 +46,16 @@ void strata_quant_activations8(const void* x, int x_bf16, int64_t M, int64_t K, 
 int strata_quant_isa(void);
 // Which arithmetic strata_quant_linear uses for a product of M rows and N outputs on this
 // build: activations in int16 (any build), q4 weights against two-level 8-bit activations
-// (AVX2: in panels for many rows, row by row for few), q8 weights widened to int16 panels
-// against int16 activations (AVX2, many rows), or the weights dequantized into bf16 panels
-// (AVX512-BF16, many rows).
-enum { QPATH_INT16 = 0, QPATH_INT8 = 1, QPATH_INT16_PANELS = 2, QPATH_BF16_PANELS = 3, QPATH_INT8_ROWS = 4 };
+// (AVX2: in panels for many rows, 8 weight rows at a time for few), q8 weights widened to
+// int16 against int16 activations (AVX2 without AVX512-BF16: in panels for many rows, 8
+// weight rows at a time for few), or the weights dequantized into bf16 panels (AVX512-BF16,
+// many rows).
+enum {
+    QPATH_INT16 = 0,
+    QPATH_INT8 = 1,
+    QPATH_INT16_PANELS = 2,
+    QPATH_BF16_PANELS = 3,
+    QPATH_INT8_ROWS = 4,
+    QPATH_INT16_ROWS = 5
+};
 int strata_quant_path(int64_t format, int x_bf16, int64_t M, int64_t N);

@@ -79,7 +79,7 @@ def takes(kernels: CpuKernels, fmt: QuantFormat, rows: int, n: int, dtype: torch
     `int8` (two 8-bit levels), or `none` (widened weights, fp32 or bf16 products)."""
     path = kernels.quant.path(fmt, rows, n, dtype)
     eight = (QuantPath.INT8, QuantPath.INT8_ROWS)
-    sixteen = (QuantPath.INT16, QuantPath.INT16_PANELS)
+    sixteen = (QuantPath.INT16, QuantPath.INT16_PANELS, QuantPath.INT16_ROWS)
     return "int16" if path in sixteen else "int8" if path in eight else "none"
 
 
@@ -267,13 +267,14 @@ def test_many_rows_do_not_depend_on_their_batch(kernels, fmt):
         assert torch.equal(part, full[start : start + rows])
 
 
-def test_decode_rows_get_the_bits_they_get_in_a_batch(kernels):
-    """A decode step's 1 to 3 rows (q4: straight from the packed rows) and a batch of 8
-    (8-bit panels on every x86 build) give a row the same bits: a request's tokens depend
-    neither on how many requests share its steps nor on whether a token was prefilled or
-    decoded. A last group of fewer than 8 weight rows too."""
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_decode_rows_get_the_bits_they_get_in_a_batch(kernels, fmt):
+    """A decode step's 1 to 3 rows (8 weight rows at a time, straight from the packed rows)
+    and a batch of 8 (panels, on x86 builds without AVX512-BF16 for q8) give a row the same
+    bits: a request's tokens depend neither on how many requests share its steps nor on
+    whether a token was prefilled or decoded. A last group of fewer than 8 weight rows too."""
     weight = torch.randn(48, 192, generator=gen(40)) * 0.05
-    w48, w44 = quantize(weight, QuantFormat.Q4), quantize(weight[:44], QuantFormat.Q4)
+    w48, w44 = quantize(weight, fmt), quantize(weight[:44], fmt)
     x = torch.randn(8, 192, generator=gen(41)).to(torch.bfloat16)
     x[::3, 70] = 280.0  # two-level blocks
     batch = kernels.quant.linear(x, w48, None, torch.float32)
@@ -292,18 +293,19 @@ def test_each_build_takes_the_paths_it_has(kernels, request):
     few_q4 = {kernels.quant.path(q4, rows, 64, bf16) for rows in (1, 3)}
     few_q8 = {kernels.quant.path(q8, rows, 64, bf16) for rows in (1, 3)}
     many_q4, many_q8 = kernels.quant.path(q4, 16, 64, bf16), kernels.quant.path(q8, 16, 64, bf16)
-    assert few_q8 == {QuantPath.INT16}
     if build == "portable":
-        assert few_q4 == {QuantPath.INT16} and many_q4 == many_q8 == QuantPath.INT16
+        assert few_q4 == few_q8 == {QuantPath.INT16} and many_q4 == many_q8 == QuantPath.INT16
         return
     assert few_q4 == {QuantPath.INT8_ROWS}
     assert kernels.quant.path(q4, 16, 40, bf16) == QuantPath.INT16  # 40: not whole panels
     if build == "avx2":
+        assert few_q8 == {QuantPath.INT16_ROWS}
         assert (many_q4, many_q8) == (QuantPath.INT8, QuantPath.INT16_PANELS)
         assert kernels.quant.path(q8, 16, 40, bf16) == QuantPath.INT16  # not whole panels
         return
     # the avx512 build targets x86-64-v4: AVX-512 without BF16 or VNNI
     bf16_dots = kernels.has_avx512_bf16
+    assert few_q8 == {QuantPath.INT16 if bf16_dots else QuantPath.INT16_ROWS}
     vnni = build == "native" and "avx512_vnni" in flags
     # from 16 rows (prompts) bf16 panels where the CPU has bf16 dot products
     assert many_q4 == (QuantPath.BF16_PANELS if bf16_dots else QuantPath.INT8)
