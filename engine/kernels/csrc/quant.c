@@ -697,6 +697,44 @@ static inline __m256i qv_dot(__m256i w, const int8_t* xq) {
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
+// the 8 rows' sums of h (pairs of rows summed across by `vphaddd`: h[i] holds rows 2i and
+// 2i + 1), row j's in lane j
+static inline __m256 q_across8(const __m256i h[4]) {
+    const __m256i u = _mm256_hadd_epi32(h[0], h[1]), t = _mm256_hadd_epi32(h[2], h[3]);
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u, t, 0x20),
+                                               _mm256_permute2x128_si256(u, t, 0x31)));
+}
+
+// The 8-rows paths' group: the rows n0 .. n0 + 7 of w (a short last group repeats its first
+// row in the rest); returns how many are real
+static inline int q_group8(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t N,
+                           const uint8_t* wr[8]) {
+    const int live = N - n0 < 8 ? (int)(N - n0) : 8;
+    for (int j = 0; j < 8; j++) wr[j] = w + (n0 + (j < live ? j : 0)) * row_bytes;
+    return live;
+}
+
+// the R rows' sums acc[r] (lane j: output n0 + j) plus bias, stored for the live outputs
+static inline void q_store8(void* y, int out_f32, const void* bias, int x_bf16, int64_t N,
+                            int64_t n0, int live, const __m256 acc[], int64_t R) {
+    for (int64_t r = 0; r < R; r++) {
+        float sums[8];
+        _mm256_storeu_ps(sums, acc[r]);
+        for (int j = 0; j < live; j++)
+            q_store(y, out_f32, r * N + n0 + j, sums[j] + q_bias(bias, x_bf16, n0 + j));
+    }
+}
+
+// the 8 rows' floats (scales or mins) of blocks b0 .. b0 + live - 1, each row's at wr[j] +
+// at, transposed: t[i] holds block b0 + i's of the 8 rows
+static inline void q_scales8(const uint8_t* const wr[8], int64_t at, int64_t b0, int live,
+                             __m256i t[8]) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(live),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int j = 0; j < 8; j++) t[j] = _mm256_maskload_epi32((const int*)(wr[j] + at) + b0, mask);
+    qi_transpose8(t);
+}
+
 // the block sums of 8 weight rows (wr[j] + off: block b's values) against R activation
 // rows at xq (stride K), lane j being row j's: pairs of rows are summed across as they come
 // (`vphaddd`), so that few vectors are live at once
@@ -709,11 +747,7 @@ static inline __attribute__((always_inline)) void qv_sums8(const uint8_t* const 
         for (int r = 0; r < R; r++)
             h[r][j / 2] = _mm256_hadd_epi32(qv_dot(w0, xq + r * K), qv_dot(w1, xq + r * K));
     }
-    for (int r = 0; r < R; r++) {
-        const __m256i u = _mm256_hadd_epi32(h[r][0], h[r][1]), t = _mm256_hadd_epi32(h[r][2], h[r][3]);
-        out[r] = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u, t, 0x20),
-                                                     _mm256_permute2x128_si256(u, t, 0x31)));
-    }
+    for (int r = 0; r < R; r++) out[r] = q_across8(h[r]);
 }
 
 // acc[r] (lane j: weight row j) = the R activation rows against 8 weight rows. Their
@@ -725,16 +759,9 @@ static inline __attribute__((always_inline)) void qv_rows8(const uint8_t* const 
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
         const int live = nb - b0 < 8 ? (int)(nb - b0) : 8;
-        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(live),
-                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         __m256i dt[8], mt[8];
-        for (int j = 0; j < 8; j++) {
-            const int* dj = (const int*)(wr[j] + K / 2) + b0;
-            dt[j] = _mm256_maskload_epi32(dj, mask);
-            mt[j] = _mm256_maskload_epi32(dj + nb, mask);
-        }
-        qi_transpose8(dt);
-        qi_transpose8(mt);
+        q_scales8(wr, K / 2, b0, live, dt);
+        q_scales8(wr, K / 2 + nb * (int64_t)sizeof(float), b0, live, mt);
         for (int i = 0; i < live; i++) {
             const int64_t b = b0 + i;
             q_prefetch_some(pf);
@@ -766,10 +793,8 @@ static int qv_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
     for (int64_t m = 0; m < M; m++) qi_quant_row(x, x_bf16, K, a, m);
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += 8) {
-        const int live = N - n0 < 8 ? (int)(N - n0) : 8;
         const uint8_t* wr[8];
-        for (int j = 0; j < 8; j++)  // a short group repeats its first row in the rest
-            wr[j] = w + (n0 + (j < live ? j : 0)) * row_bytes;
+        const int live = q_group8(w, row_bytes, n0, N, wr);
         // a later group into L2, a share of its lines each block: the hardware prefetcher
         // does not follow 8 rows read side by side as it follows one
         QPrefetch pf = q_prefetch(w, 8 * row_bytes, n0 / 8 + QV_AHEAD, N / 8, K / QBLOCK);
@@ -779,12 +804,7 @@ static int qv_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
             case 2: qv_rows8(wr, a, K, &pf, acc, 2); break;
             default: qv_rows8(wr, a, K, &pf, acc, QV_MAX_ROWS); break;
         }
-        for (int64_t r = 0; r < M; r++) {
-            float sums[8];
-            _mm256_storeu_ps(sums, acc[r]);
-            for (int j = 0; j < live; j++)
-                q_store(y, out_f32, r * N + n0 + j, sums[j] + q_bias(bias, x_bf16, n0 + j));
-        }
+        q_store8(y, out_f32, bias, x_bf16, N, n0, live, acc, M);
     }
     free(buf);
     return 0;
@@ -1020,11 +1040,7 @@ static inline __attribute__((always_inline)) void qr_sums8(const uint8_t* const 
             h[r][j / 2] = _mm256_hadd_epi32(p0, p1);
         }
     }
-    for (int r = 0; r < R; r++) {
-        const __m256i u = _mm256_hadd_epi32(h[r][0], h[r][1]), t = _mm256_hadd_epi32(h[r][2], h[r][3]);
-        out[r] = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(u, t, 0x20),
-                                                     _mm256_permute2x128_si256(u, t, 0x31)));
-    }
+    for (int r = 0; r < R; r++) out[r] = q_across8(h[r]);
 }
 
 static inline __attribute__((always_inline)) void qr_rows8(const uint8_t* const wr[8],
@@ -1035,11 +1051,8 @@ static inline __attribute__((always_inline)) void qr_rows8(const uint8_t* const 
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
         const int live = nb - b0 < 8 ? (int)(nb - b0) : 8;
-        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(live),
-                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         __m256i dt[8];
-        for (int j = 0; j < 8; j++) dt[j] = _mm256_maskload_epi32((const int*)(wr[j] + K) + b0, mask);
-        qi_transpose8(dt);
+        q_scales8(wr, K, b0, live, dt);
         for (int i = 0; i < live; i++) {
             const int64_t b = b0 + i;
             q_prefetch_some(pf);
@@ -1064,9 +1077,8 @@ static int qr_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
                   xs + m * nb);
 #pragma omp parallel for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += 8) {
-        const int live = N - n0 < 8 ? (int)(N - n0) : 8;
         const uint8_t* wr[8];
-        for (int j = 0; j < 8; j++) wr[j] = w + (n0 + (j < live ? j : 0)) * row_bytes;
+        const int live = q_group8(w, row_bytes, n0, N, wr);
         QPrefetch pf = q_prefetch(w, 8 * row_bytes, n0 / 8 + QV_AHEAD, N / 8, nb);  // as in qv
         __m256 acc[QW_MAX_ROWS];
         switch (M) {
@@ -1074,12 +1086,7 @@ static int qr_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
             case 2: qr_rows8(wr, xq, xd, K, &pf, acc, 2); break;
             default: qr_rows8(wr, xq, xd, K, &pf, acc, QW_MAX_ROWS); break;
         }
-        for (int64_t r = 0; r < M; r++) {
-            float sums[8];
-            _mm256_storeu_ps(sums, acc[r]);
-            for (int j = 0; j < live; j++)
-                q_store(y, out_f32, r * N + n0 + j, sums[j] + q_bias(bias, x_bf16, n0 + j));
-        }
+        q_store8(y, out_f32, bias, x_bf16, N, n0, live, acc, M);
     }
     free(xq);
     return 0;
