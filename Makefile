@@ -221,20 +221,17 @@ bench-gpu-fleet: gpu-setup
 	-timeout 170 env $(GPU_RUN) bench/fleet.py --device cuda --workers 2 \
 		--model synthetic:llama3.2-1b --quick --ideal analytic
 
-# The GPU checks the open issues still owe, in one command under nine minutes: the KV tier
-# and FP8-weight GPU tests (and the other tests that need no model file); gpu_decode's FP8
-# weights against 16-bit ones at batch 1 with kernel profiles; bench/kv_shared.py with CuPy
-# copies and a pinned host tier (synthetic weights at Llama-3.2-1B's shapes). Packed into
+# The GPU checks the open issues still owe, in one command under nine minutes: the tests of
+# programmatic dependent launch and of FP8 weights (those that need no model file), then
+# gpu_decode's batch-1 steps of synthetic:llama3-8b with 16-bit and FP8 weights, each with
+# and without programmatic dependent launch, with kernel profiles. Packed into
 # $(OUT)/bench-gpu-owed.tgz after every part.
 bench-gpu-owed: gpu-setup
 	touch /tmp/strata-bench-gpu-owed.stamp
-	-timeout 200 env $(GPU_RUN) -m pytest -q -p no:cacheprovider -m "not model" \
-		tests/gpu/test_kvstore_cuda.py tests/gpu/test_fp8_weights_cuda.py tests/gpu
-	-timeout 200 env $(GPU_RUN) bench/gpu_decode.py --batches 1 --contexts 512,2048 \
-		--weights 16bit,fp8 --kv fp8 --skip-hf --profile
-	-$(call GPU_PACK,bench-gpu-owed)
-	-timeout 170 env $(GPU_RUN) bench/kv_shared.py --quick --device cuda --kv-host-gb 1 \
-		--model synthetic:llama3.2-1b --scenarios cross_worker,restart
+	-timeout 150 env $(GPU_RUN) -m pytest -q -p no:cacheprovider -m "not model" \
+		tests/gpu/test_pdl_cuda.py tests/gpu/test_fp8_weights_cuda.py
+	-timeout 330 env PYTHONUNBUFFERED=1 $(GPU_RUN) bench/gpu_decode.py --batches 1 \
+		--contexts 512,2048 --weights 16bit,fp8 --pdl on,off --kv fp8 --skip-hf --profile
 	-$(call GPU_PACK,bench-gpu-owed)
 
 bench-gpu-model-tests: gpu-setup

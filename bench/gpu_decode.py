@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import statistics
 import sys
 import time
@@ -120,7 +121,11 @@ def _kernel_of(module: torch.nn.Module) -> str:
 
 
 def build_engine(
-    args: argparse.Namespace, kv: str, device: torch.device, weights: str = "16bit"
+    args: argparse.Namespace,
+    kv: str,
+    device: torch.device,
+    weights: str = "16bit",
+    pdl: bool = True,
 ) -> EngineCore:
     """An engine whose KV pool takes what the GPU has left after the weights."""
     max_len = max(args.contexts) + 1
@@ -140,6 +145,7 @@ def build_engine(
         scheduler=SchedulerConfig(max_num_seqs=max(args.batches), max_model_len=max_len),
         cuda_graph_max_batch=max(args.batches),
         gemv=GemvKernel(args.gemv),
+        pdl=pdl,
     )
     core, _ = create_engine(config, progress=False)
     return core
@@ -256,9 +262,11 @@ class Figures:
     skipped: list[str] = field(default_factory=list)
 
 
-def engine_label(weights: str, kv: str) -> str:
-    """16-bit weights' points are named by their KV dtype alone (as before `--weights`)."""
-    return kv if weights == "16bit" else f"{weights}w-{kv}"
+def engine_label(weights: str, kv: str, pdl: bool = True) -> str:
+    """16-bit weights' points are named by their KV dtype alone (as before `--weights`);
+    an engine without programmatic dependent launch (`--pdl off`) gets "-nopdl" after."""
+    label = kv if weights == "16bit" else f"{weights}w-{kv}"
+    return label if pdl else f"{label}-nopdl"
 
 
 def measure_engine(
@@ -300,13 +308,26 @@ def measure_engine(
 def fp8_weights_ratio(
     step_ms: dict[str, dict[str, float]], kv_names: list[str]
 ) -> dict[str, float]:
-    """`<kv>/<shape>` -> FP8 weights' step time over 16-bit weights', where both ran."""
+    """`<kv>/<shape>` -> FP8 weights' step time over 16-bit weights', where both ran (and
+    `<kv>-nopdl/<shape>` for the engines without programmatic dependent launch)."""
     ratios = {}
-    for kv in kv_names:
-        sixteen, fp8 = step_ms.get(kv, {}), step_ms.get(engine_label("fp8", kv), {})
+    for kv, pdl in itertools.product(kv_names, (True, False)):
+        sixteen = step_ms.get(engine_label("16bit", kv, pdl), {})
+        fp8 = step_ms.get(engine_label("fp8", kv, pdl), {})
         for shape, ms in sixteen.items():
             if shape in fp8:
-                ratios[f"{kv}/{shape}"] = round(fp8[shape] / ms, 3)
+                ratios[f"{engine_label('16bit', kv, pdl)}/{shape}"] = round(fp8[shape] / ms, 3)
+    return ratios
+
+
+def pdl_ratio(step_ms: dict[str, dict[str, float]]) -> dict[str, float]:
+    """`<label>/<shape>` -> the step time with programmatic dependent launch over without,
+    where both ran."""
+    ratios = {}
+    for label, points in step_ms.items():
+        for shape, ms in step_ms.get(f"{label}-nopdl", {}).items():
+            if shape in points:
+                ratios[f"{label}/{shape}"] = round(points[shape] / ms, 3)
     return ratios
 
 
@@ -322,6 +343,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--weights",
         default="16bit",
         help="weight formats to run, each with every --kv: 16bit, fp8, auto (comma list)",
+    )
+    ap.add_argument(
+        "--pdl",
+        default="on",
+        help="on, off or on,off: engines with and without programmatic dependent launch "
+        "(EngineConfig.pdl; where the GPU has none, both run the same)",
     )
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 32, CPU 4)")
     ap.add_argument("--kv-gb", type=float, default=None, help="KV pool (default: what fits)")
@@ -355,30 +382,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"model {args.model}: random weights (seeded {args.seed}), real shapes")
     figures = Figures()
     config_used: dict[str, Any] = {}
-    for weights in weight_names:
-        for kv in kv_names:
-            label = engine_label(weights, kv)
-            if args.kv_gb is None:
-                args.kv_gb = _kv_budget_gib(args, device)
-            core = build_engine(args, kv, device, weights)
-            spec = core.pool.spec
-            config_used[label] = {
-                "weights": weights,
-                "attention": type(core.runner.attn).__name__,
-                "decode_graphs": core.runner.graphs is not None,
-                "kv_bytes_per_token": spec.bytes_per_token,
-                "kv_pool_blocks": core.pool.num_blocks,
-                "weight_bytes_read": weight_bytes(core),
-                "one_token_products": one_token_kernels(core),
-                "fp8_plans": fp8_plans(core),
-            }
-            products = config_used[label]["one_token_products"]
-            print(f"{label}: one-token products by {products}", flush=True)
-            measure_engine(core, label, args, bandwidth, figures)
-            del core
+    launches = [{"on": True, "off": False}[p] for p in args.pdl.split(",")]
+    for pdl, weights, kv in itertools.product(launches, weight_names, kv_names):
+        label = engine_label(weights, kv, pdl)
+        if args.kv_gb is None:
+            args.kv_gb = _kv_budget_gib(args, device)
+        try:
+            core = build_engine(args, kv, device, weights, pdl)
+        except Exception as exc:  # the other engines' figures still count
+            figures.skipped.append(f"{label}: {type(exc).__name__}: {exc}")
+            print(f"{label}: failed to start ({exc!r})", flush=True)
+            del exc
             gc.collect()
             if gpu:
                 torch.cuda.empty_cache()
+            continue
+        spec = core.pool.spec
+        config_used[label] = {
+            "weights": weights,
+            "pdl": bool(getattr(core.runner.attn, "pdl", False)),
+            "attention": type(core.runner.attn).__name__,
+            "decode_graphs": core.runner.graphs is not None,
+            "kv_bytes_per_token": spec.bytes_per_token,
+            "kv_pool_blocks": core.pool.num_blocks,
+            "weight_bytes_read": weight_bytes(core),
+            "one_token_products": one_token_kernels(core),
+            "fp8_plans": fp8_plans(core),
+        }
+        products = config_used[label]["one_token_products"]
+        print(f"{label}: one-token products by {products}", flush=True)
+        measure_engine(core, label, args, bandwidth, figures)
+        del core
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
     tok_s, step_ms = figures.tok_s, figures.step_ms
     fp8_ratio = fp8_weights_ratio(step_ms, kv_names)
     for point, ratio in fp8_ratio.items():
@@ -420,6 +457,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if fp8_ratio:
         summary["fp8_weights_step_ratio"] = fp8_ratio
+    if pdl_ratio(step_ms):
+        summary["pdl_step_ratio"] = pdl_ratio(step_ms)
     record = {
         **machine_info(device),
         "benchmark": "gpu_decode",

@@ -442,6 +442,12 @@ class EngineConfig:
         "--enforce-eager",
         "run decode steps eagerly instead of replaying captured CUDA graphs",
     )
+    pdl: bool = option(  # engine/kernels/triton_pdl.py
+        True,
+        "--no-pdl",
+        "launch the Triton kernels one after another instead of letting each start while "
+        "the one before finishes (programmatic dependent launch, on Hopper GPUs and newer)",
+    )
     cuda_graph_max_batch: int = option(
         256,
         "--cuda-graph-max-batch",

@@ -7,7 +7,11 @@ import logging
 
 import torch
 
-from engine.attention.triton_backend import TritonUnavailableError, load_triton_kernels
+from engine.attention.triton_backend import (
+    TritonUnavailableError,
+    load_triton_kernels,
+    pdl_supported,
+)
 from engine.config import ConfigError, EngineConfig, KernelBackend, WeightFormat
 from engine.core import EngineCore
 from engine.kernels.cpu import CpuKernels, isa_build, load_cpu_kernels, resolve_cpu_isa
@@ -61,15 +65,16 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
             log.info("quantized weights: %s", describe(weights))
     if kernels is not None:
         apply_native_cpu(model, kernels)
+    pdl = triton and config.pdl and pdl_supported(config.torch_device())
     if config.weights is WeightFormat.FP8:  # before the one-token products are chosen
         ops = load_triton_kernels(config.torch_device(), "triton_fp8_linear")
-        log.info("FP8 weights for %s", ", ".join(apply_fp8_weights(model, ops)))
+        log.info("FP8 weights for %s", ", ".join(apply_fp8_weights(model, ops, pdl=pdl)))
         if not config.lora.max_loras:  # LoRA's gate_up update comes before the activation
             fuse_silu_mul(model)
         if config.torch_device().type == "cuda":
-            log.info("FP8 products by kernel and tiles: %s", choose_plans(model, ops))
+            log.info("FP8 products by kernel and tiles: %s", choose_plans(model, ops, pdl=pdl))
     if triton and config.torch_device().type == "cuda":  # interpreted, they only cost time
-        gemv = apply_triton_layers(model, gemv=config.gemv)
+        gemv = apply_triton_layers(model, gemv=config.gemv, pdl=pdl)
         log.info("one-token products by kernel: %s", gemv)
     core = EngineCore(
         model,

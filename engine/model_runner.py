@@ -83,8 +83,10 @@ class ModelRunner:
         lora: LoRABatch | None = None,
         triton: bool = False,
         eos_token_ids: frozenset[int] = frozenset(),
+        pdl: bool = False,
     ) -> None:
-        """`eos_token_ids`: what a request's min_tokens holds back."""
+        """`eos_token_ids`: what a request's min_tokens holds back. `pdl`: the Triton
+        attention kernels launch to start early (engine/kernels/triton_pdl.py)."""
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.pool = pool
@@ -92,7 +94,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.attn: PagedAttention | TritonPagedAttention
         if triton:
-            self.attn = TritonPagedAttention(pool, model.config.num_heads)
+            self.attn = TritonPagedAttention(pool, model.config.num_heads, pdl=pdl)
         else:
             self.attn = PagedAttention(pool, model.config.num_heads, kernels=kernels)
         self.argmax = kernels.argmax if kernels is not None and device.type == "cpu" else None

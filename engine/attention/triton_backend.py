@@ -49,6 +49,15 @@ def load_triton_kernels(device: torch.device, name: str = "triton_attention") ->
     return importlib.import_module(f"engine.kernels.{name}")
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Whether the Triton kernels can launch to start early on `device` (programmatic
+    dependent launch: a CUDA device of compute capability 9.0 or more, and a Triton that
+    has it; engine/kernels/triton_pdl.py)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    return bool(load_triton_kernels(device, "triton_pdl").AVAILABLE)
+
+
 @dataclass
 class TritonContext:
     slot_mapping: torch.Tensor  # [T] int64; < 0 for padding rows (skipped)
@@ -71,10 +80,13 @@ class TritonPagedAttention(PoolAttention):
         *,
         num_splits: int | None = None,
         block_n: int | None = None,
+        pdl: bool = False,
     ) -> None:
         """`num_splits`: programs per (decode sequence, KV head); None picks by occupancy.
-        `block_n`: KV tokens per inner iteration (at least 16); None picks by page dtype."""
+        `block_n`: KV tokens per inner iteration (at least 16); None picks by page dtype.
+        `pdl`: the kernels launch to start early (engine/kernels/triton_pdl.py)."""
         super().__init__(pool, num_heads, scale)
+        self.pdl = pdl
         self.kernels = load_triton_kernels(pool.device)
         self.fixed_splits = num_splits
         self.block_n = block_n or 64
@@ -170,9 +182,15 @@ class TritonPagedAttention(PoolAttention):
             k_scales,
             v_scales,
             rotate_keys=self.rotate_keys,
+            pdl=self.pdl,
         )
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-        common = {"k_scales": k_scales, "v_scales": v_scales, "rotated_keys": self.rotate_keys}
+        common = {
+            "k_scales": k_scales,
+            "v_scales": v_scales,
+            "rotated_keys": self.rotate_keys,
+            "pdl": self.pdl,
+        }
         if ctx.seq_lens is not None:
             nd = ctx.num_decode
             kern.paged_attention(

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from engine.kernels import triton_pdl
 from kvstore.fp8 import FP8_MAX
 
 FP8_MAX_F: tl.constexpr = tl.constexpr(FP8_MAX)
@@ -91,7 +92,10 @@ def _kv_write_kernel(
     FP8: tl.constexpr,
     ROTATE: tl.constexpr,
     LOG_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    triton_pdl.release(PDL)
+    triton_pdl.wait(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1)
     d = tl.arange(0, D_PAD)
@@ -160,7 +164,9 @@ def _paged_attention_kernel(
     LOG_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    triton_pdl.wait(PDL)  # and no early release: see triton_pdl
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -256,7 +262,10 @@ def _merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    triton_pdl.release(PDL)
+    triton_pdl.wait(PDL)
     row = first_row + tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
@@ -296,13 +305,15 @@ def kv_write(
     v_scales: torch.Tensor | None = None,
     rotate_keys: bool = False,
     block_t: int | None = None,
+    pdl: bool = False,
 ) -> None:
     """Store k, v [T, Hkv, D] (rows may be strided) at flat `slots` [T] of the pages.
 
     Mutates the pages (and the scales of an FP8 pool). Slots < 0 are skipped.
     `block_t`: tokens per program; None: up to 16, no more than there are tokens, so that a
     decode step of a few sequences runs its FP8 rotation and rounding on their rows alone,
-    with a warp per 128 elements of a program's tile.
+    with a warp per 128 elements of a program's tile. `pdl`: launched to start early
+    (engine/kernels/triton_pdl.py).
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_pages.is_contiguous()
@@ -336,7 +347,9 @@ def kv_write(
         FP8=fp8,
         ROTATE=fp8 and rotate_keys,
         LOG_D=_log_d(head_dim),
+        PDL=pdl,
         num_warps=num_warps,
+        **triton_pdl.launch_options(pdl),
     )
 
 
@@ -358,6 +371,7 @@ def paged_attention(
     rotated_keys: bool = False,
     block_n: int = 64,
     launch: dict[str, int] | None = None,
+    pdl: bool = False,
 ) -> None:
     """Attention of q [T, H, D] over paged K/V; writes `out` [rows, H * D] in place.
 
@@ -369,6 +383,7 @@ def paged_attention(
     `num_splits` programs (a power of two), merged by log-sum-exp.
     `block_table` [S, max_blocks] int32 maps each sequence's token positions to blocks.
     `launch`: Triton launch options of the attention kernel (num_warps, num_stages).
+    `pdl`: both kernels launched to start early (engine/kernels/triton_pdl.py).
     """
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[2]
@@ -435,7 +450,9 @@ def paged_attention(
         LOG_D=_log_d(head_dim),
         DOT_DTYPE=tl.float32 if _INTERPRETED else tl.float16 if fp8 else _TL_DTYPES[q.dtype],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or _INTERPRETED else "tf32",
+        PDL=pdl,
         **(launch or {}),
+        **triton_pdl.launch_options(pdl),
     )
     if num_splits > 1:
         first_row = 0 if decode else first_row
@@ -450,4 +467,6 @@ def paged_attention(
             HEAD_DIM=head_dim,
             D_PAD=d_pad,
             NUM_SPLITS=num_splits,
+            PDL=pdl,
+            **triton_pdl.launch_options(pdl),
         )

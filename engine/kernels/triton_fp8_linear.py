@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from engine.kernels import triton_fused
+from engine.kernels import triton_fused, triton_pdl
 
 
 @triton.jit
@@ -36,9 +36,12 @@ def _fp8_gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # SILU_MUL: W holds 2N rows (gate | up) and y = silu(x gate^T) * (x up^T), [M, N], with
-    # the roundings of the product's output and of triton_fused's _silu_mul_kernel
+    # the roundings of the product's output and of triton_fused's _silu_mul_kernel.
+    # PDL: the first columns' weights are loaded before waiting for the kernel before.
+    triton_pdl.release(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows: columns of y
     row_ok = rows < N
     toks = tl.arange(0, BLOCK_M)  # rows of x
@@ -47,18 +50,21 @@ def _fp8_gemv_kernel(
     w_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     up_base = w_ptr + (rows.to(tl.int64) + N)[:, None] * stride_wn  # SILU_MUL: the up rows
     x_base = x_ptr + toks[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k in range(0, K, BLOCK_K):
+    w_ok = _w_mask(row_ok, cols, K, EVEN_K)
+    w = tl.load(w_base + cols[None, :], mask=w_ok, other=0.0)
+    up = w
+    if SILU_MUL:
+        up = tl.load(up_base + cols[None, :], mask=w_ok, other=0.0)
+    triton_pdl.wait(PDL)
+    x = _x_tile(x_base, cols, tok_ok, K, EVEN_K)
+    acc = _row_dots(w, x, BLOCK_M)
+    acc_up = acc
+    if SILU_MUL:
+        acc_up = _row_dots(up, x, BLOCK_M)
+    for k in range(BLOCK_K, K, BLOCK_K):
         kk = k + cols
-        if EVEN_K:
-            w_ok = row_ok[:, None]
-            x = tl.load(x_base + kk[None, :], mask=tok_ok[:, None], other=0.0)
-        else:
-            k_ok = kk < K
-            w_ok = row_ok[:, None] & k_ok[None, :]
-            x = tl.load(x_base + kk[None, :], mask=tok_ok[:, None] & k_ok[None, :], other=0.0)
-        x = x.to(tl.float32)  # [BLOCK_M, BLOCK_K]
+        w_ok = _w_mask(row_ok, kk, K, EVEN_K)
+        x = _x_tile(x_base, kk, tok_ok, K, EVEN_K)
         acc += _row_dots(tl.load(w_base + kk[None, :], mask=w_ok, other=0.0), x, BLOCK_M)
         if SILU_MUL:
             acc_up += _row_dots(tl.load(up_base + kk[None, :], mask=w_ok, other=0.0), x, BLOCK_M)
@@ -71,6 +77,25 @@ def _fp8_gemv_kernel(
         acc = silu * up.to(tl.float32)
     out = out_ptr + toks[:, None] * stride_om + rows[None, :]
     tl.store(out, acc.to(dtype), mask=tok_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _w_mask(row_ok, kk, K, EVEN_K: tl.constexpr):
+    """Which of the weight tile's [BLOCK_N, BLOCK_K] elements exist, at columns kk."""
+    ok = row_ok[:, None]
+    if not EVEN_K:
+        ok = ok & (kk < K)[None, :]
+    return ok
+
+
+@triton.jit
+def _x_tile(x_base, kk, tok_ok, K, EVEN_K: tl.constexpr):
+    """x's [BLOCK_M, BLOCK_K] tile at columns kk, in fp32."""
+    if EVEN_K:
+        x = tl.load(x_base + kk[None, :], mask=tok_ok[:, None], other=0.0)
+    else:
+        x = tl.load(x_base + kk[None, :], mask=tok_ok[:, None] & (kk < K)[None, :], other=0.0)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -287,10 +312,12 @@ def fp8_gemv(
     *,
     tiles: GemvTiles = DEFAULT_GEMV_TILES,
     silu_mul: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (M <= a few) @ (weight [N, K] e4m3 * scale [N, 1])^T (+ bias [N]) -> [M, N]
     in x's dtype, by the GEMV kernel. With `silu_mul`, weight's rows are gate | up and the
-    result is silu(gate) * up, [M, N / 2], as `silu_mul` of the plain product gives it."""
+    result is silu(gate) * up, [M, N / 2], as `silu_mul` of the plain product gives it.
+    `pdl`: launched to start early (engine/kernels/triton_pdl.py; a Hopper GPU or newer)."""
     x = _check(x, weight, scale)
     (m, k), n = x.shape, weight.shape[0]
     if silu_mul:
@@ -319,7 +346,9 @@ def fp8_gemv(
         BLOCK_M=block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=block_k,
+        PDL=pdl,
         num_warps=tiles.num_warps,
+        **triton_pdl.launch_options(pdl),
     )
     return out
 
@@ -377,13 +406,14 @@ def fp8_linear(
     *,
     plan: Fp8Plan = DEFAULT_PLAN,
     silu_mul: bool = False,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """x [M, K] -> [M, N]: as `plan` says for M rows (the GEMV kernel up to its row count,
     the matmul with the bucket's tiles above). With `silu_mul` (weight's rows gate | up),
     silu(gate) * up, [M, N / 2]: inside the GEMV, after the matmul by triton_fused's kernel,
-    with the same bits either way."""
+    with the same bits either way. `pdl`: the GEMV starts early (see `fp8_gemv`)."""
     m = x.shape[0]
     if m <= plan.gemv_max_rows:
-        return fp8_gemv(x, weight, scale, bias, tiles=plan.gemv, silu_mul=silu_mul)
+        return fp8_gemv(x, weight, scale, bias, tiles=plan.gemv, silu_mul=silu_mul, pdl=pdl)
     out = fp8_gemm(x, weight, scale, bias, tiles=plan.gemm_tiles(m))
     return triton_fused.silu_mul(out) if silu_mul else out

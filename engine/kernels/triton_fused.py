@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import triton_pdl
+
 
 @triton.jit
 def _round(x, dtype: tl.constexpr):
@@ -30,7 +32,10 @@ def _add_rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    triton_pdl.release(PDL)
+    triton_pdl.wait(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_COLS)
     mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
@@ -62,8 +67,11 @@ def _rope_kernel(
     H_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Neox rotation of x [T, H, 2 * HALF] (strided rows) into a contiguous out."""
+    triton_pdl.release(PDL)
+    triton_pdl.wait(PDL)
     for i in range(BLOCK_T):
         t = tl.program_id(0) * BLOCK_T + i
         if t < num_tokens:
@@ -111,10 +119,16 @@ def _rows_per_program(num_cols: int) -> int:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual) * weight, x + residual) for x [T, hidden]; without a residual,
-    (norm(x) * weight, x). New tensors; the inputs are not changed."""
+    (norm(x) * weight, x). New tensors; the inputs are not changed. `pdl`: launched to start
+    early (engine/kernels/triton_pdl.py)."""
     x = x.contiguous()
     rows, cols = x.shape
     out = torch.empty_like(x)
@@ -132,15 +146,23 @@ def add_rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK_ROWS=block_rows,
         BLOCK_COLS=triton.next_power_of_2(cols),
+        PDL=pdl,
+        **triton_pdl.launch_options(pdl),
     )
     return out, res_out
 
 
 def rope(
-    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Neox rotary embedding of x [T, H, D] (rows may be strided) at `positions` [T], with
-    fp32 tables cos/sin [max_pos, D / 2]; returns a new contiguous tensor."""
+    fp32 tables cos/sin [max_pos, D / 2]; returns a new contiguous tensor. `pdl`: launched
+    to start early (engine/kernels/triton_pdl.py)."""
     tokens, heads, dim = x.shape
     assert x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
     out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
@@ -161,6 +183,8 @@ def rope(
         H_PAD=triton.next_power_of_2(heads),
         HALF_PAD=triton.next_power_of_2(dim // 2),
         BLOCK_T=block_t,
+        PDL=pdl,
+        **triton_pdl.launch_options(pdl),
     )
     return out
 

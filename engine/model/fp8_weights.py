@@ -53,9 +53,10 @@ class Fp8Linear(nn.Module):
 
     weight_scale: torch.Tensor  # [out] float32
 
-    def __init__(self, linear: nn.Linear, ops: ModuleType) -> None:
+    def __init__(self, linear: nn.Linear, ops: ModuleType, *, pdl: bool = False) -> None:
         """Quantizes `linear.weight`; shares its bias. `linear` is left unchanged (the caller
-        drops it, which releases the 16-bit weight)."""
+        drops it, which releases the 16-bit weight). `pdl`: the GEMV launches to start early,
+        its first weights loaded while the kernel before finishes (triton_pdl.py)."""
         super().__init__()
         values, scales = quantize_weight(linear.weight)
         self.weight = nn.Parameter(values, requires_grad=False)  # [out, in] e4m3
@@ -66,11 +67,18 @@ class Fp8Linear(nn.Module):
         self.plan = ops.DEFAULT_PLAN  # see choose_plans
         # a gate | up projection that also applies the activation (see fuse_silu_mul)
         self.silu_mul = False
+        self.pdl = pdl
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] in x's dtype; with `silu_mul`, silu(gate) * up, [T, out / 2]."""
         out: torch.Tensor = self.ops.fp8_linear(
-            x, self.weight, self.weight_scale, self.bias, plan=self.plan, silu_mul=self.silu_mul
+            x,
+            self.weight,
+            self.weight_scale,
+            self.bias,
+            plan=self.plan,
+            silu_mul=self.silu_mul,
+            pdl=self.pdl,
         )
         return out
 
@@ -78,21 +86,21 @@ class Fp8Linear(nn.Module):
         return dequantize_weight(self.weight, self.weight_scale, dtype)
 
 
-def apply_fp8_weights(model: LlamaForCausalLM, ops: ModuleType) -> list[str]:
+def apply_fp8_weights(model: LlamaForCausalLM, ops: ModuleType, *, pdl: bool = False) -> list[str]:
     """Replace every projection of every layer, and the LM head unless it is tied to the
     embeddings, with an `Fp8Linear` (in place, one at a time: the 16-bit weights are
-    released as they go). Returns the names of the groups now in FP8 (of PROJECTIONS and
-    "lm_head")."""
+    released as they go; `pdl` as there). Returns the names of the groups now in FP8 (of
+    PROJECTIONS and "lm_head")."""
     for layer in model.layers:
         for name in PROJECTIONS:
             linear = getattr(layer, name)
             assert isinstance(linear, nn.Linear), f"{name} is already swapped: {linear}"
-            setattr(layer, name, Fp8Linear(linear, ops))
+            setattr(layer, name, Fp8Linear(linear, ops, pdl=pdl))
             del linear
     swapped = list(PROJECTIONS)
     if not model.config.tie_word_embeddings:
         assert isinstance(model.lm_head, nn.Linear)
-        model.lm_head = Fp8Linear(model.lm_head, ops)
+        model.lm_head = Fp8Linear(model.lm_head, ops, pdl=pdl)
         swapped.append("lm_head")
     device = model.embed_tokens.weight.device
     if device.type == "cuda":
@@ -111,7 +119,7 @@ def fuse_silu_mul(model: LlamaForCausalLM) -> None:
 
 
 @torch.inference_mode()
-def choose_plans(model: LlamaForCausalLM, ops: ModuleType) -> dict[str, str]:
+def choose_plans(model: LlamaForCausalLM, ops: ModuleType, *, pdl: bool = False) -> dict[str, str]:
     """Per FP8 projection (and LM head), the kernel and tiles that ran its products fastest,
     timed on these weights (up to 16 of them, the first layers') back to back in a CUDA
     graph, as a decode step runs them: at one row, every GEMV candidate and the smallest
@@ -119,7 +127,8 @@ def choose_plans(model: LlamaForCausalLM, ops: ModuleType) -> dict[str, str]:
     matmul candidates. Sets each module's `plan` (CUDA only); a candidate that fails to
     compile on this device is skipped. Returns the plans' names by group. Timings vary a
     little between starts, so two starts may pick differently where candidates are close;
-    the products then round their fp32 sums in another order."""
+    the products then round their fp32 sums in another order. With `pdl`, the GEMVs are
+    timed as the engine launches them, each starting while the one before finishes."""
     groups = {name: [getattr(layer, name) for layer in model.layers] for name in PROJECTIONS}
     groups["lm_head"] = [model.lm_head]
     dtype = model.embed_tokens.weight.dtype
@@ -130,7 +139,7 @@ def choose_plans(model: LlamaForCausalLM, ops: ModuleType) -> dict[str, str]:
         first = [(m.weight, m.weight_scale, m.bias) for m in modules[:16]]
         weights = [first[i % len(first)] for i in range(max(8, len(first)))]
         time = partial(
-            _fastest, ops, name, weights, modules[0].in_features, dtype, modules[0].silu_mul
+            _fastest, ops, name, weights, modules[0].in_features, dtype, modules[0].silu_mul, pdl
         )
         gemv, gemv_ms = time(1, "fp8_gemv", ops.GEMV_CANDIDATES)
         _, narrow_ms = time(1, "fp8_gemm", ops.GEMM_CANDIDATES[ops.ROW_BUCKETS[0]])
@@ -152,6 +161,7 @@ def _fastest(
     in_features: int,
     dtype: torch.dtype,
     silu_mul: bool,
+    pdl: bool,
     rows: int,
     kernel: str,
     candidates: tuple[object, ...],
@@ -162,7 +172,7 @@ def _fastest(
     x = torch.randn(rows, in_features, dtype=dtype, device=weights[0][0].device)
     fn = getattr(ops, kernel)
     if kernel == "fp8_gemv":
-        fn = partial(fn, silu_mul=silu_mul)
+        fn = partial(fn, silu_mul=silu_mul, pdl=pdl)
     elif silu_mul:
         fn = _then_silu_mul(fn, ops)
     times = {}

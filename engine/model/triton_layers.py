@@ -22,17 +22,18 @@ log = logging.getLogger(__name__)
 
 
 class TritonRMSNorm(nn.Module):
-    def __init__(self, norm: RMSNorm, ops: ModuleType) -> None:
+    def __init__(self, norm: RMSNorm, ops: ModuleType, *, pdl: bool = False) -> None:
         super().__init__()
         self.weight = norm.weight
         self.eps = norm.eps
         self.ops = ops
+        self.pdl = pdl  # launched to start early (engine/kernels/triton_pdl.py)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out: tuple[torch.Tensor, torch.Tensor] = self.ops.add_rms_norm(
-            x, residual, self.weight, self.eps
+            x, residual, self.weight, self.eps, pdl=self.pdl
         )
         return out
 
@@ -41,18 +42,19 @@ class TritonRotary(nn.Module):
     cos: torch.Tensor  # [max_pos, D/2] fp32, shared with the replaced module
     sin: torch.Tensor
 
-    def __init__(self, rope: RotaryEmbedding, ops: ModuleType) -> None:
+    def __init__(self, rope: RotaryEmbedding, ops: ModuleType, *, pdl: bool = False) -> None:
         super().__init__()
         self.register_buffer("cos", rope.cos, persistent=False)
         self.register_buffer("sin", rope.sin, persistent=False)
         self.ops = ops
+        self.pdl = pdl
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One launch when k's heads follow q's in memory (views into the fused QKV
         projection, as the model passes them): the rotated q and k are views into one output."""
-        rope = self.ops.rope
+        rope = partial(self.ops.rope, pdl=self.pdl)
         both = _adjacent_heads(q, k)
         if both is None:
             return rope(q, positions, self.cos, self.sin), rope(k, positions, self.cos, self.sin)
@@ -106,10 +108,12 @@ _AUTO_MARGIN = 0.97
 
 
 def apply_triton_layers(
-    model: LlamaForCausalLM, *, gemv: GemvKernel = GemvKernel.CUBLAS
+    model: LlamaForCausalLM, *, gemv: GemvKernel = GemvKernel.CUBLAS, pdl: bool = False
 ) -> dict[str, str]:
     """Replace every RMSNorm, the rotary embedding and every activation in place, and the
     one-token product of each projection and the LM head as `gemv` says (`TritonLinear`).
+    With `pdl`, the norms and the rotation launch to start early
+    (engine/kernels/triton_pdl.py: a Hopper GPU or newer).
     Returns, per projection name and "lm_head", the product's kernel: "cublas" or "triton",
     or "fp8" for products already swapped for FP8 ones (engine/model/fp8_weights.py), which
     are left as they are."""
@@ -135,13 +139,13 @@ def apply_triton_layers(
     ops = load_triton_kernels(device, "triton_fused")
     for layer in model.layers:
         assert isinstance(layer.input_norm, RMSNorm) and isinstance(layer.post_attn_norm, RMSNorm)
-        layer.input_norm = TritonRMSNorm(layer.input_norm, ops)
-        layer.post_attn_norm = TritonRMSNorm(layer.post_attn_norm, ops)
+        layer.input_norm = TritonRMSNorm(layer.input_norm, ops, pdl=pdl)
+        layer.post_attn_norm = TritonRMSNorm(layer.post_attn_norm, ops, pdl=pdl)
         if isinstance(layer.act, SiluAndMul):  # else its projection applies it (FP8)
             layer.act = TritonSiluMul(ops)
     assert isinstance(model.norm, RMSNorm) and isinstance(model.rope, RotaryEmbedding)
-    model.norm = TritonRMSNorm(model.norm, ops)
-    model.rope = TritonRotary(model.rope, ops)
+    model.norm = TritonRMSNorm(model.norm, ops, pdl=pdl)
+    model.rope = TritonRotary(model.rope, ops, pdl=pdl)
     return choice
 
 

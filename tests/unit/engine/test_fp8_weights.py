@@ -12,8 +12,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from engine.attention.triton_backend import load_triton_kernels
+from engine.attention.triton_backend import (
+    TritonPagedAttention,
+    load_triton_kernels,
+    pdl_supported,
+)
 from engine.config import ConfigError, EngineConfig, KernelBackend, WeightFormat
+from engine.factory import create_engine
 from engine.loader import PRESETS, build_model
 from engine.loader.synthetic import synthetic_checkpoint
 from engine.model import fp8_weights
@@ -118,6 +123,18 @@ def test_fp8_weights_are_a_config_error_off_the_triton_kernels():
         assert EngineConfig(device="cpu", weights=weights).weights is weights
 
 
+def test_kernels_start_early_only_on_a_gpu_that_can(tmp_path):
+    """Programmatic dependent launch needs a CUDA device of compute capability 9.0 or more:
+    an engine on the interpreted Triton kernels launches plainly whatever its config says."""
+    assert not pdl_supported(torch.device("cpu"))
+    config = EngineConfig(
+        model="synthetic:tiny", device="cpu", backend=KernelBackend.TRITON, cache_dir=str(tmp_path)
+    )
+    assert config.pdl
+    core, _ = create_engine(config, progress=False)
+    assert isinstance(core.runner.attn, TritonPagedAttention) and not core.runner.attn.pdl
+
+
 @INTERPRETED
 def test_each_fp8_product_takes_the_plan_that_timed_fastest(monkeypatch):
     """`choose_plans` with a stand-in for the CUDA-graph timer (which runs a call, as the
@@ -135,6 +152,8 @@ def test_each_fp8_product_takes_the_plan_that_timed_fastest(monkeypatch):
         tiles, (x, *_) = calls[0].keywords["tiles"], calls[0].args
         rows, width = x.shape
         timed.append((rows, tiles, len(calls)))
+        if isinstance(tiles, ops.GemvTiles):  # timed as the engine launches it
+            assert all(call.keywords["pdl"] for call in calls)
         if tiles == broken:
             raise RuntimeError("out of shared memory")
         if isinstance(tiles, ops.GemvTiles):
@@ -144,7 +163,7 @@ def test_each_fp8_product_takes_the_plan_that_timed_fastest(monkeypatch):
         return 1.5 if tiles == ops.GEMM_CANDIDATES[_bucket(ops, rows)][-1] else 3.0
 
     monkeypatch.setattr(fp8_weights, "graph_ms_per_call", fake_timer)
-    chosen = fp8_weights.choose_plans(model, ops)
+    chosen = fp8_weights.choose_plans(model, ops, pdl=True)
     assert set(chosen) == {*PROJECTIONS, "lm_head"}
     for name in PROJECTIONS:
         for layer in model.layers:

@@ -42,6 +42,7 @@ NON_DEFAULT: dict[str, str | None] = {
     "--backend": "triton",
     "--cpu-isa": "avx2",
     "--enforce-eager": None,
+    "--no-pdl": None,
     "--cuda-graph-max-batch": "32",
     "--gemv": "cublas",
     "--weights": "fp8",
@@ -231,10 +232,12 @@ def test_the_engine_seed_is_its_own_option():
 def test_switches_turn_their_field_from_its_default():
     engine = _engine_config(_parse("engine", "--enforce-eager", "--kv-spill-ahead"))
     assert engine.enforce_eager and engine.cache.spill_ahead
-    off = _engine_config(_parse("engine", "--no-prefix-caching", "--speculative-always"))
-    assert not off.cache.enable_prefix_caching and not off.speculative.adaptive
+    off = _engine_config(
+        _parse("engine", "--no-prefix-caching", "--speculative-always", "--no-pdl")
+    )
+    assert not off.cache.enable_prefix_caching and not off.speculative.adaptive and not off.pdl
     default = _engine_config(_parse("engine"))
-    assert default.cache.enable_prefix_caching and default.speculative.adaptive
+    assert default.cache.enable_prefix_caching and default.speculative.adaptive and default.pdl
     assert _worker_config(["--no-prefix-caching"]).cache.enable_prefix_caching is False
 
 
