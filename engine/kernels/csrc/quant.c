@@ -587,6 +587,14 @@ static inline __attribute__((always_inline)) void qi_block(const uint8_t* panel,
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * QI_PANEL, acc[r]);
 }
 #else
+// *s += p in int16, in place: one `vpaddw` into the register that holds the sum. Written
+// as an intrinsic, GCC reorders the adds, keeping every product live at once, and spills;
+// with an empty asm barrier on the sum instead, it copies the sum to another register after
+// every add, and the loop issues 8 more instructions per group of 4 columns.
+static inline __attribute__((always_inline)) void qi_add16(__m256i* s, __m256i p) {
+    __asm__("vpaddw %1, %0, %0" : "+x"(*s) : "x"(p));
+}
+
 // acc[r][0..15] += one level of block b's products for the R rows at xq (stride K), scaled
 // by d_w (dw0, dw1: the panel's 16 scales) times the rows' d_x (dx, stride nb). The sums
 // live in memory between blocks: the 8 int16 accumulators, 2 weight vectors and the
@@ -606,11 +614,8 @@ static inline __attribute__((always_inline)) void qi_level(const uint8_t* wp, co
             int32_t quad;
             __builtin_memcpy(&quad, xq + r * K + g * 4, 4);
             const __m256i xb = _mm256_set1_epi32(quad);
-            s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(w0, xb));
-            s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(w1, xb));
-            // each sum stays one register updated in place: without this GCC reorders the
-            // adds, keeping every product live at once, and spills
-            __asm__("" : "+x"(s[r][0]), "+x"(s[r][1]));
+            qi_add16(&s[r][0], _mm256_maddubs_epi16(w0, xb));
+            qi_add16(&s[r][1], _mm256_maddubs_epi16(w1, xb));
         }
     }
     const __m256i ones = _mm256_set1_epi16(1);
@@ -925,6 +930,11 @@ static void qw_unpack(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t j0
     }
 }
 
+// *s += p in int32, in place (see qi_add16)
+static inline __attribute__((always_inline)) void qw_add32(__m256i* s, __m256i p) {
+    __asm__("vpaddd %1, %0, %0" : "+x"(*s) : "x"(p));
+}
+
 // out[r][0..15] = the R activation rows from m0 (int16, scales xd) against the panel
 static inline __attribute__((always_inline)) void qw_block(const int16_t* panel, const float* pd,
                                                           const int16_t* xq, const float* xd,
@@ -943,10 +953,8 @@ static inline __attribute__((always_inline)) void qw_block(const int16_t* panel,
                 int32_t pair;
                 __builtin_memcpy(&pair, xq + r * K + b * QBLOCK + 2 * g, 4);
                 const __m256i xb = _mm256_set1_epi32(pair);
-                s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(w0, xb));
-                s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(w1, xb));
-                // each sum stays one register updated in place (as in qi_level)
-                __asm__("" : "+x"(s[r][0]), "+x"(s[r][1]));
+                qw_add32(&s[r][0], _mm256_madd_epi16(w0, xb));
+                qw_add32(&s[r][1], _mm256_madd_epi16(w1, xb));
             }
         }
         const __m256 dw0 = _mm256_loadu_ps(pd + b * QW_PANEL), dw1 = _mm256_loadu_ps(pd + b * QW_PANEL + 8);
