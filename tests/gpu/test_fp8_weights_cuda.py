@@ -14,7 +14,7 @@ import torch
 
 from engine.attention.paged import SeqSlice
 from engine.attention.triton_backend import load_triton_kernels
-from engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, WeightFormat
+from engine.config import LoRAConfig
 from engine.cuda_graphs import batch_ladder
 from engine.llm import LLM
 from engine.lora.layers import LoRALinear
@@ -29,6 +29,7 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.triton_layers import PROJECTIONS
 from engine.model_config import ModelConfig
 from engine.protocol import LoRARequest, SamplingParams
+from tests.gpu.engines import fp8_config
 
 pytestmark = pytest.mark.gpu
 
@@ -107,24 +108,11 @@ def test_fp8_weights_leave_half_the_bytes_of_the_16bit_ones(ops):
     assert abs(freed - expected) < 1e-3 * expected
 
 
-def _fp8_config(**options) -> EngineConfig:
-    """synthetic:llama3.2-1b with FP8 weights and decode graphs up to batch 8."""
-    return EngineConfig(
-        model="synthetic:llama3.2-1b",
-        device="cuda",
-        weights=WeightFormat.FP8,
-        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024),
-        cuda_graph_max_batch=8,
-        cache=CacheConfig(kv_cache_memory_bytes=1 << 30),
-        **options,
-    )
-
-
 @pytest.fixture(scope="module")
 def fp8_llm(tmp_path_factory):
     """synthetic:llama3.2-1b with FP8 weights, decode graphs up to batch 8, two adapter
     slots, and one adapter loaded (its slot is the engine's `adapter_slot`)."""
-    cfg = _fp8_config(lora=LoRAConfig(max_loras=2, max_lora_rank=8))
+    cfg = fp8_config(lora=LoRAConfig(max_loras=2, max_lora_rank=8))
     llm = LLM(cfg)
     path = write_random_adapter(
         tmp_path_factory.mktemp("adapter"), llm.core.model_config, rank=8, scale=0.05
@@ -204,7 +192,7 @@ def test_an_fp8_engine_without_adapters_applies_the_activation_in_its_gate_up(op
     """Without adapters every gate_up projection applies silu(gate) * up itself (one launch
     fewer per layer), with the bits of its plan's product followed by triton_fused's
     kernel; one sequence's decode step replayed from its graph follows the eager step."""
-    llm = LLM(_fp8_config())
+    llm = LLM(fp8_config())
     for layer in llm.core.runner.model.layers:
         assert layer.gate_up_proj.silu_mul and isinstance(layer.act, torch.nn.Identity)
     gate_up = llm.core.runner.model.layers[0].gate_up_proj

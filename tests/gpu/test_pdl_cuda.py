@@ -9,10 +9,10 @@ import torch
 
 from engine.attention.paged import SeqSlice
 from engine.attention.triton_backend import load_triton_kernels, pdl_supported
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig, WeightFormat
 from engine.llm import LLM
 from engine.model.fp8_weights import Fp8Linear, quantize_weight
 from engine.model.triton_layers import TritonRMSNorm, TritonRotary
+from tests.gpu.engines import fp8_config
 
 CUDA = torch.device("cuda")
 pytestmark = [
@@ -63,18 +63,6 @@ def test_kernels_started_early_keep_the_bits_of_plain_launches_in_a_graph():
     assert plain[0].abs().max() > 0.1
 
 
-def _config(**options) -> EngineConfig:
-    return EngineConfig(
-        model="synthetic:llama3.2-1b",
-        device="cuda",
-        weights=WeightFormat.FP8,
-        scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=1024),
-        cuda_graph_max_batch=4,
-        cache=CacheConfig(kv_cache_memory_bytes=1 << 30),
-        **options,
-    )
-
-
 def _launch_flags(llm: LLM) -> set[bool]:
     runner = llm.core.runner
     kinds = (Fp8Linear, TritonRMSNorm, TritonRotary)
@@ -86,7 +74,7 @@ def test_an_fp8_engine_starts_kernels_early_unless_told_not_to():
     """Its decode step of 3 sequences, run eagerly with every kernel launched to start early
     and with plain launches, gives the same bits; replayed from its graph, within bf16
     rounding (attention splits differ there)."""
-    llm = LLM(_config())
+    llm = LLM(fp8_config())
     assert _launch_flags(llm) == {True}
     runner = llm.core.runner
     contexts = [40, 300, 777]
@@ -111,4 +99,4 @@ def test_an_fp8_engine_starts_kernels_early_unless_told_not_to():
     assert torch.equal(early, plain)
     assert ((replayed - plain).norm() / plain.norm()).item() < 1e-2
     del llm, runner, graphs
-    assert _launch_flags(LLM(_config(pdl=False))) == {False}
+    assert _launch_flags(LLM(fp8_config(pdl=False))) == {False}
