@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.triton_backend import load_triton_kernels, pdl_supported
+from engine.attention.triton_backend import load_triton_kernels, use_pdl
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, ConfigError, EngineConfig
 from engine.kernels.cpu import CpuKernels
@@ -147,7 +147,7 @@ class EngineCore:
             lora=lora_batch,
             triton=triton,
             eos_token_ids=eos_token_ids,
-            pdl=triton and config.pdl and pdl_supported(self.device),
+            pdl=use_pdl(config.pdl, triton, self.device),
         )
         if triton and not config.enforce_eager:  # adapters too: they run on the Triton kernels
             self.runner.use_decode_graphs(

@@ -10,7 +10,7 @@ import torch
 from engine.attention.triton_backend import (
     TritonUnavailableError,
     load_triton_kernels,
-    pdl_supported,
+    use_pdl,
 )
 from engine.config import ConfigError, EngineConfig, KernelBackend, WeightFormat
 from engine.core import EngineCore
@@ -65,7 +65,7 @@ def create_engine(config: EngineConfig, *, progress: bool = True) -> tuple[Engin
             log.info("quantized weights: %s", describe(weights))
     if kernels is not None:
         apply_native_cpu(model, kernels)
-    pdl = triton and config.pdl and pdl_supported(config.torch_device())
+    pdl = use_pdl(config.pdl, triton, config.torch_device())
     if config.weights is WeightFormat.FP8:  # before the one-token products are chosen
         ops = load_triton_kernels(config.torch_device(), "triton_fp8_linear")
         log.info("FP8 weights for %s", ", ".join(apply_fp8_weights(model, ops, pdl=pdl)))

@@ -49,6 +49,13 @@ def load_triton_kernels(device: torch.device, name: str = "triton_attention") ->
     return importlib.import_module(f"engine.kernels.{name}")
 
 
+def use_pdl(enabled: bool, triton: bool, device: torch.device) -> bool:
+    """Whether an engine's Triton kernels launch to start early: asked for (`EngineConfig.pdl`),
+    on the Triton kernels, and supported on `device`. The one rule for the model's kernels
+    (engine/factory.py) and attention's (engine/core.py)."""
+    return enabled and triton and pdl_supported(device)
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Whether the Triton kernels can launch to start early on `device` (programmatic
     dependent launch: a CUDA device of compute capability 9.0 or more, and a Triton that
