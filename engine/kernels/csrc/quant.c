@@ -536,10 +536,17 @@ static void qi_unpack(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t j0
     }
 }
 
+// The 8-bit q4 paths' sum for one output of one row is (a - m) + c, each from 0 in block
+// order: a of d_w d_1 p_1 over the blocks, m of the min terms m_w s, and c of d_w d_2 p_2
+// over the row's two-level blocks only. The AVX2 panels sum m apart from a, in registers
+// where a is in memory, and every panel sums c last, from each row's list of its two-level
+// blocks, so that their loop over the blocks has no branch on the data.
 typedef struct {
     int8_t *q1, *q2;    // [M, K]
     float *d1, *d2, *s;  // [M, nb]
     uint8_t* two;        // [M, nb]
+    int32_t* tb;         // [M, nb]: each row's two-level blocks, in order, then unused
+    int32_t* tn;         // [M]: how many
 } QiActs;
 
 #ifdef QI_VNNI
@@ -570,21 +577,26 @@ static inline __attribute__((always_inline)) void qi_block(const uint8_t* panel,
                                                           const float* pm, QiActs a, int64_t m0,
                                                           int64_t K, float* out, const int R) {
     const int64_t nb = K / QBLOCK;
-    __m512 acc[QI_MR];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    __m512 acc[QI_MR], am[QI_MR];
+    for (int r = 0; r < R; r++) acc[r] = am[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* wp = panel + b * QBLOCK * QI_PANEL;
         const int64_t at = m0 * K + b * QBLOCK, ds = m0 * nb + b;
         const __m512 dw = _mm512_loadu_ps(pd + b * QI_PANEL);
         qi_level(wp, a.q1 + at, a.d1 + ds, K, nb, dw, acc, R);
-        for (int r = 0; r < R; r++)  // second levels, only for the rows that have one here
-            if (a.two[ds + r * nb])
-                qi_level(wp, a.q2 + at + r * K, a.d2 + ds + r * nb, K, nb, dw, acc + r, 1);
         const __m512 mw = _mm512_loadu_ps(pm + b * QI_PANEL);
         for (int r = 0; r < R; r++)
-            acc[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(a.s[ds + r * nb]), acc[r]);
+            am[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[ds + r * nb]), am[r]);
     }
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * QI_PANEL, acc[r]);
+    for (int r = 0; r < R; r++) {  // then each row's second levels
+        __m512 c = _mm512_setzero_ps();
+        for (int32_t i = 0; i < a.tn[m0 + r]; i++) {
+            const int64_t b = a.tb[(m0 + r) * nb + i], at = (m0 + r) * K + b * QBLOCK;
+            qi_level(panel + b * QBLOCK * QI_PANEL, a.q2 + at, a.d2 + (m0 + r) * nb + b, K, nb,
+                     _mm512_loadu_ps(pd + b * QI_PANEL), &c, 1);
+        }
+        _mm512_storeu_ps(out + r * QI_PANEL, _mm512_add_ps(_mm512_sub_ps(acc[r], am[r]), c));
+    }
 }
 #else
 // *s += p in int16, in place: one `vpaddw` into the register that holds the sum. Written
@@ -641,50 +653,71 @@ static inline __attribute__((always_inline)) void qi_block(const uint8_t* panel,
         const uint8_t* wp = panel + b * QBLOCK * QI_PANEL;
         const int64_t at = m0 * K + b * QBLOCK, ds = m0 * nb + b;
         qi_level(wp, a.q1 + at, a.d1 + ds, K, nb, pd + b * QI_PANEL, acc, R);
-        for (int r = 0; r < R; r++)  // second levels, only for the rows that have one here
-            if (a.two[ds + r * nb])
-                qi_level(wp, a.q2 + at + r * K, a.d2 + ds + r * nb, K, nb, pd + b * QI_PANEL,
-                         acc + r * QI_PANEL, 1);
+    }
+    __m256 am[QI_MR][2];  // the min terms
+    for (int r = 0; r < R; r++) am[r][0] = am[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
         const __m256 mw0 = _mm256_loadu_ps(pm + b * QI_PANEL);
         const __m256 mw1 = _mm256_loadu_ps(pm + b * QI_PANEL + 8);
         for (int r = 0; r < R; r++) {
-            const __m256 xs = _mm256_set1_ps(a.s[ds + r * nb]);
-            float* ar = acc + r * QI_PANEL;
-            _mm256_storeu_ps(ar, _mm256_fnmadd_ps(mw0, xs, _mm256_loadu_ps(ar)));
-            _mm256_storeu_ps(ar + 8, _mm256_fnmadd_ps(mw1, xs, _mm256_loadu_ps(ar + 8)));
+            const __m256 xs = _mm256_set1_ps(a.s[(m0 + r) * nb + b]);
+            am[r][0] = _mm256_fmadd_ps(mw0, xs, am[r][0]);
+            am[r][1] = _mm256_fmadd_ps(mw1, xs, am[r][1]);
         }
+    }
+    for (int r = 0; r < R; r++) {  // then each row's second levels
+        float c[QI_PANEL] = {0};
+        for (int32_t i = 0; i < a.tn[m0 + r]; i++) {
+            const int64_t b = a.tb[(m0 + r) * nb + i], at = (m0 + r) * K + b * QBLOCK;
+            qi_level(panel + b * QBLOCK * QI_PANEL, a.q2 + at, a.d2 + (m0 + r) * nb + b, K, nb,
+                     pd + b * QI_PANEL, c, 1);
+        }
+        float* ar = acc + r * QI_PANEL;
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(ar + 8 * h,
+                             _mm256_add_ps(_mm256_sub_ps(_mm256_loadu_ps(ar + 8 * h), am[r][h]),
+                                           _mm256_loadu_ps(c + 8 * h)));
     }
 }
 
 #endif
 
-// the activations' buffer (returned, to free): q1 and q2 [M, K], then d1, d2, s [M, nb],
-// two [M, nb]; a points into it
+// the activations' buffer (returned, to free): q1 and q2 [M, K], then d1, d2, s and tb
+// [M, nb], tn [M], two [M, nb]; a points into it
 static int8_t* qi_acts_alloc(int64_t M, int64_t K, QiActs* a) {
     const int64_t nb = K / QBLOCK;
-    int8_t* q1 = malloc((size_t)(2 * M * K) + (size_t)(3 * M * nb) * sizeof(float) + (size_t)(M * nb));
+    int8_t* q1 = malloc((size_t)(2 * M * K) + (size_t)(4 * M * nb + M) * sizeof(float) +
+                        (size_t)(M * nb));
     if (!q1) return 0;
     a->q1 = q1;
     a->q2 = q1 + M * K;
     a->d1 = (float*)(q1 + 2 * M * K);
     a->d2 = a->d1 + M * nb;
     a->s = a->d2 + M * nb;
-    a->two = (uint8_t*)(a->s + M * nb);
+    a->tb = (int32_t*)(a->s + M * nb);
+    a->tn = a->tb + M * nb;
+    a->two = (uint8_t*)(a->tn + M);
     return q1;
 }
 
-// activation row m of x [M, K] (bf16 or fp32) into a
+// activation row m of x [M, K] (bf16 or fp32) into a, with its list of two-level blocks
 static void qi_quant_row(const void* x, int x_bf16, int64_t K, QiActs a, int64_t m) {
     const int64_t nb = K / QBLOCK;
+    const uint8_t* two = a.two + m * nb;
     quant_row8((const char*)x + m * K * (x_bf16 ? 2 : 4), x_bf16, K, a.q1 + m * K, a.q2 + m * K,
                a.d1 + m * nb, a.d2 + m * nb, a.s + m * nb, a.two + m * nb);
+    int32_t n = 0, *tb = a.tb + m * nb;
+    for (int64_t b = 0; b < nb; b++) {  // without a branch: each block written, kept if two
+        tb[n] = (int32_t)b;
+        n += two[b];
+    }
+    a.tn[m] = n;
 }
 
 // Few rows (decode) over q4 weights: the same 8-bit products, straight from the packed rows
 // (no panel to amortize), 8 weight rows at a time, a block at a time. A block's 32 products
 // give 8 int32 lanes per weight row, summed across into one vector of the 8 rows' block
-// sums, which are then scaled and summed over the blocks in qi_block's order and
-// arithmetic: d_w d_x, then the second level where the row has one, then the min term. So a
+// sums, which are then scaled and summed in the panels' order and arithmetic (QiActs). So a
 // row gets the same bits here as in a panel, and a request's results do not depend on how
 // many rows share its step (tested).
 #define QV_MAX_ROWS (QI_MIN_ROWS - 1)
@@ -761,7 +794,8 @@ static inline __attribute__((always_inline)) void qv_rows8(const uint8_t* const 
                                                           int64_t K, QPrefetch* pf, __m256 acc[],
                                                           const int R) {
     const int64_t nb = K / QBLOCK;
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    __m256 am[QV_MAX_ROWS], c[QV_MAX_ROWS];  // the min terms, the second levels
+    for (int r = 0; r < R; r++) acc[r] = am[r] = c[r] = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
         const int live = nb - b0 < 8 ? (int)(nb - b0) : 8;
         __m256i dt[8], mt[8];
@@ -776,16 +810,16 @@ static inline __attribute__((always_inline)) void qv_rows8(const uint8_t* const 
             for (int r = 0; r < R; r++) {
                 const int64_t ds = r * nb + b;
                 acc[r] = _mm256_fmadd_ps(p[r], _mm256_mul_ps(dw, _mm256_set1_ps(a.d1[ds])), acc[r]);
+                am[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[ds]), am[r]);
                 if (a.two[ds]) {
                     __m256 p2;
                     qv_sums8(wr, b * (QBLOCK / 2), a.q2 + r * K + b * QBLOCK, K, &p2, 1);
-                    acc[r] =
-                        _mm256_fmadd_ps(p2, _mm256_mul_ps(dw, _mm256_set1_ps(a.d2[ds])), acc[r]);
+                    c[r] = _mm256_fmadd_ps(p2, _mm256_mul_ps(dw, _mm256_set1_ps(a.d2[ds])), c[r]);
                 }
-                acc[r] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(a.s[ds]), acc[r]);
             }
         }
     }
+    for (int r = 0; r < R; r++) acc[r] = _mm256_add_ps(_mm256_sub_ps(acc[r], am[r]), c[r]);
 }
 
 static int qv_linear(const void* x, int x_bf16, const uint8_t* w, const void* bias, void* y,
@@ -1056,7 +1090,8 @@ static inline __attribute__((always_inline)) void qr_rows8(const uint8_t* const 
                                                           int64_t K, QPrefetch* pf, __m256 acc[],
                                                           const int R) {
     const int64_t nb = K / QBLOCK;
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    __m256 am[QV_MAX_ROWS], c[QV_MAX_ROWS];  // the min terms, the second levels
+    for (int r = 0; r < R; r++) acc[r] = am[r] = c[r] = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
         const int live = nb - b0 < 8 ? (int)(nb - b0) : 8;
         __m256i dt[8];
