@@ -478,7 +478,7 @@ void strata_quant_activations8(const void* x, int x_bf16, int64_t M, int64_t K, 
 // 8-bit activations (signed) with `vpmaddubsw`, 32 products an instruction where an fp32 FMA
 // does 8. A pair of products is at most 2 * 15 * 127 = 3810, so a block's 8 steps of 4
 // inputs sum in int16 without saturating; the block's sum is then widened (`vpmaddwd` by 1),
-// scaled by d_w d_x in fp32, and its min term subtracted. Each thread unpacks one panel of
+// scaled by d_w d_x in fp32 (the min terms are summed apart: QiActs). Each thread unpacks one panel of
 // 16 weight rows at a time into [K / 4][16][4] bytes (4 consecutive inputs of each row
 // together, as `vpmaddubsw` pairs them), with its scales and mins as [K / 32][16] floats,
 // and runs a QI_MR x 16 register block over every activation row against it.
@@ -486,7 +486,7 @@ void strata_quant_activations8(const void* x, int x_bf16, int64_t M, int64_t K, 
 #ifdef QI_VNNI
 #define QI_MR 8
 #else
-#define QI_MR 4
+#define QI_MR 3
 #endif
 #define QI_MIN_ROWS 4
 
@@ -607,15 +607,15 @@ static inline __attribute__((always_inline)) void qi_add16(__m256i* s, __m256i p
     __asm__("vpaddw %1, %0, %0" : "+x"(*s) : "x"(p));
 }
 
-// acc[r][0..15] += one level of block b's products for the R rows at xq (stride K), scaled
-// by d_w (dw0, dw1: the panel's 16 scales) times the rows' d_x (dx, stride nb). The sums
-// live in memory between blocks: the 8 int16 accumulators, 2 weight vectors and the
-// broadcast take 11 of the 16 registers, and fp32 sums held in registers too would spill
-// the int16 ones inside the loop, where each spill is on a chain of dependent adds.
+// acc[r][0..1] += one level of block b's products for the R rows at xq (stride K), scaled
+// by d_w (dw0, dw1: the panel's 16 scales) times the rows' d_x (dx, stride nb). 3 rows'
+// int16 and fp32 sums, 2 weight vectors and the broadcast take 15 of the 16 registers: with
+// 4 rows the fp32 sums lived in memory, and their loads and stores cost more than a fourth
+// row's share of the weight loads saves.
 static inline __attribute__((always_inline)) void qi_level(const uint8_t* wp, const int8_t* xq,
                                                           const float* dx, int64_t K,
                                                           int64_t nb, const float* dw,
-                                                          float* acc, const int R) {
+                                                          __m256 acc[][2], const int R) {
     __m256i s[QI_MR][2];
     for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 1
@@ -636,19 +636,18 @@ static inline __attribute__((always_inline)) void qi_level(const uint8_t* wp, co
         const __m256 d = _mm256_set1_ps(dx[r * nb]);
         const __m256 p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][0], ones));
         const __m256 p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][1], ones));
-        float* ar = acc + r * QI_PANEL;
-        _mm256_storeu_ps(ar, _mm256_fmadd_ps(p0, _mm256_mul_ps(dw0, d), _mm256_loadu_ps(ar)));
-        _mm256_storeu_ps(ar + 8,
-                         _mm256_fmadd_ps(p1, _mm256_mul_ps(dw1, d), _mm256_loadu_ps(ar + 8)));
+        acc[r][0] = _mm256_fmadd_ps(p0, _mm256_mul_ps(dw0, d), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(p1, _mm256_mul_ps(dw1, d), acc[r][1]);
     }
 }
 
-// acc[r][0..15] = the R rows of a (from row m0) against one unpacked panel
+// out[r][0..15] = the R rows of a (from row m0) against one unpacked panel
 static inline __attribute__((always_inline)) void qi_block(const uint8_t* panel, const float* pd,
                                                           const float* pm, QiActs a, int64_t m0,
-                                                          int64_t K, float* acc, const int R) {
+                                                          int64_t K, float* out, const int R) {
     const int64_t nb = K / QBLOCK;
-    for (int i = 0; i < R * QI_PANEL; i++) acc[i] = 0.0f;
+    __m256 acc[QI_MR][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* wp = panel + b * QBLOCK * QI_PANEL;
         const int64_t at = m0 * K + b * QBLOCK, ds = m0 * nb + b;
@@ -666,17 +665,15 @@ static inline __attribute__((always_inline)) void qi_block(const uint8_t* panel,
         }
     }
     for (int r = 0; r < R; r++) {  // then each row's second levels
-        float c[QI_PANEL] = {0};
+        __m256 c[1][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}};
         for (int32_t i = 0; i < a.tn[m0 + r]; i++) {
             const int64_t b = a.tb[(m0 + r) * nb + i], at = (m0 + r) * K + b * QBLOCK;
             qi_level(panel + b * QBLOCK * QI_PANEL, a.q2 + at, a.d2 + (m0 + r) * nb + b, K, nb,
                      pd + b * QI_PANEL, c, 1);
         }
-        float* ar = acc + r * QI_PANEL;
         for (int h = 0; h < 2; h++)
-            _mm256_storeu_ps(ar + 8 * h,
-                             _mm256_add_ps(_mm256_sub_ps(_mm256_loadu_ps(ar + 8 * h), am[r][h]),
-                                           _mm256_loadu_ps(c + 8 * h)));
+            _mm256_storeu_ps(out + r * QI_PANEL + 8 * h,
+                             _mm256_add_ps(_mm256_sub_ps(acc[r][h], am[r][h]), c[0][h]));
     }
 }
 
@@ -897,8 +894,8 @@ static int qi_linear(const void* x, int x_bf16, const uint8_t* w, const void* bi
                     switch (R) {
                         case 1: qi_block(panel, pd, pm, a, m0, K, out, 1); break;
                         case 2: qi_block(panel, pd, pm, a, m0, K, out, 2); break;
-                        case 3: qi_block(panel, pd, pm, a, m0, K, out, 3); break;
 #if QI_MR > 4
+                        case 3: qi_block(panel, pd, pm, a, m0, K, out, 3); break;
                         case 4: qi_block(panel, pd, pm, a, m0, K, out, 4); break;
                         case 5: qi_block(panel, pd, pm, a, m0, K, out, 5); break;
                         case 6: qi_block(panel, pd, pm, a, m0, K, out, 6); break;
