@@ -478,10 +478,10 @@ void strata_quant_activations8(const void* x, int x_bf16, int64_t M, int64_t K, 
 // 8-bit activations (signed) with `vpmaddubsw`, 32 products an instruction where an fp32 FMA
 // does 8. A pair of products is at most 2 * 15 * 127 = 3810, so a block's 8 steps of 4
 // inputs sum in int16 without saturating; the block's sum is then widened (`vpmaddwd` by 1),
-// scaled by d_w d_x in fp32 (the min terms are summed apart: QiActs). Each thread unpacks one panel of
-// 16 weight rows at a time into [K / 4][16][4] bytes (4 consecutive inputs of each row
-// together, as `vpmaddubsw` pairs them), with its scales and mins as [K / 32][16] floats,
-// and runs a QI_MR x 16 register block over every activation row against it.
+// scaled by d_w d_x in fp32 (the min terms are summed apart: QiActs). Each thread unpacks
+// one panel of 16 weight rows at a time into [K / 4][16][4] bytes (4 consecutive inputs of
+// each row together, as `vpmaddubsw` pairs them), with its scales and mins as [K / 32][16]
+// floats, and runs a QI_MR x 16 register block over every activation row against it.
 #define QI_PANEL 16
 #ifdef QI_VNNI
 #define QI_MR 8
@@ -538,9 +538,8 @@ static void qi_unpack(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t j0
 
 // The 8-bit q4 paths' sum for one output of one row is (a - m) + c, each from 0 in block
 // order: a of d_w d_1 p_1 over the blocks, m of the min terms m_w s, and c of d_w d_2 p_2
-// over the row's two-level blocks only. The AVX2 panels sum m apart from a, in registers
-// where a is in memory, and every panel sums c last, from each row's list of its two-level
-// blocks, so that their loop over the blocks has no branch on the data.
+// over the row's two-level blocks only. The panels sum c last, from each row's list of its
+// two-level blocks, so that their loop over the blocks has no branch on the data.
 typedef struct {
     int8_t *q1, *q2;    // [M, K]
     float *d1, *d2, *s;  // [M, nb]
@@ -1087,8 +1086,7 @@ static inline __attribute__((always_inline)) void qr_rows8(const uint8_t* const 
                                                           int64_t K, QPrefetch* pf, __m256 acc[],
                                                           const int R) {
     const int64_t nb = K / QBLOCK;
-    __m256 am[QV_MAX_ROWS], c[QV_MAX_ROWS];  // the min terms, the second levels
-    for (int r = 0; r < R; r++) acc[r] = am[r] = c[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 8) {
         const int live = nb - b0 < 8 ? (int)(nb - b0) : 8;
         __m256i dt[8];
